@@ -1,0 +1,38 @@
+"""spotguard: keep PyTorch training alive on spot machines (notice -> checkpoint -> exact resume)."""
+
+from ._version import __version__
+from .checkpoint import CheckpointInfo, Manifest
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    ConfigError,
+    MissingDependencyError,
+    SpotguardError,
+    StorageError,
+)
+from .guard import EXIT_PREEMPTED, Guard, GuardOptions
+from .notices.base import Notice, NoticeProvider
+from .storage import Storage, open_storage
+from .watcher import Watcher
+
+__all__ = [
+    "EXIT_PREEMPTED",
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "ConfigError",
+    "Guard",
+    "GuardOptions",
+    "Manifest",
+    "MissingDependencyError",
+    "Notice",
+    "NoticeProvider",
+    "SpotguardError",
+    "Storage",
+    "StorageError",
+    "Watcher",
+    "__version__",
+    "open_storage",
+]

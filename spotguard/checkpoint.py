@@ -1,0 +1,278 @@
+"""The layout of one checkpoint, and how it is written, found, verified and pruned.
+
+``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
+last, write-once, and lists every file with its size and SHA-256: a directory without a valid
+manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
+other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ._version import __version__
+from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from .storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "spotguard/1"
+MANIFEST = "manifest.json"
+REASONS = ("periodic", "emergency", "final", "advisory", "manual")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+
+
+def step_dir(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNN`` name, or None for anything else."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    reason: str
+    files: tuple[FileEntry, ...]
+    time: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat())
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+    spotguard_version: str = __version__
+    torch_version: str = ""
+    format: str = FORMAT
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        data = asdict(self)
+        data["files"] = [asdict(f) for f in self.files]
+        return json.dumps(data, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        """Parse and validate; anything unexpected is a ``CheckpointCorruptError``."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} manifest")
+            files = []
+            for f in data["files"]:
+                name, size, sha = f["name"], f["size"], f["sha256"]
+                if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
+                    raise ValueError(f"unsafe file name {name!r}")
+                if not isinstance(size, int) or size < 0 or not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
+                    raise ValueError(f"bad size or sha256 for {name!r}")
+                files.append(FileEntry(name, size, sha))
+            if not files:
+                raise ValueError("no files listed")
+            step = data["step"]
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"bad step {step!r}")
+            extra = data.get("extra") or {}
+            if not isinstance(extra, dict):
+                raise ValueError("extra must be an object")
+            return cls(step=step, reason=str(data["reason"]), files=tuple(files), time=str(data["time"]),
+                       world_size=int(data.get("world_size", 1)), extra=extra,
+                       spotguard_version=str(data.get("spotguard_version", "")),
+                       torch_version=str(data.get("torch_version", "")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(f"{where}: invalid manifest ({e})") from e
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``step-N/`` directory as found in storage."""
+
+    step: int
+    name: str
+    status: str  # "complete" | "incomplete" | "corrupt"
+    manifest: Manifest | None = None
+    problem: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+class HashingWriter:
+    """A write-through wrapper that counts and hashes bytes as they pass (one pass, no re-read)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.size = 0
+        self._hash = hashlib.sha256()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hash.update(data)
+        n = self.raw.write(data)
+        self.size += len(data) if n is None else n
+        return len(data) if n is None else n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+Writer = Callable[[BinaryIO], None]
+
+
+def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: str,
+          extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
+          deadline: float | None = None) -> Manifest:
+    """Write one checkpoint: each file through its writer, then the manifest, write-once.
+
+    A complete checkpoint for ``step`` already there raises ``CheckpointExistsError``; leftovers of
+    an interrupted save of the same step are deleted first.
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
+    existing = storage.list(name + "/")
+    if f"{name}/{MANIFEST}" in existing:
+        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
+    if existing:
+        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
+                    storage.describe(name))
+        storage.delete(existing)
+    entries = []
+    for fname, writer in files.items():
+        if not _FILE_NAME.match(fname):
+            raise ConfigError(f"invalid checkpoint file name {fname!r}")
+        with storage.open_write(f"{name}/{fname}", deadline=deadline) as raw:
+            hashing = HashingWriter(raw)
+            writer(hashing)  # type: ignore[arg-type]
+        entries.append(FileEntry(fname, hashing.size, hashing.hexdigest()))
+    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
+                        extra=extra_json, torch_version=torch_version)
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
+
+
+def scan(storage: Storage) -> list[CheckpointInfo]:
+    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored."""
+    groups: dict[str, set[str]] = {}
+    for key in storage.list(""):
+        top, _, rest = key.partition("/")
+        if rest and parse_step_dir(top) is not None:
+            groups.setdefault(top, set()).add(rest)
+    infos = []
+    for name in sorted(groups, key=lambda n: parse_step_dir(n) or 0):
+        step = parse_step_dir(name) or 0
+        if MANIFEST not in groups[name]:
+            infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
+            continue
+        try:
+            manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
+            if manifest.step != step:
+                raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")
+            missing = [f.name for f in manifest.files if f.name not in groups[name]]
+            if missing:
+                raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
+        except CheckpointCorruptError as e:
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
+            continue
+        except StorageError as e:
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=f"{name}: unreadable manifest ({e})"))
+            continue
+        infos.append(CheckpointInfo(step, name, "complete", manifest))
+    return infos
+
+
+def latest(storage: Storage) -> CheckpointInfo | None:
+    """The newest checkpoint whose manifest is valid (file contents not yet verified)."""
+    complete = [i for i in scan(storage) if i.complete]
+    return complete[-1] if complete else None
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
+    """A local path to one file of a checkpoint, after its size and SHA-256 matched the manifest."""
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    entry = next((f for f in info.manifest.files if f.name == fname), None)
+    if entry is None:
+        raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")
+    with storage.local_copy(f"{info.name}/{fname}") as path:
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
+        if _sha256_file(path) != entry.sha256:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
+        yield path
+
+
+def verify(storage: Storage, info: CheckpointInfo) -> None:
+    """Check every file of a checkpoint against its manifest; raise ``CheckpointCorruptError``."""
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
+    for entry in info.manifest.files:
+        with open_verified(storage, info, entry.name):
+            pass
+
+
+def delete(storage: Storage, name: str) -> None:
+    """Delete one checkpoint directory, manifest first."""
+    if parse_step_dir(name) is None:
+        raise ConfigError(f"not a checkpoint name: {name!r}")
+    keys = storage.list(name + "/")
+    manifest = f"{name}/{MANIFEST}"
+    if manifest in keys:
+        storage.delete([manifest])
+    storage.delete([k for k in keys if k != manifest])
+
+
+def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
+    """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
+
+    Only directories carrying a valid spotguard manifest are ever deleted: incomplete or corrupt
+    ones are left for ``spotguard rm`` (or replaced when their step is saved again).
+    """
+    if keep < 1:
+        raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
+    complete = [i for i in (scan(storage) if infos is None else infos) if i.complete]
+    doomed = complete[:-keep]
+    for info in doomed:
+        delete(storage, info.name)
+        logger.debug("pruned %s", storage.describe(info.name))
+    return [i.step for i in doomed]

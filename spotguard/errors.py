@@ -1,0 +1,35 @@
+"""The small error hierarchy every spotguard failure belongs to.
+
+Each error subclasses a built-in as well, so callers that already catch ``ValueError`` or
+``OSError`` keep working; always raise with ``from`` to keep the root cause.
+"""
+
+from __future__ import annotations
+
+
+class SpotguardError(Exception):
+    """Base class of every error spotguard raises on purpose."""
+
+
+class ConfigError(SpotguardError, ValueError):
+    """An option, URL or provider name that cannot be used as given."""
+
+
+class StorageError(SpotguardError, OSError):
+    """A storage backend could not read, write, list or delete."""
+
+
+class CheckpointExistsError(StorageError, FileExistsError):
+    """A write-once object (a manifest) already exists: another writer committed first."""
+
+
+class CheckpointCorruptError(SpotguardError, ValueError):
+    """A checkpoint failed verification: missing manifest, bad JSON, size or checksum mismatch."""
+
+
+class CheckpointMismatchError(SpotguardError, ValueError):
+    """A valid checkpoint does not fit the tracked objects (missing names, wrong shapes)."""
+
+
+class MissingDependencyError(SpotguardError, ImportError):
+    """An optional extra (``spotguard[aws]``, ``spotguard[gcp]`` ...) is needed but not installed."""

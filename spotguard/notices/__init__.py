@@ -1,0 +1,69 @@
+"""Sources of notices, one module each, behind one interface (``NoticeProvider``).
+
+``build("auto")`` gives signals, the flag file when ``SPOTGUARD_NOTICE_FILE`` is set, and the
+cloud providers found by ``detect_clouds()``. Providers are registered by name so that
+``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterable
+
+from ..errors import ConfigError
+from .base import ADVISORY_KINDS, STOP_KINDS, Notice, NoticeProvider, stable_id
+
+__all__ = ["ADVISORY_KINDS", "STOP_KINDS", "Notice", "NoticeProvider", "build", "detect_clouds",
+           "register", "stable_id"]
+
+# name -> "module:Class" (imported lazily so that a provider's dependencies load only when used)
+_REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {
+    "signal": "spotguard.notices.signals:SignalProvider",
+    "file": "spotguard.notices.file:FileProvider",
+}
+
+
+def register(name: str, factory: str | Callable[[], NoticeProvider]) -> None:
+    """Make a provider available by name (a ``"module:Class"`` path or a zero-argument factory)."""
+    _REGISTRY[name] = factory
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create(name: str) -> NoticeProvider:
+    """A provider instance from its registered name."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown notice provider {name!r}; known: {', '.join(names())}") from None
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory()
+
+
+def detect_clouds() -> list[str]:
+    """Names of the cloud providers whose metadata service answers here (none without a cloud)."""
+    return []
+
+
+def build(spec: str | Iterable[str | NoticeProvider] | None) -> list[NoticeProvider]:
+    """Providers from ``"auto"``, a comma-separated string, or a list of names and instances."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        if spec == "auto":
+            chosen: list[str | NoticeProvider] = ["signal"]
+            if os.environ.get("SPOTGUARD_NOTICE_FILE"):
+                chosen.append("file")
+            chosen.extend(detect_clouds())
+            spec = chosen
+        else:
+            spec = [part.strip() for part in spec.split(",") if part.strip()]
+    providers: list[NoticeProvider] = []
+    for item in spec:
+        providers.append(item if isinstance(item, NoticeProvider) else create(item))
+    return providers

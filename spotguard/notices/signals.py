@@ -1,0 +1,105 @@
+"""Signals as notices: SIGTERM (Kubernetes, shutdown scripts) and SIGUSR1 (Slurm ``--signal``).
+
+The handler only records the signal and wakes the watcher through a ``SimpleQueue`` (safe to use
+from a signal handler), so the training loop is interrupted for microseconds, never killed.
+A second delivery of the same signal means "really stop now": the previous handler is restored
+and the signal re-delivered, so a second SIGTERM terminates as usual and a configured SIGINT gives
+the usual KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import queue
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+from .base import Notice, NoticeProvider, Report, utcnow
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _to_signal(sig: str | int | signal.Signals) -> signal.Signals:
+    if isinstance(sig, str):
+        name = sig.upper()
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    return signal.Signals(sig)
+
+
+class SignalProvider(NoticeProvider):
+    """Turns the first delivery of each configured signal into a ``signal`` notice.
+
+    ``grace`` (seconds), when given, sets the notice deadline (e.g. a pod's
+    terminationGracePeriodSeconds); without it the deadline is unknown.
+    """
+
+    name = "signal"
+    blocking = True
+
+    def __init__(
+        self,
+        signals: Iterable[str | int | signal.Signals] = DEFAULT_SIGNALS,
+        grace: float | None = None,
+        wait: float = 0.5,
+    ) -> None:
+        self.signals = tuple(_to_signal(s) for s in signals)
+        self.grace = grace
+        self.wait = wait
+        self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
+        self._previous: dict[signal.Signals, Any] = {}
+        self._received: set[signal.Signals] = set()
+
+    def open(self, report: Report) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("signal handlers can only be installed from the main thread; "
+                           "signals %s will not be watched", [s.name for s in self.signals])
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+            if callable(self._previous[sig]) and self._previous[sig] is not signal.default_int_handler:
+                logger.info("%s already had a handler; it will be called after spotguard's", sig.name)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        previous = self._previous.get(sig, signal.SIG_DFL)
+        if sig in self._received:
+            # Second delivery: the sender insists. Give the signal its previous meaning.
+            signal.signal(sig, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.raise_signal(sig)
+            return
+        self._received.add(sig)
+        now = utcnow()
+        deadline = now + dt.timedelta(seconds=self.grace) if self.grace is not None else None
+        self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=now,
+                               raw={"signal": sig.name}))
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def poll(self) -> Notice | None:
+        try:
+            return self._queue.get(timeout=self.wait)
+        except queue.Empty:
+            return None
+
+    def wakeup(self) -> None:
+        self._queue.put(None)
+
+    def close(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            if self._previous:
+                logger.warning("signal handlers installed by spotguard can only be restored from the main thread")
+            return
+        for sig, previous in self._previous.items():
+            # Leave alone a handler that someone installed after us.
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()

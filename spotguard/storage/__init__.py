@@ -1,0 +1,48 @@
+"""Storage backends, one module each, chosen from a URL.
+
+``open_storage("checkpoints/run-1")`` and ``file://...`` give local storage; ``s3://bucket/prefix``
+and ``gs://bucket/prefix`` give the cloud backends, whose SDKs are imported only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import urlparse
+
+from ..errors import ConfigError, MissingDependencyError
+from .base import ObjectNotFoundError, Storage, check_key
+from .local import LocalStorage
+
+__all__ = ["LocalStorage", "ObjectNotFoundError", "Storage", "check_key", "open_storage", "register"]
+
+# scheme -> ("module:Class", extra to install)
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "file": ("spotguard.storage.local:LocalStorage", ""),
+}
+
+
+def register(scheme: str, target: str, extra: str = "") -> None:
+    """Make a backend available for URLs with ``scheme``."""
+    _BACKENDS[scheme] = (target, extra)
+
+
+def open_storage(url: str | Storage) -> Storage:
+    """The backend for ``url`` (a path, ``file://``, ``s3://``, ``gs://``), or ``url`` itself."""
+    if isinstance(url, Storage):
+        return url
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"storage URL must be a non-empty string, got {url!r}")
+    scheme = urlparse(url).scheme if "://" in url else "file"
+    try:
+        target, extra = _BACKENDS[scheme]
+    except KeyError:
+        known = ", ".join(f"{s}://" for s in sorted(_BACKENDS))
+        raise ConfigError(f"unsupported storage URL {url!r}: use a path or one of {known}") from None
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"{url!r} needs an optional dependency ({e.name or e}): pip install 'spotguard[{extra}]'"
+        ) from e
+    return cls(url)

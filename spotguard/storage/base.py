@@ -1,0 +1,95 @@
+"""The one interface every storage backend implements, and the key rules they all share.
+
+The checkpoint layer never branches on the backend. It uses, in this order for a save:
+``list(prefix)`` (find leftovers) -> ``delete(keys)`` -> ``open_write(key)`` per file ->
+``put_bytes(manifest, exclusive=True)`` last, as the commit marker. For a resume:
+``list("")`` -> ``get_bytes(manifest)`` -> ``local_copy(key)`` per file.
+
+Keys are relative, ``/``-separated paths below the storage root (``step-00000100/state.pt``).
+``deadline`` arguments are ``time.monotonic()`` values: a backend stops retrying past them, so an
+emergency save never retries beyond the notice deadline.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import ConfigError, StorageError
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object asked for does not exist."""
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key; reject traversal and odd characters."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"invalid storage key {key!r}: empty")
+    if key.startswith("/") or "\\" in key or "\0" in key:
+        raise ConfigError(f"invalid storage key {key!r}: must be relative, '/'-separated")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ConfigError(f"invalid storage key {key!r}: empty, '.' or '..' component")
+    return key
+
+
+class Storage(abc.ABC):
+    """A place for checkpoints: a directory, an S3 prefix, a GCS prefix.
+
+    Writes are atomic per object: a reader sees the whole object or nothing. ``put_bytes(...,
+    exclusive=True)`` is write-once (fails with ``CheckpointExistsError`` when the key exists),
+    which makes the manifest a safe commit marker even with two writers.
+    """
+
+    #: URL scheme handled ("file", "s3", "gs").
+    scheme: str = ""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @abc.abstractmethod
+    def open_write(self, key: str, *, deadline: float | None = None) -> AbstractContextManager[BinaryIO]:
+        """A binary stream to write ``key``; the object appears only if the block exits cleanly."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
+                  deadline: float | None = None) -> None:
+        """Write a small object at once. With ``exclusive``, fail if ``key`` already exists."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read a small object whole (manifests)."""
+
+    @abc.abstractmethod
+    def local_copy(self, key: str) -> AbstractContextManager[Path]:
+        """A local file holding the object, valid inside the block (no copy for local storage)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key that starts with ``prefix`` (recursive, sorted), in-progress temp files excluded."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the keys that exist; missing ones are ignored."""
+
+    def exists(self, key: str) -> bool:
+        return key in self.list(key)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients and pools."""
+
+    def describe(self, key: str = "") -> str:
+        """A human-readable location for messages."""
+        return self.url.rstrip("/") + ("/" + key if key else "")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+def iter_chunks(f: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:
+    while chunk := f.read(size):
+        yield chunk

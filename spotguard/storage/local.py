@@ -1,0 +1,148 @@
+"""Local (or network-mounted) directory storage.
+
+Atomicity comes from the POSIX recipe: write a temp file beside the target, fsync it, rename it
+over the target (or hard-link it for write-once), then fsync the directory so the rename itself
+survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible to ``list()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import CheckpointExistsError, StorageError
+from .base import ObjectNotFoundError, Storage, check_key
+
+TMP_MARK = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(Storage):
+    scheme = "file"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        path = url[len("file://"):] if url.startswith("file://") else url
+        self.root = Path(path).expanduser().absolute()
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _tmp_path(self, final: Path) -> Path:
+        # os.urandom-based name: never draws from the training's global `random`.
+        return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+    @contextmanager
+    def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_path(final)
+        try:
+            with open(tmp, "wb") as f:
+                yield f  # type: ignore[misc]
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
+                  deadline: float | None = None) -> None:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_path(final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if exclusive:
+                try:
+                    os.link(tmp, final)  # atomic and never replaces: write-once
+                except FileExistsError as e:
+                    raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as e:
+            raise ObjectNotFoundError(f"{self.describe(key)} does not exist") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {self.describe(key)}: {e}") from e
+
+    @contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFoundError(f"{self.describe(key)} does not exist")
+        yield path
+
+    def list(self, prefix: str = "") -> list[str]:
+        start = self.root
+        if "/" in prefix:  # walk only the directory the prefix names
+            start = self.root / check_key(prefix.rsplit("/", 1)[0])
+        if not start.is_dir():
+            return []
+        keys = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in files:
+                if TMP_MARK in name:
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise StorageError(f"cannot delete {self.describe(key)}: {e}") from e
+            parents.add(path.parent)
+        # Remove directories left empty (a deleted checkpoint leaves no step-N/ behind).
+        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            while parent != self.root and self.root in parent.parents:
+                try:
+                    parent.rmdir()
+                except OSError as e:
+                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                        break
+                    raise
+                parent = parent.parent
+
+    def remove_temp_files(self, prefix: str = "") -> list[str]:
+        """Delete leftovers of killed writes below ``prefix``; returns their relative paths."""
+        start = self.root / prefix if prefix else self.root
+        removed = []
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                if TMP_MARK in name:
+                    path = Path(dirpath) / name
+                    path.unlink(missing_ok=True)
+                    removed.append(path.relative_to(self.root).as_posix())
+        return removed

@@ -1,0 +1,150 @@
+"""The background watcher: one daemon thread per provider, one shared flag.
+
+Why one thread per provider: a GCP hanging GET or a signal queue wait blocks inside ``poll()``,
+and must not delay the other sources. The watcher owns timing, error logging and backoff; nothing
+a provider raises ever reaches the training loop. Checking ``preempted.is_set()`` costs tens of
+nanoseconds, and ``stop()`` returns within one interval because every wait is an Event wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterable
+
+from . import notices
+from .notices.base import Notice, NoticeProvider
+
+logger = logging.getLogger(__name__)
+
+# Our own generator: the training's global random streams must never be touched by spotguard.
+_jitter = random.Random()
+
+
+class Watcher:
+    """Watches notice providers in the background and raises ``preempted`` on the first stop notice.
+
+    ``on_notice(notice)`` is called once per distinct notice (advisory ones included) from a
+    watcher thread. Advisory notices (``rebalance``, ``migrate``) set ``preempted`` only when
+    ``stop_on_advisory`` is True; otherwise they are kept in ``advisories``.
+    """
+
+    def __init__(
+        self,
+        providers: str | Iterable[str | NoticeProvider] | None = "auto",
+        interval: float = 1.0,
+        on_notice: Callable[[Notice], None] | None = None,
+        *,
+        stop_on_advisory: bool = False,
+        max_backoff: float = 5.0,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self.providers: list[NoticeProvider] = notices.build(providers)
+        self.interval = interval
+        self.on_notice = on_notice
+        self.stop_on_advisory = stop_on_advisory
+        self.max_backoff = max(max_backoff, interval)
+        self.preempted = threading.Event()
+        self.notice: Notice | None = None
+        self.advisories: list[Notice] = []
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._opened: list[NoticeProvider] = []
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def start(self) -> Watcher:
+        """Open every provider (from this thread) and start polling. Calling it twice is harmless."""
+        if self._threads:
+            return self
+        self._stopping.clear()
+        for provider in self.providers:
+            try:
+                provider.open(self.report)
+            except Exception:
+                logger.exception("notice provider %s failed to open; it will not be watched", provider.name)
+                continue
+            self._opened.append(provider)
+            thread = threading.Thread(target=self._run, args=(provider,), daemon=True,
+                                      name=f"spotguard-watch-{provider.name}")
+            self._threads.append(thread)
+            thread.start()
+        logger.debug("watching %s every %.2fs", [p.name for p in self._opened], self.interval)
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop polling, wait for the threads, and close the providers (from this thread)."""
+        self._stopping.set()
+        for provider in self._opened:
+            try:
+                provider.wakeup()
+            except Exception:
+                logger.debug("wakeup of %s failed", provider.name, exc_info=True)
+        join_timeout = timeout if timeout is not None else self.interval + 5.0
+        for thread in self._threads:
+            thread.join(join_timeout)
+            if thread.is_alive():
+                logger.warning("watcher thread %s did not stop within %.1fs", thread.name, join_timeout)
+        for provider in self._opened:
+            try:
+                provider.close()
+            except Exception:
+                logger.warning("closing notice provider %s failed", provider.name, exc_info=True)
+        self._threads.clear()
+        self._opened.clear()
+
+    def report(self, notice: Notice) -> None:
+        """Deliver a notice as if a provider had found it (also usable by callers and tests)."""
+        with self._lock:
+            if notice.event_id in self._seen:
+                return
+            self._seen.add(notice.event_id)
+            stops = self.stop_on_advisory or not notice.advisory
+            if stops and self.notice is None:
+                self.notice = notice
+            if not stops:
+                self.advisories.append(notice)
+        left = notice.seconds_left()
+        logger.warning("%s notice from %s (%s)%s", "stop" if stops else "advisory", notice.provider,
+                       notice.kind, "" if left is None else f", deadline in {left:.0f}s")
+        if stops:
+            self.preempted.set()
+        if self.on_notice is not None:
+            try:
+                self.on_notice(notice)
+            except Exception:
+                logger.exception("on_notice callback failed for %s", notice.event_id)
+
+    def _run(self, provider: NoticeProvider) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                notice = provider.poll()
+            except Exception as e:
+                failures += 1
+                delay = min(self.max_backoff, self.interval * 2 ** min(failures - 1, 6))
+                delay *= 0.5 + _jitter.random()  # decorrelate retries across machines
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                logger.log(level, "notice provider %s failed (%s: %s); retrying in %.1fs",
+                           provider.name, type(e).__name__, e, delay)
+                self._stopping.wait(delay)
+                continue
+            if failures:
+                logger.info("notice provider %s recovered after %d failed polls", provider.name, failures)
+                failures = 0
+            if notice is not None:
+                self.report(notice)
+            if not provider.blocking:
+                self._stopping.wait(self.interval)
+
+    def __enter__(self) -> Watcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

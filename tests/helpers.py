@@ -1,0 +1,50 @@
+"""Helpers for tests: subprocess environments, free ports, and running the example training script."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train.py"
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: this checkout first on the path, no stray notice config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def example_cmd(storage: str | Path, *args: str) -> list[str]:
+    return [sys.executable, str(EXAMPLE), "--storage", str(storage), "--quiet", *args]
+
+
+def run_example(storage: str | Path, *args: str, env: dict[str, str] | None = None,
+                timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(example_cmd(storage, *args), env=env or subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_losses(path: Path) -> list[tuple[int, float]]:
+    """(step, loss) pairs in the order they were logged; losses are exact (float.hex)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            out.append((rec["step"], float.fromhex(rec["loss"])))
+    return out
