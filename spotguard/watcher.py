@@ -131,7 +131,7 @@ class Watcher:
                 delay = min(self.max_backoff, self.interval * 2 ** min(failures - 1, 6))
                 delay *= 0.5 + _jitter.random()  # decorrelate retries across machines
                 level = logging.WARNING if failures == 1 else logging.DEBUG
-                logger.log(level, "notice provider %s failed (%s: %s); retrying in %.1fs",
+                logger.log(level, "notice provider %s failed (%s: %s); retrying in %.2fs",
                            provider.name, type(e).__name__, e, delay)
                 self._stopping.wait(delay)
                 continue

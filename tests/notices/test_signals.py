@@ -1,0 +1,101 @@
+"""Signals become notices; previous handlers are chained and restored; a second signal terminates."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from spotguard import Watcher
+from spotguard.notices.signals import SignalProvider
+
+from ..helpers import subprocess_env
+
+
+def wait_for(event: threading.Event, timeout: float = 5.0) -> bool:
+    return event.wait(timeout)
+
+
+def test_sigterm_sets_the_flag_instead_of_killing():
+    with Watcher([SignalProvider()], interval=0.1) as w:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(w.preempted)
+        assert w.notice is not None and w.notice.provider == "signal" and w.notice.raw == {"signal": "SIGTERM"}
+
+
+def test_sigusr1_with_grace_has_a_deadline():
+    with Watcher([SignalProvider(["USR1"], grace=30)], interval=0.1) as w:
+        signal.raise_signal(signal.SIGUSR1)
+        assert wait_for(w.preempted)
+        left = w.notice.seconds_left()
+        assert left is not None and 25 < left <= 30
+
+
+def test_previous_handler_is_chained_and_restored():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        w = Watcher([SignalProvider(["SIGUSR1"])], interval=0.1).start()
+        signal.raise_signal(signal.SIGUSR1)
+        assert wait_for(w.preempted)
+        assert seen == [signal.SIGUSR1]
+        w.stop()
+        handler = signal.getsignal(signal.SIGUSR1)
+        assert callable(handler) and handler is not None and getattr(handler, "__name__", "") == "<lambda>"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_handlers_are_not_installed_from_a_worker_thread(caplog):
+    before = signal.getsignal(signal.SIGTERM)
+    errors = []
+
+    def start_in_thread():
+        try:
+            w = Watcher([SignalProvider()], interval=0.1).start()
+            w.stop()
+        except Exception as e:  # pragma: no cover - the assertion below reports it
+            errors.append(e)
+
+    t = threading.Thread(target=start_in_thread)
+    t.start()
+    t.join()
+    assert not errors
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "main thread" in caplog.text
+
+
+def test_second_sigterm_terminates_and_ctrl_c_still_raises_keyboardinterrupt():
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from spotguard import Watcher
+        w = Watcher(["signal"], interval=0.05).start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert w.preempted.wait(5)
+        print("first ok", flush=True)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)   # not watched: the usual KeyboardInterrupt
+            time.sleep(5)
+        except KeyboardInterrupt:
+            print("keyboardinterrupt ok", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)      # second SIGTERM: terminate as usual
+        time.sleep(5)
+        print("survived", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert "first ok" in proc.stdout and "keyboardinterrupt ok" in proc.stdout, proc.stderr
+    assert "survived" not in proc.stdout
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_signal_notice_reaches_watcher_quickly():
+    with Watcher([SignalProvider()], interval=1.0) as w:
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(w.preempted)
+        assert time.monotonic() - t0 < 0.5  # pushed through a queue, not found on the next poll

@@ -1,0 +1,195 @@
+"""Guard behaviour in one process: when it saves, what a stop does, and what it leaves untouched."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import spotguard
+from spotguard import Notice, checkpoint
+from spotguard.errors import ConfigError
+from spotguard.storage import LocalStorage, open_storage
+
+
+def steps_in(root) -> list[tuple[int, str]]:
+    return [(i.step, i.manifest.reason) for i in checkpoint.scan(open_storage(str(root))) if i.complete]
+
+
+def guard_for(root, **kw) -> spotguard.Guard:
+    g = spotguard.Guard(str(root), providers=[], **kw)
+    g.track(model=torch.nn.Linear(2, 2))
+    return g
+
+
+def test_periodic_saves_every_n_steps_and_final_on_clean_exit(tmp_path):
+    g = guard_for(tmp_path, every_steps=3, keep=10)
+    with g:
+        assert [g.step(s) for s in range(1, 8)] == [False] * 7
+    assert steps_in(tmp_path) == [(3, "periodic"), (6, "periodic"), (7, "final")]
+
+
+def test_no_final_save_when_the_loop_raises(tmp_path):
+    g = guard_for(tmp_path, every_steps=100)
+    with pytest.raises(RuntimeError), g:
+        g.step(1)
+        raise RuntimeError("nan loss")
+    assert steps_in(tmp_path) == []
+
+
+def test_time_based_schedule(tmp_path):
+    g = guard_for(tmp_path, every_seconds=0.05, keep=100)
+    with g:
+        g.step(1)
+        time.sleep(0.08)
+        g.step(2)
+        g.step(3)
+    assert steps_in(tmp_path) == [(2, "periodic"), (3, "final")]
+
+
+def test_notice_makes_step_save_once_and_return_true(tmp_path):
+    g = guard_for(tmp_path, every_steps=100)
+    with g:
+        assert g.step(1) is False
+        g.watcher.report(Notice("test", "terminate", raw={"n": 1}))
+        assert g.step(2) is True
+        assert g.step(3) is True  # still stopping; nothing more written
+    assert g.stopped_at == 2 and g.notice is not None and g.notice.kind == "terminate"
+    assert steps_in(tmp_path) == [(2, "emergency")]
+
+
+def test_emergency_after_periodic_save_of_the_same_step_is_not_written_twice(tmp_path):
+    g = guard_for(tmp_path, every_steps=2)
+    with g:
+        g.step(1)
+        g.step(2)  # periodic save of step 2
+        g.watcher.report(Notice("test", "terminate"))
+        assert g.step(2) is True
+    assert steps_in(tmp_path) == [(2, "periodic")]
+
+
+def test_advisory_notice_brings_the_next_checkpoint_forward(tmp_path):
+    g = guard_for(tmp_path, every_steps=1000)
+    with g:
+        g.step(1)
+        g.watcher.report(Notice("test", "rebalance"))
+        assert g.step(2) is False
+        g.step(3)
+    assert steps_in(tmp_path) == [(2, "advisory"), (3, "final")]
+
+
+class DrawingStorage(LocalStorage):
+    """Local storage that draws from every global RNG while writing, as some cloud SDKs do."""
+
+    def open_write(self, key, *, deadline=None):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super().open_write(key, deadline=deadline)
+
+
+def test_saving_leaves_every_global_random_stream_untouched(tmp_path):
+    g = spotguard.Guard(DrawingStorage(str(tmp_path)), providers=[])
+    g.track(model=torch.nn.Linear(2, 2))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    g.save(1, "periodic")
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_resume_restores_every_global_random_stream_and_extra(tmp_path):
+    g = guard_for(tmp_path)
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    random.random(), np.random.rand(), torch.rand(3)
+    g.extra.update(epoch=2, note="x")
+    g.save(5, "periodic")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    fresh = guard_for(tmp_path)
+    assert fresh.resume() == 5
+    assert fresh.extra == {"epoch": 2, "note": "x"}
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_loader_with_its_own_generator_resumes_exactly(tmp_path):
+    def make():
+        return StatefulDataLoader(list(range(20)), batch_size=4, shuffle=True,
+                                  generator=torch.Generator().manual_seed(3))
+
+    def batches(iterable):
+        return [b.tolist() for b in iterable]
+
+    ref_loader = make()
+    it = iter(ref_loader)
+    ref = [next(it).tolist() for _ in range(3)] + batches(it) + batches(ref_loader) + batches(ref_loader)
+    loader = make()
+    g = spotguard.Guard(str(tmp_path), providers=[]).track(loader=loader)
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    g.save(3, "periodic")
+    loader2 = make()
+    spotguard.Guard(str(tmp_path), providers=[]).track(loader=loader2).resume()
+    got += batches(loader2) + batches(loader2) + batches(loader2)
+    assert got == ref
+
+
+def test_plain_dataloader_gets_a_clear_warning(tmp_path):
+    g = spotguard.Guard(str(tmp_path), providers=[])
+    with pytest.warns(UserWarning, match="plain torch DataLoader"):
+        g.track(loader=torch.utils.data.DataLoader(list(range(4))))
+    stateful = StatefulDataLoader(list(range(4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g.track(loader=stateful)
+
+
+def test_untrackable_objects_and_bad_options_are_rejected(tmp_path):
+    g = spotguard.Guard(str(tmp_path), providers=[])
+    with pytest.raises(ConfigError, match="state_dict"):
+        g.track(thing=object())
+    with pytest.raises(ConfigError, match="every_steps"):
+        spotguard.Guard(str(tmp_path), every_steps=0)
+    with pytest.raises(ConfigError, match="keep"):
+        spotguard.Guard(str(tmp_path), keep=0)
+    with pytest.raises(ConfigError, match="unsupported storage URL"):
+        spotguard.Guard("ftp://host/x")
+
+
+def test_storage_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOTGUARD_STORAGE", str(tmp_path / "env"))
+    g = spotguard.Guard(providers=[]).track(model=torch.nn.Linear(1, 1))
+    g.save(1)
+    assert steps_in(tmp_path / "env") == [(1, "manual")]
+    monkeypatch.delenv("SPOTGUARD_STORAGE")
+    with pytest.raises(ConfigError, match="SPOTGUARD_STORAGE"):
+        spotguard.Guard(providers=[])
+
+
+class FailingStorage(LocalStorage):
+    def open_write(self, key, *, deadline=None):
+        raise spotguard.StorageError("bucket unreachable")
+
+
+def test_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, caplog):
+    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[], every_steps=1)
+    g.track(model=torch.nn.Linear(1, 1))
+    with g:
+        assert [g.step(s) for s in (1, 2, 3)] == [False, False, False]
+    assert caplog.text.count("bucket unreachable") >= 3
+
+
+def test_failed_emergency_save_still_stops_and_says_what_is_lost(tmp_path, caplog):
+    caplog.set_level(logging.ERROR, logger="spotguard")
+    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[])
+    g.track(model=torch.nn.Linear(1, 1))
+    with g:
+        g.watcher.report(Notice("test", "terminate"))
+        assert g.step(9) is True
+    assert isinstance(g.emergency_error, spotguard.StorageError)
+    assert "9 step(s) lost" in caplog.text

@@ -1,0 +1,94 @@
+"""The watcher: never raises into training, retries failing providers, dedups, stops promptly."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from spotguard import Notice, NoticeProvider, Watcher
+
+
+class Scripted(NoticeProvider):
+    """A provider that replays a script of results: a Notice, None, or an exception to raise."""
+
+    name = "scripted"
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.polls = 0
+        self.closed = False
+
+    def poll(self):
+        self.polls += 1
+        item = self.script.pop(0) if self.script else None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self.closed = True
+
+
+def test_provider_errors_are_logged_and_retried_not_raised(caplog):
+    caplog.set_level(logging.INFO, logger="spotguard")
+    notice = Notice("scripted", "terminate", raw={"n": 1})
+    p = Scripted([RuntimeError("metadata 500"), ValueError("bad json"), notice])
+    with Watcher([p], interval=0.01, max_backoff=0.05) as w:
+        assert w.preempted.wait(5)
+    assert w.notice == notice and p.polls >= 3
+    assert "metadata 500" in caplog.text and "recovered" in caplog.text
+
+
+def test_same_notice_seen_many_times_is_one_event():
+    calls = []
+    n = Notice("scripted", "terminate", raw={"id": "x"})
+    p = Scripted([n, Notice("scripted", "terminate", raw={"id": "x"}), n, None])
+    with Watcher([p], interval=0.01, on_notice=calls.append) as w:
+        assert w.preempted.wait(5)
+        time.sleep(0.1)
+    assert len(calls) == 1
+
+
+def test_advisory_notice_does_not_stop_unless_asked():
+    adv = Notice("scripted", "rebalance", raw={})
+    with Watcher([Scripted([adv])], interval=0.01) as w:
+        time.sleep(0.2)
+        assert not w.preempted.is_set() and w.advisories == [adv]
+    with Watcher([Scripted([adv])], interval=0.01, stop_on_advisory=True) as w:
+        assert w.preempted.wait(5) and w.notice == adv
+
+
+def test_callback_errors_do_not_kill_the_watcher(caplog):
+    def boom(n):
+        raise RuntimeError("callback bug")
+
+    p = Scripted([Notice("scripted", "terminate")])
+    with Watcher([p], interval=0.01, on_notice=boom) as w:
+        assert w.preempted.wait(5)
+        time.sleep(0.05)
+        assert w.running
+    assert "callback bug" in caplog.text
+
+
+def test_watcher_threads_stop_within_one_interval():
+    p = Scripted([])
+    w = Watcher([p, "signal"], interval=0.5).start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    w.stop()
+    took = time.monotonic() - t0
+    assert took < 0.6, took
+    assert not w.running and p.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-watch")]
+
+
+def test_a_provider_that_fails_to_open_is_skipped(caplog):
+    class Broken(Scripted):
+        def open(self, report):
+            raise OSError("no such device")
+
+    good = Scripted([Notice("scripted", "stop", raw=2)])
+    with Watcher([Broken([]), good], interval=0.01) as w:
+        assert w.preempted.wait(5)
+    assert "failed to open" in caplog.text
