@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--width", type=int, default=64, help="model width (state size grows with its square)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (fixed for reproducibility)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to rehearse long steps)")
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = StatefulDataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
                                 num_workers=args.num_workers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = CharTransformer(len(dataset.vocab), args.seq_len).to(device)
+    model = CharTransformer(len(dataset.vocab), args.seq_len, d=args.width).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.SequentialLR(opt, [
