@@ -134,15 +134,3 @@ class LocalStorage(Storage):
                         break
                     raise
                 parent = parent.parent
-
-    def remove_temp_files(self, prefix: str = "") -> list[str]:
-        """Delete leftovers of killed writes below ``prefix``; returns their relative paths."""
-        start = self.root / prefix if prefix else self.root
-        removed = []
-        for dirpath, _dirs, files in os.walk(start):
-            for name in files:
-                if TMP_MARK in name:
-                    path = Path(dirpath) / name
-                    path.unlink(missing_ok=True)
-                    removed.append(path.relative_to(self.root).as_posix())
-        return removed
