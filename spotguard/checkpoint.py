@@ -181,6 +181,22 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
     return manifest
 
 
+def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None) -> Manifest:
+    """Copy a complete checkpoint to another storage (local tier -> durable), manifest last."""
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    existing = dst.list(info.name + "/")
+    if f"{info.name}/{MANIFEST}" in existing:
+        raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
+    if existing:
+        dst.delete(existing)
+    for entry in info.manifest.files:
+        with src.local_copy(f"{info.name}/{entry.name}") as path:
+            dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
+    dst.put_bytes(f"{info.name}/{MANIFEST}", info.manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return info.manifest
+
+
 def scan(storage: Storage) -> list[CheckpointInfo]:
     """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored."""
     groups: dict[str, set[str]] = {}

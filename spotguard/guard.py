@@ -1,16 +1,23 @@
 """The training loop's face: track the state, resume it, and checkpoint at the right steps.
 
 Order of use: ``Guard(...)`` -> ``track(...)`` -> ``resume()`` -> ``with guard:`` (starts the
-watcher) -> ``guard.step(n)`` after every completed step -> leaving the block stops the watcher
-and writes a final checkpoint. ``step()`` is the hot path: when nothing is due it does one flag
-check and one or two comparisons.
+watcher) -> ``guard.step(n)`` after every completed step -> leaving the block waits for pending
+saves and writes a final checkpoint. ``step()`` is the hot path: when nothing is due it does one
+flag check and one or two comparisons.
+
+Periodic saves are asynchronous: ``step()`` copies the state into reused host buffers and returns;
+a background thread serialises it, writes it to the first tier (``local_dir`` when given, else the
+durable URL) and uploads it to the durable URL. Emergency saves are synchronous and go straight to
+the durable URL, bounded by the notice deadline.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,8 +27,11 @@ import torch
 
 from . import checkpoint, data, state
 from .checkpoint import CheckpointInfo, Manifest
-from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SpotguardError
+from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
+from .pending import CancellableWriter, PendingSave
+from .snapshot import Staging
+from .stats import GuardStats
 from .storage import Storage, open_storage
 from .watcher import Watcher
 
@@ -33,9 +43,16 @@ STORAGE_ENV = "SPOTGUARD_STORAGE"
 STATE_FILE = "state.pt"
 
 
+class BusyPolicy(str, enum.Enum):
+    """What a due periodic checkpoint does while the previous one is still being written."""
+
+    SKIP = "skip"  # log it and skip this one: the loop never waits
+    WAIT = "wait"  # block until the previous one is committed, then snapshot
+
+
 @dataclass
 class GuardOptions:
-    """When to checkpoint and what to watch. Validated on creation."""
+    """When to checkpoint, where, and what to watch. Validated on creation."""
 
     every_steps: int | None = None
     every_seconds: float | None = None
@@ -45,6 +62,9 @@ class GuardOptions:
     save_on_exit: bool = True
     stop_on_advisory: bool = False
     checkpoint_on_advisory: bool = True
+    local_dir: str | None = None
+    async_save: bool = True
+    busy: BusyPolicy | str = BusyPolicy.SKIP
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -55,6 +75,10 @@ class GuardOptions:
             raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
         if not self.interval > 0:
             raise ConfigError(f"interval must be positive, got {self.interval!r}")
+        try:
+            self.busy = BusyPolicy(self.busy)
+        except ValueError:
+            raise ConfigError(f"busy must be one of {[p.value for p in BusyPolicy]}, got {self.busy!r}") from None
 
 
 def _world_size() -> int:
@@ -66,7 +90,8 @@ class Guard:
     """Checkpoints a training loop periodically and on a notice, and resumes it exactly.
 
     ``storage`` is a path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL (or a
-    ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``.
+    ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` adds a fast first
+    tier (e.g. the instance's NVMe) from which periodic checkpoints are uploaded in the background.
     """
 
     def __init__(
@@ -81,14 +106,18 @@ class Guard:
         save_on_exit: bool = True,
         stop_on_advisory: bool = False,
         checkpoint_on_advisory: bool = True,
+        local_dir: str | None = None,
+        async_save: bool = True,
+        busy: BusyPolicy | str = BusyPolicy.SKIP,
     ) -> None:
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
-                                    stop_on_advisory, checkpoint_on_advisory)
+                                    stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy)
         if storage is None:
             storage = os.environ.get(STORAGE_ENV)
             if not storage:
                 raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
         self.storage: Storage = open_storage(storage)
+        self.local: Storage | None = open_storage(local_dir) if local_dir else None
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in the manifest and restored by ``resume()``.
@@ -96,12 +125,18 @@ class Guard:
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
         self.emergency_error: BaseException | None = None
+        self._stats = GuardStats()
+        self._staging = Staging()
+        self._pending: PendingSave | None = None
+        self._errors: list[BaseException] = []
         self._objects: dict[str, Any] = {}
         self._step: int | None = None
-        self._saved_step: int | None = None
+        self._saved_step: int | None = None  # newest step committed or being written
+        self._durable_step: int | None = None  # newest step committed to the durable URL
         self._due_step: float = math.inf
         self._due_time: float = math.inf
         self._timed = every_seconds is not None
+        self._lock = threading.Lock()
         self._schedule(0)
 
     # -- setup -------------------------------------------------------------------------------
@@ -120,34 +155,43 @@ class Guard:
         return self
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint in storage (manifest checked, contents not), or None."""
+        """The newest complete checkpoint in durable storage (manifest checked, contents not), or None."""
         return checkpoint.latest(self.storage)
 
+    def stats(self) -> GuardStats:
+        """Measured figures: snapshot stall, write and upload throughput, state size."""
+        return self._stats
+
     def resume(self) -> int:
-        """Restore the newest checkpoint that verifies; return its step (0 when there is none).
+        """Restore the newest checkpoint that verifies, from either tier; return its step (0 if none).
 
         A checkpoint that fails verification is skipped with a warning naming the reason, and the
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
         """
-        infos = checkpoint.scan(self.storage)
-        for info in reversed(infos):
+        tiers = [(s, checkpoint.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
+        durable = [i.step for i in tiers[-1][1] if i.complete]
+        self._durable_step = durable[-1] if durable else None
+        candidates = sorted(((i, s) for s, infos in tiers for i in infos), key=lambda c: c[0].step, reverse=True)
+        for info, storage in candidates:  # same step: the local tier comes first (stable sort)
+            where = storage.describe(info.name)
             if not info.complete:
-                logger.warning("skipping %s: %s (%s)", self.storage.describe(info.name), info.status, info.problem)
+                logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
                 continue
+            t0 = time.monotonic()
             try:
-                payload = self._load(info)
+                payload = self._load(storage, info)
             except CheckpointCorruptError as e:
-                logger.warning("skipping %s: %s", self.storage.describe(info.name), e)
+                logger.warning("skipping %s: %s", where, e)
                 continue
             self._restore(info, payload)
-            logger.info("resumed from %s (step %d, %s)", self.storage.describe(info.name), info.step,
-                        info.manifest.reason if info.manifest else "?")
+            self._stats.restore_s = time.monotonic() - t0
+            logger.info("resumed from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?")
             return info.step
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
         return 0
 
-    def _load(self, info: CheckpointInfo) -> dict[str, Any]:
-        with checkpoint.open_verified(self.storage, info, STATE_FILE) as path:
+    def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
+        with checkpoint.open_verified(storage, info, STATE_FILE) as path:
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # weights_only refuses anything but tensors and plain containers
@@ -185,75 +229,193 @@ class Guard:
                 self.stopped_at = step
                 self._emergency(step)
             return True
-        self._save_logged(step, "advisory" if self._due_step == -math.inf else "periodic")
+        reason = "advisory" if self._due_step == -math.inf else "periodic"
+        if self.options.async_save:
+            self._save_async(step, reason)
+        else:
+            self._save_logged(step, reason)
         return False
 
-    def _emergency(self, step: int) -> None:
-        notice = self.notice
-        left = notice.seconds_left() if notice else None
-        budget = "" if left is None else f", {left:.1f}s before the deadline"
-        if self._saved_step == step:
-            logger.warning("stop at step %d: already checkpointed%s", step, budget)
-            return
-        t0 = time.monotonic()
-        deadline = None if left is None else t0 + left
-        try:
-            self.save(step, "emergency", deadline=deadline)
-        except Exception as e:
-            self.emergency_error = e
-            lost = step - self._saved_step if self._saved_step is not None else step
-            logger.error("emergency checkpoint of step %d FAILED (%s: %s); resume point stays %s, %d step(s) lost",
-                         step, type(e).__name__, e,
-                         f"step {self._saved_step}" if self._saved_step is not None else "the start", lost)
-            return
-        took = time.monotonic() - t0
-        tail = "" if left is None else f", {left - took:.1f}s before the deadline"
-        logger.warning("emergency checkpoint of step %d committed in %.2fs%s", step, took, tail)
+    def _payload(self, step: int, staged: bool) -> dict[str, Any]:
+        objects = state.collect(self._objects)
+        return {
+            "step": step,
+            "rng": state.capture_rng(),
+            "objects": self._staging.snapshot(objects) if staged else objects,
+            "generators": {n: g for n, o in self._objects.items() if (g := data.generator_state(o)) is not None},
+        }
 
-    def _save_logged(self, step: int, reason: str) -> None:
+    def _save_async(self, step: int, reason: str) -> None:
+        pending = self._pending
+        if pending is not None and not pending.done():
+            if self.options.busy is BusyPolicy.SKIP:
+                self._stats.skipped += 1
+                logger.warning("%s checkpoint of step %d skipped: step %d is still being written", reason, step, pending.step)
+                self._schedule(step)
+                return
+            self._wait_pending()
+        self._reap()
+        t0 = time.perf_counter()
+        with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
+            payload = self._payload(step, staged=True)
+        self._stats.record_snapshot(time.perf_counter() - t0, self._staging.nbytes)
+        self._saved_step = step
+        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, cancel))
+        self._schedule(step)
+
+    def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], cancel: threading.Event) -> None:
+        """Background: serialise to the first tier, then upload to the durable URL."""
+        first = self.local or self.storage
+        t0 = time.monotonic()
+        manifest = self._write(first, step, reason, lambda f: torch.save(payload, CancellableWriter(f, cancel)))
+        if manifest is None:
+            return
+        self._stats.record_write(time.monotonic() - t0, manifest.size)
+        self._prune(first)
+        if self.local is not None:
+            t1 = time.monotonic()
+            info = CheckpointInfo(step, checkpoint.step_dir(step), "complete", manifest)
+            try:
+                checkpoint.copy(self.local, self.storage, info)
+            except CheckpointExistsError:
+                pass
+            self._stats.record_upload(time.monotonic() - t1, manifest.size)
+            self._prune(self.storage)
+        self._durable_step = max(step, self._durable_step or 0)
+        self._stats.checkpoints += 1
+
+    def _write(self, storage: Storage, step: int, reason: str, writer: Any,
+               deadline: float | None = None) -> Manifest | None:
         try:
-            self.save(step, reason)
-        except SpotguardError as e:
-            logger.error("%s checkpoint of step %d failed: %s; training goes on", reason, step, e)
-            self._schedule(step)
-        except OSError as e:
-            logger.error("%s checkpoint of step %d failed: %s; training goes on", reason, step, e)
-            self._schedule(step)
+            manifest = checkpoint.write(storage, step, {STATE_FILE: writer}, reason=reason, extra=self.extra,
+                                        world_size=_world_size(), torch_version=torch.__version__,
+                                        deadline=deadline)
+        except CheckpointExistsError:
+            logger.info("%s is already committed; not writing it twice", storage.describe(checkpoint.step_dir(step)))
+            return None
+        self.last_saved = manifest
+        logger.info("%s checkpoint of step %d written to %s (%.1f MB)", reason, step, storage.describe(), manifest.size / 1e6)
+        return manifest
+
+    def _prune(self, storage: Storage) -> None:
+        with self._lock:  # the loop's thread and the background writer may both prune
+            try:
+                checkpoint.prune(storage, self.options.keep)
+            except Exception as e:
+                logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
-        """Write a checkpoint of the current state as ``step`` now (synchronously).
+        """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
 
         Returns None when ``step`` is already committed. The global RNG streams are left exactly as
         they were, whatever the storage libraries draw while writing.
         """
         if self._saved_step == step:
             return None
+        t0 = time.monotonic()
         with state.rng_isolated():
-            payload = {
-                "step": step,
-                "rng": state.capture_rng(),  # first: collecting a loader's state may draw
-                "objects": state.collect(self._objects),
-                "generators": {n: g for n, o in self._objects.items()
-                               if (g := data.generator_state(o)) is not None},
-            }
-            try:
-                manifest = checkpoint.write(
-                    self.storage, step, {STATE_FILE: lambda f: torch.save(payload, f)}, reason=reason,
-                    extra=self.extra, world_size=_world_size(), torch_version=torch.__version__,
-                    deadline=deadline)
-            except CheckpointExistsError:
-                logger.info("%s is already committed; not writing it twice", self.storage.describe(checkpoint.step_dir(step)))
-                manifest = None
+            payload = self._payload(step, staged=False)
+            manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
         self._saved_step = step
         if manifest is not None:
-            self.last_saved = manifest
-            logger.info("%s checkpoint of step %d written (%.1f MB)", reason, step, manifest.size / 1e6)
-            try:
-                checkpoint.prune(self.storage, self.options.keep)
-            except Exception as e:
-                logger.warning("pruning old checkpoints failed: %s", e)
+            self._stats.record_write(time.monotonic() - t0, manifest.size)
+            self._durable_step = max(step, self._durable_step or 0)
+            self._stats.checkpoints += 1
+            self._prune(self.storage)
         self._schedule(step)
         return manifest
+
+    def _save_logged(self, step: int, reason: str) -> None:
+        try:
+            self.save(step, reason)
+        except Exception as e:
+            self._stats.failures += 1
+            self._errors.append(e)
+            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
+            self._schedule(step)
+
+    # -- the emergency ------------------------------------------------------------------------
+    def _emergency(self, step: int) -> None:
+        notice = self.notice
+        left = notice.seconds_left() if notice else None
+        t0 = time.monotonic()
+        deadline = None if left is None else t0 + left
+        pending = self._pending
+        if pending is not None and not pending.done():
+            if pending.step == step:
+                logger.warning("stop at step %d: its checkpoint is already being written; waiting for it", step)
+                self._wait_pending(None if left is None else max(left, 0.0))
+                if pending.committed:
+                    self._report_emergency(step, t0, left)
+                    return
+            else:
+                estimate = self._stats.durable_seconds(two_tiers=False)
+                if left is not None and estimate is not None and estimate > left:
+                    logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
+                                 "save of step %d instead (%d step(s) will be lost)", step, estimate, left,
+                                 pending.step, step - pending.step)
+                    self._wait_pending(max(left, 0.0))
+                    return
+                pending.cancel()  # the newer state wins the bandwidth
+                self._wait_pending()
+        self._reap()
+        if self._saved_step == step and self._durable_step == step:
+            logger.warning("stop at step %d: already checkpointed", step)
+            return
+        estimate = self._stats.durable_seconds()
+        logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
+                       f"{self._stats.state_bytes / 1e6:.0f} MB" if self._stats.state_bytes else "size unknown",
+                       f"{estimate:.1f}s" if estimate is not None else "time unknown",
+                       f"{left:.1f}s before the deadline" if left is not None else "no deadline known")
+        self._saved_step = None if self._saved_step == step else self._saved_step
+        try:
+            self.save(step, "emergency", deadline=deadline)
+        except Exception as e:
+            self.emergency_error = e
+            resume_at = self._durable_step
+            logger.error("emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, "
+                         "%d step(s) lost", step, type(e).__name__, e,
+                         f"step {resume_at}" if resume_at is not None else "the start", step - (resume_at or 0))
+            return
+        self._stats.emergency_s = time.monotonic() - t0
+        self._report_emergency(step, t0, left)
+
+    def _report_emergency(self, step: int, t0: float, left: float | None) -> None:
+        took = time.monotonic() - t0
+        tail = "" if left is None else f", T-{left - took:.1f}s before the deadline"
+        logger.warning("emergency checkpoint of step %d committed in %.2fs%s", step, took, tail)
+
+    # -- pending saves ------------------------------------------------------------------------
+    def _wait_pending(self, timeout: float | None = None) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.wait(timeout)
+        except Exception:
+            pass  # already logged by the worker; kept by _reap()
+        self._reap()
+
+    def _reap(self) -> None:
+        pending = self._pending
+        if pending is None or not pending.done():
+            return
+        self._pending = None
+        if pending.error is not None:
+            if pending.cancelled:
+                logger.info("save of step %d was abandoned", pending.step)
+            else:
+                self._stats.failures += 1
+                self._errors.append(pending.error)
+            if self._saved_step == pending.step:
+                self._saved_step = None
+
+    def wait(self) -> None:
+        """Block until every pending save is committed; raise the first background error, if any."""
+        self._wait_pending()
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
 
     def _schedule(self, step: int) -> None:
         every = self.options.every_steps
@@ -276,8 +438,18 @@ class Guard:
         self.close(save=exc_type is None)
 
     def close(self, save: bool = True) -> None:
-        """Stop the watcher and, after a clean finish, checkpoint the last completed step."""
+        """Stop the watcher, finish pending saves and, after a clean finish, checkpoint the last step.
+
+        After a clean finish, the first error of a background save is raised here (never lost).
+        """
         self.watcher.stop()
+        self._wait_pending()
         if save and self.options.save_on_exit and self.stopped_at is None and self._step is not None \
-                and self._step != self._saved_step:
+                and self._step != self._durable_step:
+            if self._saved_step == self._step:
+                self._saved_step = None  # committed only to the local tier: write it durably now
             self._save_logged(self._step, "final")
+        if save:
+            self.wait()
+        elif self._errors:
+            logger.error("%d checkpoint error(s) during this run; the first: %s", len(self._errors), self._errors[0])

@@ -29,7 +29,7 @@ def guard_for(root, **kw) -> spotguard.Guard:
 
 
 def test_periodic_saves_every_n_steps_and_final_on_clean_exit(tmp_path):
-    g = guard_for(tmp_path, every_steps=3, keep=10)
+    g = guard_for(tmp_path, every_steps=3, keep=10, busy="wait")
     with g:
         assert [g.step(s) for s in range(1, 8)] == [False] * 7
     assert steps_in(tmp_path) == [(3, "periodic"), (6, "periodic"), (7, "final")]
@@ -44,7 +44,7 @@ def test_no_final_save_when_the_loop_raises(tmp_path):
 
 
 def test_time_based_schedule(tmp_path):
-    g = guard_for(tmp_path, every_seconds=0.05, keep=100)
+    g = guard_for(tmp_path, every_seconds=0.05, keep=100, busy="wait")
     with g:
         g.step(1)
         time.sleep(0.08)
@@ -176,12 +176,15 @@ class FailingStorage(LocalStorage):
         raise spotguard.StorageError("bucket unreachable")
 
 
-def test_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, caplog):
-    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[], every_steps=1)
+@pytest.mark.parametrize("async_save", [True, False])
+def test_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, caplog, async_save):
+    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[], every_steps=1, busy="wait",
+                        async_save=async_save)
     g.track(model=torch.nn.Linear(1, 1))
-    with g:
+    with pytest.raises(spotguard.StorageError, match="bucket unreachable"), g:
         assert [g.step(s) for s in (1, 2, 3)] == [False, False, False]
-    assert caplog.text.count("bucket unreachable") >= 3
+    assert caplog.text.count("bucket unreachable") >= 3  # logged when each happened
+    assert g.stats().failures >= 3
 
 
 def test_failed_emergency_save_still_stops_and_says_what_is_lost(tmp_path, caplog):

@@ -2,7 +2,8 @@
 
 The checkpoint layer never branches on the backend. It uses, in this order for a save:
 ``list(prefix)`` (find leftovers) -> ``delete(keys)`` -> ``open_write(key)`` per file ->
-``put_bytes(manifest, exclusive=True)`` last, as the commit marker. For a resume:
+``put_bytes(manifest, exclusive=True)`` last (``put_file`` copies
+between tiers), as the commit marker. For a resume:
 ``list("")`` -> ``get_bytes(manifest)`` -> ``local_copy(key)`` per file.
 
 Keys are relative, ``/``-separated paths below the storage root (``step-00000100/state.pt``).
@@ -13,6 +14,7 @@ emergency save never retries beyond the notice deadline.
 from __future__ import annotations
 
 import abc
+import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -59,6 +61,11 @@ class Storage(abc.ABC):
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
                   deadline: float | None = None) -> None:
         """Write a small object at once. With ``exclusive``, fail if ``key`` already exists."""
+
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
+        """Upload a local file (backends override this with their parallel transfer machinery)."""
+        with open(path, "rb") as src, self.open_write(key, deadline=deadline) as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes:

@@ -1,0 +1,91 @@
+"""A checkpoint being written in the background: done(), wait(), cancel(), and its error kept.
+
+The worker is a daemon thread: a process that exits mid-write leaves an incomplete checkpoint
+directory, which readers ignore (the manifest is written last). Exceptions are never lost: they
+are logged when they happen and re-raised by ``wait()`` (as torchsnapshot's PendingSnapshot does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+from .errors import SpotguardError
+
+logger = logging.getLogger(__name__)
+
+
+class SaveCancelled(SpotguardError):
+    """A background save was abandoned (an emergency save needed the bandwidth)."""
+
+
+class CancellableWriter:
+    """Passes writes through until ``cancel`` is set, then raises ``SaveCancelled``."""
+
+    def __init__(self, raw: BinaryIO, cancel: threading.Event) -> None:
+        self.raw, self.cancel = raw, cancel
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self.cancel.is_set():
+            raise SaveCancelled("save abandoned")
+        return self.raw.write(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+class PendingSave:
+    """Runs ``work(cancel_event)`` in a background thread for checkpoint ``step``."""
+
+    def __init__(self, step: int, reason: str, work: Callable[[threading.Event], None]) -> None:
+        self.step, self.reason = step, reason
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._cancel = threading.Event()
+        self._work = work
+        self._thread = threading.Thread(target=self._run, name=f"spotguard-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._work(self._cancel)
+        except SaveCancelled as e:
+            self.error = e
+            logger.info("background save of step %d abandoned", self.step)
+        except BaseException as e:  # kept and re-raised by wait(); never lost
+            self.error = e
+            logger.error("background %s checkpoint of step %d failed: %s: %s", self.reason, self.step,
+                         type(e).__name__, e)
+        finally:
+            self.finished = time.monotonic()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    @property
+    def committed(self) -> bool:
+        return self.done() and self.error is None
+
+    def cancel(self) -> None:
+        """Ask the worker to stop at its next write; ``wait()`` then returns quickly."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (True) or ``timeout`` passes (False). Raises the worker's error."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        if self.error is not None and not isinstance(self.error, SaveCancelled):
+            raise self.error
+        return True

@@ -1,0 +1,179 @@
+"""Asynchronous periodic saves: bounded staging, the busy policy, errors kept, two tiers, emergencies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+import spotguard
+from spotguard import Notice, checkpoint
+from spotguard.snapshot import Staging
+from spotguard.storage import LocalStorage, open_storage
+
+
+class GatedStorage(LocalStorage):
+    """Local storage whose state-file writes wait for ``gate`` (to hold a save in flight)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.writing = threading.Event()
+
+    def open_write(self, key, *, deadline=None):
+        self.writing.set()
+        assert self.gate.wait(10), "test never opened the gate"
+        return super().open_write(key, deadline=deadline)
+
+
+def steps(storage) -> list[tuple[int, str]]:
+    return [(i.step, i.manifest.reason) for i in checkpoint.scan(open_storage(storage)) if i.complete]
+
+
+def model_guard(storage, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    g = spotguard.Guard(storage, providers=[], **kw).track(model=model)
+    return g, model
+
+
+def test_step_returns_before_the_write_and_snapshot_is_isolated_from_training(tmp_path):
+    storage = GatedStorage(str(tmp_path))
+    g, model = model_guard(storage, every_steps=1)
+    with g:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        assert g.step(1) is False  # returns although the write is blocked
+        assert storage.writing.wait(5) and steps(storage) == []
+        with torch.no_grad():
+            model.weight.fill_(2.0)  # training moves on while step 1 is written
+        storage.gate.set()
+        g.wait()
+    fresh, fresh_model = model_guard(str(tmp_path))
+    fresh.resume()
+    assert steps(storage)[0] == (1, "periodic")
+    payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
+    assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+
+
+def test_busy_policy_skip_logs_and_skips(tmp_path, caplog):
+    storage = GatedStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1, keep=10)
+    with g:
+        g.step(1)
+        assert storage.writing.wait(5)
+        g.step(2)  # due, but step 1 is still in flight
+        assert g.stats().skipped == 1 and "skipped" in caplog.text
+        storage.gate.set()
+        g.wait()
+        g.step(3)
+    assert steps(storage) == [(1, "periodic"), (3, "final")] or steps(storage) == [(1, "periodic"), (3, "periodic")]
+
+
+def test_busy_policy_wait_blocks_until_the_previous_commit(tmp_path):
+    storage = GatedStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1, keep=10, busy="wait")
+    with g:
+        g.step(1)
+        assert storage.writing.wait(5)
+        threading.Timer(0.3, storage.gate.set).start()
+        t0 = time.monotonic()
+        g.step(2)
+        assert time.monotonic() - t0 >= 0.25
+        g.wait()
+    assert steps(storage) == [(1, "periodic"), (2, "periodic")]
+
+
+def test_staging_memory_is_reused_not_grown():
+    staging = Staging(pin=False)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    first = staging.snapshot(state)
+    ptrs = sorted(t.data_ptr() for t in first["model"].values())
+    size, allocations = staging.nbytes, staging.allocations
+    for _ in range(5):
+        opt.step()
+        again = staging.snapshot({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert staging.nbytes == size and staging.allocations == allocations
+    assert sorted(t.data_ptr() for t in again["model"].values()) == ptrs
+    assert torch.equal(again["opt"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert again["opt"]["state"][0]["exp_avg"].data_ptr() != opt.state_dict()["state"][0]["exp_avg"].data_ptr()
+
+
+class FailingStorage(LocalStorage):
+    def open_write(self, key, *, deadline=None):
+        raise spotguard.StorageError("disk full")
+
+
+def test_background_error_is_logged_at_once_and_raised_by_wait(tmp_path, caplog):
+    g, _ = model_guard(FailingStorage(str(tmp_path)), every_steps=1, save_on_exit=False)
+    with g:
+        g.step(1)
+        for _ in range(100):
+            if "disk full" in caplog.text:
+                break
+            time.sleep(0.01)
+        assert "disk full" in caplog.text  # logged by the worker, before anyone waits
+        with pytest.raises(spotguard.StorageError, match="disk full"):
+            g.wait()
+
+
+def test_two_tiers_write_local_first_then_upload_and_resume_prefers_newest(tmp_path):
+    local, durable = tmp_path / "nvme", tmp_path / "bucket"
+    g, model = model_guard(str(durable), local_dir=str(local), every_steps=2, keep=2, busy="wait")
+    with g:
+        for s in range(1, 7):
+            g.step(s)
+        g.wait()
+    assert steps(str(local)) == [(4, "periodic"), (6, "periodic")]  # retention per tier
+    assert steps(str(durable)) == [(4, "periodic"), (6, "periodic")]
+    assert g.stats().upload_Bps and g.stats().write_Bps
+    # A stale local tier (e.g. a reused disk) is ignored when the durable tier is newer.
+    checkpoint.delete(open_storage(str(local)), "step-00000006")
+    fresh, _ = model_guard(str(durable), local_dir=str(local))
+    assert fresh.resume() == 6
+    # A corrupt durable copy falls back to the local copy of the same step.
+    (durable / "step-00000006" / "state.pt").write_bytes(b"garbage")
+    g2, _ = model_guard(str(durable), local_dir=str(local), every_steps=2, busy="wait")
+    with g2:
+        g2.step(8)
+    checkpoint.delete(open_storage(str(durable)), "step-00000008")
+    fresh, _ = model_guard(str(durable), local_dir=str(local))
+    assert fresh.resume() == 8
+
+
+def test_emergency_abandons_an_older_inflight_save_and_commits_the_newest(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="spotguard")
+    storage = GatedStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1)
+    with g:
+        g.step(1)
+        assert storage.writing.wait(5)
+        g.watcher.report(Notice("test", "terminate"))
+        threading.Timer(0.2, storage.gate.set).start()
+        assert g.step(2) is True
+    assert (2, "emergency") in steps(storage)
+    assert "emergency checkpoint of step 2 committed" in caplog.text
+
+
+def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_save(tmp_path, caplog):
+    import datetime as dt
+    storage = GatedStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1, save_on_exit=False)
+    g.stats().write_Bps = 1.0  # measured: one byte per second, far too slow for the state
+    g.stats().state_bytes = 10_000
+    with g:
+        g.step(1)
+        assert storage.writing.wait(5)
+        deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=2)
+        g.watcher.report(Notice("test", "terminate", deadline=deadline))
+        threading.Timer(0.2, storage.gate.set).start()
+        assert g.step(3) is True
+    assert steps(storage) == [(1, "periodic")]
+    assert "2 step(s) will be lost" in caplog.text
