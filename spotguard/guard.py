@@ -267,7 +267,8 @@ class Guard:
         """Background: serialise to the first tier, then upload to the durable URL."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        manifest = self._write(first, step, reason, lambda f: torch.save(payload, CancellableWriter(f, cancel)))
+        manifest = self._write(first, step, reason,
+                               lambda f: torch.save(payload, CancellableWriter(f, cancel)))  # type: ignore[arg-type]
         if manifest is None:
             return
         self._stats.record_write(time.monotonic() - t0, manifest.size)
