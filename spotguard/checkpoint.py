@@ -13,14 +13,16 @@ import hashlib
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ._version import __version__
-from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SaveCancelled, StorageError
 from .storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -118,40 +120,20 @@ class CheckpointInfo:
         return self.status == "complete"
 
 
-class HashingWriter:
-    """A write-through wrapper that counts and hashes bytes as they pass (one pass, no re-read)."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.size = 0
-        self._hash = hashlib.sha256()
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        self._hash.update(data)
-        n = self.raw.write(data)
-        self.size += len(data) if n is None else n
-        return len(data) if n is None else n
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-
-Writer = Callable[[BinaryIO], None]
+#: Serialises one file of a checkpoint to the local path it is given (e.g. ``torch.save(obj, path)``).
+Writer = Callable[[Path], None]
 
 
 def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: str,
           extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
-          deadline: float | None = None) -> Manifest:
-    """Write one checkpoint: each file through its writer, then the manifest, write-once.
+          deadline: float | None = None, cancel: threading.Event | None = None) -> Manifest:
+    """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
-    A complete checkpoint for ``step`` already there raises ``CheckpointExistsError``; leftovers of
-    an interrupted save of the same step are deleted first.
+    Files are serialised to a scratch directory the backend chooses (beside the target for local
+    storage, so storing is a hard link), because torch's C++ writer is ~3x faster on a path than on
+    a Python stream. A complete checkpoint for ``step`` already there raises
+    ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
+    ``cancel``, when set, abandons the save before the next file or the manifest.
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -160,6 +142,9 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
+    for fname in files:
+        if not _FILE_NAME.match(fname):
+            raise ConfigError(f"invalid checkpoint file name {fname!r}")
     existing = storage.list(name + "/")
     if f"{name}/{MANIFEST}" in existing:
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
@@ -168,13 +153,18 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
                     storage.describe(name))
         storage.delete(existing)
     entries = []
-    for fname, writer in files.items():
-        if not _FILE_NAME.match(fname):
-            raise ConfigError(f"invalid checkpoint file name {fname!r}")
-        with storage.open_write(f"{name}/{fname}", deadline=deadline) as raw:
-            hashing = HashingWriter(raw)
-            writer(hashing)  # type: ignore[arg-type]
-        entries.append(FileEntry(fname, hashing.size, hashing.hexdigest()))
+    with storage.scratch() as scratch:
+        for i, (fname, writer) in enumerate(files.items()):
+            path = scratch / f"{i}-{fname.replace('/', '_')}"
+            writer(path)
+            if cancel is not None and cancel.is_set():
+                raise SaveCancelled(f"save of {name} abandoned")
+            with ThreadPoolExecutor(1, thread_name_prefix="spotguard-hash") as pool:
+                digest = pool.submit(sha256_file, path)  # overlaps the fsync / upload below
+                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+                entries.append(FileEntry(fname, path.stat().st_size, digest.result()))
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
                         extra=extra_json, torch_version=torch_version)
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
@@ -233,7 +223,7 @@ def latest(storage: Storage) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
@@ -253,7 +243,7 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
-        if _sha256_file(path) != entry.sha256:
+        if sha256_file(path) != entry.sha256:
             raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
         yield path
 

@@ -33,3 +33,7 @@ class CheckpointMismatchError(SpotguardError, ValueError):
 
 class MissingDependencyError(SpotguardError, ImportError):
     """An optional extra (``spotguard[aws]``, ``spotguard[gcp]`` ...) is needed but not installed."""
+
+
+class SaveCancelled(SpotguardError):
+    """A background save was abandoned (an emergency save needed the bandwidth)."""

@@ -29,7 +29,7 @@ from . import checkpoint, data, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
-from .pending import CancellableWriter, PendingSave
+from .pending import PendingSave
 from .snapshot import Staging
 from .stats import GuardStats
 from .storage import Storage, open_storage
@@ -267,8 +267,7 @@ class Guard:
         """Background: serialise to the first tier, then upload to the durable URL."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        manifest = self._write(first, step, reason,
-                               lambda f: torch.save(payload, CancellableWriter(f, cancel)))  # type: ignore[arg-type]
+        manifest = self._write(first, step, reason, lambda path: torch.save(payload, path), cancel=cancel)
         if manifest is None:
             return
         self._stats.record_write(time.monotonic() - t0, manifest.size)
@@ -285,12 +284,12 @@ class Guard:
         self._durable_step = max(step, self._durable_step or 0)
         self._stats.checkpoints += 1
 
-    def _write(self, storage: Storage, step: int, reason: str, writer: Any,
-               deadline: float | None = None) -> Manifest | None:
+    def _write(self, storage: Storage, step: int, reason: str, writer: checkpoint.Writer,
+               deadline: float | None = None, cancel: threading.Event | None = None) -> Manifest | None:
         try:
             manifest = checkpoint.write(storage, step, {STATE_FILE: writer}, reason=reason, extra=self.extra,
                                         world_size=_world_size(), torch_version=torch.__version__,
-                                        deadline=deadline)
+                                        deadline=deadline, cancel=cancel)
         except CheckpointExistsError:
             logger.info("%s is already committed; not writing it twice", storage.describe(checkpoint.step_dir(step)))
             return None
@@ -316,7 +315,7 @@ class Guard:
         t0 = time.monotonic()
         with state.rng_isolated():
             payload = self._payload(step, staged=False)
-            manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
+            manifest = self._write(self.storage, step, reason, lambda path: torch.save(payload, path), deadline)
         self._saved_step = step
         if manifest is not None:
             self._stats.record_write(time.monotonic() - t0, manifest.size)

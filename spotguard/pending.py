@@ -11,33 +11,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import BinaryIO
 
-from .errors import SpotguardError
+from .errors import SaveCancelled
 
 logger = logging.getLogger(__name__)
-
-
-class SaveCancelled(SpotguardError):
-    """A background save was abandoned (an emergency save needed the bandwidth)."""
-
-
-class CancellableWriter:
-    """Passes writes through until ``cancel`` is set, then raises ``SaveCancelled``."""
-
-    def __init__(self, raw: BinaryIO, cancel: threading.Event) -> None:
-        self.raw, self.cancel = raw, cancel
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self.cancel.is_set():
-            raise SaveCancelled("save abandoned")
-        return self.raw.write(data)
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def writable(self) -> bool:
-        return True
 
 
 class PendingSave:

@@ -23,10 +23,10 @@ class GatedStorage(LocalStorage):
         self.gate = threading.Event()
         self.writing = threading.Event()
 
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None):
         self.writing.set()
         assert self.gate.wait(10), "test never opened the gate"
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline)
 
 
 def steps(storage) -> list[tuple[int, str]]:
@@ -107,7 +107,7 @@ def test_staging_memory_is_reused_not_grown():
 
 
 class FailingStorage(LocalStorage):
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None):
         raise spotguard.StorageError("disk full")
 
 

@@ -87,9 +87,9 @@ def test_advisory_notice_brings_the_next_checkpoint_forward(tmp_path):
 class DrawingStorage(LocalStorage):
     """Local storage that draws from every global RNG while writing, as some cloud SDKs do."""
 
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None):
         random.random(), np.random.rand(), torch.rand(1)
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline)
 
 
 def test_saving_leaves_every_global_random_stream_untouched(tmp_path):
@@ -172,7 +172,7 @@ def test_storage_from_environment(tmp_path, monkeypatch):
 
 
 class FailingStorage(LocalStorage):
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None):
         raise spotguard.StorageError("bucket unreachable")
 
 

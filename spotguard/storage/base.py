@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import abc
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -62,8 +63,12 @@ class Storage(abc.ABC):
                   deadline: float | None = None) -> None:
         """Write a small object at once. With ``exclusive``, fail if ``key`` already exists."""
 
+    def scratch(self) -> AbstractContextManager[Path]:
+        """A temporary local directory for files about to be ``put_file``'d (removed on exit)."""
+        return _scratch_dir(None)
+
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
-        """Upload a local file (backends override this with their parallel transfer machinery)."""
+        """Store a local file (backends override this with their parallel transfer machinery)."""
         with open(path, "rb") as src, self.open_write(key, deadline=deadline) as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
 
@@ -95,6 +100,12 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+@contextmanager
+def _scratch_dir(parent: Path | None) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix=".spotguard.tmp-", dir=parent) as d:
+        yield Path(d)
 
 
 def iter_chunks(f: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:

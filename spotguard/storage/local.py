@@ -10,13 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import shutil
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import ObjectNotFoundError, Storage, check_key
+from .base import ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
 
@@ -81,6 +82,29 @@ class LocalStorage(Storage):
         finally:
             tmp.unlink(missing_ok=True)
 
+    def scratch(self) -> AbstractContextManager[Path]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return _scratch_dir(self.root)  # same filesystem: put_file becomes a hard link
+
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_path(final)
+        try:
+            try:
+                os.link(path, tmp)  # no copy when the scratch file is on this filesystem
+            except OSError:
+                shutil.copyfile(path, tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def get_bytes(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
@@ -103,7 +127,8 @@ class LocalStorage(Storage):
         if not start.is_dir():
             return []
         keys = []
-        for dirpath, _dirs, files in os.walk(start):
+        for dirpath, dirs, files in os.walk(start):
+            dirs[:] = [d for d in dirs if TMP_MARK not in d]  # scratch directories of running saves
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in files:
                 if TMP_MARK in name:
