@@ -34,7 +34,7 @@ DEFAULT_NOTICE_S = 30.0
 DEFAULT_INTERVALS_S = (300.0, 900.0, 1800.0, 3600.0, 7200.0)
 
 
-def _positive(name: str, value: object, *, zero: bool = False) -> float:
+def checked_number(name: str, value: object, *, zero: bool = False) -> float:
     try:
         v = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
@@ -126,20 +126,20 @@ class PlanOptions:
     intervals_s: Sequence[float] = DEFAULT_INTERVALS_S
 
     def __post_init__(self) -> None:
-        self.checkpoint_s = _positive("checkpoint cost (s)", self.checkpoint_s)
-        self.restart_s = _positive("restart cost (s)", self.restart_s, zero=True)
-        self.mtbf_hours = _positive("MTBF (hours)", self.mtbf_hours)
-        self.job_hours = _positive("job length (hours)", self.job_hours)
+        self.checkpoint_s = checked_number("checkpoint cost (s)", self.checkpoint_s)
+        self.restart_s = checked_number("restart cost (s)", self.restart_s, zero=True)
+        self.mtbf_hours = checked_number("MTBF (hours)", self.mtbf_hours)
+        self.job_hours = checked_number("job length (hours)", self.job_hours)
         if self.notice_s is not None or self.notice_share is not None:
-            self.notice_s = _positive("notice lead (s)", DEFAULT_NOTICE_S if self.notice_s is None else self.notice_s)
+            self.notice_s = checked_number("notice lead (s)", DEFAULT_NOTICE_S if self.notice_s is None else self.notice_s)
             share = DEFAULT_NOTICE_SHARE if self.notice_share is None else self.notice_share
-            share = _positive("notice share", share, zero=True)
+            share = checked_number("notice share", share, zero=True)
             if share > 1:
                 raise ConfigError(f"notice share is a fraction in [0, 1], got {share!r}")
             self.notice_share = share
         if self.state_gb is not None:
-            self.state_gb = _positive("state size (GB)", self.state_gb, zero=True)
-        self.intervals_s = tuple(_positive("interval (s)", v) for v in self.intervals_s)
+            self.state_gb = checked_number("state size (GB)", self.state_gb, zero=True)
+        self.intervals_s = tuple(checked_number("interval (s)", v) for v in self.intervals_s)
 
     @property
     def mtbf_s(self) -> float:
@@ -240,8 +240,8 @@ class AdaptiveInterval:
     def __init__(self, mtbf_hours: float, *, initial_s: float = 600.0, window: int = 8,
                  tolerance: float = 0.1, min_s: float = 1.0, max_s: float = math.inf,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.mtbf_s = _positive("mtbf_hours", mtbf_hours) * 3600.0
-        self.min_s = _positive("min_s", min_s)
+        self.mtbf_s = checked_number("mtbf_hours", mtbf_hours) * 3600.0
+        self.min_s = checked_number("min_s", min_s)
         self.max_s = float(max_s)
         if not self.max_s >= self.min_s:
             raise ConfigError(f"max_s must be >= min_s, got {max_s!r} < {min_s!r}")
@@ -252,7 +252,7 @@ class AdaptiveInterval:
         self.tolerance = tolerance
         self.clock = clock
         self._costs: deque[float] = deque(maxlen=window)
-        self.interval = min(max(_positive("initial_s", initial_s), self.min_s), self.max_s)
+        self.interval = min(max(checked_number("initial_s", initial_s), self.min_s), self.max_s)
         self._logged = self.interval
 
     @property
@@ -261,7 +261,7 @@ class AdaptiveInterval:
 
     def observe(self, checkpoint_seconds: float) -> float:
         """Record one measured checkpoint cost; return the (possibly re-picked) interval."""
-        self._costs.append(_positive("checkpoint_seconds", checkpoint_seconds, zero=True))
+        self._costs.append(checked_number("checkpoint_seconds", checkpoint_seconds, zero=True))
         cost = self.mean_cost or 0.0
         target = min(max(daly_interval(cost, self.mtbf_s), self.min_s), self.max_s)
         if abs(target - self._logged) > self.tolerance * self._logged:
@@ -277,3 +277,4 @@ class AdaptiveInterval:
         t0 = self.clock()
         yield
         self.observe(self.clock() - t0)
+

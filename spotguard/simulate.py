@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .planner import NOTICE_LEAD_S, _positive
+from .planner import NOTICE_LEAD_S, checked_number
 
 
 @dataclass
@@ -41,24 +41,24 @@ class SimOptions:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        self.checkpoint_s = _positive("checkpoint cost (s)", self.checkpoint_s, zero=True)
-        self.restart_s = _positive("restart cost (s)", self.restart_s, zero=True)
-        self.job_hours = _positive("job length (hours)", self.job_hours)
+        self.checkpoint_s = checked_number("checkpoint cost (s)", self.checkpoint_s, zero=True)
+        self.restart_s = checked_number("restart cost (s)", self.restart_s, zero=True)
+        self.job_hours = checked_number("job length (hours)", self.job_hours)
         if self.interval_s is not None:
-            self.interval_s = _positive("interval (s)", self.interval_s)
+            self.interval_s = checked_number("interval (s)", self.interval_s)
         if (self.mtbf_hours is None) == (self.trace is None):
             raise ConfigError("give exactly one preemption process: mtbf_hours or a trace")
         if self.mtbf_hours is not None:
-            self.mtbf_hours = _positive("MTBF (hours)", self.mtbf_hours)
+            self.mtbf_hours = checked_number("MTBF (hours)", self.mtbf_hours)
         if self.trace is not None:
-            self.trace = sorted(_positive("preemption time (s)", t, zero=True) for t in self.trace)
+            self.trace = sorted(checked_number("preemption time (s)", t, zero=True) for t in self.trace)
         if not 0.0 <= float(self.notice_share) <= 1.0:
             raise ConfigError(f"notice_share is a fraction in [0, 1], got {self.notice_share!r}")
         if self.cloud is not None and self.cloud not in NOTICE_LEAD_S:
             raise ConfigError(f"unknown cloud {self.cloud!r}; expected one of {', '.join(NOTICE_LEAD_S)}")
         if self.notice_s is None:
             self.notice_s = NOTICE_LEAD_S[self.cloud] if self.cloud else 0.0
-        self.notice_s = _positive("notice lead (s)", self.notice_s, zero=True)
+        self.notice_s = checked_number("notice lead (s)", self.notice_s, zero=True)
         if not isinstance(self.runs, int) or self.runs < 1:
             raise ConfigError(f"runs must be an int >= 1, got {self.runs!r}")
 
@@ -86,7 +86,7 @@ def load_trace(path: str | Path) -> list[float]:
             values = json.loads(text)
         else:
             values = [float(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
-        return [_positive("preemption time (s)", v, zero=True) for v in values]
+        return [checked_number("preemption time (s)", v, zero=True) for v in values]
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{p}: not a preemption trace ({e})") from e
 
