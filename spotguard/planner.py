@@ -207,9 +207,8 @@ def plan(o: PlanOptions) -> Plan:
     eff = o.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
     young, daly = young_interval(o.checkpoint_s, eff), daly_interval(o.checkpoint_s, eff)
     interval = min(daly, job_s)
-    kw = {"notice_share": share, "notice_s": o.notice_s} if share else {}
-    optimum = best_interval(lambda t: goodput(t, o.checkpoint_s, o.restart_s, o.mtbf_s, **kw),  # type: ignore[arg-type]
-                            max(1e-3, o.checkpoint_s * 1e-3), job_s)
+    optimum = best_interval(lambda t: goodput(t, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share,
+                                              notice_s=o.notice_s), max(1e-3, o.checkpoint_s * 1e-3), job_s)
     rows = [_row(o, "no checkpoints", None, False)]
     rows += [_row(o, f"every {_fmt(t)}", t, False) for t in o.intervals_s]
     plain = min(daly_interval(o.checkpoint_s, o.mtbf_s), job_s)

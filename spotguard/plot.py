@@ -31,7 +31,7 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
     ax.plot([x / 60 for x in xs], [100 * g for g in plain], label="periodic checkpoints only")
     marks = [r for r in p.rows if r.name.startswith("recommended")]
     if o.notice_s is not None:
-        share = o.notice_share if o.notice_works else 0.0
+        share = (o.notice_share or 0.0) if o.notice_works else 0.0
         with_notice = [goodput(x, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share, notice_s=o.notice_s)
                        for x in xs]
         ax.plot([x / 60 for x in xs], [100 * g for g in with_notice],
