@@ -72,7 +72,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _minutes(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds / 60:.1f} min" if seconds < 36000 else f"{seconds / 3600:.1f} h"
+    if seconds is None or math.isinf(seconds):
+        return "-" if seconds is None else "unbounded"
+    return f"{seconds / 60:.1f} min" if seconds < 36000 else f"{seconds / 3600:.1f} h"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -105,8 +107,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if not opts.notice_works:
             head += " (too short to write a checkpoint: ignored)"
     print(head)
-    scope = "every preemption" if math.isinf(plan.effective_mtbf_s) or opts.notice_s is None \
-        else f"the preemptions without notice (effective MTBF {plan.effective_mtbf_s / 3600:.1f} h)"
+    if not opts.notice_works:
+        scope = "every preemption"
+    elif math.isinf(plan.effective_mtbf_s):
+        scope = "no preemption: every one comes with a notice, so the interval is the job length"
+    else:
+        scope = f"the preemptions without notice (effective MTBF {plan.effective_mtbf_s / 3600:.1f} h)"
     print(f"Young sqrt(2*C*MTBF) = {_minutes(plan.young_s)}, Daly = {_minutes(plan.daly_s)} "
           f"(best under the model: {_minutes(plan.optimum_s)}), covering {scope}")
     gb = opts.state_gb is not None
@@ -115,7 +121,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for r in plan.rows:
         print(f"{r.name:<26}{_minutes(r.interval_s):>10}{100 * r.goodput:>8.1f}%{_minutes(r.lost_work_s):>17}"
               f"{r.checkpoints_per_hour:>8.2f}" + (f"{r.write_gb_per_hour:>8.1f}" if gb else ""))
-    how = " plus an emergency checkpoint on notice" if opts.notice_s is not None else ""
+    how = " plus an emergency checkpoint on notice" if opts.notice_works else ""
     print(f"\nrecommendation: checkpoint every {_minutes(plan.interval_s)} ({plan.interval_s:.0f} s){how}: "
           f"goodput {100 * plan.goodput:.1f}%, ~{_minutes(plan.lost_work_s)} of work lost per preemption "
           f"(job of {opts.job_hours:g} h for the no-checkpoint row)")

@@ -88,3 +88,10 @@ def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, capsys, m
     assert main([*BASE, "--plot", str(tmp_path / "p.png")]) == 2
     assert "spotguard[plot]" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_a_notice_too_short_to_save_is_reported_and_ignored(capsys):
+    assert main([*BASE, "--notice", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "too short to write a checkpoint" in out and "covering every preemption" in out
+    assert "plus an emergency checkpoint" not in out
