@@ -231,15 +231,21 @@ class AdaptiveInterval:
     """The periodic interval behind ``every_seconds="auto"``, re-picked from measured costs.
 
     Call ``observe(seconds)`` after each checkpoint (or time it with ``measure()``); ``interval`` is
-    Daly's estimate for the moving average of the last ``window`` costs. A change is logged when
-    it moves more than ``tolerance`` (relative) away from the last logged value, so that noise in
-    the measurements does not flood the log.
+    Daly's estimate for the moving average of the last ``window`` costs, like ``plan()``: with
+    ``notice_s``/``notice_share`` it only covers the preemptions without a usable notice, and
+    falls back to all of them when checkpoints get slower than the notice lead. A change is logged
+    when it moves more than ``tolerance`` (relative) away from the last logged value, so that
+    noise in the measurements does not flood the log.
     """
 
-    def __init__(self, mtbf_hours: float, *, initial_s: float = 600.0, window: int = 8,
-                 tolerance: float = 0.1, min_s: float = 1.0, max_s: float = math.inf,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, mtbf_hours: float, *, notice_s: float | None = None, notice_share: float = 0.0,
+                 initial_s: float = 600.0, window: int = 8, tolerance: float = 0.1, min_s: float = 1.0,
+                 max_s: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
         self.mtbf_s = checked_number("mtbf_hours", mtbf_hours) * 3600.0
+        self.notice_s = None if notice_s is None else checked_number("notice_s", notice_s)
+        self.notice_share = checked_number("notice_share", notice_share, zero=True)
+        if self.notice_share > 1:
+            raise ConfigError(f"notice_share is a fraction in [0, 1], got {notice_share!r}")
         self.min_s = checked_number("min_s", min_s)
         self.max_s = float(max_s)
         if not self.max_s >= self.min_s:
@@ -262,10 +268,12 @@ class AdaptiveInterval:
         """Record one measured checkpoint cost; return the (possibly re-picked) interval."""
         self._costs.append(checked_number("checkpoint_seconds", checkpoint_seconds, zero=True))
         cost = self.mean_cost or 0.0
-        target = min(max(daly_interval(cost, self.mtbf_s), self.min_s), self.max_s)
+        share = self.notice_share if self.notice_s is not None and self.notice_s >= cost else 0.0
+        mtbf = self.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
+        target = min(max(daly_interval(cost, mtbf), self.min_s), self.max_s)
         if abs(target - self._logged) > self.tolerance * self._logged:
             logger.info("checkpoint interval %.0fs -> %.0fs (mean checkpoint cost %.2fs over %d, MTBF %.1fh)",
-                        self._logged, target, cost, len(self._costs), self.mtbf_s / 3600.0)
+                        self._logged, target, cost, len(self._costs), mtbf / 3600.0)
             self._logged = target
         self.interval = target
         return self.interval

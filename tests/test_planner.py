@@ -186,3 +186,12 @@ def test_adaptive_interval_respects_its_bounds_and_rejects_bad_input():
         AdaptiveInterval(mtbf_hours=0)
     with pytest.raises(ConfigError, match="window"):
         AdaptiveInterval(mtbf_hours=1, window=0)
+
+
+def test_adaptive_interval_with_notices_matches_the_plan_until_checkpoints_outgrow_the_notice():
+    adaptive = AdaptiveInterval(mtbf_hours=6, notice_s=120, notice_share=0.75, window=2)
+    adaptive.observe(60.0)
+    assert adaptive.interval == pytest.approx(plan(PlanOptions(60, 180, 6, notice_s=120, notice_share=0.75)).interval_s)
+    adaptive.observe(200.0)
+    adaptive.observe(200.0)  # 200 s checkpoints no longer fit in a 120 s notice: cover every preemption
+    assert adaptive.interval == pytest.approx(daly_interval(200.0, 6 * H))
