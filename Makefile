@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # first, so the CPU wheel is used, not a CUDA build
-	$(PY) -m pip install -q -e '.[dev,aws,gcp,data]'
+	$(PY) -m pip install -q -e '.[dev,aws,gcp,data,plot]'
 	touch $@
 
 demo: $(VENV)/.installed

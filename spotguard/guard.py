@@ -30,6 +30,7 @@ from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
 from .pending import PendingSave
+from .planner import AdaptiveInterval
 from .snapshot import Staging
 from .stats import GuardStats
 from .storage import Storage, open_storage
@@ -55,7 +56,7 @@ class GuardOptions:
     """When to checkpoint, where, and what to watch. Validated on creation."""
 
     every_steps: int | None = None
-    every_seconds: float | None = None
+    every_seconds: float | str | None = None  # seconds, or "auto" (needs mtbf_hours)
     keep: int = 3
     providers: str | Iterable[str | NoticeProvider] | None = "auto"
     interval: float = 1.0
@@ -65,12 +66,17 @@ class GuardOptions:
     local_dir: str | None = None
     async_save: bool = True
     busy: BusyPolicy | str = BusyPolicy.SKIP
+    mtbf_hours: float | None = None
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
-        if self.every_seconds is not None and not self.every_seconds > 0:
-            raise ConfigError(f"every_seconds must be positive or None, got {self.every_seconds!r}")
+        if self.every_seconds == "auto":
+            if self.mtbf_hours is None:
+                raise ConfigError('every_seconds="auto" needs mtbf_hours (mean hours between preemptions)')
+        elif self.every_seconds is not None and not (
+                isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0):
+            raise ConfigError(f"every_seconds must be positive, \"auto\" or None, got {self.every_seconds!r}")
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
         if not self.interval > 0:
@@ -99,7 +105,7 @@ class Guard:
         storage: str | Storage | None = None,
         *,
         every_steps: int | None = None,
-        every_seconds: float | None = None,
+        every_seconds: float | str | None = None,
         keep: int = 3,
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
@@ -109,9 +115,13 @@ class Guard:
         local_dir: str | None = None,
         async_save: bool = True,
         busy: BusyPolicy | str = BusyPolicy.SKIP,
+        mtbf_hours: float | None = None,
     ) -> None:
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
-                                    stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy)
+                                    stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
+                                    mtbf_hours)
+        # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
+        self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
             storage = os.environ.get(STORAGE_ENV)
             if not storage:
@@ -258,7 +268,10 @@ class Guard:
         t0 = time.perf_counter()
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
             payload = self._payload(step, staged=True)
-        self._stats.record_snapshot(time.perf_counter() - t0, self._staging.nbytes)
+        stall = time.perf_counter() - t0
+        self._stats.record_snapshot(stall, self._staging.nbytes)
+        if self._adaptive is not None:
+            self._adaptive.observe(stall)  # with async saves the loop only loses the snapshot
         self._saved_step = step
         self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, cancel))
         self._schedule(step)
@@ -319,6 +332,8 @@ class Guard:
         self._saved_step = step
         if manifest is not None:
             self._stats.record_write(time.monotonic() - t0, manifest.size)
+            if self._adaptive is not None and reason in ("periodic", "advisory"):
+                self._adaptive.observe(time.monotonic() - t0)
             self._durable_step = max(step, self._durable_step or 0)
             self._stats.checkpoints += 1
             self._prune(self.storage)
@@ -417,11 +432,18 @@ class Guard:
             first, self._errors = self._errors[0], []
             raise first
 
+    def _every_seconds(self) -> float:
+        if self._adaptive is None:
+            return float(self.options.every_seconds or 0)
+        # Never due faster than a background save takes to finish (it would only be skipped).
+        busy = (self._stats.write_s or 0) + (self._stats.upload_s or 0) if self.options.async_save else 0
+        return max(self._adaptive.interval, busy)
+
     def _schedule(self, step: int) -> None:
         every = self.options.every_steps
         self._due_step = step + every if every else math.inf
         if self.options.every_seconds is not None:
-            self._due_time = time.monotonic() + self.options.every_seconds
+            self._due_time = time.monotonic() + self._every_seconds()
 
     def _on_notice(self, notice: Notice) -> None:
         if notice.advisory and not self.options.stop_on_advisory and self.options.checkpoint_on_advisory:
@@ -431,7 +453,7 @@ class Guard:
     def __enter__(self) -> Guard:
         self.watcher.start()
         if self._timed:
-            self._due_time = time.monotonic() + (self.options.every_seconds or 0)
+            self._due_time = time.monotonic() + self._every_seconds()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:

@@ -1,0 +1,287 @@
+"""How often to checkpoint: the goodput model behind ``spotguard plan`` and ``every_seconds="auto"``.
+
+Checkpointing too often wastes I/O, too rarely wastes compute. With checkpoint cost C (seconds the
+loop is blocked), restart cost R (preemption to training again) and mean time between failures M,
+Young's interval is sqrt(2*C*M) and Daly's higher-order estimate refines it for C not << M.
+Failures are a Poisson process in wall time (failures during a restart restart it). Under that
+model the expected time to finish a segment of ``tau`` compute plus ``C`` checkpoint is
+``M * e^(R/M) * (e^((tau+C)/M) - 1)`` (Daly 2006): R lowers goodput by e^(-R/M) but does not move
+the optimum. A preemption that comes with a notice at least C seconds ahead loses (almost)
+nothing: the emergency checkpoint saves it, so the periodic interval only has to cover the share
+without notice (effective MTBF = M / share_without_notice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Published notice lead times: AWS spot interruption 2 min, GCP preemption and Azure Preempt 30 s.
+NOTICE_LEAD_S = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
+#: When only ``notice_s`` is given: some preemptions (host failures, missed notices) come without one.
+DEFAULT_NOTICE_SHARE = 0.9
+#: When only ``notice_share`` is given: the shortest published lead (GCP, Azure).
+DEFAULT_NOTICE_S = 30.0
+DEFAULT_INTERVALS_S = (300.0, 900.0, 1800.0, 3600.0, 7200.0)
+
+
+def checked_number(name: str, value: object, *, zero: bool = False) -> float:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from e
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero):
+        raise ConfigError(f"{name} must be {'>= 0' if zero else 'positive'} and finite, got {value!r}")
+    return v
+
+
+def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young (1974): the first-order optimum sqrt(2*C*M)."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly (2006): sqrt(2CM) * (1 + sqrt(C/2M)/3 + (C/2M)/9) - C for C < 2M, else M."""
+    if math.isinf(mtbf_s):
+        return math.inf
+    if checkpoint_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    r = checkpoint_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - checkpoint_s
+
+
+def _rates(mtbf_s: float, checkpoint_s: float, notice_share: float, notice_s: float | None) -> tuple[float, float]:
+    """(total failure rate, rate of failures whose notice is long enough for an emergency save)."""
+    lam = 1.0 / mtbf_s
+    saved = notice_share if notice_s is not None and notice_s >= checkpoint_s else 0.0
+    return lam, lam * saved
+
+
+def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, *,
+            notice_share: float = 0.0, notice_s: float | None = None) -> float:
+    """Expected useful compute / wall time with a checkpoint after every ``interval_s`` of compute.
+
+    Renewal over segment attempts: an attempt ends after ``interval_s + checkpoint_s`` or at the
+    first failure. A failure without notice loses the attempt; one with a notice keeps the work
+    done so far and costs the notice lead. Either way a restart follows.
+    """
+    lam, lam_n = _rates(mtbf_s, checkpoint_s, notice_share, notice_s)
+    s = interval_s + checkpoint_s
+    fail = -math.expm1(-lam * s)                     # P(failure within the attempt)
+    restart = math.expm1(lam * restart_s) / lam      # expected restart time, failures included
+    wall = fail / lam + fail * (restart + (lam_n / lam) * (notice_s or 0.0))
+    kept_on_notice = -math.expm1(-lam * interval_s) / lam - interval_s * math.exp(-lam * s)
+    useful = interval_s * math.exp(-lam * s) + (lam_n / lam) * kept_on_notice
+    return useful / wall
+
+
+def lost_work(interval_s: float, checkpoint_s: float, mtbf_s: float, *,
+              notice_share: float = 0.0, notice_s: float | None = None) -> float:
+    """Expected compute seconds to redo per preemption that hits training (noticed ones lose 0)."""
+    lam, lam_n = _rates(mtbf_s, checkpoint_s, notice_share, notice_s)
+    s = interval_s + checkpoint_s
+    fail = -math.expm1(-lam * s)
+    mean_progress = (-math.expm1(-lam * interval_s) / lam - interval_s * math.exp(-lam * s)) / fail
+    return (1.0 - lam_n / lam) * mean_progress
+
+
+def best_interval(f: Callable[[float], float], lo: float, hi: float, iters: int = 80) -> float:
+    """Golden-section search for the maximum of a unimodal ``f`` on a log scale."""
+    a, b = math.log(lo), math.log(hi)
+    g = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(math.exp(c)), f(math.exp(d))
+    for _ in range(iters):
+        if fc > fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(math.exp(c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(math.exp(d))
+    return math.exp((a + b) / 2.0)
+
+
+@dataclass
+class PlanOptions:
+    """What the planner needs: measured costs, the failure rate and, optionally, the notices."""
+
+    checkpoint_s: float
+    restart_s: float
+    mtbf_hours: float
+    notice_s: float | None = None        # lead of a notice; None: no emergency checkpoints
+    notice_share: float | None = None    # share of preemptions that come with that notice
+    job_hours: float = 24.0              # only the "no checkpoints" figure depends on it
+    state_gb: float | None = None        # to report checkpoint traffic
+    intervals_s: Sequence[float] = DEFAULT_INTERVALS_S
+
+    def __post_init__(self) -> None:
+        self.checkpoint_s = checked_number("checkpoint cost (s)", self.checkpoint_s)
+        self.restart_s = checked_number("restart cost (s)", self.restart_s, zero=True)
+        self.mtbf_hours = checked_number("MTBF (hours)", self.mtbf_hours)
+        self.job_hours = checked_number("job length (hours)", self.job_hours)
+        if self.notice_s is not None or self.notice_share is not None:
+            self.notice_s = checked_number("notice lead (s)", DEFAULT_NOTICE_S if self.notice_s is None else self.notice_s)
+            share = DEFAULT_NOTICE_SHARE if self.notice_share is None else self.notice_share
+            share = checked_number("notice share", share, zero=True)
+            if share > 1:
+                raise ConfigError(f"notice share is a fraction in [0, 1], got {share!r}")
+            self.notice_share = share
+        if self.state_gb is not None:
+            self.state_gb = checked_number("state size (GB)", self.state_gb, zero=True)
+        self.intervals_s = tuple(checked_number("interval (s)", v) for v in self.intervals_s)
+
+    @property
+    def mtbf_s(self) -> float:
+        return self.mtbf_hours * 3600.0
+
+    @property
+    def notice_works(self) -> bool:
+        """A notice helps only when its lead leaves time to write the emergency checkpoint."""
+        return self.notice_s is not None and self.notice_s >= self.checkpoint_s
+
+
+@dataclass
+class Row:
+    """One strategy's expected figures."""
+
+    name: str
+    interval_s: float | None
+    emergency: bool
+    goodput: float
+    lost_work_s: float
+    checkpoints_per_hour: float
+    write_gb_per_hour: float | None = None
+
+
+@dataclass
+class Plan:
+    """The recommendation (``interval_s``, ``goodput``) and the figures it is compared with."""
+
+    options: PlanOptions
+    interval_s: float
+    goodput: float
+    lost_work_s: float
+    young_s: float
+    daly_s: float
+    optimum_s: float
+    effective_mtbf_s: float
+    rows: list[Row] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        opts = d.pop("options")
+        opts["intervals_s"] = list(opts["intervals_s"])
+        inf = math.isinf(self.effective_mtbf_s)
+        d["effective_mtbf_s"] = None if inf else self.effective_mtbf_s
+        d["young_s"] = None if inf else self.young_s
+        d["daly_s"] = None if inf else self.daly_s
+        return {"interval_s": d.pop("interval_s"), "goodput": d.pop("goodput"), **d, "options": opts}
+
+
+def _row(o: PlanOptions, name: str, interval_s: float | None, emergency: bool) -> Row:
+    share, lead = (o.notice_share or 0.0, o.notice_s) if emergency else (0.0, None)
+    job_s = o.job_hours * 3600.0
+    tau, cost = (job_s, 0.0) if interval_s is None else (interval_s, o.checkpoint_s)
+    g = goodput(tau, cost, o.restart_s, o.mtbf_s, notice_share=share, notice_s=lead)
+    lost = lost_work(tau, cost, o.mtbf_s, notice_share=share, notice_s=lead)
+    per_hour = 0.0 if interval_s is None else 3600.0 * g / interval_s
+    gb = None if o.state_gb is None else per_hour * o.state_gb
+    return Row(name, interval_s, emergency, g, lost, per_hour, gb)
+
+
+def plan(o: PlanOptions) -> Plan:
+    """Recommend a periodic interval (Daly's estimate for the failures without a usable notice)."""
+    job_s = o.job_hours * 3600.0
+    share = (o.notice_share or 0.0) if o.notice_works else 0.0
+    eff = o.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
+    young, daly = young_interval(o.checkpoint_s, eff), daly_interval(o.checkpoint_s, eff)
+    interval = min(daly, job_s)
+    optimum = best_interval(lambda t: goodput(t, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share,
+                                              notice_s=o.notice_s), max(1e-3, o.checkpoint_s * 1e-3), job_s)
+    rows = [_row(o, "no checkpoints", None, False)]
+    rows += [_row(o, f"every {_fmt(t)}", t, False) for t in o.intervals_s]
+    plain = min(daly_interval(o.checkpoint_s, o.mtbf_s), job_s)
+    rows.append(_row(o, "recommended (Young/Daly)", plain, False))
+    if o.notice_s is not None:
+        rows.append(_row(o, "notice + recommended", interval, True))
+    best = rows[-1]
+    return Plan(o, interval, best.goodput, best.lost_work_s, young, daly, optimum, eff, rows)
+
+
+def _fmt(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+class AdaptiveInterval:
+    """The periodic interval behind ``every_seconds="auto"``, re-picked from measured costs.
+
+    Call ``observe(seconds)`` after each checkpoint (or time it with ``measure()``); ``interval`` is
+    Daly's estimate for the moving average of the last ``window`` costs, like ``plan()``: with
+    ``notice_s``/``notice_share`` it only covers the preemptions without a usable notice, and
+    falls back to all of them when checkpoints get slower than the notice lead. A change is logged
+    when it moves more than ``tolerance`` (relative) away from the last logged value, so that
+    noise in the measurements does not flood the log.
+    """
+
+    def __init__(self, mtbf_hours: float, *, notice_s: float | None = None, notice_share: float = 0.0,
+                 initial_s: float = 600.0, window: int = 8, tolerance: float = 0.1, min_s: float = 1.0,
+                 max_s: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
+        self.mtbf_s = checked_number("mtbf_hours", mtbf_hours) * 3600.0
+        self.notice_s = None if notice_s is None else checked_number("notice_s", notice_s)
+        self.notice_share = checked_number("notice_share", notice_share, zero=True)
+        if self.notice_share > 1:
+            raise ConfigError(f"notice_share is a fraction in [0, 1], got {notice_share!r}")
+        self.min_s = checked_number("min_s", min_s)
+        self.max_s = float(max_s)
+        if not self.max_s >= self.min_s:
+            raise ConfigError(f"max_s must be >= min_s, got {max_s!r} < {min_s!r}")
+        if not isinstance(window, int) or window < 1:
+            raise ConfigError(f"window must be an int >= 1, got {window!r}")
+        if not 0 <= tolerance < 1:
+            raise ConfigError(f"tolerance must be in [0, 1), got {tolerance!r}")
+        self.tolerance = tolerance
+        self.clock = clock
+        self._costs: deque[float] = deque(maxlen=window)
+        self.interval = min(max(checked_number("initial_s", initial_s), self.min_s), self.max_s)
+        self._logged = self.interval
+
+    @property
+    def mean_cost(self) -> float | None:
+        return sum(self._costs) / len(self._costs) if self._costs else None
+
+    def observe(self, checkpoint_seconds: float) -> float:
+        """Record one measured checkpoint cost; return the (possibly re-picked) interval."""
+        self._costs.append(checked_number("checkpoint_seconds", checkpoint_seconds, zero=True))
+        cost = self.mean_cost or 0.0
+        share = self.notice_share if self.notice_s is not None and self.notice_s >= cost else 0.0
+        mtbf = self.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
+        target = min(max(daly_interval(cost, mtbf), self.min_s), self.max_s)
+        if abs(target - self._logged) > self.tolerance * self._logged:
+            logger.info("checkpoint interval %.0fs -> %.0fs (mean checkpoint cost %.2fs over %d, MTBF %.1fh)",
+                        self._logged, target, cost, len(self._costs), mtbf / 3600.0)
+            self._logged = target
+        self.interval = target
+        return self.interval
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        """Time the block with ``clock`` and ``observe()`` it (only when it succeeds)."""
+        t0 = self.clock()
+        yield
+        self.observe(self.clock() - t0)
+

@@ -1,0 +1,197 @@
+"""The goodput model, the recommendation, the stats file and the adaptive interval."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+
+import pytest
+
+from spotguard.errors import ConfigError
+from spotguard.planner import (
+    AdaptiveInterval,
+    PlanOptions,
+    best_interval,
+    daly_interval,
+    goodput,
+    lost_work,
+    plan,
+    young_interval,
+)
+from spotguard.stats import load_stats
+
+H = 3600.0
+
+
+def test_young_is_sqrt_two_c_mtbf_and_daly_refines_it_toward_the_exact_optimum():
+    for c, m in [(10.0, 6 * H), (60.0, 6 * H), (600.0, 2 * H), (1800.0, 1 * H)]:
+        assert young_interval(c, m) == pytest.approx(math.sqrt(2 * c * m))
+        exact = best_interval(lambda t, c=c, m=m: goodput(t, c, 0.0, m), 1.0, 100 * m)
+        assert abs(daly_interval(c, m) - exact) <= abs(young_interval(c, m) - exact) + 1e-6
+        # Daly's estimate costs (almost) nothing against the true optimum of the model
+        assert goodput(daly_interval(c, m), c, 0.0, m) == pytest.approx(goodput(exact, c, 0.0, m), rel=2e-3)
+
+
+def test_daly_falls_back_to_mtbf_when_checkpoints_cost_more_than_two_mtbf():
+    assert daly_interval(3 * H, 1 * H) == 1 * H
+
+
+def test_restart_cost_lowers_goodput_by_exp_minus_r_over_m_but_does_not_move_the_optimum():
+    c, m = 60.0, 6 * H
+    best_free = best_interval(lambda t: goodput(t, c, 0.0, m), 1.0, 50 * m)
+    best_costly = best_interval(lambda t: goodput(t, c, 900.0, m), 1.0, 50 * m)
+    assert best_costly == pytest.approx(best_free, rel=1e-4)
+    assert goodput(best_free, c, 900.0, m) == pytest.approx(goodput(best_free, c, 0.0, m) * math.exp(-900.0 / m))
+
+
+def test_goodput_tends_to_the_checkpoint_overhead_when_failures_are_rare():
+    c, tau = 30.0, 600.0
+    assert goodput(tau, c, 100.0, 1e9 * H) == pytest.approx(tau / (tau + c), rel=1e-6)
+
+
+def test_notice_long_enough_to_save_reduces_lost_work_by_its_share():
+    c, m, tau = 60.0, 6 * H, 1800.0
+    plain = lost_work(tau, c, m)
+    assert 0.4 * tau < plain < 0.6 * tau
+    assert lost_work(tau, c, m, notice_share=0.75, notice_s=120.0) == pytest.approx(0.25 * plain)
+    assert goodput(tau, c, 180.0, m, notice_share=0.75, notice_s=120.0) > goodput(tau, c, 180.0, m)
+
+
+def test_a_notice_shorter_than_the_checkpoint_cost_counts_as_no_notice():
+    c, m, tau = 60.0, 6 * H, 1800.0
+    assert goodput(tau, c, 180.0, m, notice_share=0.9, notice_s=30.0) == goodput(tau, c, 180.0, m)
+    opts = PlanOptions(60, 180, 6, notice_s=30)
+    assert not opts.notice_works
+    p = plan(opts)
+    assert p.interval_s == pytest.approx(daly_interval(60, 6 * H))
+
+
+def test_plan_without_notice_recommends_daly_and_beats_every_fixed_interval():
+    p = plan(PlanOptions(checkpoint_s=60, restart_s=180, mtbf_hours=6))
+    assert p.interval_s == pytest.approx(daly_interval(60, 6 * H))
+    assert p.young_s == pytest.approx(math.sqrt(2 * 60 * 6 * H))
+    assert p.goodput == pytest.approx(goodput(p.interval_s, 60, 180, 6 * H))
+    assert p.rows[-1].name.startswith("recommended") and not p.rows[-1].emergency
+    fixed = [r for r in p.rows if r.name.startswith("every")]
+    assert len(fixed) == 5 and all(r.goodput < p.goodput for r in fixed)
+    none = p.rows[0]
+    assert none.interval_s is None and none.goodput < min(r.goodput for r in fixed)
+
+
+def test_plan_with_notice_covers_only_the_share_without_notice():
+    p = plan(PlanOptions(60, 180, 6, notice_s=120, notice_share=0.75))
+    assert p.effective_mtbf_s == pytest.approx(4 * 6 * H)
+    assert p.interval_s == pytest.approx(daly_interval(60, 24 * H))
+    assert p.interval_s > 1.9 * daly_interval(60, 6 * H)  # sqrt(4) longer, to first order
+    plain = next(r for r in p.rows if r.name.startswith("recommended"))
+    assert p.rows[-1].emergency and p.goodput == p.rows[-1].goodput > plain.goodput
+    assert p.lost_work_s < plain.lost_work_s
+
+
+def test_plan_defaults_share_and_lead_when_only_one_is_given_and_caps_at_the_job_length():
+    assert PlanOptions(60, 180, 6, notice_s=120).notice_share == 0.9
+    assert PlanOptions(60, 180, 6, notice_share=0.5).notice_s == 30.0
+    p = plan(PlanOptions(60, 180, 6, notice_s=120, notice_share=1.0, job_hours=10))
+    assert math.isinf(p.effective_mtbf_s) and p.interval_s == 10 * H
+    json.dumps(p.to_dict(), allow_nan=False)  # no Infinity in the JSON
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"checkpoint_s": -1}, "checkpoint cost"),
+    ({"checkpoint_s": 0}, "checkpoint cost"),
+    ({"restart_s": float("nan")}, "restart cost"),
+    ({"mtbf_hours": 0}, "MTBF"),
+    ({"mtbf_hours": "six"}, "MTBF"),
+    ({"notice_share": 1.5}, "notice share"),
+    ({"notice_s": -5}, "notice lead"),
+    ({"job_hours": float("inf")}, "job length"),
+    ({"intervals_s": (600, 0)}, "interval"),
+])
+def test_bad_plan_options_raise_a_clear_config_error(kwargs, word):
+    base = {"checkpoint_s": 60, "restart_s": 180, "mtbf_hours": 6}
+    with pytest.raises(ConfigError, match=word):
+        PlanOptions(**{**base, **kwargs})
+
+
+def test_stats_file_gives_the_blocking_cost_averaged_over_json_lines(tmp_path):
+    f = tmp_path / "stats.jsonl"
+    f.write_text('{"snapshot_s": 1.0, "write_s": 9.0, "restart_s": 50, "state_bytes": 2e9}\n'
+                 '{"snapshot_s": [2.0, 4.0], "write_s": 11.0}\n')
+    got = load_stats(f)
+    assert got.checkpoint_s == pytest.approx((10.0 + 14.0) / 2)
+    assert got.restart_s == 50 and got.state_gb == pytest.approx(2.0)
+    f.write_text(json.dumps({"snapshot_s": 1.5, "write_s": 30.0, "async": True}))
+    assert load_stats(f).checkpoint_s == 1.5 and load_stats(f).restart_s is None
+
+
+@pytest.mark.parametrize("text, word", [
+    ("not json", "not JSON"),
+    ('{"snapshot_s": "fast"}', "snapshot_s"),
+    ('{"write_s": -3}', "write_s"),
+    ('{"other": 1}', "no snapshot_s"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_bad_stats_file_raises_a_clear_config_error(tmp_path, text, word):
+    f = tmp_path / "stats.json"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=word):
+        load_stats(f)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_stats(tmp_path / "missing.json")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_adaptive_interval_converges_to_the_planner_value_from_noisy_measurements(caplog):
+    clock, rng = FakeClock(), random.Random(7)
+    adaptive = AdaptiveInterval(mtbf_hours=6, initial_s=600, window=16, clock=clock)
+    caplog.set_level(logging.INFO, logger="spotguard.planner")
+    for _ in range(200):
+        clock.now += adaptive.interval              # training until the checkpoint is due
+        with adaptive.measure():
+            clock.now += rng.uniform(40.0, 80.0)    # a checkpoint that costs 60 s on average
+    target = plan(PlanOptions(60, 180, 6)).interval_s
+    assert adaptive.interval == pytest.approx(target, rel=0.05)
+    changes = [r for r in caplog.records if "checkpoint interval" in r.getMessage()]
+    assert 1 <= len(changes) <= 5  # logged when it changed, not on every noisy measurement
+    assert "600s ->" in changes[0].getMessage()
+
+
+def test_adaptive_interval_follows_a_change_in_checkpoint_cost():
+    adaptive = AdaptiveInterval(mtbf_hours=2, window=4, clock=FakeClock())
+    for _ in range(4):
+        adaptive.observe(10.0)
+    assert adaptive.interval == pytest.approx(daly_interval(10.0, 2 * H))
+    for _ in range(4):
+        adaptive.observe(90.0)
+    assert adaptive.mean_cost == 90.0
+    assert adaptive.interval == pytest.approx(plan(PlanOptions(90, 0, 2)).interval_s)
+
+
+def test_adaptive_interval_respects_its_bounds_and_rejects_bad_input():
+    adaptive = AdaptiveInterval(mtbf_hours=100, min_s=30, max_s=900)
+    assert adaptive.observe(0.0) == 30
+    assert adaptive.observe(500.0) == 900
+    with pytest.raises(ConfigError, match="checkpoint_seconds"):
+        adaptive.observe(-1.0)
+    with pytest.raises(ConfigError, match="mtbf_hours"):
+        AdaptiveInterval(mtbf_hours=0)
+    with pytest.raises(ConfigError, match="window"):
+        AdaptiveInterval(mtbf_hours=1, window=0)
+
+
+def test_adaptive_interval_with_notices_matches_the_plan_until_checkpoints_outgrow_the_notice():
+    adaptive = AdaptiveInterval(mtbf_hours=6, notice_s=120, notice_share=0.75, window=2)
+    adaptive.observe(60.0)
+    assert adaptive.interval == pytest.approx(plan(PlanOptions(60, 180, 6, notice_s=120, notice_share=0.75)).interval_s)
+    adaptive.observe(200.0)
+    adaptive.observe(200.0)  # 200 s checkpoints no longer fit in a 120 s notice: cover every preemption
+    assert adaptive.interval == pytest.approx(daly_interval(200.0, 6 * H))
