@@ -72,11 +72,12 @@ def main() -> int:
     for size, ours, base in rows:
         print(f"{size:>6}MB {ours:9.2f}s {base:16.2f}s {ours / base:6.2f} {ours / args.budget:11.0%}")
     if args.json:
-        with open(args.json, "a") as f:
-            for size, ours, base in rows:
-                f.write(json.dumps({"figure": f"emergency notice->commit {size} MB ({where})", "value": round(ours, 2),
-                                    "unit": "s", "baseline": round(base, 2), "ratio": round(ours / base, 2),
-                                    "target": f"< {args.budget:.0f} s", "pass": ours < args.budget}) + "\n")
+        out = []
+        for size, ours, base in rows:
+            out.append({"figure": f"emergency notice->commit {size} MB ({where})", "value": round(ours, 2),
+                                "unit": "s", "baseline": round(base, 2), "ratio": round(ours / base, 2),
+                                "target": f"< {args.budget:.0f} s", "pass": ours < args.budget})
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
