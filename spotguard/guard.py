@@ -260,7 +260,10 @@ class Guard:
         if pending is not None and not pending.done():
             if self.options.busy is BusyPolicy.SKIP:
                 self._stats.skipped += 1
-                logger.warning("%s checkpoint of step %d skipped: step %d is still being written", reason, step, pending.step)
+                level = logging.DEBUG if pending.skipped else logging.WARNING  # once per slow save
+                pending.skipped += 1
+                logger.log(level, "%s checkpoint of step %d skipped: step %d is still being written",
+                           reason, step, pending.step)
                 self._schedule(step)
                 return
             self._wait_pending()

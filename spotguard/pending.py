@@ -25,6 +25,7 @@ class PendingSave:
         self.error: BaseException | None = None
         self.started = time.monotonic()
         self.finished: float | None = None
+        self.skipped = 0  # due checkpoints skipped while this one was in flight
         self._cancel = threading.Event()
         self._work = work
         self._thread = threading.Thread(target=self._run, name=f"spotguard-save-{step}", daemon=True)

@@ -1,0 +1,88 @@
+"""Driver for test_crash_async: forks trainees from one warm process and SIGKILLs them at random.
+
+Run as a script: ``python crash_driver.py STORAGE LOG KILLS SEED``. Importing torch once and
+forking each trainee (single-threaded: torch.set_num_threads(1) before any work) makes fifty
+kill-and-resume rounds take seconds instead of minutes. Prints one JSON summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+
+STEPS = 60
+
+
+def train(storage: str, log: str, steps: int = STEPS) -> None:
+    """A trainee: resume, train with async saves every step, log each step's loss exactly."""
+    import spotguard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Dropout(0.2), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 256))  # ~8 MB with AdamW state: saves take a while
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = spotguard.Guard(storage, providers=[], every_steps=1, keep=2)
+    guard.track(model=model, optimizer=opt)
+    start = guard.resume()
+    with open(log, "a") as f, guard:
+        for step in range(start, steps):
+            x = torch.randn(32, 256)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            f.write(json.dumps({"step": step + 1, "loss": loss.item().hex()}) + "\n")
+            f.flush()
+            guard.step(step + 1)
+
+
+def run_child(storage: str, log: str, kill_after: float | None) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            train(storage, log)
+        finally:
+            os._exit(0)
+    if kill_after is not None:
+        time.sleep(kill_after)
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def main() -> int:
+    storage, log, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    import spotguard  # noqa: F401 - warm: trainees start in milliseconds
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    store = open_storage(storage)
+    partial = corrupt = 0
+    for _ in range(kills):
+        run_child(storage, log, rng.uniform(0.05, 1.2))
+        infos = checkpoint.scan(store)
+        corrupt += sum(i.status == "corrupt" for i in infos)
+        partial += any(i.status == "incomplete" for i in infos) or any(
+            ".tmp-" in p for p in (os.path.join(d, n) for d, ds, fs in os.walk(storage) for n in fs + ds))
+        for info in infos:
+            if info.complete:
+                checkpoint.verify(store, info)  # raises on a bad checksum
+    status = run_child(storage, log, None)
+    print(json.dumps({"partial": partial, "corrupt": corrupt, "final_status": status}))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--reference":
+        torch.set_num_threads(1)
+        train(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
