@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, state
+from . import checkpoint, data, distributed, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SpotguardError
 from .notices.base import Notice, NoticeProvider
@@ -45,6 +45,10 @@ class GuardOptions:
     save_on_exit: bool = True
     stop_on_advisory: bool = False
     checkpoint_on_advisory: bool = True
+    # [distributed] only used in an initialised process group (see spotguard.distributed)
+    sync_every: int = 1
+    poll_on: str = "local-rank-0"
+    reshard: str = "refuse"
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -55,6 +59,13 @@ class GuardOptions:
             raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
         if not self.interval > 0:
             raise ConfigError(f"interval must be positive, got {self.interval!r}")
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
+            raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        for value, enum_cls in ((self.poll_on, distributed.PollOn), (self.reshard, distributed.Reshard)):
+            try:
+                enum_cls(value)
+            except ValueError:
+                raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None
 
 
 def _world_size() -> int:
@@ -81,14 +92,20 @@ class Guard:
         save_on_exit: bool = True,
         stop_on_advisory: bool = False,
         checkpoint_on_advisory: bool = True,
+        sync_every: int = 1,
+        poll_on: str = "local-rank-0",
+        reshard: str = "refuse",
     ) -> None:
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
-                                    stop_on_advisory, checkpoint_on_advisory)
+                                    stop_on_advisory, checkpoint_on_advisory, sync_every, poll_on, reshard)
         if storage is None:
             storage = os.environ.get(STORAGE_ENV)
             if not storage:
                 raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
         self.storage: Storage = open_storage(storage)
+        # [distributed hook] per-rank providers; the agreement collective when in a process group
+        providers = distributed.providers_for_rank(providers, poll_on)
+        self._dist = distributed.setup(sync_every)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in the manifest and restored by ``resume()``.
@@ -129,6 +146,8 @@ class Guard:
         A checkpoint that fails verification is skipped with a warning naming the reason, and the
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
         """
+        if self._dist is not None:  # [distributed hook] collective, sharded checkpoints
+            return self._dist.resume(self)
         infos = checkpoint.scan(self.storage)
         for info in reversed(infos):
             if not info.complete:
@@ -173,6 +192,8 @@ class Guard:
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
+        if self._dist is not None:  # [distributed hook] every rank gets the same verdict
+            return self._dist.step(self, step)
         if self.preempted.is_set() or step >= self._due_step or (self._timed and time.monotonic() >= self._due_time):
             return self._step_slow(step)
         self._step = step
@@ -188,9 +209,10 @@ class Guard:
         self._save_logged(step, "advisory" if self._due_step == -math.inf else "periodic")
         return False
 
-    def _emergency(self, step: int) -> None:
+    def _emergency(self, step: int, left: float | None = None) -> None:
         notice = self.notice
-        left = notice.seconds_left() if notice else None
+        if left is None:  # [distributed] ranks pass the earliest deadline among them
+            left = notice.seconds_left() if notice else None
         budget = "" if left is None else f", {left:.1f}s before the deadline"
         if self._saved_step == step:
             logger.warning("stop at step %d: already checkpointed%s", step, budget)
@@ -228,6 +250,8 @@ class Guard:
         """
         if self._saved_step == step:
             return None
+        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
+            return self._dist.save(self, step, reason, deadline)
         with state.rng_isolated():
             payload = {
                 "step": step,
