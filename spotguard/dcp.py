@@ -65,14 +65,12 @@ def _done(value: Any) -> Future:
     return fut
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """``torch.save`` of exactly this tensor: on CPU, and not the whole storage a view points into."""
+def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """This tensor alone on CPU: ``torch.save`` of a view would write the whole storage behind it."""
     t = tensor.detach().to("cpu")
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
         t = t.clone(memory_format=torch.contiguous_format)
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    return buf.getvalue()
+    return t
 
 
 class SpotguardWriter(StorageWriter):
@@ -110,14 +108,14 @@ class SpotguardWriter(StorageWriter):
             out = HashingWriter(raw)
             for item in plan.items:
                 data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                else:
-                    blob = _tensor_bytes(data)
                 offset = out.size
-                out.write(blob)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(blob),
-                                           storage_data=ShardLocation(fname, offset, len(blob))))
+                if item.type == WriteItemType.BYTE_IO:
+                    out.write(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
+                else:
+                    torch.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
+                length = out.size - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=ShardLocation(fname, offset, length)))
         self.entries.append(FileEntry(f"shards/{fname}", out.size, out.hexdigest()))
         return _done(results)
 

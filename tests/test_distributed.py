@@ -24,8 +24,6 @@ from spotguard.storage import open_storage
 
 from .helpers import REPO, free_port, read_losses, subprocess_env
 
-pytestmark = pytest.mark.slow
-
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 _rng = random.Random()  # the test's own randomness
 
@@ -100,6 +98,7 @@ def last_steps(tmp: Path, pattern: str, ranks: int) -> list[int]:
     return [read_losses(tmp / pattern.format(rank=r))[-1][0] for r in range(ranks)]
 
 
+@pytest.mark.slow
 def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(tmp_path):
     common = ("--steps", "40", "--every-steps", "15")
     ref = tmp_path / "ref"
@@ -143,6 +142,7 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_group):
     storage, losses = tmp_path / "ckpt", str(tmp_path / "loss4-{rank}.jsonl")
     four = run_until(example(4, storage, "--steps", "200", "--every-steps", "0", "--step-sleep", "0.05",
@@ -169,6 +169,7 @@ def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_
                 torch.load(tmp_path / "at-stop.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
     root, marker = tmp_path / "ckpt", tmp_path / "hanging.pid"
     proc = subprocess.Popen(torchrun(2, REPO / "tests" / "dist_blocking_save.py", str(root), str(marker)),
