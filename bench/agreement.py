@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
-from spotguard import Guard  # noqa: E402
 from train import CharTransformer  # noqa: E402
+
+from spotguard import Guard  # noqa: E402
 
 
 def per_call(fn, n: int) -> float:

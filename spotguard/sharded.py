@@ -234,7 +234,7 @@ def resume(guard: Guard, agreement: Agreement) -> int:
             raise CheckpointMismatchError(_refusal(info, world, sorted(rest)))
         problem = _load(guard, agreement, info)
         if agreement.reduce(1 if problem else 0):
-            problems = [None] * world
+            problems: list[Any] = [None] * world
             dist.all_gather_object(problems, problem, group=agreement.save_group)
             logger.warning("skipping %s: %s", storage.describe(info.name), "; ".join(p for p in problems if p))
             continue

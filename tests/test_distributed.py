@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from spotguard import EXIT_PREEMPTED, CheckpointMismatchError, Guard
 from spotguard.checkpoint import latest, scan
+from spotguard.dcp import load_metadata
 from spotguard.storage import open_storage
 
 from .helpers import REPO, free_port, read_losses, subprocess_env
@@ -191,3 +192,22 @@ def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
     assert infos[1].complete and infos[1].manifest.world_size == 2
     assert infos[2].status == "incomplete", infos[2]
     assert latest(open_storage(str(root))).step == 1
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_of_two_ranks_loads_exactly_on_one(tmp_path, single_rank_group):
+    """FSDP2 state is saved without gathering (2 ranks) and resharded onto 1 rank (this process)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from dist_fsdp2 import build, full_state
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    done = run(torchrun(2, REPO / "tests" / "dist_fsdp2.py", str(tmp_path / "ckpt"), str(tmp_path / "full.pt")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = load_metadata(tmp_path / "ckpt" / "step-00000003" / "shards" / "metadata.dcp")
+    weights = {loc.relative_path for idx, loc in meta.storage_data.items() if idx.fqn.startswith("model.")}
+    assert weights == {"rank-00000.distcp", "rank-00001.distcp"}  # each rank wrote its own shards
+    model, opt = build()
+    guard = Guard(str(tmp_path / "ckpt"), providers=None, reshard="reset-data").track(model=model, optimizer=opt)
+    assert guard.resume() == 3
+    assert_same(full_state(model, opt), torch.load(tmp_path / "full.pt", weights_only=True))
