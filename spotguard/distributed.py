@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from . import notices
+from .errors import CheckpointMismatchError
 from .notices.base import Notice, NoticeProvider
 
 if TYPE_CHECKING:
-    from .checkpoint import Manifest
+    from .checkpoint import CheckpointInfo, Manifest
     from .guard import Guard
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,15 @@ class Agreement:
     def resume(self, guard: Guard) -> int:
         from . import sharded
         return sharded.resume(guard, self)
+
+
+def refuse_sharded(info: CheckpointInfo) -> None:
+    """Raise when a single process meets a checkpoint written by a process group (not skip it)."""
+    m = info.manifest
+    if m is not None and (m.world_size > 1 or any(f.name.startswith("shards/") for f in m.files)):
+        raise CheckpointMismatchError(
+            f"{info.name} is a sharded checkpoint of {m.world_size} rank(s): resume it in a process group "
+            f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))")
 
 
 def setup(sync_every: int, timeout: float | None = None) -> Agreement | None:

@@ -166,6 +166,7 @@ class Guard:
         return 0
 
     def _load(self, info: CheckpointInfo) -> dict[str, Any]:
+        distributed.refuse_sharded(info)  # [distributed hook] a sharded checkpoint needs a process group
         with checkpoint.open_verified(self.storage, info, STATE_FILE) as path:
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -18,7 +18,7 @@ from spotguard import ConfigError, Guard
 from spotguard.checkpoint import latest, scan
 from spotguard.dcp import load_metadata
 from spotguard.distributed import providers_for_rank
-from spotguard.errors import CheckpointCorruptError
+from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError
 from spotguard.notices.base import Notice
 from spotguard.notices.file import FileProvider
 
@@ -130,3 +130,16 @@ def test_single_process_without_torchrun_is_untouched(monkeypatch):
 def test_bad_distributed_options_are_refused(tmp_path, kw):
     with pytest.raises(ConfigError):
         Guard(str(tmp_path), providers=None, **kw)
+
+
+def test_single_process_refuses_a_sharded_checkpoint_instead_of_skipping_it(tmp_path, group):
+    guard, model, opt, sched = make(tmp_path)
+    guard.save(1)
+    dist.destroy_process_group()
+    try:
+        alone, *_ = make(tmp_path)
+        assert alone._dist is None
+        with pytest.raises(CheckpointMismatchError, match="sharded checkpoint of 1 rank.*torchrun"):
+            alone.resume()
+    finally:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
