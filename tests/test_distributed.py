@@ -113,14 +113,18 @@ def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(
     losses = str(tmp_path / "loss-{rank}.jsonl")
     storage = tmp_path / "ckpt"
     first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
-                      tmp_path / "loss-0.jsonl", at, lambda _: Path(str(notice).format(rank=1)).write_text(""),
+                      tmp_path / "loss-0.jsonl", at, lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 20}'),
                       SPOTGUARD_NOTICE_FILE=str(notice))
     assert stopped_for_notice(first), (at, first.stdout, first.stderr[-3000:])
     stops = last_steps(tmp_path, "loss-{rank}.jsonl", 2)
     assert stops[0] == stops[1] and at <= stops[0] < 40, (at, stops)
+    for r in range(2):  # rank 0 saw no notice, yet its emergency save ran against rank 1's deadline
+        left = re.search(rf"\[rank {r}\] spotguard.guard: emergency checkpoint of step {stops[0]} "
+                         rf"committed in [0-9.]+s, ([0-9.]+)s before the deadline", first.stderr)
+        assert left and 0 < float(left.group(1)) <= 20, (r, first.stderr[-3000:])
     info = latest(open_storage(str(storage)))
     assert info and info.step == stops[0] and info.manifest and info.manifest.world_size == 2
-    assert info.manifest.reason in ("emergency", "periodic")
+    assert info.manifest.reason == "emergency"
     names = {f.name for f in info.manifest.files}
     assert {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp"} <= names
 
