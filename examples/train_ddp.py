@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:  # plain `python train_ddp.py`: a group of one
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.set_num_threads(args.threads)
