@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ._version import __version__
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SaveCancelled, StorageError
@@ -118,6 +118,30 @@ class CheckpointInfo:
     @property
     def complete(self) -> bool:
         return self.status == "complete"
+
+
+class HashingWriter:
+    """A write-through wrapper that counts and hashes bytes as they pass (for streamed writes, e.g. DCP)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.size = 0
+        self._hash = hashlib.sha256()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hash.update(data)
+        n = self.raw.write(data)
+        self.size += len(data) if n is None else n
+        return len(data) if n is None else n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
 
 
 #: Serialises one file of a checkpoint to the local path it is given (e.g. ``torch.save(obj, path)``).

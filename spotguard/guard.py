@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, state
+from . import checkpoint, data, distributed, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
@@ -67,6 +67,10 @@ class GuardOptions:
     async_save: bool = True
     busy: BusyPolicy | str = BusyPolicy.SKIP
     mtbf_hours: float | None = None
+    # [distributed] only used in an initialised process group (see spotguard.distributed)
+    sync_every: int = 1
+    poll_on: str = "local-rank-0"
+    reshard: str = "refuse"
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -85,6 +89,13 @@ class GuardOptions:
             self.busy = BusyPolicy(self.busy)
         except ValueError:
             raise ConfigError(f"busy must be one of {[p.value for p in BusyPolicy]}, got {self.busy!r}") from None
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
+            raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        for value, enum_cls in ((self.poll_on, distributed.PollOn), (self.reshard, distributed.Reshard)):
+            try:
+                enum_cls(value)
+            except ValueError:
+                raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None
 
 
 def _world_size() -> int:
@@ -116,10 +127,13 @@ class Guard:
         async_save: bool = True,
         busy: BusyPolicy | str = BusyPolicy.SKIP,
         mtbf_hours: float | None = None,
+        sync_every: int = 1,
+        poll_on: str = "local-rank-0",
+        reshard: str = "refuse",
     ) -> None:
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
-                                    mtbf_hours)
+                                    mtbf_hours, sync_every, poll_on, reshard)
         # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
         self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
@@ -128,6 +142,10 @@ class Guard:
                 raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
         self.storage: Storage = open_storage(storage)
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
+        # [distributed hook] per-rank providers; the agreement collective when in a process group.
+        # In a group, saves are collective, sharded and synchronous (spotguard.sharded).
+        providers = distributed.providers_for_rank(providers, poll_on)
+        self._dist = distributed.setup(sync_every)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in the manifest and restored by ``resume()``.
@@ -178,6 +196,8 @@ class Guard:
         A checkpoint that fails verification is skipped with a warning naming the reason, and the
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
         """
+        if self._dist is not None:  # [distributed hook] collective, sharded checkpoints
+            return self._dist.resume(self)
         tiers = [(s, checkpoint.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
         self._durable_step = durable[-1] if durable else None
@@ -201,6 +221,7 @@ class Guard:
         return 0
 
     def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
+        distributed.refuse_sharded(info)  # [distributed hook] a sharded checkpoint needs a process group
         with checkpoint.open_verified(storage, info, STATE_FILE) as path:
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -227,6 +248,8 @@ class Guard:
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
+        if self._dist is not None:  # [distributed hook] every rank gets the same verdict
+            return self._dist.step(self, step)
         if self.preempted.is_set() or step >= self._due_step or (self._timed and time.monotonic() >= self._due_time):
             return self._step_slow(step)
         self._step = step
@@ -328,6 +351,8 @@ class Guard:
         """
         if self._saved_step == step:
             return None
+        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
+            return self._dist.save(self, step, reason, deadline)
         t0 = time.monotonic()
         with state.rng_isolated():
             payload = self._payload(step, staged=False)
@@ -353,9 +378,10 @@ class Guard:
             self._schedule(step)
 
     # -- the emergency ------------------------------------------------------------------------
-    def _emergency(self, step: int) -> None:
+    def _emergency(self, step: int, left: float | None = None) -> None:
         notice = self.notice
-        left = notice.seconds_left() if notice else None
+        if left is None:  # [distributed] ranks pass the earliest deadline among them
+            left = notice.seconds_left() if notice else None
         t0 = time.monotonic()
         deadline = None if left is None else t0 + left
         pending = self._pending

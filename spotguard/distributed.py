@@ -1,0 +1,215 @@
+"""Process groups: every rank stops after the same step, and the earliest deadline governs.
+
+Each rank watches its own notice sources (signal handlers on every rank, cloud metadata on local
+rank 0 of each node by default). ``guard.step()`` then combines the local flags of all ranks with
+one all-reduce of one integer (MAX) on a dedicated gloo group, every ``sync_every`` steps: a
+separate group never interleaves with the training's NCCL collectives, nor with the save group
+that sharded checkpoints (``spotguard.sharded``) coordinate on. Only when the verdict is "stop" is
+a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
+wall clocks, because monotonic clocks differ between machines).
+
+Without an initialised process group nothing here runs: the single-process ``Guard`` pays for one
+attribute check per step and no collective.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import notices
+from .errors import CheckpointMismatchError
+from .notices.base import Notice, NoticeProvider
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointInfo, Manifest
+    from .guard import Guard
+
+logger = logging.getLogger(__name__)
+
+#: Verdicts, ordered so that MAX picks the most urgent one.
+NOTHING, PERIODIC, ADVISORY, STOP = 0, 1, 2, 3
+#: Sources every rank watches; any other provider (cloud metadata) is node-wide.
+PER_PROCESS_PROVIDERS = frozenset({"signal", "file"})
+
+
+class PollOn(str, enum.Enum):
+    """Which ranks poll node-wide notice sources (cloud metadata)."""
+
+    LOCAL_RANK_0 = "local-rank-0"
+    ALL = "all"
+
+
+class Reshard(str, enum.Enum):
+    """What to do when a checkpoint was saved by a different number of ranks."""
+
+    REFUSE = "refuse"  # raise: per-rank state (RNG, data positions) cannot be split or merged
+    RESET_DATA = "reset-data"  # reshard model/optimizer, restart per-rank RNG and loader positions
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """This process's index on its node (torchrun's ``LOCAL_RANK``; the global rank otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+def format_per_rank(template: str) -> str:
+    """Fill ``{rank}``, ``{local_rank}`` and ``{world_size}`` in a path (per-rank notice files, logs)."""
+    return template.format(rank=rank(), local_rank=local_rank(), world_size=world_size())
+
+
+def providers_for_rank(spec: str | Iterable[str | NoticeProvider] | None,
+                       poll_on: PollOn | str = PollOn.LOCAL_RANK_0) -> Any:
+    """The notice providers this rank runs. Unchanged outside torchrun / a process group.
+
+    Signals and the notice file are per process (a scheduler may signal any rank; a rank-templated
+    ``$SPOTGUARD_NOTICE_FILE`` like ``/tmp/notice-{rank}`` gives each rank its own file); other
+    providers (cloud metadata) run on local rank 0 only unless ``poll_on="all"``.
+    """
+    if spec is None or ("LOCAL_RANK" not in os.environ and not is_distributed()):
+        return spec
+    if isinstance(spec, str):
+        if spec == "auto":
+            names: list[str | NoticeProvider] = ["signal"]
+            if os.environ.get("SPOTGUARD_NOTICE_FILE"):
+                names.append("file")
+            names.extend(notices.detect_clouds())
+        else:
+            names = [part.strip() for part in spec.split(",") if part.strip()]
+    else:
+        names = list(spec)
+    chosen: list[str | NoticeProvider] = []
+    for item in names:
+        if isinstance(item, NoticeProvider) or item == "signal":
+            chosen.append(item)
+        elif item == "file":
+            template = os.environ.get("SPOTGUARD_NOTICE_FILE", "")
+            if "{" in template:
+                from .notices.file import FileProvider
+                chosen.append(FileProvider(format_per_rank(template)))
+            else:
+                chosen.append(item)
+        elif PollOn(poll_on) is PollOn.ALL or local_rank() == 0:
+            chosen.append(item)
+        else:
+            logger.debug("rank %d: %s is polled by local rank 0 only", rank(), item)
+    return chosen
+
+
+def _epoch(deadline: dt.datetime | None) -> float:
+    return deadline.timestamp() if deadline is not None else math.inf
+
+
+class Agreement:
+    """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
+
+    Creating it is itself collective (two ``new_group`` calls): every rank must construct its
+    Guard in the same order.
+    """
+
+    def __init__(self, sync_every: int = 1, timeout: float | None = None) -> None:
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if timeout is not None:
+            kwargs["timeout"] = dt.timedelta(seconds=timeout)
+        self.group = dist.new_group(**kwargs)
+        self.save_group = dist.new_group(**kwargs)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.sync_every = sync_every
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._deadline = torch.zeros(1, dtype=torch.float64)
+
+    def reduce(self, code: int) -> int:
+        """MAX of every rank's code (one all-reduce of one int64)."""
+        self._flag[0] = code
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(self._flag[0])
+
+    def earliest_deadline(self, deadline: dt.datetime | None) -> dt.datetime | None:
+        """The earliest notice deadline of all ranks (None when no rank has one)."""
+        self._deadline[0] = _epoch(deadline)
+        dist.all_reduce(self._deadline, op=dist.ReduceOp.MIN, group=self.group)
+        earliest = float(self._deadline[0])
+        return None if math.isinf(earliest) else dt.datetime.fromtimestamp(earliest, dt.timezone.utc)
+
+    # -- Guard hooks ---------------------------------------------------------------------------
+    def step(self, guard: Guard, step: int) -> bool:
+        """``Guard.step`` in a process group: the same verdict, hence the same step, on every rank."""
+        guard._step = step
+        if guard.stopped_at is not None:
+            return True
+        if step % self.sync_every:
+            return False  # saves and stops happen on sync steps only, on all ranks alike
+        if guard.preempted.is_set():
+            code = STOP
+        elif guard._due_step == -math.inf:
+            code = ADVISORY
+        elif step >= guard._due_step or (guard._timed and time.monotonic() >= guard._due_time):
+            code = PERIODIC
+        else:
+            code = NOTHING
+        verdict = self.reduce(code)
+        if verdict == NOTHING:
+            return False
+        if verdict == STOP:
+            return self._stop(guard, step)
+        guard._save_logged(step, "advisory" if verdict == ADVISORY else "periodic")
+        return False
+
+    def _stop(self, guard: Guard, step: int) -> bool:
+        local = guard.notice
+        deadline = self.earliest_deadline(local.deadline if local else None)
+        if local is None:  # another rank saw it: make this rank's guard say so too
+            guard.watcher.report(Notice("peer", "preempt", deadline=deadline,
+                                        raw={"step": step, "seen_by": "another rank"}))
+        guard.stopped_at = step
+        left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        guard._emergency(step, left=left)
+        return True
+
+    def save(self, guard: Guard, step: int, reason: str, deadline: float | None) -> Manifest | None:
+        from . import sharded
+        return sharded.save(guard, self, step, reason, deadline)
+
+    def resume(self, guard: Guard) -> int:
+        from . import sharded
+        return sharded.resume(guard, self)
+
+
+def refuse_sharded(info: CheckpointInfo) -> None:
+    """Raise when a single process meets a checkpoint written by a process group (not skip it)."""
+    m = info.manifest
+    if m is not None and (m.world_size > 1 or any(f.name.startswith("shards/") for f in m.files)):
+        raise CheckpointMismatchError(
+            f"{info.name} is a sharded checkpoint of {m.world_size} rank(s): resume it in a process group "
+            f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))")
+
+
+def setup(sync_every: int, timeout: float | None = None) -> Agreement | None:
+    """An ``Agreement`` when a process group is initialised, else None (single process)."""
+    if not is_distributed():
+        return None
+    agreement = Agreement(sync_every, timeout)
+    logger.info("rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
+                agreement.rank, agreement.world_size, sync_every)
+    return agreement

@@ -1,0 +1,252 @@
+"""Sharded checkpoints in a process group: DCP for model/optimizer, one small file per rank.
+
+``<root>/step-00000100/`` holds ``shards/rank-NNNNN.distcp`` + ``shards/metadata.dcp`` (DCP,
+written by every rank without gathering onto one), ``rank-NNNNN.pt`` (what belongs to one rank:
+RNG streams, data loader position, other tracked objects) and ``manifest.json``. Order of a save,
+every step collective on the guard's save group (gloo):
+
+1. rank 0 checks the step is not committed and clears leftovers of an interrupted save;
+2. every rank writes its ``rank-NNNNN.pt``, then ``dcp.save`` writes the shards;
+3. every rank reports (error or its file entries with SHA-256) to every rank;
+4. rank 0 writes the manifest, write-once, only if every rank succeeded, and tells all the outcome.
+
+A rank that dies anywhere before 4 leaves a directory without a manifest: not a checkpoint.
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (DDP and FSDP2 alike)
+and reshard to another world size; per-rank state does not (see ``Reshard``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import checkpoint, data, state
+from .checkpoint import MANIFEST, CheckpointInfo, FileEntry, HashingWriter, Manifest
+from .dcp import METADATA_FILE, SpotguardReader, SpotguardWriter
+from .distributed import Reshard
+from .errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
+
+if TYPE_CHECKING:
+    from .distributed import Agreement
+    from .guard import Guard
+
+logger = logging.getLogger(__name__)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _owner(opt: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
+    """The tracked module whose parameters this optimizer updates."""
+    first = next(p for g in opt.param_groups for p in g["params"])
+    for module in modules.values():
+        if any(p is first for p in module.parameters()):
+            return module
+    raise CheckpointMismatchError("a tracked optimizer updates parameters of no tracked module: track the model too")
+
+
+def _split(objects: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer], dict[str, Any]]:
+    modules = {n: o for n, o in objects.items() if isinstance(o, nn.Module)}
+    optims = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+    rest = {n: o for n, o in objects.items() if n not in modules and n not in optims}
+    return modules, optims, rest
+
+
+def _dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
+    modules, optims, _ = _split(objects)
+    sd: dict[str, Any] = {n: get_model_state_dict(m) for n, m in modules.items()}
+    sd.update({n: get_optimizer_state_dict(_owner(o, modules), o) for n, o in optims.items()})
+    return sd
+
+
+def _set_dcp_state(objects: dict[str, Any], sd: dict[str, Any]) -> None:
+    modules, optims, _ = _split(objects)
+    for n, m in modules.items():
+        set_model_state_dict(m, sd[n])
+    for n, o in optims.items():
+        set_optimizer_state_dict(_owner(o, modules), o, sd[n])
+
+
+def _broadcast(value: Any, group: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: float | None) -> Manifest | None:
+    """Collective: every rank calls it for the same step. Raises ``StorageError`` on all ranks alike."""
+    storage, group, rank, world = guard.storage, agreement.save_group, agreement.rank, agreement.world_size
+    name = checkpoint.step_dir(step)
+    status = "ok"
+    if rank == 0:
+        try:
+            existing = storage.list(name + "/")
+            if f"{name}/{MANIFEST}" in existing:
+                status = "exists"
+            elif existing:
+                logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
+                            storage.describe(name))
+                storage.delete(existing)
+        except Exception as e:
+            status = f"rank 0 cannot prepare {storage.describe(name)}: {e}"
+    status = _broadcast(status, group)
+    if status == "exists":
+        logger.info("%s is already committed; not writing it twice", storage.describe(name))
+        guard._saved_step = step
+        guard._schedule(step)
+        return None
+    if status != "ok":
+        raise StorageError(status)
+
+    _, _, rest = _split(guard._objects)
+    error, entries = "", []
+    with state.rng_isolated():
+        payload = {"step": step, "rank": rank, "world_size": world,
+                   "rng": state.capture_rng(),  # first: collecting a loader's state may draw
+                   "objects": state.collect(rest),
+                   "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
+        try:
+            with storage.open_write(f"{name}/{rank_file(rank)}", deadline=deadline) as raw:
+                out = HashingWriter(raw)
+                torch.save(payload, out)  # type: ignore[arg-type]
+            entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest()))
+        except Exception as e:
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+        writer = SpotguardWriter(storage, name, rank, deadline=deadline)
+        try:  # every rank joins dcp.save even after a local error: DCP's own collectives must match
+            dcp.save(_dcp_state(guard._objects), storage_writer=writer, process_group=group)
+            entries.extend(writer.entries)
+        except Exception as e:
+            error = error or f"rank {rank}: {type(e).__name__}: {e}"
+    reports: list[Any] = [None] * world
+    dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
+
+    outcome: str | bytes = ""
+    if rank == 0:
+        errors = [err for err, _ in reports if err]
+        if errors:
+            outcome = "; ".join(errors)
+        else:
+            files = sorted((FileEntry(*e) for _, es in reports for e in es), key=lambda f: f.name)
+            manifest = Manifest(step=step, reason=reason, files=tuple(files), world_size=world,
+                                extra=guard.extra, torch_version=torch.__version__)
+            try:
+                storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+                outcome = manifest.to_bytes()
+            except Exception as e:
+                outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
+    outcome = _broadcast(outcome, group)
+    if isinstance(outcome, str):
+        raise StorageError(f"sharded checkpoint of step {step} not committed: {outcome}")
+    manifest = Manifest.from_bytes(outcome, where=name)
+    guard._saved_step = step
+    guard.last_saved = manifest
+    logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
+    if rank == 0:
+        try:
+            checkpoint.prune(storage, guard.options.keep)
+        except Exception as e:
+            logger.warning("pruning old checkpoints failed: %s", e)
+    guard._schedule(step)
+    return manifest
+
+
+def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
+    saved = info.manifest.world_size if info.manifest else "?"
+    return (f"{info.name} was saved by {saved} ranks and this job has {world}. Model and optimizer state "
+            f"can be resharded, but per-rank state cannot: RNG streams and {', '.join(per_rank) or 'no other'}"
+            f" object(s). Resume with {saved} ranks, or pass Guard(..., reshard='reset-data') to reshard "
+            "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams.")
+
+
+def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> str:
+    """Load one checkpoint on every rank; returns "" or this rank's error (the caller agrees)."""
+    storage, rank, world = guard.storage, agreement.rank, agreement.world_size
+    assert info.manifest is not None
+    resharding = info.manifest.world_size != world
+    _, _, rest = _split(guard._objects)
+
+    def opener(fname: str) -> Any:
+        return checkpoint.open_verified(storage, info, fname)
+
+    try:
+        sd = _dcp_state(guard._objects)
+        with SpotguardReader(opener) as reader:
+            dcp.load(sd, storage_reader=reader, process_group=agreement.save_group)
+        _set_dcp_state(guard._objects, sd)
+        source = 0 if resharding else rank
+        with opener(rank_file(source)) as path:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
+            raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
+    except (CheckpointCorruptError, dcp.api.CheckpointException) as e:
+        return f"rank {rank}: {e}"
+    except Exception as e:
+        if "weights_only" in str(e) or "Unpickl" in type(e).__name__:
+            return f"rank {rank}: {info.name}/{rank_file(rank)} cannot be loaded safely ({e})"
+        raise
+    if resharding:
+        keep = {n: o for n, o in rest.items() if not data.is_stateful_loader(o)}
+        state.restore(keep, payload["objects"], where=info.name)
+        logger.warning("%s: resharded from %d to %d ranks; data loaders (%s) and RNG streams start afresh",
+                       info.name, info.manifest.world_size, world,
+                       ", ".join(n for n in rest if n not in keep) or "none")
+    else:
+        state.restore(rest, payload["objects"], where=info.name)
+        generators = payload.get("generators", {})
+        for name, obj in rest.items():
+            if data.is_stateful_loader(obj):
+                data.restore_generator(obj, generators.get(name))
+                data.neutralize_next_iterator(obj)
+        state.restore_rng(payload["rng"])  # last: nothing after this may draw
+    return ""
+
+
+def resume(guard: Guard, agreement: Agreement) -> int:
+    """Collective ``Guard.resume``: rank 0's view of storage is everyone's; failures are agreed on."""
+    storage, world = guard.storage, agreement.world_size
+    infos: list[CheckpointInfo] = _broadcast(checkpoint.scan(storage) if agreement.rank == 0 else None,
+                                             agreement.save_group)
+    for info in reversed(infos):
+        if not info.complete or info.manifest is None:
+            if agreement.rank == 0:
+                logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)
+            continue
+        names = {f.name for f in info.manifest.files}
+        if f"shards/{METADATA_FILE}" not in names:
+            raise CheckpointMismatchError(f"{info.name} is not a sharded checkpoint (written by a single process); "
+                                          "resume it without a process group")
+        if info.manifest.world_size != world and Reshard(guard.options.reshard) is Reshard.REFUSE:
+            _, _, rest = _split(guard._objects)
+            raise CheckpointMismatchError(_refusal(info, world, sorted(rest)))
+        problem = _load(guard, agreement, info)
+        if agreement.reduce(1 if problem else 0):
+            problems: list[Any] = [None] * world
+            dist.all_gather_object(problems, problem, group=agreement.save_group)
+            logger.warning("skipping %s: %s", storage.describe(info.name), "; ".join(p for p in problems if p))
+            continue
+        guard.extra.clear()
+        guard.extra.update(info.manifest.extra)
+        guard._step = guard._saved_step = info.step
+        guard.last_saved = info.manifest
+        guard._schedule(info.step)
+        if agreement.rank == 0:
+            logger.info("resumed from %s (step %d, %s, %d ranks)", storage.describe(info.name), info.step,
+                        info.manifest.reason, info.manifest.world_size)
+        return info.step
+    if agreement.rank == 0:
+        logger.info("no checkpoint in %s: starting from step 0", storage.describe())
+    return 0
