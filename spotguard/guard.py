@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, state
+from . import checkpoint, data, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SpotguardError
 from .notices.base import Notice, NoticeProvider
@@ -102,6 +102,7 @@ class Guard:
         self._due_step: float = math.inf
         self._due_time: float = math.inf
         self._timed = every_seconds is not None
+        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self._schedule(0)
 
     # -- setup -------------------------------------------------------------------------------
@@ -173,6 +174,7 @@ class Guard:
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
+        self._beat[0] = step
         if self.preempted.is_set() or step >= self._due_step or (self._timed and time.monotonic() >= self._due_time):
             return self._step_slow(step)
         self._step = step
@@ -183,6 +185,7 @@ class Guard:
         if self.preempted.is_set():
             if self.stopped_at is None:
                 self.stopped_at = step
+                self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
                 self._emergency(step)
             return True
         self._save_logged(step, "advisory" if self._due_step == -math.inf else "periodic")
