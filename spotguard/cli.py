@@ -70,6 +70,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .supervisor import Supervisor, SupervisorOptions
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    options = SupervisorOptions(command, storage=args.storage, max_restarts=args.max_restarts,
+                                hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
+                                backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace)
+    logging.getLogger("spotguard.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
+    return Supervisor(options).run()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotguard", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
@@ -84,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 when corrupt)")
     p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("run", help="run a training command; restart it after a crash or hang, not after a preemption",
+                       description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
+                                   "2 restart budget used up or bad options, 128+N stopped by signal N "
+                                   "without the job exiting in time.")
+    p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
+    p.add_argument("--max-restarts", type=int, default=10, help="restarts after crashes/hangs (default 10)")
+    p.add_argument("--hang-timeout", type=float, help="seconds without a completed step before the job "
+                   "counts as hung (default: no watchdog)")
+    p.add_argument("--startup-timeout", type=float, help="the same before the first step (default: --hang-timeout)")
+    p.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds, doubled each restart")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay (default 60)")
+    p.add_argument("--grace", type=float, default=120.0, help="seconds the job gets to checkpoint and exit "
+                   "after a forwarded stop signal (default 120)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
+    p.set_defaults(func=_cmd_run)
     return parser
 
 
