@@ -76,7 +76,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     options = SupervisorOptions(command, storage=args.storage, max_restarts=args.max_restarts,
                                 hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
-                                backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace)
+                                backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace,
+                                forward_as=args.forward_as)
     logging.getLogger("spotguard.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     return Supervisor(options).run()
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay (default 60)")
     p.add_argument("--grace", type=float, default=120.0, help="seconds the job gets to checkpoint and exit "
                    "after a forwarded stop signal (default 120)")
+    p.add_argument("--forward-as", metavar="SIGNAL", help="forward stop signals as this one (e.g. USR1) "
+                   "where the platform also signals the job directly (Slurm preemption)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
     p.set_defaults(func=_cmd_run)
     return parser

@@ -16,6 +16,11 @@ we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it 
 child, which writes its emergency checkpoint)          seconds its group is killed, exit 128+signal
 =====================================================  ============================================
 
+Stop signals are forwarded once: a repeat of the same signal within ``DUPLICATE_WINDOW`` is the
+same broadcast; a later one is forwarded again (the child's Guard then stops at once). Where the
+platform signals the child directly as well (Slurm preemption), ``forward_as=SIGUSR1`` keeps the
+two deliveries distinct, so the child does not read them as "stop now".
+
 A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
 the first one): the child's Python stacks are dumped to the log (faulthandler, on ``SIGUSR2``),
 its process group is killed and it is restarted from the last checkpoint.
@@ -45,6 +50,9 @@ from .storage import open_storage
 logger = logging.getLogger(__name__)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: A repeat of the first stop signal this soon is the same broadcast (Slurm and systemd's
+#: control-group mode signal every process, a wrapper shell may forward too), not a user insisting.
+DUPLICATE_WINDOW = 2.0
 
 
 class RestartBudgetExhausted(SpotguardError):
@@ -66,6 +74,7 @@ class SupervisorOptions:
     grace: float = 120.0
     stack_wait: float = 1.0
     poll: float = 0.1
+    forward_as: int | None = None  # forward stop signals as this one (e.g. SIGUSR1); None: as received
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,6 +93,18 @@ class SupervisorOptions:
             raise ConfigError("backoff must satisfy 0 <= backoff <= backoff_max and backoff_factor >= 1")
         if not self.grace > 0 or not self.poll > 0 or self.stack_wait < 0:
             raise ConfigError("grace and poll must be positive, stack_wait non-negative")
+        if self.forward_as is not None:
+            self.forward_as = int(_to_signal(self.forward_as))
+
+
+def _to_signal(sig: str | int) -> signal.Signals:
+    try:
+        if isinstance(sig, str) and not sig.isdigit():
+            name = sig.upper()
+            return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        return signal.Signals(int(sig))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"not a signal: {sig!r}") from e
 
 
 @dataclass
@@ -239,6 +260,10 @@ class Supervisor:
 
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stopping.is_set() and signum == self._stop_signal \
+                and time.monotonic() - self._stop_at < DUPLICATE_WINDOW:
+            logger.info("%s again within %.0fs: the same stop, not forwarded twice", _signame(signum), DUPLICATE_WINDOW)
+            return
         if not self._stopping.is_set():
             self._stop_signal, self._stop_at = signum, time.monotonic()
             logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
@@ -247,7 +272,8 @@ class Supervisor:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             try:
-                os.kill(proc.pid, signum)  # a second delivery means "now" to the child's Guard too
+                # A second delivery means "now" to the child's Guard too.
+                os.kill(proc.pid, self.options.forward_as or signum)
             except ProcessLookupError:
                 pass
 

@@ -4,6 +4,7 @@ preemptions are not restarted, and a job that keeps failing ends with a clear er
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -156,8 +157,39 @@ def test_a_job_that_ignores_the_forwarded_signal_is_killed_after_the_grace_perio
     assert "did not exit within 1s" in err
 
 
+def test_a_broadcast_stop_reaches_the_job_once_per_signal_with_forward_as(tmp_path):
+    """Slurm preemption signals every process: the job gets SIGTERM directly, the supervisor gets it
+    twice (directly and from the batch shell's trap) and forwards one SIGUSR1. No signal reaches
+    the job twice, so its Guard does not read it as "stop now"."""
+    got = tmp_path / "signals.txt"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        def record(signum, frame):
+            open({str(got)!r}, "a").write(signal.Signals(signum).name + "\\n")
+        signal.signal(signal.SIGTERM, record)
+        signal.signal(signal.SIGUSR1, record)
+        print("ready", flush=True)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit({EXIT_PREEMPTED})
+    """))
+    proc = subprocess.Popen(run_cmd(tmp_path / "ckpt", "--forward-as", "USR1", child=[sys.executable, str(script)]),
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert sorted(got.read_text().split()) == ["SIGTERM", "SIGUSR1"], err
+
+
 @pytest.mark.parametrize("bad", [dict(command=[]), dict(command=["x"], max_restarts=-1),
-                                 dict(command=["x"], hang_timeout=0), dict(command=["x"], backoff=5, backoff_max=1)])
+                                 dict(command=["x"], hang_timeout=0), dict(command=["x"], backoff=5, backoff_max=1),
+                                 dict(command=["x"], forward_as="SIGNOPE")])
 def test_bad_options_are_rejected(bad):
     with pytest.raises(ConfigError):
         SupervisorOptions(**bad)
