@@ -207,7 +207,10 @@ class Supervisor:
         logger.info("starting: %s", " ".join(opts.command))
         # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
         # job is killed together with its data-loader workers.
-        proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
+        try:
+            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
+        except OSError as e:
+            raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
         try:
             return self._watch(proc, beat)
         finally:
