@@ -86,7 +86,7 @@ def test_hang_is_detected_within_the_timeout_dumped_and_resumed(tmp_path, refere
             proc.kill()
     stderr = log.read_text()
     assert proc.returncode == 0, stderr
-    assert timeout - 0.1 <= detected_after <= timeout + 2.0, detected_after  # slack for a busy 2-core box
+    assert timeout - 0.5 <= detected_after <= timeout + 2.0, detected_after  # slack for a busy 2-core box
     assert "in simulated_hang" in stderr and "Current thread" in stderr  # faulthandler's dump of the child
     assert f"resuming at step {at // 20 * 20} of" in out
     assert_same_run(losses, final, reference)
