@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean checkov-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,16 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py
 
+# checkov in a venv of its own: its bc-python-hcl2 installs a module `hcl2` that clashes with python-hcl2.
+# tests/terraform/test_checkov.py runs it (skipped when missing, failed when missing in CI).
+checkov-venv: .venv-checkov/bin/checkov
+.venv-checkov/bin/checkov:
+	$(PYTHON) -m venv .venv-checkov
+	SKIP_PACKAGE_UPDATE_CHECK=true .venv-checkov/bin/pip install -q 'checkov>=3.2,<4'
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check spotguard tests examples bench
 	$(VENV)/bin/mypy spotguard
 
 clean:
-	rm -rf $(VENV) demo-run .pytest_cache
+	rm -rf $(VENV) .venv-checkov demo-run .pytest_cache

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import sys
+import threading
 import time
 import warnings
 
@@ -75,9 +77,27 @@ class CharTransformer(nn.Module):
         return self.head(h)
 
 
+def inject_fault(args: argparse.Namespace, step: int) -> None:
+    """Crash or hang at a chosen step (rehearsing `spotguard run`); at most once per marker file."""
+    if step not in (args.crash_at_step, args.hang_at_step):
+        return
+    if args.fault_marker:
+        if os.path.exists(args.fault_marker):
+            return
+        open(args.fault_marker, "w").close()
+    if step == args.crash_at_step:
+        raise RuntimeError(f"simulated crash at step {step}")
+    simulated_hang()
+
+
+def simulated_hang() -> None:
+    threading.Event().wait()  # blocks forever, like a stuck collective or data-loader
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--storage", default="checkpoints/example", help="checkpoint URL (path, s3://, gs://)")
+    p.add_argument("--storage", help="checkpoint URL (path, s3://, gs://); default: $SPOTGUARD_STORAGE "
+                   "(set by `spotguard run --storage`), else checkpoints/example")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every-steps", type=int, default=50, help="periodic checkpoint interval (0: off)")
     p.add_argument("--every-seconds", type=float, default=None)
@@ -94,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--quiet", action="store_true")
+    # Test-only faults for `spotguard run` rehearsals; with --fault-marker they fire once (while it is absent).
+    p.add_argument("--crash-at-step", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--hang-at-step", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--fault-marker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -118,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ], milestones=[warmup])
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
 
-    guard = spotguard.Guard(args.storage, every_steps=args.every_steps or None,
+    storage = args.storage or (None if os.environ.get("SPOTGUARD_STORAGE") else "checkpoints/example")
+    guard = spotguard.Guard(storage, every_steps=args.every_steps or None,
                             every_seconds=args.every_seconds, keep=args.keep,
                             providers=args.providers, interval=args.interval)
     guard.track(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader)
@@ -147,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 if guard.step(step):
                     stopped = True
                     break
+                inject_fault(args, step)
                 if step >= args.steps:
                     break
     if log:

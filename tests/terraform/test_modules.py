@@ -1,0 +1,147 @@
+"""The security and spot properties of the Terraform modules, read from the HCL itself."""
+
+from __future__ import annotations
+
+import re
+
+from .hcl import TEMPLATE, TERRAFORM, blocks, load_module, local, one, variables
+
+AWS = load_module(TERRAFORM / "aws")
+GCP = load_module(TERRAFORM / "gcp")
+
+
+def statements(doc: dict) -> list[dict]:
+    return doc["statement"] if isinstance(doc["statement"], list) else [doc["statement"]]
+
+
+# -- AWS ---------------------------------------------------------------------------------------
+def test_aws_launch_template_requires_imdsv2_with_hop_limit_2_and_encrypts_the_root_volume():
+    lt = one(AWS, "aws_launch_template")
+    meta = lt["metadata_options"]
+    assert meta["http_tokens"] == "required" and meta["http_endpoint"] == "enabled"
+    assert meta["http_put_response_hop_limit"] == 2
+    ebs = lt["block_device_mappings"]["ebs"]
+    assert ebs["encrypted"] is True and ebs["delete_on_termination"] is True
+    assert "instance_market_options" not in lt  # spot comes from the group's instances_distribution
+    assert lt["user_data"] == "${base64encode(local.user_data)}"
+    assert "spotguard-bootstrap.sh.tftpl" in local(AWS, "user_data")
+
+
+def test_aws_group_is_all_spot_capacity_optimized_with_rebalancing_over_the_instance_types():
+    asg = one(AWS, "aws_autoscaling_group")
+    assert asg["capacity_rebalance"] is True
+    policy = asg["mixed_instances_policy"]
+    dist = policy["instances_distribution"]
+    assert dist["on_demand_base_capacity"] == 0 and dist["on_demand_percentage_above_base_capacity"] == 0
+    assert dist["spot_allocation_strategy"] == "capacity-optimized"
+    override = policy["launch_template"]["dynamic"]["override"]
+    assert override["for_each"] == "${var.instance_types}"
+    assert policy["launch_template"]["launch_template_specification"]["launch_template_id"] == \
+        "${aws_launch_template.this.id}"
+
+
+def test_aws_bucket_is_private_versioned_kms_encrypted_tls_only_with_a_lifecycle():
+    bucket = "${aws_s3_bucket.checkpoints.id}"
+    pab = one(AWS, "aws_s3_bucket_public_access_block")
+    assert pab["bucket"] == bucket
+    assert all(pab[k] is True for k in ("block_public_acls", "block_public_policy", "ignore_public_acls",
+                                        "restrict_public_buckets"))
+    assert one(AWS, "aws_s3_bucket_ownership_controls")["rule"]["object_ownership"] == "BucketOwnerEnforced"
+    assert one(AWS, "aws_s3_bucket_versioning")["versioning_configuration"]["status"] == "Enabled"
+    sse = one(AWS, "aws_s3_bucket_server_side_encryption_configuration")
+    assert sse["bucket"] == bucket
+    assert sse["rule"]["apply_server_side_encryption_by_default"]["sse_algorithm"] == "aws:kms"
+    rules = one(AWS, "aws_s3_bucket_lifecycle_configuration")["rule"]
+    old = next(r for r in rules if "noncurrent_version_expiration" in r)
+    assert old["status"] == "Enabled" and old["filter"]["prefix"] == "${var.checkpoint_prefix}/"
+    assert any("abort_incomplete_multipart_upload" in r for r in rules)
+    deny = statements(blocks(AWS, "data", "aws_iam_policy_document")["bucket"])
+    assert deny[0]["effect"] == "Deny" and deny[0]["condition"]["variable"] == "aws:SecureTransport"
+    assert not blocks(AWS, "resource", "aws_s3_bucket_acl")
+
+
+def test_aws_role_may_touch_only_the_job_prefix_of_the_bucket():
+    docs = blocks(AWS, "data", "aws_iam_policy_document")
+    assume = statements(docs["assume"])
+    assert assume == [{"actions": ["sts:AssumeRole"],
+                       "principals": {"type": "Service", "identifiers": ["ec2.amazonaws.com"]}}]
+    granted = statements(docs["checkpoints"])
+    for st in granted:
+        assert st.get("effect", "Allow") == "Allow"
+        assert not any(a.endswith("*") for a in st["actions"]), st  # no wildcards
+        assert "*" not in st["resources"], st
+    by_sid = {st["sid"]: st for st in granted}
+    listing = by_sid["ListTheJobPrefixOnly"]
+    assert listing["actions"] == ["s3:ListBucket"] and listing["condition"]["variable"] == "s3:prefix"
+    assert listing["condition"]["values"] == ["${var.checkpoint_prefix}", "${var.checkpoint_prefix}/*"]
+    objects = by_sid["ReadWriteDeleteUnderTheJobPrefix"]
+    assert objects["resources"] == ["${aws_s3_bucket.checkpoints.arn}/${var.checkpoint_prefix}/*"]
+    assert by_sid["UseTheKeyThroughS3Only"]["condition"]["variable"] == "kms:ViaService"
+    assert set(by_sid) == {"ListTheJobPrefixOnly", "ReadWriteDeleteUnderTheJobPrefix", "UseTheKeyThroughS3Only"}
+    # The only policy attached to the role is that one: no managed policies.
+    assert not blocks(AWS, "resource", "aws_iam_role_policy_attachment")
+    assert one(AWS, "aws_iam_role_policy")["policy"] == "${data.aws_iam_policy_document.checkpoints.json}"
+
+
+def test_aws_kms_key_rotates():
+    key = one(AWS, "aws_kms_key")
+    assert key["enable_key_rotation"] is True
+
+
+# -- GCP ---------------------------------------------------------------------------------------
+def test_gcp_template_is_spot_with_a_termination_action_no_public_ip_and_the_startup_script():
+    tpl = one(GCP, "google_compute_instance_template")
+    sched = tpl["scheduling"]
+    assert sched["provisioning_model"] == "SPOT" and sched["preemptible"] is True
+    assert sched["automatic_restart"] is False
+    assert sched["instance_termination_action"] == "${var.termination_action}"
+    assert "access_config" not in tpl["network_interface"]
+    assert tpl["metadata"]["startup-script"] == "${local.startup_script}"
+    assert tpl["metadata"]["block-project-ssh-keys"] == "true"
+    assert "spotguard-bootstrap.sh.tftpl" in local(GCP, "startup_script")
+    assert tpl["service_account"]["email"] == "${google_service_account.this.email}"
+    assert tpl["shielded_instance_config"]["enable_vtpm"] is True
+    assert re.search(r'"STOP", "DELETE"', str(variables(GCP)["termination_action"]["validation"]))
+
+
+def test_gcp_group_has_n_instances_and_auto_healing():
+    mig = one(GCP, "google_compute_region_instance_group_manager")
+    assert mig["target_size"] == "${var.instance_count}"
+    assert mig["version"]["instance_template"] == "${google_compute_instance_template.this.self_link}"
+    healing = mig["auto_healing_policies"]
+    assert healing["health_check"] == "${google_compute_health_check.this.id}" and healing["initial_delay_sec"] >= 300
+    fw = one(GCP, "google_compute_firewall")
+    assert "0.0.0.0/0" not in fw["source_ranges"]
+
+
+def test_gcp_bucket_is_uniform_not_public_versioned_with_a_lifecycle():
+    bucket = one(GCP, "google_storage_bucket")
+    assert bucket["uniform_bucket_level_access"] is True
+    assert bucket["public_access_prevention"] == "enforced"
+    assert bucket["versioning"]["enabled"] is True
+    assert bucket["force_destroy"] is False
+    rules = bucket["lifecycle_rule"]
+    assert any(r["condition"].get("with_state") == "ARCHIVED" and r["action"]["type"] == "Delete" for r in rules)
+
+
+def test_gcp_service_account_has_no_project_roles_and_only_the_job_prefix():
+    assert not any(t.startswith(("google_project_iam", "google_storage_bucket_iam_binding",
+                                 "google_storage_bucket_iam_policy"))
+                   for block in GCP["resource"] for t in block)
+    members = blocks(GCP, "resource", "google_storage_bucket_iam_member")
+    assert set(members) == {"objects", "list"}
+    for m in members.values():
+        assert m["member"] == "serviceAccount:${google_service_account.this.email}"
+        assert m["role"] in ("roles/storage.objectUser", "roles/storage.objectViewer")
+    assert members["objects"]["condition"]["expression"] == \
+        'resource.name.startsWith("projects/_/buckets/${var.bucket_name}/objects/${var.checkpoint_prefix}/")'
+    assert 'objectListPrefix", "").startsWith("${var.checkpoint_prefix}/")' in members["list"]["condition"]["expression"]
+
+
+# -- both --------------------------------------------------------------------------------------
+def test_both_modules_take_region_types_image_bucket_and_command_and_start_spotguard_run():
+    assert {"region", "instance_types", "image_id", "bucket_name", "command"} <= set(variables(AWS))
+    assert {"region", "machine_type", "image", "bucket_name", "command", "instance_count"} <= set(variables(GCP))
+    text = TEMPLATE.read_text()
+    assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage ${storage_url}" in text
+    assert "KillMode=mixed" in text and "RestartPreventExitStatus=75" in text

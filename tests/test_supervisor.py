@@ -1,0 +1,195 @@
+"""`spotguard run` with real processes: crashes and hangs are restarted and resume exactly,
+preemptions are not restarted, and a job that keeps failing ends with a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard import EXIT_PREEMPTED
+from spotguard.errors import ConfigError
+from spotguard.supervisor import SupervisorOptions
+
+from .helpers import EXAMPLE, read_losses, subprocess_env
+from .test_resume import COMMON, assert_same_run
+
+pytestmark = pytest.mark.slow
+
+ARGS = (*COMMON, "--num-workers", "0")  # the same reference run as tests/test_resume.py
+_rng = random.Random()
+
+
+def run_cmd(storage: Path, *supervisor_args: str, child: list[str]) -> list[str]:
+    return [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--backoff", "0.05",
+            *supervisor_args, "--", *child]
+
+
+def example(*args: str) -> list[str]:
+    """The example without --storage: it must get the location from `spotguard run`."""
+    return [sys.executable, str(EXAMPLE), "--quiet", *args]
+
+
+def supervise(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def test_crash_at_random_step_is_restarted_and_resumes_exactly(tmp_path, reference_runs):
+    reference = reference_runs(*ARGS)
+    at = _rng.randint(2, 85)
+    losses, final, storage = tmp_path / "losses.jsonl", tmp_path / "final.pt", tmp_path / "ckpt"
+    proc = supervise(run_cmd(storage, child=example(
+        *ARGS, "--losses", str(losses), "--final", str(final),
+        "--crash-at-step", str(at), "--fault-marker", str(tmp_path / "crashed"))))
+    assert proc.returncode == 0, (at, proc.stderr)
+    assert "simulated crash at step" in proc.stderr and "crashed with exit code 1" in proc.stderr, at
+    resumed = at // 20 * 20  # the newest periodic checkpoint (every 20 steps) at or before the crash
+    if resumed:
+        assert f"resuming at step {resumed} of" in proc.stdout, (at, proc.stdout)
+        assert f"newest checkpoint: step {resumed} (periodic)" in proc.stderr, (at, proc.stderr)
+    else:
+        assert proc.stdout.count("starting at step 0 of") == 2, (at, proc.stdout)
+    assert proc.stderr.count("starting: ") == 2
+    assert_same_run(losses, final, reference)
+
+
+def test_hang_is_detected_within_the_timeout_dumped_and_resumed(tmp_path, reference_runs):
+    reference = reference_runs(*ARGS)
+    at, timeout = _rng.randint(21, 85), 2.0
+    losses, final, storage, log = (tmp_path / "losses.jsonl", tmp_path / "final.pt", tmp_path / "ckpt",
+                                   tmp_path / "supervisor.log")
+    cmd = run_cmd(storage, "--hang-timeout", str(timeout), "--startup-timeout", "60", child=example(
+        *ARGS, "--losses", str(losses), "--final", str(final),
+        "--hang-at-step", str(at), "--fault-marker", str(tmp_path / "hung")))
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (read_losses(losses) and read_losses(losses)[-1][0] >= at):
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.01)
+            hung_at = time.monotonic()
+            while "no step completed" not in log.read_text():
+                assert time.monotonic() < hung_at + 30, log.read_text()
+                time.sleep(0.01)
+            detected_after = time.monotonic() - hung_at
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr
+    assert timeout - 0.5 <= detected_after <= timeout + 2.0, detected_after  # slack for a busy 2-core box
+    assert "in simulated_hang" in stderr and "Current thread" in stderr  # faulthandler's dump of the child
+    assert f"resuming at step {at // 20 * 20} of" in out
+    assert_same_run(losses, final, reference)
+
+
+def test_preemption_exits_with_the_preemption_code_and_is_not_restarted(tmp_path):
+    losses, storage = tmp_path / "losses.jsonl", tmp_path / "ckpt"
+    cmd = run_cmd(storage, child=example(*ARGS, "--losses", str(losses), "--step-sleep", "0.03"))
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    at = _rng.randint(3, 60)
+    deadline = time.monotonic() + 120
+    while not (read_losses(losses) and read_losses(losses)[-1][0] >= at):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)  # to the supervisor: it forwards to the job
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "forwarding it to the job" in err and "not restarting" in err
+    assert err.count("starting: ") == 1 and "stopped at step" in out
+    stopped = read_losses(losses)[-1][0]
+    assert (storage / f"step-{stopped:08d}" / "manifest.json").exists()  # the emergency checkpoint
+
+
+def test_a_job_that_stops_for_its_own_notice_is_not_restarted_whatever_its_exit_code(tmp_path):
+    """The Guard's heartbeat flag tells the supervisor, even when the script exits 0 after the stop."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        import spotguard
+        guard = spotguard.Guard(every_steps=None, providers="file", interval=0.05)
+        with guard:
+            for step in range(1, 10_000):
+                time.sleep(0.01)
+                if step == 5:
+                    open(os.environ["SPOTGUARD_NOTICE_FILE"], "w").close()
+                if guard.step(step):
+                    break
+        sys.exit(0)
+    """))
+    proc = supervise(run_cmd(tmp_path / "ckpt", child=[sys.executable, str(script)]),
+                     SPOTGUARD_NOTICE_FILE=str(tmp_path / "notice"))
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert "stopped for a notice (exit code 0)" in proc.stderr and proc.stderr.count("starting: ") == 1
+
+
+def test_restart_budget_exhausted_ends_with_a_clear_error(tmp_path):
+    proc = supervise(run_cmd(tmp_path / "ckpt", "--max-restarts", "2",
+                             child=[sys.executable, "-c", "import sys; sys.exit(3)"]))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("starting: ") == 3
+    assert "restart 1 of 2 in 0.05s" in proc.stderr and "restart 2 of 2 in 0.1s" in proc.stderr
+    assert "spotguard: error: the job crashed with exit code 3 and the restart budget is used up (2 restart(s))" \
+        in proc.stderr
+
+
+def test_a_job_that_ignores_the_forwarded_signal_is_killed_after_the_grace_period(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('ready', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen(run_cmd(tmp_path / "ckpt", "--grace", "1", child=[sys.executable, str(script)]),
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert 1.0 <= time.monotonic() - t0 < 10, err
+    assert "did not exit within 1s" in err
+
+
+def test_a_broadcast_stop_reaches_the_job_once_per_signal_with_forward_as(tmp_path):
+    """Slurm preemption signals every process: the job gets SIGTERM directly, the supervisor gets it
+    twice (directly and from the batch shell's trap) and forwards one SIGUSR1. No signal reaches
+    the job twice, so its Guard does not read it as "stop now"."""
+    got = tmp_path / "signals.txt"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        def record(signum, frame):
+            open({str(got)!r}, "a").write(signal.Signals(signum).name + "\\n")
+        signal.signal(signal.SIGTERM, record)
+        signal.signal(signal.SIGUSR1, record)
+        print("ready", flush=True)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit({EXIT_PREEMPTED})
+    """))
+    proc = subprocess.Popen(run_cmd(tmp_path / "ckpt", "--forward-as", "USR1", child=[sys.executable, str(script)]),
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert sorted(got.read_text().split()) == ["SIGTERM", "SIGUSR1"], err
+
+
+@pytest.mark.parametrize("bad", [dict(command=[]), dict(command=["x"], max_restarts=-1),
+                                 dict(command=["x"], hang_timeout=0), dict(command=["x"], backoff=5, backoff_max=1),
+                                 dict(command=["x"], forward_as="SIGNOPE")])
+def test_bad_options_are_rejected(bad):
+    with pytest.raises(ConfigError):
+        SupervisorOptions(**bad)
