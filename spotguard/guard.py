@@ -194,6 +194,8 @@ class Guard:
         budget = "" if left is None else f", {left:.1f}s before the deadline"
         if self._saved_step == step:
             logger.warning("stop at step %d: already checkpointed%s", step, budget)
+            if notice:
+                self.watcher.acknowledge(notice)
             return
         t0 = time.monotonic()
         deadline = None if left is None else t0 + left
@@ -209,6 +211,8 @@ class Guard:
         took = time.monotonic() - t0
         tail = "" if left is None else f", {left - took:.1f}s before the deadline"
         logger.warning("emergency checkpoint of step %d committed in %.2fs%s", step, took, tail)
+        if notice:
+            self.watcher.acknowledge(notice)  # e.g. Azure: approve the eviction, our state is safe
 
     def _save_logged(self, step: int, reason: str) -> None:
         try:
