@@ -66,6 +66,10 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     owner: MockMetadataServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-answer (a watcher stopping its hanging GET) is normal here.
+        logger.debug("connection from %s ended abruptly", client_address, exc_info=True)
+
 
 class MockMetadataServer:
     """Serves ``mock`` (an ``AwsMock``/``GcpMock``/``AzureMock``) on 127.0.0.1 from a background thread."""
@@ -91,7 +95,7 @@ class MockMetadataServer:
         return f"http://{self._httpd.server_address[0]}:{self.port}"
 
     def start(self) -> MockMetadataServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name=f"spotguard-mock-{self.mock.cloud}")
         self._thread.start()
         return self

@@ -60,6 +60,7 @@ class MetadataClient:
         self.host, self.port, self.timeout = host, port, timeout
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _conn against interrupt() from another thread
+        self._interrupted = False
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 2.0) -> MetadataClient:
@@ -80,8 +81,9 @@ class MetadataClient:
                 raw = conn.getresponse()
                 data = raw.read()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                interrupted = self._interrupted
                 self.close()
-                if fresh or attempt:
+                if fresh or attempt or interrupted:
                     raise MetadataHTTPError(f"{method} {self.base_url}{path}: {e}") from e
                 continue  # the server closed an idle keep-alive connection: try once on a new one
             except (OSError, http.client.HTTPException) as e:
@@ -108,6 +110,7 @@ class MetadataClient:
     def interrupt(self) -> None:
         """Make a request blocked in another thread fail now (used to stop a hanging GET)."""
         with self._lock:
+            self._interrupted = True  # no silent retry of the request we are cutting short
             sock = self._conn.sock if self._conn is not None else None
         if sock is not None:
             try:
@@ -118,5 +121,6 @@ class MetadataClient:
     def close(self) -> None:
         with self._lock:
             conn, self._conn = self._conn, None
+            self._interrupted = False
         if conn is not None:
             conn.close()

@@ -18,7 +18,7 @@ import threading
 import time
 
 from ._http import MetadataClient, check_status
-from .base import Notice, NoticeProvider, utcnow
+from .base import Notice, NoticeProvider, Report, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class GcpProvider(NoticeProvider):
             return None
         self._maintenance = (value, notice)
         return notice
+
+    def open(self, report: Report) -> None:
+        self._wake.clear()  # a watcher may be started again after a stop
 
     def wakeup(self) -> None:
         self._wake.set()
