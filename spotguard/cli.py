@@ -127,10 +127,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     payload = {"kind": args.kind, "in": args.in_, **({"action": args.action} if args.action else {})}
     answer = mockmeta.control(endpoint, "trigger", payload)
     when = f"in {args.in_:g}s" if args.in_ else "now"
-    shown = {k: v for k, v in answer.items() if k not in ("cloud", "kind", "in")}
+    shown = {k: v for k, v in answer.items() if k in _SHOWN}
     print(f"{answer.get('cloud')} {answer.get('kind')} notice {when} on {endpoint}"
           + (f": {json.dumps(shown)}" if shown else ""))
     return 0
+
+
+_SHOWN = ("action", "time", "noticeTime", "Code", "NotBefore", "EventId", "EventType", "instance/preempted",
+          "instance/maintenance-event", "target-lifecycle-state")
 
 
 def _default_endpoint(cloud: str | None) -> str:
@@ -160,8 +164,11 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} "
               f"every {args.interval:g}s", file=sys.stderr, flush=True)
-    with watcher:
-        got = watcher.preempted.wait(args.timeout)
+    try:
+        with watcher:
+            got = watcher.preempted.wait(args.timeout)
+    except KeyboardInterrupt:
+        return 130
     return 0 if got else 1
 
 
