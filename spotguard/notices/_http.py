@@ -9,12 +9,13 @@ down so a blocked read returns at once.
 from __future__ import annotations
 
 import http.client
+import logging
 import socket
 import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["MetadataClient", "MetadataHTTPError", "Response", "check_status", "parse_base_url"]
+__all__ = ["MetadataClient", "MetadataHTTPError", "Response", "WarnOnce", "check_status", "parse_base_url"]
 
 
 class MetadataHTTPError(OSError):
@@ -23,6 +24,25 @@ class MetadataHTTPError(OSError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class WarnOnce:
+    """Log a warning the first time a message appears, at debug level afterwards: a malformed
+    document seen on every one-second poll must not write 86,400 warnings a day."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._said: set[str] = set()
+
+    def __call__(self, msg: str, *args: object) -> None:
+        text = msg % args
+        if text in self._said:
+            self.logger.debug("%s", text)
+            return
+        if len(self._said) > 256:
+            self._said.clear()
+        self._said.add(text)
+        self.logger.warning("%s", text)
 
 
 def check_status(status: int, expected: tuple[int, ...], what: str) -> None:

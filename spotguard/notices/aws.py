@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from ._http import MetadataClient, MetadataHTTPError, check_status
+from ._http import MetadataClient, MetadataHTTPError, WarnOnce, check_status
 from .base import Notice, NoticeProvider, utcnow
 from .file import parse_time
 
@@ -61,6 +61,7 @@ class AwsProvider(NoticeProvider):
         if not 1 <= token_ttl <= TOKEN_TTL:
             raise ValueError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
         self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
+        self._warn = WarnOnce(logger)
         self.allow_imdsv1 = allow_imdsv1
         self.token_ttl = token_ttl
         self.maintenance_horizon = maintenance_horizon
@@ -80,7 +81,7 @@ class AwsProvider(NoticeProvider):
             return
         if self.allow_imdsv1 and resp.status in (403, 404, 405):
             if not self._v1:
-                logger.warning("IMDSv2 token refused (HTTP %d); using IMDSv1 as allowed", resp.status)
+                self._warn("IMDSv2 token refused (HTTP %d); using IMDSv1 as allowed", resp.status)
             self._v1 = True
             return
         raise MetadataHTTPError(f"IMDSv2 token request failed: HTTP {resp.status}", resp.status)
@@ -100,11 +101,12 @@ class AwsProvider(NoticeProvider):
 
     # -- the checks ----------------------------------------------------------------------------
     def poll(self) -> Notice | None:
-        found = [self._spot(), *self._maintenance(), self._lifecycle()]
-        stops = [n for n in found if n is not None]
-        if stops:
-            return stops[0]
-        return self._rebalance()
+        # Most severe first, and stop at the first stop notice: a later failing request must not
+        # hide a notice already found.
+        notice = self._spot()
+        if notice is None:
+            notice = next(iter(self._maintenance()), None) or self._lifecycle()
+        return notice or self._rebalance()
 
     def _json(self, path: str) -> Any:
         status, text = self._get(path)
@@ -113,7 +115,7 @@ class AwsProvider(NoticeProvider):
         try:
             return json.loads(text)
         except ValueError:
-            logger.warning("%s: malformed JSON %r; ignored", path, text[:200])
+            self._warn("%s: malformed JSON %r; ignored", path, text[:200])
             return None
 
     def _spot(self) -> Notice | None:
@@ -122,24 +124,24 @@ class AwsProvider(NoticeProvider):
             return None
         action = data.get("action") if isinstance(data, dict) else None
         if action not in STOP_ACTIONS:
-            logger.warning("%s: unexpected content %r; ignored", SPOT, data)
+            self._warn("%s: unexpected content %r; ignored", SPOT, data)
             return None
         try:
             deadline = parse_time(data.get("time"))
         except (ValueError, TypeError, OverflowError):
             # The action itself is unambiguous; only its time is unusable: assume the documented 2 min.
             deadline = utcnow() + SPOT_WARNING
-            logger.warning("%s: bad time %r; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
+            self._warn("%s: bad time %r; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
         return Notice(self.name, action, deadline=deadline, raw=data)
 
-    def _maintenance(self) -> list[Notice | None]:
+    def _maintenance(self) -> list[Notice]:
         events = self._json(MAINTENANCE)
         if not events:
             return []
         if not isinstance(events, list):
-            logger.warning("%s: expected a JSON array, got %r; ignored", MAINTENANCE, events)
+            self._warn("%s: expected a JSON array, got %r; ignored", MAINTENANCE, events)
             return []
-        out: list[Notice | None] = []
+        out: list[Notice] = []
         now = utcnow()
         for event in events:
             if not isinstance(event, dict) or event.get("State") != "active" \
@@ -148,11 +150,11 @@ class AwsProvider(NoticeProvider):
             try:
                 deadline = parse_maintenance_time(str(event.get("NotBefore", "")))
             except ValueError:
-                logger.warning("%s: event %s has a bad NotBefore %r; ignored", MAINTENANCE,
+                self._warn("%s: event %s has a bad NotBefore %r; ignored", MAINTENANCE,
                                event.get("EventId"), event.get("NotBefore"))
                 continue
             if (deadline - now).total_seconds() > self.maintenance_horizon:
-                logger.info("scheduled %s at %s: not yet within %.0fs", event.get("Code"), deadline,
+                logger.debug("scheduled %s at %s: not yet within %.0fs", event.get("Code"), deadline,
                             self.maintenance_horizon)
                 continue
             out.append(Notice(self.name, "maintenance", deadline=deadline, raw=event))
@@ -169,7 +171,7 @@ class AwsProvider(NoticeProvider):
         if data is None:
             return None
         if not isinstance(data, dict) or "noticeTime" not in data:
-            logger.warning("%s: unexpected content %r; ignored", REBALANCE, data)
+            self._warn("%s: unexpected content %r; ignored", REBALANCE, data)
             return None
         return Notice(self.name, "rebalance", raw=data)
 

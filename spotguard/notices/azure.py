@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any
 
-from ._http import MetadataClient, check_status
+from ._http import MetadataClient, WarnOnce, check_status
 from .base import Notice, NoticeProvider, utcnow
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class AzureProvider(NoticeProvider):
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, ack: bool = True,
                  vm_name: str | None = None) -> None:
         self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
+        self._warn = WarnOnce(logger)
         self.ack = ack
         self.vm_name = vm_name
         self.incarnation: int | None = None
@@ -80,7 +81,7 @@ class AzureProvider(NoticeProvider):
             if not isinstance(events, list):
                 raise TypeError("Events is not a list")
         except (ValueError, TypeError, KeyError) as e:
-            logger.warning("scheduled events: malformed document (%s: %s) %r; ignored",
+            self._warn("scheduled events: malformed document (%s: %s) %r; ignored",
                            type(e).__name__, e, text[:200])
             return self._current
         if incarnation != self.incarnation:
@@ -109,7 +110,7 @@ class AzureProvider(NoticeProvider):
                     deadline = parse_rfc1123(not_before)
                 except ValueError:
                     deadline = utcnow() + DEFAULT_WARNING
-                    logger.warning("scheduled event %s: bad NotBefore %r; assuming 30 s",
+                    self._warn("scheduled event %s: bad NotBefore %r; assuming 30 s",
                                    event.get("EventId"), not_before)
             event_id = str(event.get("EventId") or "")
             return Notice(self.name, kind, deadline=deadline, raw=event,

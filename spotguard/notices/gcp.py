@@ -17,7 +17,7 @@ import os
 import threading
 import time
 
-from ._http import MetadataClient, check_status
+from ._http import MetadataClient, WarnOnce, check_status
 from .base import Notice, NoticeProvider, Report, utcnow
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class GcpProvider(NoticeProvider):
         if hang < 1:
             raise ValueError(f"hang must be at least 1 second, got {hang}")
         self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
+        self._warn = WarnOnce(logger)
         self.timeout = timeout
         self.hang = hang
         self.deadline_seconds = deadline_seconds
@@ -82,7 +83,12 @@ class GcpProvider(NoticeProvider):
                 self._wake.wait(1.0)
         self._etag = etag or None
         preempt = self._preempted(value, etag)
-        maintenance = self._check_maintenance()
+        try:
+            maintenance = self._check_maintenance()
+        except OSError:
+            if preempt is not None:
+                return preempt  # a failing second read must not hide the preemption just seen
+            raise
         return preempt or maintenance
 
     def _preempted(self, value: str, etag: str | None) -> Notice | None:
@@ -93,7 +99,7 @@ class GcpProvider(NoticeProvider):
                                        raw={"preempted": value, "etag": etag})
             return self._preempt
         if value != "FALSE":
-            logger.warning("%s: unexpected value %r; ignored", PREEMPTED, value[:100])
+            self._warn("%s: unexpected value %r; ignored", PREEMPTED, value[:100])
         self._preempt = None
         return None
 
@@ -112,7 +118,7 @@ class GcpProvider(NoticeProvider):
             logger.info("GCP live migration announced (%s)", value)
             notice = Notice(self.name, "migrate", raw={"maintenance-event": value})
         else:
-            logger.warning("%s: unexpected value %r; ignored", MAINTENANCE, value[:100])
+            self._warn("%s: unexpected value %r; ignored", MAINTENANCE, value[:100])
             return None
         self._maintenance = (value, notice)
         return notice

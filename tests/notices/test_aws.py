@@ -195,3 +195,24 @@ def test_ec2_metadata_library_reads_the_mock_spot_notice(mock_metadata):
     action = client.spot_instance_action
     assert action.action == "stop"
     assert action.time.strftime("%Y-%m-%dT%H:%M:%SZ") == shown["time"]
+
+
+def test_a_found_spot_notice_survives_a_failing_later_read(mock_metadata):
+    server = mock_metadata("aws")
+    original = server.mock.handle
+    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    p = provider(server)
+    with pytest.raises(MetadataHTTPError):
+        p.poll()  # nothing found, then the maintenance read fails: the watcher backs off
+    server.mock.trigger("spot")
+    assert p.poll().kind == "terminate"
+
+
+def test_the_same_malformed_content_warns_once(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    server.mock.values["spot/instance-action"] = "{broken"
+    p = provider(server)
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        for _ in range(5):
+            p.poll()
+    assert caplog.text.count("malformed JSON") == 1

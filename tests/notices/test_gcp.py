@@ -148,3 +148,16 @@ def test_google_auth_recognises_and_reads_the_mock(mock_metadata):
     assert first["zone"].endswith("/zones/us-central1-a") and first["project"] == "mock-project"
     server.mock.trigger("preempt")
     assert run()["preempted"] == "TRUE"
+
+
+def test_a_preemption_survives_a_failing_maintenance_read(mock_metadata):
+    server = mock_metadata("gcp")
+    original = server.mock.handle
+    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    p = GcpProvider(server.url, hang=30)
+    with pytest.raises(MetadataHTTPError):
+        p.poll()
+    server.mock.trigger("preempt")
+    t0 = time.monotonic()
+    assert p.poll().kind == "preempt"
+    assert time.monotonic() - t0 < 0.5
