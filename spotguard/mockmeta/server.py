@@ -92,7 +92,8 @@ class MockMetadataServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self._httpd.server_address[0]}:{self.port}"
+        host = self._httpd.server_address[0]
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{self.port}"
 
     def start(self) -> MockMetadataServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},

@@ -18,7 +18,7 @@ from ._http import MetadataClient
 
 logger = logging.getLogger(__name__)
 
-_cache: dict[tuple[str, ...], list[str]] = {}
+_cache: dict[tuple[tuple[str, str], ...], list[str]] = {}
 _lock = threading.Lock()
 
 
@@ -46,7 +46,7 @@ PROBES: dict[str, tuple[Callable[[], str], Callable[[MetadataClient], bool]]] = 
 
 def detect(timeout: float = 0.5, *, refresh: bool = False) -> list[str]:
     endpoints = {name: get_url() for name, (get_url, _) in PROBES.items()}
-    key = tuple(sorted(endpoints.items()))  # type: ignore[arg-type]
+    key = tuple(sorted(endpoints.items()))
     with _lock:
         if not refresh and key in _cache:
             return list(_cache[key])
