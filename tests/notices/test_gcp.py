@@ -161,3 +161,19 @@ def test_a_preemption_survives_a_failing_maintenance_read(mock_metadata):
     t0 = time.monotonic()
     assert p.poll().kind == "preempt"
     assert time.monotonic() - t0 < 0.5
+
+
+def test_watching_never_draws_from_the_global_random_generators(mock_metadata):
+    import random
+
+    import numpy as np
+    import torch
+
+    server = mock_metadata("gcp", error_rate=0.3)  # errors too: the watcher's backoff jitter runs
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with Watcher([GcpProvider(server.url, hang=1)], interval=0.05, max_backoff=0.05) as watcher:
+        time.sleep(0.5)
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(3)
+    assert random.getstate() == before[0]
+    assert (np.random.get_state()[1] == before[1]).all() and torch.equal(torch.get_rng_state(), before[2])
