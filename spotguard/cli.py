@@ -10,11 +10,15 @@ import argparse
 import json
 import logging
 import math
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from . import __version__, checkpoint, planner
 from .errors import CheckpointCorruptError, ConfigError, SpotguardError
+from .notices.base import Notice
 from .storage import open_storage
 
 logger = logging.getLogger("spotguard.cli")
@@ -138,6 +142,102 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                 forward_as=args.forward_as)
     logging.getLogger("spotguard.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     return Supervisor(options).run()
+def _cmd_mock_metadata(args: argparse.Namespace) -> int:
+    from . import mockmeta
+
+    options = {"require_tokens": not args.imdsv1} if args.cloud == "aws" else {}
+    server = mockmeta.MockMetadataServer(mockmeta.make_mock(args.cloud, **options), args.host, args.port,
+                                         error_rate=args.error_rate, seed=args.seed)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        env = " ".join(f"{k}={v}" for k, v in mockmeta.endpoint_env(args.cloud, server.url).items())
+        print(f"spotguard mock {args.cloud} metadata server on {server.url}", flush=True)
+        print(f"  point a job at it: {env}", flush=True)
+        if args.notice_after is not None:
+            server.mock.trigger(args.kind, args.notice_after, action=args.action)
+            print(f"  notice in {args.notice_after:g}s", flush=True)
+        stop.wait()
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from . import mockmeta
+
+    if args.pid is not None:
+        sig = signal.Signals[args.signal if args.signal.startswith("SIG") else "SIG" + args.signal]
+        try:
+            os.kill(args.pid, sig)
+        except ProcessLookupError:
+            print(f"spotguard: error: no process {args.pid}", file=sys.stderr)
+            return 1
+        print(f"sent {sig.name} to process {args.pid}")
+        return 0
+    if args.file:
+        payload = {"kind": args.kind or "terminate", "deadline_in": args.deadline_in}
+        tmp = f"{args.file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, args.file)  # atomic: the watcher never reads half a notice
+        print(f"wrote notice file {args.file}: {json.dumps(payload)}")
+        return 0
+    endpoint = args.endpoint or _default_endpoint(args.cloud)
+    state = mockmeta.control(endpoint, "state")
+    if args.cloud and state.get("cloud") != args.cloud:
+        print(f"spotguard: error: the mock at {endpoint} imitates {state.get('cloud')}, not {args.cloud}",
+              file=sys.stderr)
+        return 1
+    if args.clear:
+        mockmeta.control(endpoint, "clear")
+        print(f"cleared every notice on the {state.get('cloud')} mock at {endpoint}")
+        return 0
+    payload = {"kind": args.kind, "in": args.in_, **({"action": args.action} if args.action else {})}
+    answer = mockmeta.control(endpoint, "trigger", payload)
+    when = f"in {args.in_:g}s" if args.in_ else "now"
+    shown = {k: v for k, v in answer.items() if k in _SHOWN}
+    print(f"{answer.get('cloud')} {answer.get('kind')} notice {when} on {endpoint}"
+          + (f": {json.dumps(shown)}" if shown else ""))
+    return 0
+
+
+_SHOWN = ("action", "time", "noticeTime", "Code", "NotBefore", "EventId", "EventType", "instance/preempted",
+          "instance/maintenance-event", "target-lifecycle-state")
+
+
+def _default_endpoint(cloud: str | None) -> str:
+    from . import mockmeta
+
+    for name in ([cloud] if cloud else []):
+        for key, _ in mockmeta.endpoint_env(name, "").items():
+            if os.environ.get(key):
+                value = os.environ[key]
+                return value if "://" in value else "http://" + value
+    return f"http://127.0.0.1:{mockmeta.DEFAULT_PORT}"
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from .watcher import Watcher
+
+    def show(notice: Notice) -> None:
+        if args.json:
+            print(json.dumps(notice.to_json()), flush=True)
+            return
+        left = notice.seconds_left()
+        print(f"{notice.provider}: {notice.kind} notice"
+              + (f", deadline {notice.deadline.isoformat()} ({left:.0f}s left)" if notice.deadline and left is not None else "")
+              + (" (advisory)" if notice.advisory else ""), flush=True)
+
+    watcher = Watcher(args.providers, args.interval, on_notice=show)
+    if not args.json:
+        print(f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} "
+              f"every {args.interval:g}s", file=sys.stderr, flush=True)
+    try:
+        with watcher:
+            got = watcher.preempted.wait(args.timeout)
+    except KeyboardInterrupt:
+        return 130
+    return 0 if got else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +290,40 @@ def build_parser() -> argparse.ArgumentParser:
                    "where the platform also signals the job directly (Slurm preemption)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
     p.set_defaults(func=_cmd_run)
+    clouds = ("aws", "gcp", "azure")
+    p = sub.add_parser("mock-metadata", help="serve a faithful mock of a cloud's metadata service on 127.0.0.1")
+    p.add_argument("--cloud", choices=clouds, default="aws")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1338, help="0 picks a free port (default 1338)")
+    p.add_argument("--notice-after", type=float, metavar="SECONDS", help="trigger the spot notice after this long")
+    p.add_argument("--kind", help="notice kind for --notice-after (default: the cloud's spot notice)")
+    p.add_argument("--action", help="AWS spot action: terminate (default), stop or hibernate")
+    p.add_argument("--error-rate", type=float, default=0.0, help="answer this fraction of requests with 503")
+    p.add_argument("--seed", type=int, help="seed of the mock's private generator for --error-rate")
+    p.add_argument("--imdsv1", action="store_true", help="AWS: accept requests without a token")
+    p.set_defaults(func=_cmd_mock_metadata)
+
+    p = sub.add_parser("simulate-preemption", help="rehearse a preemption: mock notice, signal or notice file")
+    p.add_argument("--cloud", choices=clouds, help="check the mock imitates this cloud; picks its endpoint variable")
+    p.add_argument("--endpoint", help="mock server base URL http://host:port (default: the cloud's variable, "
+                                      "else http://127.0.0.1:1338)")
+    p.add_argument("--in", dest="in_", type=float, default=0.0, metavar="SECONDS", help="notice appears later")
+    p.add_argument("--kind", help="aws: spot|rebalance|maintenance|asg; gcp: preempt|maintenance|migrate; "
+                                  "azure: preempt|terminate|reboot|redeploy|freeze")
+    p.add_argument("--action", help="AWS spot action: terminate, stop or hibernate")
+    p.add_argument("--clear", action="store_true", help="withdraw every notice (the server serves the next run)")
+    p.add_argument("--pid", type=int, help="send a shutdown signal to this process instead")
+    p.add_argument("--signal", default="SIGTERM", help="signal for --pid (default SIGTERM)")
+    p.add_argument("--file", help="write this notice file instead (see $SPOTGUARD_NOTICE_FILE)")
+    p.add_argument("--deadline-in", type=float, default=120.0, help="deadline written to --file (seconds)")
+    p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice")
+    p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--json", action="store_true", help="one JSON object per notice")
+    p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
+    p.set_defaults(func=_cmd_watch)
     return parser
 
 

@@ -408,6 +408,8 @@ class Guard:
         self._reap()
         if self._saved_step == step and self._durable_step == step:
             logger.warning("stop at step %d: already checkpointed", step)
+            if notice:
+                self.watcher.acknowledge(notice)
             return
         estimate = self._stats.durable_seconds()
         logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
@@ -431,6 +433,8 @@ class Guard:
         took = time.monotonic() - t0
         tail = "" if left is None else f", T-{left - took:.1f}s before the deadline"
         logger.warning("emergency checkpoint of step %d committed in %.2fs%s", step, took, tail)
+        if self.notice:
+            self.watcher.acknowledge(self.notice)  # e.g. Azure: approve the eviction, our state is safe
 
     # -- pending saves ------------------------------------------------------------------------
     def _wait_pending(self, timeout: float | None = None) -> None:

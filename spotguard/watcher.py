@@ -121,6 +121,15 @@ class Watcher:
             except Exception:
                 logger.exception("on_notice callback failed for %s", notice.event_id)
 
+    def acknowledge(self, notice: Notice) -> None:
+        """Pass ``notice`` back to the provider that found it (after its emergency checkpoint). Never raises."""
+        for provider in self.providers:
+            if provider.name == notice.provider:
+                try:
+                    provider.acknowledge(notice)
+                except Exception as e:
+                    logger.warning("acknowledging %s to %s failed: %s", notice.event_id, provider.name, e)
+
     def _run(self, provider: NoticeProvider) -> None:
         failures = 0
         while not self._stopping.is_set():

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import read_losses, run_example
+from .helpers import block_cloud_metadata, read_losses, run_example
+
+# Never let cloud detection (providers="auto", here or in child processes) reach a real metadata
+# address: every endpoint variable points at a 127.0.0.1 port that refuses connections.
+block_cloud_metadata()
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +28,20 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
         return cache[args]
 
     return get
+
+
+@pytest.fixture
+def mock_metadata():
+    """Start mock metadata servers over real HTTP on 127.0.0.1: ``mock_metadata("aws", **options)``."""
+    from spotguard.mockmeta import MockMetadataServer, make_mock
+
+    servers = []
+
+    def start(cloud: str, *, error_rate: float = 0.0, **options):
+        server = MockMetadataServer(make_mock(cloud, **options), error_rate=error_rate, seed=0).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

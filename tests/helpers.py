@@ -11,15 +11,30 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train.py"
+#: SPOTGUARD_* variables children keep (the metadata endpoint tests point at a closed port or a mock).
+KEEP_ENV = ("SPOTGUARD_AZURE_METADATA_ENDPOINT",)
+_CLOSED: socket.socket | None = None
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: this checkout first on the path, no stray notice config."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") or k in KEEP_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def block_cloud_metadata() -> None:
+    """Point every metadata endpoint variable at a bound, never-listening 127.0.0.1 port (refused at once)."""
+    global _CLOSED
+    if _CLOSED is None:
+        _CLOSED = socket.socket()
+        _CLOSED.bind(("127.0.0.1", 0))  # held for the session, never listen(): connections are refused
+    port = _CLOSED.getsockname()[1]
+    os.environ.update({"AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{port}",
+                       "GCE_METADATA_HOST": f"127.0.0.1:{port}", "GCE_METADATA_IP": f"127.0.0.1:{port}",
+                       "SPOTGUARD_AZURE_METADATA_ENDPOINT": f"http://127.0.0.1:{port}"})
 
 
 def free_port() -> int:

@@ -21,6 +21,9 @@ __all__ = ["ADVISORY_KINDS", "STOP_KINDS", "Notice", "NoticeProvider", "build", 
 _REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {
     "signal": "spotguard.notices.signals:SignalProvider",
     "file": "spotguard.notices.file:FileProvider",
+    "aws": "spotguard.notices.aws:AwsProvider",
+    "gcp": "spotguard.notices.gcp:GcpProvider",
+    "azure": "spotguard.notices.azure:AzureProvider",
 }
 
 
@@ -45,9 +48,16 @@ def create(name: str) -> NoticeProvider:
     return factory()
 
 
-def detect_clouds() -> list[str]:
-    """Names of the cloud providers whose metadata service answers here (none without a cloud)."""
-    return []
+def detect_clouds(timeout: float = 0.5, *, refresh: bool = False) -> list[str]:
+    """Names of the cloud providers whose metadata service answers here (none without a cloud).
+
+    The three probes run in parallel with short timeouts, so a machine outside any cloud waits at
+    most about ``timeout`` (+0.3 s); the answer is cached per set of endpoints (the endpoint
+    variables included), so only the first Guard of a process pays for it.
+    """
+    from . import _detect
+
+    return _detect.detect(timeout, refresh=refresh)
 
 
 def build(spec: str | Iterable[str | NoticeProvider] | None) -> list[NoticeProvider]:

@@ -111,6 +111,10 @@ class NoticeProvider(abc.ABC):
     def poll(self) -> Notice | None:
         """Check once. Return a Notice if one is present now, else None."""
 
+    def acknowledge(self, notice: Notice) -> None:  # noqa: B027 - optional hook
+        """Tell the source our state is safe (called by Guard once the emergency checkpoint is
+        committed; Azure approves the event so the eviction need not wait for its deadline)."""
+
     def wakeup(self) -> None:  # noqa: B027 - optional hook
         """Make a blocked ``poll()`` return soon; called from another thread when stopping."""
 

@@ -1,0 +1,184 @@
+"""The HTTP side of the mock metadata server, its control API, and a client for that API.
+
+Control API (JSON, under ``/_mock/``, never on a cloud's own paths):
+``POST /_mock/trigger {"kind", "in", "action", ...}``, ``POST /_mock/clear``,
+``POST /_mock/faults {"status": 503, "count": N, "delay": S}``, ``GET /_mock/state``.
+Faults happen only when asked for: ``error_rate`` (a private random generator, seedable) or a
+count of upcoming failures set through the control API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from ..errors import SpotguardError
+from ..notices._http import MetadataClient, MetadataHTTPError
+from .base import CloudMock, Reply, Request
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "/_mock/"
+DEFAULT_PORT = 1338  # as amazon-ec2-metadata-mock
+
+
+class MockControlError(SpotguardError, ConnectionError):
+    """The mock metadata server could not be reached or refused a control request."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like the real services
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
+
+    def _serve(self) -> None:
+        parts = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        req = Request(self.command, parts.path, dict(parse_qsl(parts.query, keep_blank_values=True)),
+                      {k.lower(): v for k, v in self.headers.items()}, self.rfile.read(length) if length else b"")
+        try:
+            reply = self.server.owner.dispatch(req)
+        except Exception as e:  # a bug in the mock must show as a 500, not a dropped connection
+            logger.exception("mock metadata server failed on %s %s", req.method, req.path)
+            reply = Reply.text(500, f"mock error: {e}")
+        self.send_response(reply.status)
+        for name, value in reply.headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(reply.body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(reply.body)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: MockMetadataServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-answer (a watcher stopping its hanging GET) is normal here.
+        logger.debug("connection from %s ended abruptly", client_address, exc_info=True)
+
+
+class MockMetadataServer:
+    """Serves ``mock`` (an ``AwsMock``/``GcpMock``/``AzureMock``) on 127.0.0.1 from a background thread."""
+
+    def __init__(self, mock: CloudMock, host: str = "127.0.0.1", port: int = 0, *,
+                 error_rate: float = 0.0, seed: int | None = None) -> None:
+        if not 0.0 <= error_rate <= 1.0:
+            raise ValueError(f"error_rate must be within 0..1, got {error_rate}")
+        self.mock = mock
+        self.error_rate = error_rate
+        self._rng = random.Random(seed)  # private: the mock may share a process with training
+        self._faults: dict[str, Any] = {"count": 0}
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.owner = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self._httpd.server_address[0]
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{self.port}"
+
+    def start(self) -> MockMetadataServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True, name=f"spotguard-mock-{self.mock.cloud}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.mock.close()  # wakes hanging GETs first
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def __enter__(self) -> MockMetadataServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def set_faults(self, status: int = 503, count: int = 1, delay: float = 0.0) -> None:
+        with self.mock.cond:
+            self._faults = {"status": status, "count": count, "delay": delay}
+
+    def dispatch(self, req: Request) -> Reply:
+        if req.path.startswith(CONTROL):
+            return self._control(req)
+        with self.mock.cond:
+            self.mock.requests += 1
+            fault = None
+            if self._faults["count"] > 0:
+                self._faults["count"] -= 1
+                fault = dict(self._faults)
+            elif self.error_rate and self._rng.random() < self.error_rate:
+                fault = {"status": 503, "delay": 0.0}
+        if fault:
+            if fault.get("delay"):
+                time.sleep(fault["delay"])
+            if fault.get("status"):
+                return Reply.text(int(fault["status"]), "Service Unavailable")
+        return self.mock.handle(req)
+
+    def _control(self, req: Request) -> Reply:
+        op = req.path[len(CONTROL):].strip("/")
+        try:
+            body = json.loads(req.body) if req.body else {}
+            if op == "state" and req.method == "GET":
+                return Reply.json(200, self.mock.state())
+            if req.method != "POST":
+                return Reply.json(405, {"error": f"{req.method} not allowed on {req.path}"})
+            if op == "trigger":
+                delay = float(body.pop("in", 0) or 0)
+                return Reply.json(200, {"cloud": self.mock.cloud,
+                                        **self.mock.trigger(body.pop("kind", None), delay, **body)})
+            if op == "clear":
+                self.mock.clear()
+                return Reply.json(200, {"cloud": self.mock.cloud, "cleared": True})
+            if op == "faults":
+                self.set_faults(int(body.get("status", 503)), int(body.get("count", 1)), float(body.get("delay", 0)))
+                return Reply.json(200, {"cloud": self.mock.cloud, "faults": body})
+        except (ValueError, TypeError) as e:
+            return Reply.json(400, {"error": str(e)})
+        return Reply.json(404, {"error": f"unknown control operation {op!r}"})
+
+
+def control(endpoint: str, op: str, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """Call the control API of a running mock server; clear errors when nothing is listening."""
+    try:
+        client = MetadataClient.from_url(endpoint, timeout)
+    except ValueError as e:
+        raise MockControlError(str(e)) from e
+    method = "GET" if op == "state" else "POST"
+    body = json.dumps(payload or {}).encode() if method == "POST" else None
+    try:
+        resp = client.request(method, CONTROL + op, {"Content-Type": "application/json"}, body)
+    except MetadataHTTPError as e:
+        raise MockControlError(f"no mock metadata server at {endpoint} ({e.__cause__ or e}); start one with "
+                               f"`spotguard mock-metadata --cloud aws|gcp|azure`") from e
+    finally:
+        client.close()
+    try:
+        answer = json.loads(resp.body) if resp.body else {}
+    except ValueError as e:
+        raise MockControlError(f"{endpoint} is not a spotguard mock metadata server "
+                               f"(HTTP {resp.status} on {CONTROL}{op})") from e
+    if resp.status != 200:
+        raise MockControlError(f"mock metadata server at {endpoint}: {answer.get('error', resp.status)}")
+    return dict(answer)

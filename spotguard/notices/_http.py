@@ -1,0 +1,146 @@
+"""A tiny keep-alive HTTP client for metadata services (stdlib ``http.client``, no pools, no threads).
+
+Why not ``requests``: a watcher polls every second for days, so the per-request cost matters, and a
+hanging GET (GCP) must be interruptible from another thread when the watcher stops. One persistent
+connection per client, reopened once when the server dropped it; ``interrupt()`` shuts the socket
+down so a blocked read returns at once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["MetadataClient", "MetadataHTTPError", "Response", "WarnOnce", "check_status", "parse_base_url"]
+
+
+class MetadataHTTPError(OSError):
+    """A metadata request failed: no answer, or an HTTP status the caller did not expect."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WarnOnce:
+    """Log a warning the first time a message appears, at debug level afterwards: a malformed
+    document seen on every one-second poll must not write 86,400 warnings a day."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._said: set[str] = set()
+
+    def __call__(self, msg: str, *args: object) -> None:
+        text = msg % args
+        if text in self._said:
+            self.logger.debug("%s", text)
+            return
+        if len(self._said) > 256:
+            self._said.clear()
+        self._said.add(text)
+        self.logger.warning("%s", text)
+
+
+def check_status(status: int, expected: tuple[int, ...], what: str) -> None:
+    """Raise ``MetadataHTTPError`` unless ``status`` is one of ``expected`` (the watcher backs off)."""
+    if status not in expected:
+        raise MetadataHTTPError(f"{what}: HTTP {status}", status)
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: dict[str, str]  # lower-cased names
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+
+def parse_base_url(value: str, default_port: int = 80) -> tuple[str, int]:
+    """``http://host:port`` or ``host:port`` -> (host, port). Only plain HTTP: metadata is link-local."""
+    value = value.strip()
+    if "://" not in value:
+        value = "http://" + value
+    parts = urlsplit(value)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"metadata endpoint must look like http://host:port, got {value!r}")
+    return parts.hostname, parts.port or default_port
+
+
+class MetadataClient:
+    """One keep-alive connection to a metadata server; safe to ``interrupt()`` from another thread."""
+
+    def __init__(self, host: str, port: int = 80, timeout: float = 2.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()  # guards _conn against interrupt() from another thread
+        self._interrupted = False
+
+    @classmethod
+    def from_url(cls, url: str, timeout: float = 2.0) -> MetadataClient:
+        host, port = parse_base_url(url)
+        return cls(host, port, timeout)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None,
+                body: bytes | None = None, timeout: float | None = None) -> Response:
+        """Send one request; reconnect once if a reused connection turned out to be closed."""
+        for attempt in (0, 1):
+            conn, fresh = self._connection(timeout)
+            try:
+                conn.request(method, path, body=body, headers=headers or {})
+                raw = conn.getresponse()
+                data = raw.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                interrupted = self._interrupted
+                self.close()
+                if fresh or attempt or interrupted:
+                    raise MetadataHTTPError(f"{method} {self.base_url}{path}: {e}") from e
+                continue  # the server closed an idle keep-alive connection: try once on a new one
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {e}"
+                raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}") from e
+            if raw.will_close:
+                self.close()
+            return Response(raw.status, {k.lower(): v for k, v in raw.getheaders()}, data)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _connection(self, timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            fresh = self._conn is None
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            conn = self._conn
+        t = self.timeout if timeout is None else timeout
+        conn.timeout = t
+        if conn.sock is not None:
+            conn.sock.settimeout(t)
+        return conn, fresh
+
+    def interrupt(self) -> None:
+        """Make a request blocked in another thread fail now (used to stop a hanging GET)."""
+        with self._lock:
+            self._interrupted = True  # no silent retry of the request we are cutting short
+            sock = self._conn.sock if self._conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            self._interrupted = False
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,182 @@
+"""AWS EC2 notices through the instance metadata service, IMDSv2 only (unless the user opts in).
+
+One ``poll()`` reads, in order of severity: the spot interruption (``spot/instance-action``), active
+scheduled maintenance that stops, retires or reboots the instance, the Auto Scaling target
+lifecycle state (``Terminated`` on scale-in), and the rebalance recommendation (advisory). A 404
+means "nothing". Malformed content is logged and never becomes a stop on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from ._http import MetadataClient, MetadataHTTPError, WarnOnce, check_status
+from .base import Notice, NoticeProvider, utcnow
+from .file import parse_time
+
+logger = logging.getLogger(__name__)
+
+ENV_ENDPOINT = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+DEFAULT_ENDPOINT = "http://169.254.169.254"
+TOKEN_TTL = 21600  # the maximum IMDS allows (6 hours)
+#: AWS gives two minutes between the spot notice and the interruption.
+SPOT_WARNING = dt.timedelta(minutes=2)
+STOP_ACTIONS = ("terminate", "stop", "hibernate")
+MAINTENANCE_CODES = ("instance-stop", "instance-retire", "instance-reboot", "system-reboot",
+                     "system-maintenance")
+
+SPOT = "/latest/meta-data/spot/instance-action"
+REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+MAINTENANCE = "/latest/meta-data/events/maintenance/scheduled"
+LIFECYCLE = "/latest/meta-data/autoscaling/target-lifecycle-state"
+
+
+def endpoint() -> str:
+    return os.environ.get(ENV_ENDPOINT) or DEFAULT_ENDPOINT
+
+
+def parse_maintenance_time(value: str) -> dt.datetime:
+    """``21 Jan 2019 09:00:43 GMT`` (the scheduled-events format) -> aware UTC datetime."""
+    return dt.datetime.strptime(value.strip(), "%d %b %Y %H:%M:%S GMT").replace(tzinfo=dt.timezone.utc)
+
+
+class AwsProvider(NoticeProvider):
+    """Watches the EC2 metadata service.
+
+    ``allow_imdsv1``: fall back to token-less requests when the token endpoint refuses (off by
+    default: IMDSv1 is the SSRF-prone variant). ``maintenance_horizon``: an active scheduled
+    maintenance event becomes a notice only this many seconds before its ``NotBefore``, so an
+    event announced days ahead does not stop training today.
+    """
+
+    name = "aws"
+
+    def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, allow_imdsv1: bool = False,
+                 token_ttl: int = TOKEN_TTL, maintenance_horizon: float = 600.0) -> None:
+        if not 1 <= token_ttl <= TOKEN_TTL:
+            raise ValueError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
+        self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
+        self._warn = WarnOnce(logger)
+        self.allow_imdsv1 = allow_imdsv1
+        self.token_ttl = token_ttl
+        self.maintenance_horizon = maintenance_horizon
+        self._token: str | None = None
+        self._token_expires = 0.0  # monotonic
+        self._v1 = False
+
+    # -- IMDSv2 token --------------------------------------------------------------------------
+    def _refresh_token(self) -> None:
+        resp = self.client.request("PUT", "/latest/api/token",
+                                   {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)})
+        if resp.status == 200 and resp.body:
+            self._token = resp.text.strip()
+            # Renew well before expiry: a token used at its last second can expire in flight.
+            self._token_expires = time.monotonic() + self.token_ttl * 0.8
+            self._v1 = False
+            return
+        if self.allow_imdsv1 and resp.status in (403, 404, 405):
+            if not self._v1:
+                self._warn("IMDSv2 token refused (HTTP %d); using IMDSv1 as allowed", resp.status)
+            self._v1 = True
+            return
+        raise MetadataHTTPError(f"IMDSv2 token request failed: HTTP {resp.status}", resp.status)
+
+    def _get(self, path: str) -> tuple[int, str]:
+        for attempt in (0, 1):
+            if not self._v1 and (self._token is None or time.monotonic() >= self._token_expires):
+                self._refresh_token()
+            headers = {} if self._v1 else {"X-aws-ec2-metadata-token": self._token or ""}
+            resp = self.client.request("GET", path, headers)
+            if resp.status == 401 and attempt == 0:
+                self._token = None  # expired or revoked: one fresh token, then give up
+                continue
+            check_status(resp.status, (200, 404), f"GET {path}")
+            return resp.status, resp.text
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the checks ----------------------------------------------------------------------------
+    def poll(self) -> Notice | None:
+        # Most severe first, and stop at the first stop notice: a later failing request must not
+        # hide a notice already found.
+        notice = self._spot()
+        if notice is None:
+            notice = next(iter(self._maintenance()), None) or self._lifecycle()
+        return notice or self._rebalance()
+
+    def _json(self, path: str) -> Any:
+        status, text = self._get(path)
+        if status == 404:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            self._warn("%s: malformed JSON %r; ignored", path, text[:200])
+            return None
+
+    def _spot(self) -> Notice | None:
+        data = self._json(SPOT)
+        if data is None:
+            return None
+        action = data.get("action") if isinstance(data, dict) else None
+        if action not in STOP_ACTIONS:
+            self._warn("%s: unexpected content %r; ignored", SPOT, data)
+            return None
+        try:
+            deadline = parse_time(data.get("time"))
+        except (ValueError, TypeError, OverflowError):
+            # The action itself is unambiguous; only its time is unusable: assume the documented 2 min.
+            deadline = utcnow() + SPOT_WARNING
+            self._warn("%s: bad time %r; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
+        return Notice(self.name, action, deadline=deadline, raw=data)
+
+    def _maintenance(self) -> list[Notice]:
+        events = self._json(MAINTENANCE)
+        if not events:
+            return []
+        if not isinstance(events, list):
+            self._warn("%s: expected a JSON array, got %r; ignored", MAINTENANCE, events)
+            return []
+        out: list[Notice] = []
+        now = utcnow()
+        for event in events:
+            if not isinstance(event, dict) or event.get("State") != "active" \
+                    or event.get("Code") not in MAINTENANCE_CODES:
+                continue
+            try:
+                deadline = parse_maintenance_time(str(event.get("NotBefore", "")))
+            except ValueError:
+                self._warn("%s: event %s has a bad NotBefore %r; ignored", MAINTENANCE,
+                               event.get("EventId"), event.get("NotBefore"))
+                continue
+            if (deadline - now).total_seconds() > self.maintenance_horizon:
+                logger.debug("scheduled %s at %s: not yet within %.0fs", event.get("Code"), deadline,
+                            self.maintenance_horizon)
+                continue
+            out.append(Notice(self.name, "maintenance", deadline=deadline, raw=event))
+        return out
+
+    def _lifecycle(self) -> Notice | None:
+        status, text = self._get(LIFECYCLE)
+        if status == 200 and text.strip() == "Terminated":
+            return Notice(self.name, "terminate", raw={"target-lifecycle-state": "Terminated"})
+        return None
+
+    def _rebalance(self) -> Notice | None:
+        data = self._json(REBALANCE)
+        if data is None:
+            return None
+        if not isinstance(data, dict) or "noticeTime" not in data:
+            self._warn("%s: unexpected content %r; ignored", REBALANCE, data)
+            return None
+        return Notice(self.name, "rebalance", raw=data)
+
+    def wakeup(self) -> None:
+        self.client.interrupt()
+
+    def close(self) -> None:
+        self.client.close()

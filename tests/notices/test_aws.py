@@ -1,0 +1,218 @@
+"""The AWS provider against the mock IMDS over real HTTP (and ec2-metadata against the same mock)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from spotguard import Watcher
+from spotguard.notices._http import MetadataHTTPError
+from spotguard.notices.aws import AwsProvider, parse_maintenance_time
+from spotguard.notices.base import utcnow
+
+
+def provider(server, **options) -> AwsProvider:
+    return AwsProvider(server.url, **options)
+
+
+def test_no_notice_then_spot_termination_with_its_two_minute_deadline(mock_metadata):
+    server = mock_metadata("aws")
+    p = provider(server)
+    assert p.poll() is None
+    shown = server.mock.trigger("spot")
+    notice = p.poll()
+    assert notice is not None and notice.kind == "terminate" and not notice.advisory
+    assert notice.deadline == dt.datetime.strptime(shown["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    assert 110 < notice.seconds_left() <= 121
+    assert notice.raw == {"action": "terminate", "time": shown["time"]}
+
+
+@pytest.mark.parametrize("action", ["stop", "hibernate"])
+def test_spot_stop_and_hibernate_actions_are_notices_of_that_kind(mock_metadata, action):
+    server = mock_metadata("aws")
+    server.mock.trigger("spot", action=action)
+    assert provider(server).poll().kind == action
+
+
+def test_rebalance_is_advisory_and_a_spot_notice_outranks_it(mock_metadata):
+    server = mock_metadata("aws")
+    p = provider(server)
+    server.mock.trigger("rebalance")
+    notice = p.poll()
+    assert notice.kind == "rebalance" and notice.advisory and "noticeTime" in notice.raw
+    server.mock.trigger("spot")
+    assert p.poll().kind == "terminate"
+
+
+def test_active_maintenance_within_the_horizon_is_a_notice(mock_metadata):
+    server = mock_metadata("aws")
+    event = server.mock.trigger("maintenance", warning=300)
+    notice = provider(server).poll()
+    assert notice.kind == "maintenance"
+    assert notice.deadline == parse_maintenance_time(event["NotBefore"])
+    assert provider(server, maintenance_horizon=60).poll() is None  # announced too far ahead
+
+
+def test_maintenance_that_is_canceled_unknown_or_badly_dated_is_not_a_stop(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    soon = (utcnow() + dt.timedelta(seconds=60)).strftime("%d %b %Y %H:%M:%S GMT")
+    server.mock.values["events/maintenance/scheduled"] = json.dumps([
+        {"Code": "instance-stop", "NotBefore": soon, "State": "canceled", "EventId": "e1"},
+        {"Code": "instance-stop", "NotBefore": soon, "State": "completed", "EventId": "e2"},
+        {"Code": "instance-stop", "NotBefore": "next tuesday", "State": "active", "EventId": "e3"},
+    ])
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        assert provider(server).poll() is None
+    assert "bad NotBefore" in caplog.text
+
+
+def test_auto_scaling_scale_in_is_a_terminate_notice(mock_metadata):
+    server = mock_metadata("aws")
+    p = provider(server)
+    server.mock.values["autoscaling/target-lifecycle-state"] = "InService"
+    assert p.poll() is None
+    server.mock.trigger("asg")
+    assert p.poll().kind == "terminate"
+
+
+def test_malformed_json_is_logged_and_never_a_stop(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    p = provider(server)
+    for body in ("{not json", '{"action": "explode", "time": "2026-01-01T00:00:00Z"}', "[1, 2]"):
+        server.mock.values["spot/instance-action"] = body
+        with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+            assert p.poll() is None
+    server.mock.values["events/maintenance/scheduled"] = "{oops"
+    server.mock.values.pop("spot/instance-action")
+    assert p.poll() is None
+    assert "malformed JSON" in caplog.text and "unexpected content" in caplog.text
+
+
+def test_a_valid_action_with_a_bad_time_still_stops_with_the_documented_two_minutes(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    server.mock.values["spot/instance-action"] = json.dumps({"action": "terminate", "time": "soon"})
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        notice = provider(server).poll()
+    assert notice.kind == "terminate" and 115 < notice.seconds_left() <= 120
+    assert "bad time" in caplog.text
+
+
+def test_token_is_reused_and_refreshed_after_a_401(mock_metadata):
+    server = mock_metadata("aws")
+    p = provider(server)
+    p.poll()
+    first = p._token
+    assert first in server.mock.tokens and len(server.mock.tokens) == 1
+    p.poll()
+    assert p._token == first and len(server.mock.tokens) == 1  # one token for many polls
+    server.mock.expire_tokens()
+    server.mock.trigger("spot")
+    assert p.poll().kind == "terminate"  # the 401 led to a new token, not to an error
+    assert p._token != first and p._token in server.mock.tokens
+
+
+def test_token_is_renewed_before_it_expires(mock_metadata):
+    server = mock_metadata("aws")
+    p = provider(server, token_ttl=1)
+    p.poll()
+    first = p._token
+    time.sleep(0.85)  # past 80 % of the TTL
+    p.poll()
+    assert p._token != first
+
+
+def test_no_silent_imdsv1_fallback(mock_metadata):
+    server = mock_metadata("aws", require_tokens=False)
+    server.set_faults(status=403, count=1)  # the token request is refused
+    with pytest.raises(MetadataHTTPError, match="token"):
+        provider(server).poll()
+    server.set_faults(status=403, count=1)
+    server.mock.trigger("spot")
+    assert provider(server, allow_imdsv1=True).poll().kind == "terminate"
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_server_errors_raise_for_the_watcher_to_back_off(mock_metadata, status):
+    server = mock_metadata("aws")
+    p = provider(server)
+    p.poll()
+    server.set_faults(status=status, count=1)
+    with pytest.raises(MetadataHTTPError, match=str(status)):
+        p.poll()
+    assert p.poll() is None
+
+
+def test_a_slow_service_times_out(mock_metadata):
+    server = mock_metadata("aws")
+    server.set_faults(status=0, count=1, delay=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(MetadataHTTPError, match="timed out"):
+        provider(server, timeout=0.2).poll()
+    assert time.monotonic() - t0 < 0.9
+
+
+def test_watcher_survives_503s_reports_once_and_only_on_a_real_notice(mock_metadata):
+    server = mock_metadata("aws")
+    seen = []
+    watcher = Watcher([provider(server)], interval=0.05, on_notice=seen.append, max_backoff=0.1)
+    with watcher:
+        server.set_faults(status=503, count=4)
+        time.sleep(0.5)
+        assert not watcher.preempted.is_set()
+        server.mock.trigger("spot")
+        assert watcher.preempted.wait(2)
+        time.sleep(0.3)  # many more polls see the same notice
+    assert len(seen) == 1 and seen[0].kind == "terminate"
+
+
+def test_stop_is_prompt_even_mid_request(mock_metadata):
+    server = mock_metadata("aws")
+    server.set_faults(status=0, count=100, delay=0.5)
+    watcher = Watcher([provider(server, timeout=5)], interval=0.05).start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - t0 < 0.5
+    assert not any(t.name.startswith("spotguard-watch") for t in threading.enumerate())
+
+
+def test_ec2_metadata_library_reads_the_mock_spot_notice(mock_metadata):
+    from ec2_metadata import EC2Metadata
+
+    server = mock_metadata("aws")
+    client = EC2Metadata()
+    client.service_url = f"{server.url}/latest/"
+    client.metadata_url = f"{client.service_url}meta-data/"
+    assert client.spot_instance_action is None
+    assert client.instance_id == "i-0123456789abcdef0"
+    shown = server.mock.trigger("spot", action="stop")
+    client.clear_all()
+    action = client.spot_instance_action
+    assert action.action == "stop"
+    assert action.time.strftime("%Y-%m-%dT%H:%M:%SZ") == shown["time"]
+
+
+def test_a_found_spot_notice_survives_a_failing_later_read(mock_metadata):
+    server = mock_metadata("aws")
+    original = server.mock.handle
+    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    p = provider(server)
+    with pytest.raises(MetadataHTTPError):
+        p.poll()  # nothing found, then the maintenance read fails: the watcher backs off
+    server.mock.trigger("spot")
+    assert p.poll().kind == "terminate"
+
+
+def test_the_same_malformed_content_warns_once(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    server.mock.values["spot/instance-action"] = "{broken"
+    p = provider(server)
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        for _ in range(5):
+            p.poll()
+    assert caplog.text.count("malformed JSON") == 1

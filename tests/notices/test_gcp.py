@@ -1,0 +1,179 @@
+"""The GCP provider against the mock metadata server over real HTTP (and google-auth against the mock)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from spotguard import Watcher
+from spotguard.mockmeta import endpoint_env
+from spotguard.notices._http import MetadataHTTPError
+from spotguard.notices.gcp import GcpProvider
+
+from ..helpers import subprocess_env
+
+
+def poll_in_thread(p: GcpProvider) -> tuple[threading.Thread, list]:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append((p.poll(), time.monotonic())))
+    thread.start()
+    return thread, out
+
+
+def test_first_poll_reads_at_once_then_a_hanging_get_waits_for_a_change(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=1)
+    t0 = time.monotonic()
+    assert p.poll() is None and p._etag
+    assert time.monotonic() - t0 < 0.5  # the first read does not hang
+    t0 = time.monotonic()
+    assert p.poll() is None  # no change: the server held the request for timeout_sec
+    assert 0.9 < time.monotonic() - t0 < 2.5
+
+
+def test_preemption_is_seen_as_soon_as_it_happens_with_a_30s_deadline(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=30)
+    p.poll()
+    thread, out = poll_in_thread(p)
+    time.sleep(0.3)
+    triggered = time.monotonic()
+    server.mock.trigger("preempt")
+    thread.join(5)
+    notice, returned = out[0]
+    assert returned - triggered < 0.2  # not a poll interval: the hanging GET returned on the change
+    assert notice.kind == "preempt" and not notice.advisory
+    assert 28 < notice.seconds_left() <= 30
+    p.hang = 1
+    assert p.poll() is notice  # still preempted: the same notice, the same deadline
+
+
+def test_a_change_before_the_hanging_get_starts_is_not_missed(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=30)
+    p.poll()
+    server.mock.trigger("preempt")  # between two polls: last_etag differs, the GET returns at once
+    t0 = time.monotonic()
+    assert p.poll().kind == "preempt"
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_host_maintenance_terminate_stops_and_migrate_is_advisory(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=1)
+    p.poll()
+    server.mock.trigger("migrate")
+    notice = p.poll()
+    assert notice.kind == "migrate" and notice.advisory
+    server.mock.trigger("maintenance")
+    notice = p.poll()
+    assert notice.kind == "maintenance" and 55 < notice.seconds_left() <= 60
+
+
+def test_unexpected_values_are_logged_not_stops(mock_metadata, caplog):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=1)
+    server.mock.values["instance/preempted"] = "MAYBE"
+    server.mock.values["instance/maintenance-event"] = "SOMETHING_NEW"
+    with caplog.at_level(logging.WARNING, "spotguard.notices.gcp"):
+        assert p.poll() is None
+    assert "MAYBE" in caplog.text and "SOMETHING_NEW" in caplog.text
+
+
+@pytest.mark.parametrize("status", [500, 503])
+def test_server_errors_raise_for_the_watcher_to_back_off(mock_metadata, status):
+    server = mock_metadata("gcp")
+    server.set_faults(status=status, count=1)
+    with pytest.raises(MetadataHTTPError, match=str(status)):
+        GcpProvider(server.url).poll()
+
+
+def test_a_server_that_is_not_google_is_refused(mock_metadata):
+    server = mock_metadata("azure")  # answers, but without Metadata-Flavor: Google
+    with pytest.raises(OSError):
+        GcpProvider(server.url).poll()
+
+
+def test_watcher_stop_interrupts_a_hanging_get_at_once(mock_metadata):
+    server = mock_metadata("gcp")
+    watcher = Watcher([GcpProvider(server.url, hang=60)], interval=1.0).start()
+    time.sleep(0.3)  # first read done, now hanging
+    t0 = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - t0 < 0.5
+    assert not watcher.running
+
+
+def test_watcher_reports_a_preemption_once(mock_metadata):
+    server = mock_metadata("gcp")
+    seen = []
+    with Watcher([GcpProvider(server.url, hang=1)], interval=1.0, on_notice=seen.append) as watcher:
+        time.sleep(0.2)
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(1)
+        time.sleep(0.2)
+    assert [n.kind for n in seen] == ["preempt"]
+
+
+GOOGLE_AUTH = """
+import json, sys
+import google.auth.transport.requests as tr
+from google.auth.compute_engine import _metadata
+request = tr.Request()
+print(json.dumps({"ping": _metadata.ping(request, timeout=2, retry_count=1),
+                  "preempted": _metadata.get(request, "instance/preempted", retry_count=1),
+                  "zone": _metadata.get(request, "instance/zone", retry_count=1),
+                  "project": _metadata.get(request, "project/project-id", retry_count=1)}))
+"""
+
+
+def test_google_auth_recognises_and_reads_the_mock(mock_metadata):
+    server = mock_metadata("gcp")
+    env = subprocess_env(**endpoint_env("gcp", server.url))  # google-auth reads them at import time
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", GOOGLE_AUTH], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = run()
+    assert first["ping"] is True and first["preempted"] == "FALSE"
+    assert first["zone"].endswith("/zones/us-central1-a") and first["project"] == "mock-project"
+    server.mock.trigger("preempt")
+    assert run()["preempted"] == "TRUE"
+
+
+def test_a_preemption_survives_a_failing_maintenance_read(mock_metadata):
+    server = mock_metadata("gcp")
+    original = server.mock.handle
+    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    p = GcpProvider(server.url, hang=30)
+    with pytest.raises(MetadataHTTPError):
+        p.poll()
+    server.mock.trigger("preempt")
+    t0 = time.monotonic()
+    assert p.poll().kind == "preempt"
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_watching_never_draws_from_the_global_random_generators(mock_metadata):
+    import random
+
+    import numpy as np
+    import torch
+
+    server = mock_metadata("gcp", error_rate=0.3)  # errors too: the watcher's backoff jitter runs
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with Watcher([GcpProvider(server.url, hang=1)], interval=0.05, max_backoff=0.05) as watcher:
+        time.sleep(0.5)
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(3)
+    assert random.getstate() == before[0]
+    assert (np.random.get_state()[1] == before[1]).all() and torch.equal(torch.get_rng_state(), before[2])
