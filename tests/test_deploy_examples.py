@@ -66,7 +66,9 @@ def test_sbatch_script_checkpoints_on_usr1_and_requeues(tmp_path):
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
         while "[train] starting at step 0" not in proc.stdout.readline():
-            assert time.monotonic() < deadline and proc.poll() is None
+            if proc.poll() is not None:
+                pytest.fail(f"sbatch script exited {proc.returncode} before training: {proc.stderr.read()[-3000:]}")
+            assert time.monotonic() < deadline
         time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
