@@ -136,7 +136,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .supervisor import Supervisor, SupervisorOptions
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    options = SupervisorOptions(command, storage=args.storage, max_restarts=args.max_restarts,
+    options = SupervisorOptions(command, storage=args.storage, local_dir=args.local_dir, prefetch=args.prefetch,
+                                max_restarts=args.max_restarts,
                                 hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
                                 backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace,
                                 forward_as=args.forward_as)
@@ -278,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "2 restart budget used up or bad options, 128+N stopped by signal N "
                                    "without the job exiting in time.")
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
+    p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
+    p.add_argument("--prefetch", action="store_true", help="copy the newest checkpoint into --local-dir, verified, "
+                   "before starting the job")
     p.add_argument("--max-restarts", type=int, default=10, help="restarts after crashes/hangs (default 10)")
     p.add_argument("--hang-timeout", type=float, help="seconds without a completed step before the job "
                    "counts as hung (default: no watchdog)")

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 #: Exit code of a job that stopped for a notice (EX_TEMPFAIL): "stopped on purpose, resume elsewhere".
 EXIT_PREEMPTED = 75
 STORAGE_ENV = "SPOTGUARD_STORAGE"
+LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_DIR"
 STATE_FILE = "state.pt"
 
 
@@ -107,8 +108,9 @@ class Guard:
     """Checkpoints a training loop periodically and on a notice, and resumes it exactly.
 
     ``storage`` is a path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL (or a
-    ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` adds a fast first
-    tier (e.g. the instance's NVMe) from which periodic checkpoints are uploaded in the background.
+    ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` (default
+    ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
+    checkpoints are uploaded in the background.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class Guard:
             if not storage:
                 raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
         self.storage: Storage = open_storage(storage)
+        local_dir = local_dir or os.environ.get(LOCAL_DIR_ENV)  # set by `spotguard run --local-dir`
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
         # [distributed hook] per-rank providers; the agreement collective when in a process group.
         # In a group, saves are collective, sharded and synchronous (spotguard.sharded).

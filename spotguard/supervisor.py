@@ -44,8 +44,8 @@ from types import FrameType
 
 from . import checkpoint, heartbeat
 from .errors import ConfigError, SpotguardError, StorageError
-from .guard import EXIT_PREEMPTED, STORAGE_ENV
-from .storage import open_storage
+from .guard import EXIT_PREEMPTED, LOCAL_DIR_ENV, STORAGE_ENV
+from .storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class SupervisorOptions:
 
     command: Sequence[str]
     storage: str | None = None
+    local_dir: str | None = None  # the job's fast local tier, passed as $SPOTGUARD_LOCAL_DIR
+    prefetch: bool = False  # copy the newest checkpoint into local_dir before starting
     max_restarts: int = 10
     hang_timeout: float | None = None
     startup_timeout: float | None = None  # before the first step; default: hang_timeout
@@ -95,6 +97,8 @@ class SupervisorOptions:
             raise ConfigError("grace and poll must be positive, stack_wait non-negative")
         if self.forward_as is not None:
             self.forward_as = int(_to_signal(self.forward_as))
+        if self.prefetch and not self.local_dir:
+            raise ConfigError("--prefetch needs --local-dir: the local tier to copy the checkpoint into")
 
 
 def _to_signal(sig: str | int) -> signal.Signals:
@@ -136,19 +140,36 @@ class Supervisor:
         storage = open_storage(url)
         try:
             info = checkpoint.latest(storage)
+            if info is None or info.manifest is None:
+                logger.info("no complete checkpoint in %s: the job starts from step 0", url)
+                return None
+            m = info.manifest
+            age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(m.time)
+            logger.info("newest checkpoint: step %d (%s), %s old, %.1f MB, in %s", info.step, m.reason,
+                        _human(age.total_seconds()), m.size / 1e6, url.rstrip("/") + "/" + info.name)
+            if self.options.prefetch and self.options.local_dir:
+                self._prefetch(storage, info)
         except StorageError as e:
-            logger.warning("cannot list checkpoints in %s: %s; starting anyway", storage.describe(), e)
+            logger.warning("cannot read checkpoints in %s: %s; starting anyway", storage.describe(), e)
             return None
         finally:
             storage.close()
-        if info is None or info.manifest is None:
-            logger.info("no complete checkpoint in %s: the job starts from step 0", url)
-            return None
-        m = info.manifest
-        age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(m.time)
-        logger.info("newest checkpoint: step %d (%s), %s old, %.1f MB, in %s", info.step, m.reason,
-                    _human(age.total_seconds()), m.size / 1e6, url.rstrip("/") + "/" + info.name)
         return info
+
+    def _prefetch(self, storage: Storage, info: checkpoint.CheckpointInfo) -> None:
+        """Copy a checkpoint into the local tier, verified, so the job's resume reads local disk."""
+        local = open_storage(self.options.local_dir or "")
+        if any(i.complete and i.step == info.step for i in checkpoint.scan(local)):
+            logger.info("%s is already in the local tier %s", info.name, local.describe())
+            return
+        t0 = time.monotonic()
+        try:
+            checkpoint.verify(storage, info)
+            checkpoint.copy(storage, local, info)
+        except (SpotguardError, OSError) as e:
+            logger.warning("prefetch of %s failed (%s); the job reads it from %s", info.name, e, storage.describe())
+            return
+        logger.info("prefetched %s into %s in %.1fs", info.name, local.describe(), time.monotonic() - t0)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -204,6 +225,8 @@ class Supervisor:
         env = {**os.environ, **opts.env, heartbeat.HEARTBEAT_ENV: str(beat)}
         if opts.storage:
             env[STORAGE_ENV] = opts.storage
+        if opts.local_dir:
+            env[LOCAL_DIR_ENV] = opts.local_dir
         logger.info("starting: %s", " ".join(opts.command))
         # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
         # job is killed together with its data-loader workers.

@@ -193,3 +193,33 @@ def test_a_broadcast_stop_reaches_the_job_once_per_signal_with_forward_as(tmp_pa
 def test_bad_options_are_rejected(bad):
     with pytest.raises(ConfigError):
         SupervisorOptions(**bad)
+
+
+def test_prefetch_copies_the_newest_checkpoint_into_the_local_tier_and_the_job_resumes_from_it(tmp_path):
+    import torch
+
+    import spotguard
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+    from spotguard.supervisor import Supervisor, SupervisorOptions
+
+    durable, local = tmp_path / "bucket", tmp_path / "nvme"
+    g = spotguard.Guard(str(durable), providers=[]).track(model=torch.nn.Linear(3, 3))
+    g.save(7, "periodic")
+    seen = tmp_path / "env.txt"
+    cmd = [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ['SPOTGUARD_LOCAL_DIR'])"]
+    code = Supervisor(SupervisorOptions(cmd, storage=str(durable), local_dir=str(local), prefetch=True)).run()
+    assert code == 0 and seen.read_text() == str(local)
+    (info,) = checkpoint.scan(open_storage(str(local)))
+    assert info.complete and info.step == 7
+    checkpoint.verify(open_storage(str(local)), info)
+    # Guard reads $SPOTGUARD_LOCAL_DIR; with the durable copy gone, the local copy alone resumes.
+    checkpoint.delete(open_storage(str(durable)), "step-00000007")
+    os.environ["SPOTGUARD_LOCAL_DIR"] = str(local)
+    try:
+        fresh = spotguard.Guard(str(durable), providers=[]).track(model=torch.nn.Linear(3, 3))
+        assert fresh.local is not None and fresh.resume() == 7
+    finally:
+        del os.environ["SPOTGUARD_LOCAL_DIR"]
+    with pytest.raises(spotguard.ConfigError, match="--local-dir"):
+        SupervisorOptions(["true"], prefetch=True)
