@@ -74,6 +74,8 @@ class LocalStorage(Storage):
                 try:
                     os.link(tmp, final)  # atomic and never replaces: write-once
                 except FileExistsError as e:
+                    if final.read_bytes() == data:  # a retried write of the same bytes: already done
+                        return
                     raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
             else:
                 os.replace(tmp, final)
