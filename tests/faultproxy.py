@@ -38,7 +38,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 if request is None:
                     return
                 method, target, headers, body = request
-                fault = proxy.pick()
+                fault = proxy.pick(method, target)
                 if fault in ("drop", "stall"):
                     if fault == "stall":
                         proxy.stopping.wait(proxy.stall)
@@ -53,7 +53,7 @@ class _Handler(socketserver.StreamRequestHandler):
                     return
                 head = self._head(method, resp, data)
                 if fault == "truncate":
-                    self.wfile.write(head + data[: len(data) // 2] if data else head[: len(head) // 2])
+                    self.wfile.write(head + data[: len(data) // 2] if data else head[:5])  # no body: cut the status line
                     return
                 self.wfile.write(head + data)
                 self.wfile.flush()
@@ -133,6 +133,7 @@ class FaultProxy:
         self.rate, self.faults, self.stall = rate, tuple(faults), stall
         self.rng = random.Random(seed)
         self.requests = 0
+        self.log: list[str] = []  # "METHOD target" of every request seen
         self.injected: collections.Counter[str] = collections.Counter()
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -142,9 +143,10 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="faultproxy", daemon=True)
 
-    def pick(self) -> str | None:
+    def pick(self, method: str = "", target: str = "") -> str | None:
         with self._lock:
             self.requests += 1
+            self.log.append(f"{method} {target}")
             if self.rate <= 0 or self.rng.random() >= self.rate:
                 return None
             fault = self.rng.choice(self.faults)

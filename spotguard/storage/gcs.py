@@ -87,7 +87,7 @@ class GCSOptions:
 _TRANSIENT = (gexc.TooManyRequests, gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
               gexc.GatewayTimeout, gexc.RequestRangeNotSatisfiable, requests.ConnectionError, requests.Timeout,
               requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError,
-              aexc.TransportError, ConnectionError, TimeoutError, DataCorruption, _ChecksumMismatch)
+              aexc.TransportError, ConnectionError, TimeoutError)
 
 
 class GCSStorage(Storage):
@@ -133,7 +133,7 @@ class GCSStorage(Storage):
         try:
             return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
                               what=f"{what} {self.describe(key)}", wait=self._wait)
-        except CheckpointExistsError:
+        except (CheckpointExistsError, ConfigError):
             raise
         except (gexc.GoogleAPIError, aexc.GoogleAuthError, requests.RequestException, InvalidResponse,
                 DataCorruption, OSError, ValueError) as e:
@@ -232,7 +232,14 @@ class GCSStorage(Storage):
                 if self.progress:
                     self.progress(size)
 
-            self._call("download", key, fetch)
+            for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
+                try:
+                    self._call("download", key, fetch)
+                    break
+                except CheckpointCorruptError as e:
+                    if attempt == 2:
+                        raise
+                    logger.warning("%s; downloading it again", e)
             yield path
 
     def list(self, prefix: str = "") -> list[str]:

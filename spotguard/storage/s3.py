@@ -37,6 +37,7 @@ from .base import ObjectNotFoundError, Storage, check_key
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+META_CRC = "spotguard-crc32"
 _PERMANENT = {"AccessDenied": "access denied", "AllAccessDisabled": "access denied",
               "InvalidAccessKeyId": "unknown access key", "SignatureDoesNotMatch": "bad secret key",
               "ExpiredToken": "expired credentials", "InvalidToken": "invalid credentials",
@@ -129,7 +130,7 @@ class S3Storage(Storage):
 
     @staticmethod
     def _transient(e: BaseException) -> bool:
-        if isinstance(e, (_ChecksumMismatch, *_NETWORK)):
+        if isinstance(e, _NETWORK):
             return True
         if isinstance(e, bex.ClientError):
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -163,6 +164,8 @@ class S3Storage(Storage):
                 return StorageError(f"cannot {what} {where}: {_PERMANENT.get(code, 'forbidden')} ({code or status});"
                                     " check the credentials (AWS_PROFILE, keys, instance role) and that the "
                                     f"bucket policy allows s3:GetObject/PutObject/ListBucket/DeleteObject on {self.bucket!r}")
+            if self._transient(e):
+                return StorageError(f"cannot {what} {where} (gave up after retries): {code or status}: {e}")
             return StorageError(f"cannot {what} {where}: {code or status}: {e}")
         if isinstance(e, bex.EndpointConnectionError):
             return StorageError(f"cannot {what} {where}: cannot reach the endpoint ({e}); check AWS_ENDPOINT_URL "
@@ -185,7 +188,9 @@ class S3Storage(Storage):
             with open(spool, "wb") as raw:
                 crc = Crc32File(raw)
                 yield crc  # type: ignore[misc]
-            extra = {"ChecksumCRC32": crc.b64()}  # full-object CRC32: S3 checks it for PUT and multipart
+            # Full-object CRC32: S3 checks it for PUT and multipart. A copy in user metadata lets
+            # local_copy check downloads against servers that do not keep the checksum (moto's PUT).
+            extra = {"ChecksumCRC32": crc.b64(), "Metadata": {META_CRC: crc.b64()}}
             self._call("upload", key, lambda: self.client.upload_file(
                 str(spool), self.bucket, full, ExtraArgs=extra, Config=self._transfer,
                 Callback=self._callback()), deadline)
@@ -243,17 +248,24 @@ class S3Storage(Storage):
                                                  Config=self._transfer, Callback=self._callback())
                 self._check(full, path, head)
 
-            try:
-                self._call("download", key, fetch)
-            except StorageError as e:
-                raise self._not_found(key, e) from e
+            for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
+                try:
+                    self._call("download", key, fetch)
+                    break
+                except CheckpointCorruptError as e:
+                    if attempt == 2:
+                        raise
+                    logger.warning("%s; downloading it again", e)
+                except StorageError as e:
+                    raise self._not_found(key, e) from e
             yield path
 
     def _check(self, full: str, path: Path, head: dict[str, Any]) -> None:
         size = path.stat().st_size
-        if size != head["ContentLength"]:
+        if size != head.get("ContentLength"):
             raise _ChecksumMismatch(f"downloaded {size} bytes, the object has {head['ContentLength']}")
         want = head.get("ChecksumCRC32") if head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None
+        want = want or head.get("Metadata", {}).get(META_CRC)
         if want is None:
             logger.debug("s3://%s/%s has no full-object CRC32; relying on the manifest's SHA-256",
                          self.bucket, full)

@@ -1,0 +1,116 @@
+"""GCS specifics: the global random streams stay untouched, CRC32C is sent and checked, write-once
+manifests, integrity on read, fail-fast errors. Each test names the emulator it needs and why."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import google_crc32c
+import pytest
+
+from spotguard import checkpoint
+from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.storage import open_storage
+from spotguard.storage._common import crc_b64
+from spotguard.storage.gcs import GCSOptions, GCSStorage
+from tests.faultproxy import FaultProxy
+from tests.helpers import subprocess_env
+
+MiB = 1 << 20
+
+
+def test_library_alone_draws_from_global_random(fake_gcs_url: str):
+    """The control for the next test: a plain multipart upload shifts Python's global random stream.
+
+    fake-gcs-server: any emulator would do; this one is fast.
+    """
+    bucket = fake_gcs_url.split("/")[2]
+    code = ("import random\nfrom google.cloud import storage\nbefore = random.getstate()\n"
+            f"storage.Client().bucket({bucket!r}).blob('plain').upload_from_string(b'{{}}')\n"
+            "print(random.getstate() != before)")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)  # a fresh process: spotguard (and its fix) not imported
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs_url: str):
+    """Multipart (manifest) and resumable (state) uploads, reads and listing, from a worker thread.
+
+    fake-gcs-server: it enforces if_generation_match, so the write-once path runs as in production.
+    """
+    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB))
+    random.seed(99)
+    before = random.getstate()
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            checkpoint.write(st, 5, {"state.pt": lambda f: f.write(os.urandom(3 * MiB))}, reason="periodic")
+            info = checkpoint.latest(st)
+            assert info is not None
+            checkpoint.verify(st, info)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert random.getstate() == before
+
+
+def test_crc32c_is_sent_and_held_by_the_server(gcp_emulator_url: str):
+    """gcp-storage-emulator: it checks the CRC32C sent with an upload, as GCS does."""
+    st = GCSStorage(gcp_emulator_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB))
+    data = os.urandom(2 * MiB + 17)
+    with st.open_write("big") as f:
+        f.write(data)
+    st.put_bytes("small", b"manifest")
+    for key, content in (("big", data), ("small", b"manifest")):
+        blob = st.bucket.get_blob("run/" + key)
+        assert blob.crc32c == crc_b64(int(google_crc32c.value(content)))
+    bad = st.bucket.blob("run/forged")
+    bad.crc32c = crc_b64(int(google_crc32c.value(b"other")))
+    with pytest.raises(Exception):  # the server refuses an upload whose CRC32C does not match
+        bad.upload_from_string(b"manifest", retry=None, checksum=None)
+
+
+def test_corrupted_object_is_caught_on_read_and_resume_falls_back(gcp_emulator_url: str, gcp_emulator):
+    """gcp-storage-emulator: it keeps objects as plain files, so the test can corrupt one at rest."""
+    st = open_storage(gcp_emulator_url)
+    for step in (1, 2):
+        checkpoint.write(st, step, {"state.pt": lambda f: f.write(os.urandom(100_000))}, reason="periodic")
+    bucket = gcp_emulator_url.split("/")[2]
+    stored = gcp_emulator.root / bucket / "run" / "step-00000002" / "state.pt"
+    data = bytearray(stored.read_bytes())
+    data[500] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="CRC32C"):
+        with st.local_copy("step-00000002/state.pt"):
+            pass
+    infos = checkpoint.scan(st)
+    with pytest.raises(CheckpointCorruptError):
+        checkpoint.verify(st, infos[1])
+    checkpoint.verify(st, infos[0])
+
+
+def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(fake_gcs, monkeypatch):
+    """fake-gcs-server behind the fault proxy answering 403 to everything."""
+    with FaultProxy(fake_gcs.port, rate=1.0, faults=("403",)) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        st = GCSStorage("gs://some-bucket/run")
+        with pytest.raises(StorageError) as err:
+            st.put_bytes("step-00000001/manifest.json", b"{}")
+        # not retried (the library itself follows a failed upload with one bucket lookup)
+        assert sum("uploadType" in r for r in proxy.log) == 1, proxy.log
+    msg = str(err.value)
+    assert "gs://some-bucket/run/step-00000001/manifest.json" in msg and "credentials" in msg
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs.url)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist; create it"):
+        GCSStorage("gs://no-such-bucket/x").list()
