@@ -78,7 +78,7 @@ def test_crc32c_is_sent_and_held_by_the_server(gcp_emulator_url: str):
         assert blob.crc32c == crc_b64(int(google_crc32c.value(content)))
     bad = st.bucket.blob("run/forged")
     bad.crc32c = crc_b64(int(google_crc32c.value(b"other")))
-    with pytest.raises(gexc.Conflict, match="CRC32C"):  # the server refuses an upload whose CRC32C does not match
+    with pytest.raises(gexc.BadRequest, match="CRC32C"):  # the server refuses an upload whose CRC32C does not match
         bad.upload_from_string(b"manifest", retry=None, checksum=None)
 
 
