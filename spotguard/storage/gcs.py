@@ -41,7 +41,12 @@ _CHUNK_UNIT = 256 * 1024  # resumable chunks must be multiples of 256 KiB
 
 
 def _crc32c(data: bytes, crc: int) -> int:
-    return int(google_crc32c.extend(crc, data))
+    if isinstance(data, bytes):
+        return int(google_crc32c.extend(crc, data))
+    view = memoryview(data).cast("B")  # it wants read-only bytes: copy in bounded slices
+    for i in range(0, len(view), 8 * MiB):
+        crc = int(google_crc32c.extend(crc, bytes(view[i:i + 8 * MiB])))
+    return crc
 
 
 def _install_private_boundary() -> None:

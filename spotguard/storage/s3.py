@@ -319,3 +319,18 @@ class S3Storage(Storage):
 
     def close(self) -> None:
         self.client.close()
+
+    def abort_incomplete_uploads(self) -> list[str]:
+        """Abort multipart uploads left by killed writers below the prefix (they are billed until then)."""
+
+        def run() -> list[str]:
+            aborted = []
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                                Prefix=self.prefix)
+            for page in pages:
+                for up in page.get("Uploads", []):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    aborted.append(f"s3://{self.bucket}/{up['Key']} (multipart upload {up['UploadId'][:12]}...)")
+            return aborted
+
+        return list(self._call("abort uploads", "", run))
