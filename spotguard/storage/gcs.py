@@ -1,9 +1,10 @@
 """Google Cloud Storage through google-cloud-storage: ``gs://bucket/prefix``.
 
 Credentials are application default credentials; ``STORAGE_EMULATOR_HOST`` selects an emulator
-(anonymous credentials, as the client library does). Large objects go through resumable uploads
-in ``chunk_size`` chunks, small ones through one multipart request; both carry the CRC32C of the
-object, which GCS checks, and ``local_copy`` checks it again after the download. The manifest is
+(anonymous credentials, as the client library does). Large objects (``composite_threshold``) go up
+as parts in parallel, then one ``compose``; medium ones through resumable uploads in ``chunk_size``
+chunks; small ones through one multipart request. Every upload carries a CRC32C that GCS checks, the
+composed object's CRC32C must equal the file's, and ``local_copy`` checks it again after download. The manifest is
 written with ``if_generation_match=0``: write-once, so two writers can never both commit a step.
 
 Random streams: the library's own retries (api-core and resumable-media) draw jitter from the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _CHUNK_UNIT = 256 * 1024  # resumable chunks must be multiples of 256 KiB
+PART_MARK = ".sg-part-"  # temporary parts of a composite upload; invisible to list()
 
 
 def _crc32c(data: bytes, crc: int) -> int:
@@ -75,8 +78,10 @@ class _ChecksumMismatch(StorageError):
 class GCSOptions:
     """Transfer and retry tuning."""
 
-    chunk_size: int = 32 * MiB  # resumable upload chunk (multiple of 256 KiB)
+    chunk_size: int = 32 * MiB  # resumable chunk and composite part size (multiple of 256 KiB)
     resumable_threshold: int = 8 * MiB  # objects from this size up use resumable uploads
+    composite_threshold: int = 64 * MiB  # from this size up: parallel parts, then one compose (0: never)
+    concurrency: int = 8  # parts in flight for composite uploads
     page_size: int = 1000  # keys per LIST request
     timeout: float = 60.0  # seconds per HTTP request (connect, read)
     project: str | None = None  # None: from the credentials / environment
@@ -85,7 +90,8 @@ class GCSOptions:
     def __post_init__(self) -> None:
         if self.chunk_size < _CHUNK_UNIT or self.chunk_size % _CHUNK_UNIT:
             raise ConfigError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
-        if self.resumable_threshold < 1 or not 1 <= self.page_size <= 5000 or self.timeout <= 0:
+        if self.resumable_threshold < 1 or not 1 <= self.page_size <= 5000 or self.timeout <= 0 \
+                or self.concurrency < 1 or self.composite_threshold < 0:
             raise ConfigError(f"invalid GCS options {self!r}")
 
 
@@ -175,6 +181,9 @@ class GCSStorage(Storage):
                 crc = Crc32File(raw, _crc32c)
                 yield crc  # type: ignore[misc]
             large = crc.size >= self.options.resumable_threshold
+            if self.options.composite_threshold and crc.size >= self.options.composite_threshold:
+                self._composite_upload(key, full, spool, crc.size, crc.b64(), deadline)
+                return
 
             def upload() -> None:
                 blob = self.bucket.blob(full, chunk_size=self.options.chunk_size if large else None)
@@ -184,6 +193,51 @@ class GCSStorage(Storage):
                     self.progress(crc.size)
 
             self._call("upload", key, upload, deadline)
+
+    def _composite_upload(self, key: str, full: str, spool: Path, size: int, crc: str,
+                          deadline: float | None) -> None:
+        """Upload parts as temporary objects in parallel, compose them (at most 32), delete the parts.
+
+        Each part carries its own CRC32C; the composed object's CRC32C (computed by GCS) must equal
+        the CRC32C of the whole file, so a part mixed up or damaged cannot go unnoticed.
+        """
+        part = max(self.options.chunk_size, -(-size // (32 * _CHUNK_UNIT)) * _CHUNK_UNIT)
+        token = secrets.token_hex(6)
+        names = [f"{full}{PART_MARK}{token}-{i:02d}" for i in range(-(-size // part))]
+
+        def send(i: int) -> None:
+            with open(spool, "rb") as f:
+                f.seek(i * part)
+                data = f.read(part)
+            self._call("upload part of", key, lambda: self.bucket.blob(names[i]).upload_from_string(
+                data, checksum="crc32c", retry=None, timeout=self.options.timeout), deadline)
+            if self.progress:
+                self.progress(len(data))
+
+        try:
+            with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="spotguard-gcs") as pool:
+                for fut in [pool.submit(send, i) for i in range(len(names))]:
+                    fut.result()
+
+            def compose() -> None:
+                dest = self.bucket.blob(full)
+                dest.compose([self.bucket.blob(n) for n in names], retry=None, timeout=self.options.timeout)
+                if dest.crc32c and dest.crc32c != crc:
+                    raise StorageError(f"composed {self.describe(key)} has CRC32C {dest.crc32c}, the file {crc}")
+
+            self._call("compose", key, compose, deadline)
+        finally:
+            try:
+                self.delete([n[len(self.prefix):] for n in names])
+            except StorageError as e:
+                logger.warning("could not delete temporary parts of %s: %s", self.describe(key), e)
+
+    def abort_incomplete_uploads(self) -> list[str]:
+        """Delete temporary parts left by composite uploads that were killed."""
+        names = self._call("list", "", lambda: [b.name for b in self.bucket.list_blobs(
+            prefix=self.prefix, retry=None, timeout=self.options.timeout) if PART_MARK in b.name])
+        self.delete([n[len(self.prefix):] for n in names])
+        return [f"gs://{self.bucket_name}/{n}" for n in names]
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
                   deadline: float | None = None) -> None:
@@ -254,7 +308,7 @@ class GCSStorage(Storage):
         def run() -> list[str]:
             blobs = self.bucket.list_blobs(prefix=self.prefix + prefix, page_size=self.options.page_size,
                                            retry=None, timeout=self.options.timeout)
-            return [b.name[len(self.prefix):] for b in blobs]
+            return [b.name[len(self.prefix):] for b in blobs if PART_MARK not in b.name]
 
         return sorted(self._call("list", prefix, run))
 
