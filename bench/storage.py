@@ -4,6 +4,7 @@ Run from the repository root: ``python bench/storage.py [--size-mb 1024] [--back
 It starts its own servers on 127.0.0.1 (moto_server for S3, fake-gcs-server for GCS) and stops them.
 
 Figures (MB/s of state bytes, higher is better), each measured in this same run:
+- ours, upload only: ``open_write`` of the already serialised bytes (the transfer machinery alone).
 - ours, save: ``checkpoint.write`` with ``torch.save`` as the writer (what ``Guard.save`` does:
   serialise, SHA-256, CRC, upload, manifest). ours, load: verified ``local_copy`` + ``torch.load``.
 - S3 baseline: one ``put_object`` / one ``get_object`` of the already serialised bytes.
@@ -101,6 +102,17 @@ def ours(url: str, state: dict[str, torch.Tensor], step: int) -> tuple[float, fl
     return save, timed(load)
 
 
+def raw_upload(url: str, raw: bytes) -> float:
+    """Only the transfer machinery: open_write of already serialised bytes (no torch.save, no SHA-256)."""
+    st = open_storage(url)
+
+    def put() -> None:
+        with st.open_write("raw/state.pt") as f:
+            f.write(raw)
+
+    return timed(put)
+
+
 def bench_local(state, raw: bytes, work: Path) -> list[tuple[str, str, float, str, float]]:
     size = len(raw)
     save, load = ours(str(work / "ckpt"), state, 1)
@@ -141,9 +153,11 @@ def bench_s3(state, raw: bytes, work: Path) -> list[tuple[str, str, float, str, 
         base_put = timed(lambda: client.put_object(Bucket="bench", Key="baseline/state.pt", Body=raw))
         base_get = timed(lambda: client.get_object(Bucket="bench", Key="baseline/state.pt")["Body"].read())
         save, load = ours("s3://bench/run", state, 1)
+        upload = raw_upload("s3://bench/run", raw)
     finally:
         stop(proc)
     return [("s3 (moto)", "save", save, "single put_object", base_put),
+            ("s3 (moto)", "upload only", upload, "single put_object", base_put),
             ("s3 (moto)", "load", load, "single get_object", base_get)]
 
 
@@ -163,9 +177,11 @@ def bench_gcs(state, raw: bytes, work: Path) -> list[tuple[str, str, float, str,
         base_down = timed(lambda: bucket.blob("baseline/state.pt").download_as_bytes())
         blob.delete()
         save, load = ours("gs://bench/run", state, 1)
+        upload = raw_upload("gs://bench/run", raw)
     finally:
         stop(proc)
     return [("gcs (fake-gcs-server)", "save", save, "single-stream upload", base_up),
+            ("gcs (fake-gcs-server)", "upload only", upload, "single-stream upload", base_up),
             ("gcs (fake-gcs-server)", "load", load, "single-stream download", base_down)]
 
 
