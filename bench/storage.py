@@ -87,8 +87,24 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+TUNING: dict[str, int] = {}
+
+
+def storage_for(url: str):  # type: ignore[no-untyped-def]
+    if url.startswith("s3://") and TUNING:
+        from spotguard.storage.s3 import S3Options, S3Storage
+
+        return S3Storage(url, S3Options(part_size=TUNING["part"], multipart_threshold=TUNING["part"],
+                                        concurrency=TUNING["conc"]))
+    if url.startswith("gs://") and TUNING:
+        from spotguard.storage.gcs import GCSOptions, GCSStorage
+
+        return GCSStorage(url, GCSOptions(chunk_size=TUNING["part"], concurrency=TUNING["conc"]))
+    return open_storage(url)
+
+
 def ours(url: str, state: dict[str, torch.Tensor], step: int) -> tuple[float, float]:
-    st = open_storage(url)
+    st = storage_for(url)
     save = timed(lambda: checkpoint.write(st, step, {"state.pt": lambda f: torch.save(state, f)}, reason="manual"))
 
     def load() -> None:
@@ -104,7 +120,7 @@ def ours(url: str, state: dict[str, torch.Tensor], step: int) -> tuple[float, fl
 
 def raw_upload(url: str, raw: bytes) -> float:
     """Only the transfer machinery: open_write of already serialised bytes (no torch.save, no SHA-256)."""
-    st = open_storage(url)
+    st = storage_for(url)
 
     def put() -> None:
         with st.open_write("raw/state.pt") as f:
@@ -189,7 +205,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MB (default 1024)")
     p.add_argument("--backends", default="local,s3,gcs")
+    p.add_argument("--part-size-mb", type=int, help="S3 part / GCS chunk size (default: the backend's)")
+    p.add_argument("--concurrency", type=int, default=8, help="parts in flight (with --part-size-mb)")
     args = p.parse_args()
+    if args.part_size_mb:
+        TUNING.update(part=args.part_size_mb << 20, conc=args.concurrency)
     state = state_of(args.size_mb)
     buf = io.BytesIO()
     torch.save(state, buf)

@@ -15,7 +15,6 @@ is retried with tenacity; both stop at the caller's deadline.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -88,7 +87,9 @@ class S3Storage(Storage):
         #: Optional byte-count callback for transfers (the CLI's progress bars).
         self.progress: Progress | None = None
         self._wait = retry.JitteredBackoff(self.options.retry)
-        self._deadline = threading.local()
+        # The deadline of the operation in progress, read by the per-request hook, which runs in the
+        # transfer manager's worker threads (so not thread-local).
+        self._deadline: float | None = None
         self._transfer = TransferConfig(multipart_threshold=self.options.multipart_threshold,
                                         multipart_chunksize=self.options.part_size,
                                         max_concurrency=self.options.concurrency, use_threads=True,
@@ -123,7 +124,7 @@ class S3Storage(Storage):
             if http.status_code < 500 and http.status_code != 429 and code not in _TRANSIENT_CODES:
                 return None
         delay = self._wait.delay(attempts)
-        deadline = getattr(self._deadline, "value", None)
+        deadline = self._deadline
         if deadline is not None and time.monotonic() + delay >= deadline:
             return None
         return delay
@@ -138,14 +139,14 @@ class S3Storage(Storage):
         return False
 
     def _call(self, what: str, key: str, fn: Any, deadline: float | None = None) -> Any:
-        self._deadline.value = deadline
+        self._deadline = deadline
         try:
             return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
                               what=f"{what} {self.describe(key)}", wait=self._wait)
         except (bex.BotoCoreError, bex.ClientError, RetriesExceededError, _ChecksumMismatch) as e:
             raise self._error(what, key, e) from e
         finally:
-            self._deadline.value = None
+            self._deadline = None
 
     def _error(self, what: str, key: str, e: BaseException) -> StorageError:
         where = f"s3://{self.bucket}/{self.prefix}{key}"
@@ -261,6 +262,8 @@ class S3Storage(Storage):
             yield path
 
     def _check(self, full: str, path: Path, head: dict[str, Any]) -> None:
+        if "ContentLength" not in head:  # a reply cut inside its headers: a network fault, retried
+            raise bex.ResponseStreamingError(error="incomplete HEAD response")
         size = path.stat().st_size
         if size != head.get("ContentLength"):
             raise _ChecksumMismatch(f"downloaded {size} bytes, the object has {head['ContentLength']}")
