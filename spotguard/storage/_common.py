@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
 from ..errors import ConfigError
@@ -35,7 +36,7 @@ def split_url(url: str, scheme: str) -> tuple[str, str]:
 class Crc32File:
     """A write-only wrapper that keeps a running checksum of what passes (one pass, no re-read)."""
 
-    def __init__(self, raw, update: Callable[[bytes, int], int] = zlib.crc32) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, raw: BinaryIO, update: Callable[[Any, int], int] = zlib.crc32) -> None:
         self.raw = raw
         self.crc = 0
         self._update = update

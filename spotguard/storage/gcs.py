@@ -121,7 +121,7 @@ class GCSStorage(Storage):
             try:
                 if self._client is None:
                     kwargs = {"project": self.options.project} if self.options.project else {}
-                    self._client = gcs.Client(**kwargs)
+                    self._client = gcs.Client(**kwargs)  # type: ignore[attr-defined]
             except aexc.DefaultCredentialsError as e:
                 raise StorageError(f"cannot open gs://{self.bucket_name}: no Google credentials found; run "
                                    "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, "

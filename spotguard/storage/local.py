@@ -7,6 +7,7 @@ survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import secrets
@@ -137,7 +138,7 @@ class LocalStorage(Storage):
                     raise
                 parent = parent.parent
 
-    def remove_temp_files(self, prefix: str = "") -> list[str]:
+    def remove_temp_files(self, prefix: str = "") -> builtins.list[str]:
         """Delete leftovers of killed writes below ``prefix``; returns their relative paths."""
         start = self.root / prefix if prefix else self.root
         removed = []

@@ -14,6 +14,7 @@ is retried with tenacity; both stop at the caller's deadline.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -323,7 +324,7 @@ class S3Storage(Storage):
     def close(self) -> None:
         self.client.close()
 
-    def abort_incomplete_uploads(self) -> list[str]:
+    def abort_incomplete_uploads(self) -> builtins.list[str]:
         """Abort multipart uploads left by killed writers below the prefix (they are billed until then)."""
 
         def run() -> list[str]:

@@ -39,18 +39,20 @@ def test_library_alone_draws_from_global_random(fake_gcs_url: str):
 
 
 def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs_url: str):
-    """Multipart (manifest) and resumable (state) uploads, reads and listing, from a worker thread.
+    """Composite, resumable and multipart uploads, reads and listing, from a worker thread.
 
     fake-gcs-server: it enforces if_generation_match, so the write-once path runs as in production.
     """
-    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB))
+    # state.pt (3 MiB): parallel parts + compose; extra.bin (1.5 MiB): resumable; manifest: multipart.
+    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB, composite_threshold=2 * MiB))
     random.seed(99)
     before = random.getstate()
     errors: list[BaseException] = []
 
     def save() -> None:
         try:
-            checkpoint.write(st, 5, {"state.pt": lambda f: f.write(os.urandom(3 * MiB))}, reason="periodic")
+            checkpoint.write(st, 5, {"state.pt": lambda f: f.write(os.urandom(3 * MiB)),
+                                     "extra.bin": lambda f: f.write(os.urandom(3 * MiB // 2))}, reason="periodic")
             info = checkpoint.latest(st)
             assert info is not None
             checkpoint.verify(st, info)

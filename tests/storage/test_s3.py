@@ -113,6 +113,9 @@ def test_transient_faults_are_retried_without_touching_global_random(s3_url: str
                 with st.open_write("step-00000001/state.pt") as f:
                     f.write(data)
                 st.put_bytes("step-00000001/manifest.json", b"{}", exclusive=True)
+                with st.local_copy("step-00000001/state.pt") as path:
+                    assert path.read_bytes() == data
+                assert st.list("") == ["step-00000001/manifest.json", "step-00000001/state.pt"]
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -122,6 +125,4 @@ def test_transient_faults_are_retried_without_touching_global_random(s3_url: str
             t.join(120)
         assert not errors, errors
         assert random.getstate() == before  # no retry jitter, no temp names drawn from `random`
-        with st.local_copy("step-00000001/state.pt") as path:
-            assert path.read_bytes() == data
     assert sum(proxy.injected.values()) >= 3, proxy.injected
