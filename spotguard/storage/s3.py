@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import boto3
 import botocore.exceptions as bex
+from boto3.exceptions import Boto3Error, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
@@ -131,7 +132,15 @@ class S3Storage(Storage):
         return delay
 
     @staticmethod
-    def _transient(e: BaseException) -> bool:
+    def _cause(e: BaseException) -> BaseException:
+        """The ClientError inside boto3's S3UploadFailedError (raised ``from`` it)."""
+        if isinstance(e, S3UploadFailedError) and isinstance(e.__cause__ or e.__context__, BaseException):
+            return e.__cause__ or e.__context__  # type: ignore[return-value]
+        return e
+
+    @classmethod
+    def _transient(cls, e: BaseException) -> bool:
+        e = cls._cause(e)
         if isinstance(e, _NETWORK):
             return True
         if isinstance(e, bex.ClientError):
@@ -144,8 +153,8 @@ class S3Storage(Storage):
         try:
             return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
                               what=f"{what} {self.describe(key)}", wait=self._wait)
-        except (bex.BotoCoreError, bex.ClientError, RetriesExceededError, _ChecksumMismatch) as e:
-            raise self._error(what, key, e) from e
+        except (bex.BotoCoreError, bex.ClientError, Boto3Error, RetriesExceededError, _ChecksumMismatch) as e:
+            raise self._error(what, key, self._cause(e)) from e
         finally:
             self._deadline = None
 
@@ -230,7 +239,7 @@ class S3Storage(Storage):
             raise self._not_found(key, e) from e
 
     def _not_found(self, key: str, e: StorageError) -> StorageError:
-        cause = e.__cause__
+        cause = self._cause(e.__cause__) if e.__cause__ else None
         if isinstance(cause, bex.ClientError) and cause.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
             return ObjectNotFoundError(f"{self.describe(key)} does not exist")
         return e

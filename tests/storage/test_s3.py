@@ -96,6 +96,26 @@ def test_retries_stop_at_the_callers_deadline(s3_url: str, moto):
     assert proxy.requests >= 3
 
 
+@pytest.mark.parametrize("fault", ["503", "403"])
+def test_failed_multipart_uploads_raise_storage_errors(s3_url: str, moto, fault: str):
+    """boto3 wraps a failed part in S3UploadFailedError: it must still be retried (5xx) or fail fast
+    (403), and reach the caller as a StorageError (what Guard catches to keep training)."""
+    bucket = S3Storage(s3_url).bucket
+    with FaultProxy(moto.port) as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
+                                                       multipart_threshold=5 * MiB, request_attempts=2,
+                                                       retry=RetryOptions(attempts=3, initial=0.01, maximum=0.02)))
+        with pytest.raises(StorageError) as err:
+            with st.open_write("step-00000001/state.pt") as f:
+                f.write(os.urandom(6 * MiB))
+                proxy.rate, proxy.faults = 1.0, (fault,)  # from now on (the upload) every request fails
+    starts = sum("uploads" in r and r.startswith("POST") for r in proxy.log)  # CreateMultipartUpload
+    if fault == "503":
+        assert "gave up after retries" in str(err.value) and starts == 3 * 2  # operations x request tries
+    else:
+        assert "credentials" in str(err.value) and starts == 1
+
+
 def test_transient_faults_are_retried_without_touching_global_random(s3_url: str, moto, caplog):
     """30% of requests fail (drops, 5xx, resets, truncated replies) while a background thread saves."""
     bucket = S3Storage(s3_url).bucket
