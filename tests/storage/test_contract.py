@@ -120,3 +120,19 @@ def test_checkpoint_layer_works_unchanged(storage: Storage):
 def test_bad_urls_are_config_errors(url: str):
     with pytest.raises(ConfigError):
         open_storage(url)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_listing_and_latest_span_more_than_one_default_page(kind, request):
+    """1,100 objects with the default page size (1,000): both pages are listed and the newest
+    checkpoint (sorted last) is found. fake-gcs-server for GCS, as above."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    st: Storage = open_storage(request.getfixturevalue("s3_url" if kind == "s3" else "fake_gcs_url"))
+    keys = [f"step-{i:08d}/state.pt" for i in range(1099)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: st.put_bytes(k, b"x"), keys))
+    checkpoint.write(st, 5000, {"state.pt": lambda f: f.write(b"newest")}, reason="periodic")
+    assert len(st.list("")) == 1101
+    info = checkpoint.latest(st)
+    assert info is not None and info.step == 5000
