@@ -170,6 +170,11 @@ class GCSStorage(Storage):
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
+    def _timeout(self, deadline: float | None) -> float:
+        """Per-request timeout; under a deadline, short enough that one hung request cannot outlast it."""
+        left = retry.remaining(deadline)
+        return self.options.timeout if left is None else max(1.0, min(self.options.timeout, left))
+
     # -- writes --------------------------------------------------------------------------------
     @contextmanager
     def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
@@ -188,7 +193,7 @@ class GCSStorage(Storage):
             def upload() -> None:
                 blob = self.bucket.blob(full, chunk_size=self.options.chunk_size if large else None)
                 blob.crc32c = crc.b64()  # sent with the upload: GCS rejects a mismatch
-                blob.upload_from_filename(str(spool), checksum="crc32c", retry=None, timeout=self.options.timeout)
+                blob.upload_from_filename(str(spool), checksum="crc32c", retry=None, timeout=self._timeout(deadline))
                 if self.progress:
                     self.progress(crc.size)
 
@@ -210,7 +215,7 @@ class GCSStorage(Storage):
                 f.seek(i * part)
                 data = f.read(part)
             self._call("upload part of", key, lambda: self.bucket.blob(names[i]).upload_from_string(
-                data, checksum="crc32c", retry=None, timeout=self.options.timeout), deadline)
+                data, checksum="crc32c", retry=None, timeout=self._timeout(deadline)), deadline)
             if self.progress:
                 self.progress(len(data))
 
@@ -221,7 +226,7 @@ class GCSStorage(Storage):
 
             def compose() -> None:
                 dest = self.bucket.blob(full)
-                dest.compose([self.bucket.blob(n) for n in names], retry=None, timeout=self.options.timeout)
+                dest.compose([self.bucket.blob(n) for n in names], retry=None, timeout=self._timeout(deadline))
                 if dest.crc32c and dest.crc32c != crc:
                     raise StorageError(f"composed {self.describe(key)} has CRC32C {dest.crc32c}, the file {crc}")
 
@@ -250,10 +255,10 @@ class GCSStorage(Storage):
                 # Below the library's resumable threshold: one multipart request, where GCS and
                 # the emulators apply ifGenerationMatch=0.
                 blob.upload_from_string(data, if_generation_match=0 if exclusive else None, checksum="crc32c",
-                                        retry=None, timeout=self.options.timeout)
+                                        retry=None, timeout=self._timeout(deadline))
             except gexc.PreconditionFailed as e:
                 # An earlier attempt may have landed although its reply was lost: same bytes = ours.
-                if self.bucket.blob(full).download_as_bytes(retry=None, timeout=self.options.timeout) == data:
+                if self.bucket.blob(full).download_as_bytes(retry=None, timeout=self._timeout(deadline)) == data:
                     logger.info("%s was already written by an earlier attempt", self.describe(key))
                     return
                 raise CheckpointExistsError(f"{self.describe(key)} already exists") from e

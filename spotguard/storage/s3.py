@@ -65,6 +65,7 @@ class S3Options:
     request_attempts: int = 4  # tries of one HTTP request (one part) before the operation fails
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
+    urgent_timeout: float = 5.0  # connect/read timeout of requests made under a deadline (emergency saves)
     endpoint_url: str | None = None  # None: boto3's chain (AWS_ENDPOINT_URL, config files)
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
@@ -75,7 +76,7 @@ class S3Options:
             raise ConfigError(f"invalid S3 options {self!r}")
         if not 1 <= self.page_size <= 1000:
             raise ConfigError(f"page_size must be 1..1000, got {self.page_size}")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+        if self.connect_timeout <= 0 or self.read_timeout <= 0 or self.urgent_timeout <= 0:
             raise ConfigError("timeouts must be positive")
 
 
@@ -97,12 +98,22 @@ class S3Storage(Storage):
                                         max_concurrency=self.options.concurrency, use_threads=True,
                                         preferred_transfer_client="classic")
         self.client = client or self._make_client()
+        self._urgent: Any = client
 
-    def _make_client(self) -> Any:
+    def _client_for(self, deadline: float | None) -> Any:
+        """Under a deadline, a client with short timeouts: one hung request must not outlast it."""
+        if deadline is None:
+            return self.client
+        if self._urgent is None:
+            self._urgent = self._make_client(min(self.options.urgent_timeout, self.options.read_timeout))
+        return self._urgent
+
+    def _make_client(self, timeout: float | None = None) -> Any:
         o = self.options
         # total_max_attempts=1: botocore's own retries draw jitter from the global random.
-        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=o.connect_timeout,
-                        read_timeout=o.read_timeout, max_pool_connections=max(10, o.concurrency * 2),
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"},
+                        connect_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
+                        read_timeout=timeout or o.read_timeout, max_pool_connections=max(10, o.concurrency * 2),
                         request_checksum_calculation="when_supported",
                         response_checksum_validation="when_supported")
         client = boto3.session.Session().client("s3", endpoint_url=o.endpoint_url, config=config)
@@ -202,7 +213,8 @@ class S3Storage(Storage):
             # Full-object CRC32: S3 checks it for PUT and multipart. A copy in user metadata lets
             # local_copy check downloads against servers that do not keep the checksum (moto's PUT).
             extra = {"ChecksumCRC32": crc.b64(), "Metadata": {META_CRC: crc.b64()}}
-            self._call("upload", key, lambda: self.client.upload_file(
+            client = self._client_for(deadline)
+            self._call("upload", key, lambda: client.upload_file(
                 str(spool), self.bucket, full, ExtraArgs=extra, Config=self._transfer,
                 Callback=self._callback()), deadline)
 
@@ -213,14 +225,16 @@ class S3Storage(Storage):
         if exclusive:
             args["IfNoneMatch"] = "*"
 
+        client = self._client_for(deadline)
+
         def put() -> None:
             try:
-                self.client.put_object(**args)
+                client.put_object(**args)
             except bex.ClientError as e:
                 if not exclusive or e.response.get("Error", {}).get("Code") != "PreconditionFailed":
                     raise
                 # An earlier attempt may have landed although its reply was lost: same bytes = ours.
-                if self._get(full) == data:
+                if self._get(full, client) == data:
                     logger.info("%s was already written by an earlier attempt", self.describe(key))
                     return
                 raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
@@ -228,8 +242,8 @@ class S3Storage(Storage):
         self._call("write", key, put, deadline)
 
     # -- reads ---------------------------------------------------------------------------------
-    def _get(self, full: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")["Body"].read()
+    def _get(self, full: str, client: Any = None) -> bytes:
+        return (client or self.client).get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")["Body"].read()
 
     def get_bytes(self, key: str) -> bytes:
         full = self._key(key)
@@ -332,6 +346,8 @@ class S3Storage(Storage):
 
     def close(self) -> None:
         self.client.close()
+        if self._urgent is not None and self._urgent is not self.client:
+            self._urgent.close()
 
     def abort_incomplete_uploads(self) -> builtins.list[str]:
         """Abort multipart uploads left by killed writers below the prefix (they are billed until then)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -123,3 +124,23 @@ def test_periodic_saves_fail_clearly_and_training_goes_on_with_100_percent_failu
     bucket = url.split("/")[2]
     assert f"{bucket}/run/step-00000004" in failures[0] and "gave up after retries" in failures[0]
     assert bucket in str(err.value)
+
+
+def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backend):
+    """Every request stalls (the server never answers): a save with 2 s left gives up in about 2 s,
+    although the normal per-request timeout is 60 s."""
+    kind, url, server, monkeypatch = backend
+    proxy = proxied(kind, server, monkeypatch, rate=1.0, faults=("stall",), stall=30)
+    try:
+        if kind == "s3":
+            st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
+                                                                      urgent_timeout=0.5))
+        else:
+            st = GCSStorage(url, GCSOptions(timeout=60))
+        t0 = time.monotonic()
+        with pytest.raises(StorageError):
+            st.put_bytes("step-00000001/manifest.json", b"{}", exclusive=True, deadline=t0 + 2)
+        took = time.monotonic() - t0
+    finally:
+        proxy.stop()
+    assert took < 4, took
