@@ -93,10 +93,6 @@ class S3Storage(Storage):
         # The deadline of the operation in progress, read by the per-request hook, which runs in the
         # transfer manager's worker threads (so not thread-local).
         self._deadline: float | None = None
-        self._transfer = TransferConfig(multipart_threshold=self.options.multipart_threshold,
-                                        multipart_chunksize=self.options.part_size,
-                                        max_concurrency=self.options.concurrency, use_threads=True,
-                                        preferred_transfer_client="classic")
         self.client = client or self._make_client()
         self._urgent: Any = client
 
@@ -214,8 +210,9 @@ class S3Storage(Storage):
             # local_copy check downloads against servers that do not keep the checksum (moto's PUT).
             extra = {"ChecksumCRC32": crc.b64(), "Metadata": {META_CRC: crc.b64()}}
             client = self._client_for(deadline)
+            config = self._config(crc.size)
             self._call("upload", key, lambda: client.upload_file(
-                str(spool), self.bucket, full, ExtraArgs=extra, Config=self._transfer,
+                str(spool), self.bucket, full, ExtraArgs=extra, Config=config,
                 Callback=self._callback()), deadline)
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
@@ -270,7 +267,8 @@ class S3Storage(Storage):
                 # download_fileobj, not download_file: the latter names its temp file with the global random.
                 with open(path, "wb") as f:
                     self.client.download_fileobj(self.bucket, full, f, ExtraArgs={"ChecksumMode": "ENABLED"},
-                                                 Config=self._transfer, Callback=self._callback())
+                                                 Config=self._config(head.get("ContentLength", 0)),
+                                                 Callback=self._callback())
                 self._check(full, path, head)
 
             for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
@@ -284,6 +282,13 @@ class S3Storage(Storage):
                 except StorageError as e:
                     raise self._not_found(key, e) from e
             yield path
+
+    def _config(self, size: int) -> TransferConfig:
+        """About one part per worker, between ``part_size`` and 8x it: every stream busy, few requests."""
+        o = self.options
+        part = min(max(o.part_size, -(-size // o.concurrency)), 8 * o.part_size)
+        return TransferConfig(multipart_threshold=o.multipart_threshold, multipart_chunksize=part,
+                              max_concurrency=o.concurrency, use_threads=True, preferred_transfer_client="classic")
 
     def _check(self, full: str, path: Path, head: dict[str, Any]) -> None:
         if "ContentLength" not in head:  # a reply cut inside its headers: a network fault, retried
