@@ -9,7 +9,8 @@ written with ``if_generation_match=0``: write-once, so two writers can never bot
 
 Random streams: the library's own retries (api-core and resumable-media) draw jitter from the
 global ``random``, so they are switched off (``retry=None``) and tenacity with a private RNG
-retries instead. Its multipart uploads draw the MIME boundary from the global ``random`` too;
+retries instead; the client's background bucket-metadata fetches (which retry the same way) are
+switched off too. Its multipart uploads draw the MIME boundary from the global ``random`` too;
 ``_private_boundary`` replaces that one function with one that reads ``os.urandom``.
 """
 
@@ -122,6 +123,10 @@ class GCSStorage(Storage):
                 if self._client is None:
                     kwargs = {"project": self.options.project} if self.options.project else {}
                     self._client = gcs.Client(**kwargs)  # type: ignore[attr-defined]
+                    # Recent releases fetch bucket metadata (for tracing) in background threads, with
+                    # api-core retries whose jitter comes from the global random: switch the cache off.
+                    if getattr(self._client, "_bucket_metadata_cache", None) is not None:
+                        self._client._bucket_metadata_cache = None
             except aexc.DefaultCredentialsError as e:
                 raise StorageError(f"cannot open gs://{self.bucket_name}: no Google credentials found; run "
                                    "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, "

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import google.api_core.exceptions as gexc
 import google_crc32c
@@ -18,6 +19,7 @@ from spotguard.errors import CheckpointCorruptError, StorageError
 from spotguard.storage import open_storage
 from spotguard.storage._common import crc_b64
 from spotguard.storage.gcs import GCSOptions, GCSStorage
+from spotguard.storage.retry import RetryOptions
 from tests.faultproxy import FaultProxy
 from tests.helpers import subprocess_env
 
@@ -38,13 +40,19 @@ def test_library_alone_draws_from_global_random(fake_gcs_url: str):
     assert out.stdout.strip() == "True", out.stderr
 
 
-def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs_url: str):
-    """Composite, resumable and multipart uploads, reads and listing, from a worker thread.
+@pytest.mark.parametrize("fault_rate", [0.0, 0.3])
+def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs, fake_gcs_url: str,
+                                                                          monkeypatch, fault_rate: float):
+    """Composite, resumable and multipart uploads, reads and listing, from a worker thread, also
+    while 30% of requests fail (retries, and the library's own background metadata fetches).
 
     fake-gcs-server: it enforces if_generation_match, so the write-once path runs as in production.
     """
+    proxy = FaultProxy(fake_gcs.port, rate=fault_rate, faults=("drop", "500", "503", "reset"), seed=4).start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     # state.pt (3 MiB): parallel parts + compose; extra.bin (1.5 MiB): resumable; manifest: multipart.
-    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB, composite_threshold=2 * MiB))
+    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB, composite_threshold=2 * MiB,
+                                             retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05)))
     random.seed(99)
     before = random.getstate()
     errors: list[BaseException] = []
@@ -59,13 +67,16 @@ def test_saves_leave_global_random_untouched_also_from_background_threads(fake_g
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=save)]
-    for t in threads:
+    try:
+        t = threading.Thread(target=save)
         t.start()
-    for t in threads:
         t.join(60)
+        time.sleep(0.5)  # give stray background threads of the library time to draw, if any
+    finally:
+        proxy.stop()
     assert not errors, errors
     assert random.getstate() == before
+    assert fault_rate == 0 or sum(proxy.injected.values()) >= 2, proxy.injected
 
 
 def test_crc32c_is_sent_and_held_by_the_server(gcp_emulator_url: str):
