@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -239,6 +240,75 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     return 0 if got else 1
+def _progress_bar(total: int, desc: str):  # type: ignore[no-untyped-def]
+    """A tqdm bar on a terminal; a no-op object otherwise (quiet in logs and pipes)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not sys.stderr.isatty(), leave=False)
+
+
+def _pick(storage, step: int | None) -> checkpoint.CheckpointInfo | None:  # type: ignore[no-untyped-def]
+    infos = checkpoint.scan(storage)
+    if step is None:
+        complete = [i for i in infos if i.complete]
+        return complete[-1] if complete else None
+    return next((i for i in infos if i.step == step), None)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    """Copy one checkpoint (verified) into DEST/step-N/, a local checkpoint root spotguard can resume from."""
+    storage = open_storage(args.url)
+    info = _pick(storage, args.step)
+    if info is None:
+        what = "no complete checkpoint" if args.step is None else f"no checkpoint of step {args.step}"
+        print(f"spotguard: {what} in {storage.describe()}", file=sys.stderr)
+        return 1
+    if not info.complete or info.manifest is None:
+        print(f"spotguard: {storage.describe(info.name)} is {info.status}: {info.problem}", file=sys.stderr)
+        return 1
+    dest = open_storage(args.dest)
+    if dest.list(info.name + "/"):
+        print(f"spotguard: {dest.describe(info.name)} already exists", file=sys.stderr)
+        return 1
+    bar = _progress_bar(info.manifest.size, info.name)
+    if hasattr(storage, "progress"):
+        storage.progress = bar.update
+    try:
+        for entry in info.manifest.files:
+            with checkpoint.open_verified(storage, info, entry.name) as path, open(path, "rb") as src, \
+                    dest.open_write(f"{info.name}/{entry.name}") as out:
+                shutil.copyfileobj(src, out, 8 << 20)
+                if not hasattr(storage, "progress"):
+                    bar.update(entry.size)
+        dest.put_bytes(f"{info.name}/{checkpoint.MANIFEST}", info.manifest.to_bytes(), exclusive=True)
+    finally:
+        bar.close()
+    print(f"{dest.describe(info.name)}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)")
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    storage = open_storage(args.url)
+    if args.step is not None:
+        info = _pick(storage, args.step)
+        if info is None:
+            print(f"spotguard: no checkpoint of step {args.step} in {storage.describe()}", file=sys.stderr)
+            return 1
+        checkpoint.delete(storage, info.name)
+        print(f"deleted {storage.describe(info.name)} ({info.status})")
+        return 0
+    doomed = [i for i in checkpoint.scan(storage) if i.status == "incomplete"]
+    for info in doomed:
+        checkpoint.delete(storage, info.name)
+        print(f"deleted {storage.describe(info.name)} (incomplete: {info.problem})")
+    cleanup = getattr(storage, "remove_temp_files", None) or getattr(storage, "abort_incomplete_uploads", None)
+    leftovers = cleanup() if cleanup else []
+    for name in leftovers:
+        print(f"deleted leftover {name}")
+    if not doomed and not leftovers:
+        print(f"nothing incomplete in {storage.describe()}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,6 +398,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per notice")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
     p.set_defaults(func=_cmd_watch)
+    p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
+    p.add_argument("url", help="storage URL (path, s3://, gs://)")
+    p.add_argument("dest", help="local checkpoint root; the checkpoint lands in DEST/step-NNNNNNNN/")
+    p.add_argument("--step", type=int, help="which step (default: the newest complete checkpoint)")
+    p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser("rm", help="delete one checkpoint, or the leftovers of interrupted saves")
+    p.add_argument("url", help="storage URL (path, s3://, gs://)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
+    what.add_argument("--incomplete", action="store_true",
+                      help="delete checkpoints without a manifest and unfinished uploads")
+    p.set_defaults(func=_cmd_rm)
     return parser
 
 

@@ -39,8 +39,8 @@ class PendingSave:
             logger.info("background save of step %d abandoned", self.step)
         except BaseException as e:  # kept and re-raised by wait(); never lost
             self.error = e
-            logger.error("background %s checkpoint of step %d failed: %s: %s", self.reason, self.step,
-                         type(e).__name__, e)
+            logger.error("background %s checkpoint of step %d failed: %s: %s; training goes on", self.reason,
+                         self.step, type(e).__name__, e)
         finally:
             self.finished = time.monotonic()
 

@@ -18,6 +18,8 @@ __all__ = ["LocalStorage", "ObjectNotFoundError", "Storage", "check_key", "open_
 # scheme -> ("module:Class", extra to install)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "file": ("spotguard.storage.local:LocalStorage", ""),
+    "s3": ("spotguard.storage.s3:S3Storage", "aws"),
+    "gs": ("spotguard.storage.gcs:GCSStorage", "gcp"),
 }
 
 

@@ -7,6 +7,7 @@ survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import secrets
@@ -75,6 +76,8 @@ class LocalStorage(Storage):
                 try:
                     os.link(tmp, final)  # atomic and never replaces: write-once
                 except FileExistsError as e:
+                    if final.read_bytes() == data:  # a retried write of the same bytes: already done
+                        return
                     raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
             else:
                 os.replace(tmp, final)
@@ -159,3 +162,19 @@ class LocalStorage(Storage):
                         break
                     raise
                 parent = parent.parent
+
+    def remove_temp_files(self, prefix: str = "") -> builtins.list[str]:
+        """Delete leftovers of killed writes below ``prefix``; returns their relative paths."""
+        start = self.root / prefix if prefix else self.root
+        removed = []
+        for dirpath, dirs, files in os.walk(start):
+            for name in [d for d in dirs if TMP_MARK in d]:  # scratch directories of killed saves
+                shutil.rmtree(Path(dirpath) / name, ignore_errors=True)
+                dirs.remove(name)
+                removed.append((Path(dirpath) / name).relative_to(self.root).as_posix() + "/")
+            for name in files:
+                if TMP_MARK in name:
+                    path = Path(dirpath) / name
+                    path.unlink(missing_ok=True)
+                    removed.append(path.relative_to(self.root).as_posix())
+        return removed

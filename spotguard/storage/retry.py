@@ -1,0 +1,95 @@
+"""Retries shared by the cloud backends: tenacity, exponential backoff with private jitter, a deadline.
+
+Why not tenacity's own ``wait_random_exponential``: it draws from the global ``random`` module,
+which is the training's random stream. ``JitteredBackoff`` draws from its own ``random.Random``.
+Why a deadline: an emergency save has until the notice deadline (a ``time.monotonic()`` value);
+no retry may sleep past it. Permanent errors (403, missing bucket) are never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class RetryOptions:
+    """How hard to retry a transient failure (5xx, throttling, reset, timeout)."""
+
+    attempts: int = 6  # per operation, first try included
+    initial: float = 0.2  # seconds before the first retry (before jitter)
+    maximum: float = 10.0  # longest single wait
+    multiplier: float = 2.0
+    max_elapsed: float = 300.0  # give up after this long even without a deadline
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ConfigError(f"retry attempts must be an int >= 1, got {self.attempts!r}")
+        if self.initial < 0 or self.maximum < self.initial or self.multiplier < 1 or self.max_elapsed <= 0:
+            raise ConfigError(f"invalid retry timing {self!r}")
+
+
+class JitteredBackoff(wait_base):
+    """Exponential backoff with "equal jitter": half the step fixed, half random (private RNG)."""
+
+    def __init__(self, options: RetryOptions, rng: random.Random | None = None) -> None:
+        self.options = options
+        self.rng = rng or random.Random()
+
+    def delay(self, attempt: int) -> float:
+        o = self.options
+        step = min(o.maximum, o.initial * o.multiplier ** max(0, attempt - 1))
+        return step / 2 + self.rng.uniform(0, step / 2)
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return self.delay(retry_state.attempt_number)
+
+
+class StopAtDeadline(stop_base):
+    """Stop when the next sleep would end past ``deadline`` (monotonic), or after the attempt/time caps."""
+
+    def __init__(self, options: RetryOptions, deadline: float | None) -> None:
+        self.options = options
+        self.deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        if retry_state.attempt_number >= self.options.attempts:
+            return True
+        now = time.monotonic()
+        wake = now + (retry_state.upcoming_sleep or 0.0)
+        if self.deadline is not None and wake >= self.deadline:
+            return True
+        return wake - retry_state.start_time >= self.options.max_elapsed
+
+
+def call(fn: Callable[[], T], *, options: RetryOptions, transient: Callable[[BaseException], bool],
+         deadline: float | None = None, what: str = "request", wait: JitteredBackoff | None = None) -> T:
+    """Run ``fn``; retry it while it raises a transient error. The last error is re-raised as is."""
+
+    def log(rs: RetryCallState) -> None:
+        exc = rs.outcome.exception() if rs.outcome else None
+        logger.warning("%s failed (attempt %d: %s: %s); retrying in %.2fs", what, rs.attempt_number,
+                       type(exc).__name__, exc, rs.upcoming_sleep)
+
+    retrying = Retrying(stop=StopAtDeadline(options, deadline), wait=wait or JitteredBackoff(options),
+                        retry=retry_if_exception(transient), before_sleep=log, reraise=True)
+    return retrying(fn)
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (None: no deadline)."""
+    return None if deadline is None else deadline - time.monotonic()

@@ -1,0 +1,158 @@
+"""GCS specifics: the global random streams stay untouched, CRC32C is sent and checked, write-once
+manifests, integrity on read, fail-fast errors. Each test names the emulator it needs and why."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import google.api_core.exceptions as gexc
+import google_crc32c
+import pytest
+
+from spotguard import checkpoint
+from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.storage import open_storage
+from spotguard.storage._common import crc_b64
+from spotguard.storage.gcs import GCSOptions, GCSStorage
+from spotguard.storage.retry import RetryOptions
+from tests.faultproxy import FaultProxy
+from tests.helpers import subprocess_env
+
+MiB = 1 << 20
+
+
+def test_library_alone_draws_from_global_random(fake_gcs_url: str):
+    """The control for the next test: a plain multipart upload shifts Python's global random stream.
+
+    fake-gcs-server: any emulator would do; this one is fast.
+    """
+    bucket = fake_gcs_url.split("/")[2]
+    code = ("import random\nfrom google.cloud import storage\nbefore = random.getstate()\n"
+            f"storage.Client().bucket({bucket!r}).blob('plain').upload_from_string(b'{{}}')\n"
+            "print(random.getstate() != before)")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)  # a fresh process: spotguard (and its fix) not imported
+    assert out.stdout.strip() == "True", out.stderr
+
+
+@pytest.mark.parametrize("fault_rate", [0.0, 0.3])
+def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs, fake_gcs_url: str,
+                                                                          monkeypatch, fault_rate: float):
+    """Composite, resumable and multipart uploads, reads and listing, from a worker thread, also
+    while 30% of requests fail (retries, and the library's own background metadata fetches).
+
+    fake-gcs-server: it enforces if_generation_match, so the write-once path runs as in production.
+    """
+    proxy = FaultProxy(fake_gcs.port, rate=fault_rate, faults=("drop", "500", "503", "reset"), seed=4).start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    # state.pt (3 MiB): parallel parts + compose; extra.bin (1.5 MiB): resumable; manifest: multipart.
+    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB, composite_threshold=2 * MiB,
+                                             retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05)))
+    random.seed(99)
+    before = random.getstate()
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            checkpoint.write(st, 5, {"state.pt": lambda f: f.write_bytes(os.urandom(3 * MiB)),
+                                     "extra.bin": lambda f: f.write_bytes(os.urandom(3 * MiB // 2))}, reason="periodic")
+            info = checkpoint.latest(st)
+            assert info is not None
+            checkpoint.verify(st, info)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=save)
+        t.start()
+        t.join(60)
+        time.sleep(0.5)  # give stray background threads of the library time to draw, if any
+    finally:
+        proxy.stop()
+    assert not errors, errors
+    assert random.getstate() == before
+    assert fault_rate == 0 or sum(proxy.injected.values()) >= 2, proxy.injected
+
+
+def test_crc32c_is_sent_and_held_by_the_server(gcp_emulator_url: str):
+    """gcp-storage-emulator: it checks the CRC32C sent with an upload, as GCS does."""
+    st = GCSStorage(gcp_emulator_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB))
+    data = os.urandom(2 * MiB + 17)
+    with st.open_write("big") as f:
+        f.write(data)
+    st.put_bytes("small", b"manifest")
+    for key, content in (("big", data), ("small", b"manifest")):
+        blob = st.bucket.get_blob("run/" + key)
+        assert blob.crc32c == crc_b64(int(google_crc32c.value(content)))
+    bad = st.bucket.blob("run/forged")
+    bad.crc32c = crc_b64(int(google_crc32c.value(b"other")))
+    with pytest.raises(gexc.BadRequest, match="CRC32C"):  # the server refuses an upload whose CRC32C does not match
+        bad.upload_from_string(b"manifest", retry=None, checksum=None)
+
+
+def test_corrupted_object_is_caught_on_read_and_resume_falls_back(gcp_emulator_url: str, gcp_emulator):
+    """gcp-storage-emulator: it keeps objects as plain files, so the test can corrupt one at rest."""
+    st = open_storage(gcp_emulator_url)
+    for step in (1, 2):
+        checkpoint.write(st, step, {"state.pt": lambda f: f.write_bytes(os.urandom(100_000))}, reason="periodic")
+    bucket = gcp_emulator_url.split("/")[2]
+    stored = gcp_emulator.root / bucket / "run" / "step-00000002" / "state.pt"
+    data = bytearray(stored.read_bytes())
+    data[500] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="CRC32C"):
+        with st.local_copy("step-00000002/state.pt"):
+            pass
+    infos = checkpoint.scan(st)
+    with pytest.raises(CheckpointCorruptError):
+        checkpoint.verify(st, infos[1])
+    checkpoint.verify(st, infos[0])
+
+
+def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(fake_gcs, monkeypatch):
+    """fake-gcs-server behind the fault proxy answering 403 to everything."""
+    with FaultProxy(fake_gcs.port, rate=1.0, faults=("403",)) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        st = GCSStorage("gs://some-bucket/run")
+        with pytest.raises(StorageError) as err:
+            st.put_bytes("step-00000001/manifest.json", b"{}")
+        # not retried (the library itself follows a failed upload with one bucket lookup)
+        assert sum("uploadType" in r for r in proxy.log) == 1, proxy.log
+    msg = str(err.value)
+    assert "gs://some-bucket/run/step-00000001/manifest.json" in msg and "credentials" in msg
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs.url)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist; create it"):
+        GCSStorage("gs://no-such-bucket/x").list()
+
+
+@pytest.mark.parametrize("emulator", ["fake_gcs_url", "gcp_emulator_url"])
+def test_large_objects_upload_as_parallel_parts_then_compose(emulator, request):
+    """Both emulators: fake-gcs-server for speed, gcp-storage-emulator because it checks each part's CRC32C."""
+    st = GCSStorage(request.getfixturevalue(emulator), GCSOptions(chunk_size=MiB, composite_threshold=2 * MiB,
+                                                                  concurrency=3))
+    seen: list[int] = []
+    st.progress = seen.append
+    data = os.urandom(3 * MiB + 5)
+    with st.open_write("step-00000001/state.pt") as f:
+        f.write(data)
+    assert sum(seen) == len(data) and len(seen) == 4  # four parts
+    blob = st.bucket.get_blob("run/step-00000001/state.pt")
+    assert blob.crc32c == crc_b64(int(google_crc32c.value(data)))
+    assert [b.name for b in st.bucket.list_blobs()] == ["run/step-00000001/state.pt"]  # parts deleted
+    with st.local_copy("step-00000001/state.pt") as path:
+        assert path.read_bytes() == data
+
+
+def test_rm_incomplete_deletes_parts_of_killed_composite_uploads(fake_gcs_url):
+    """fake-gcs-server: plain object operations only."""
+    st = GCSStorage(fake_gcs_url)
+    st.bucket.blob("run/step-00000002/state.pt.sg-part-abc-00").upload_from_string(b"part")
+    st.put_bytes("step-00000001/state.pt", b"kept")
+    assert st.list("") == ["step-00000001/state.pt"]  # parts are invisible
+    assert st.abort_incomplete_uploads() == [f"{fake_gcs_url}/step-00000002/state.pt.sg-part-abc-00"]
+    assert [b.name for b in st.bucket.list_blobs()] == ["run/step-00000001/state.pt"]

@@ -1,0 +1,148 @@
+"""S3 specifics against moto's server: multipart with a full-object CRC32, integrity on read,
+fail-fast permanent errors, deadline-bounded retries, and no trace on the global random streams."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+
+import boto3
+import pytest
+
+from spotguard import checkpoint
+from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.storage import open_storage
+from spotguard.storage.retry import RetryOptions
+from spotguard.storage.s3 import S3Options, S3Storage
+from tests.faultproxy import FaultProxy
+
+MiB = 1 << 20
+FAST_RETRY = RetryOptions(attempts=3, initial=0.01, maximum=0.05)
+
+
+def corrupt_in_moto(bucket: str, key: str) -> None:
+    """Flip one byte of a stored object inside moto, leaving its stored checksum as it was."""
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, key)
+    data = bytearray(obj.value)
+    data[len(data) // 2] ^= 0xFF
+    obj.value = bytes(data)
+
+
+def test_url_and_standard_chain_are_used(s3_url: str):
+    st = open_storage(s3_url)  # AWS_ENDPOINT_URL and keys come from the environment
+    assert isinstance(st, S3Storage) and st.bucket.startswith("t-") and st.prefix == "run/"
+    st.put_bytes("k", b"v")
+    assert boto3.client("s3").get_object(Bucket=st.bucket, Key="run/k")["Body"].read() == b"v"
+
+
+def test_large_objects_go_multipart_with_full_object_crc(s3_url: str):
+    st = S3Storage(s3_url, S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4))
+    seen = []
+    st.progress = seen.append
+    with st.open_write("step-00000001/state.pt") as f:
+        f.write(os.urandom(12 * MiB))
+    head = st.client.head_object(Bucket=st.bucket, Key="run/step-00000001/state.pt", ChecksumMode="ENABLED")
+    assert head["ETag"].strip('"').endswith("-3")  # three parts
+    assert head["ChecksumType"] == "FULL_OBJECT" and head["ChecksumCRC32"]
+    assert sum(seen) == 12 * MiB  # progress callbacks saw every byte
+
+
+def test_corrupted_object_is_caught_on_read_and_resume_falls_back(s3_url: str):
+    st = open_storage(s3_url)
+    for step in (1, 2):
+        checkpoint.write(st, step, {"state.pt": lambda f: f.write_bytes(os.urandom(100_000))}, reason="periodic")
+    corrupt_in_moto(st.bucket, "run/step-00000002/state.pt")
+    with pytest.raises(CheckpointCorruptError, match="CRC32"):
+        with st.local_copy("step-00000002/state.pt"):
+            pass
+    infos = checkpoint.scan(st)
+    with pytest.raises(CheckpointCorruptError):
+        checkpoint.verify(st, infos[1])
+    checkpoint.verify(st, infos[0])  # the older one still verifies
+
+
+def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(s3_env):
+    bucket = "t-" + os.urandom(4).hex()
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    with FaultProxy(s3_env.port, rate=1.0, faults=("403",)) as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url))
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as err:
+            st.put_bytes("step-00000001/manifest.json", b"{}")
+        assert time.monotonic() - t0 < 2 and proxy.requests == 1  # not retried
+    msg = str(err.value)
+    assert f"s3://{bucket}/run/step-00000001/manifest.json" in msg and "credentials" in msg
+    missing = S3Storage("s3://no-such-bucket-here/x")
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist; create it"):
+        missing.list()
+
+
+def test_retries_stop_at_the_callers_deadline(s3_url: str, moto):
+    bucket = S3Storage(s3_url).bucket
+    with FaultProxy(moto.port, rate=1.0, faults=("503",)) as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, retry=RetryOptions(
+            attempts=100, initial=0.2, maximum=0.4, max_elapsed=60)))
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="gave up after retries"):
+            st.put_bytes("m", b"x", deadline=t0 + 1.5)
+        took = time.monotonic() - t0
+    assert 0.3 < took < 2.0, took  # retried, but never slept past the deadline
+    assert proxy.requests >= 3
+
+
+@pytest.mark.parametrize("fault", ["503", "403"])
+def test_failed_multipart_uploads_raise_storage_errors(s3_url: str, moto, fault: str):
+    """boto3 wraps a failed part in S3UploadFailedError: it must still be retried (5xx) or fail fast
+    (403), and reach the caller as a StorageError (what Guard catches to keep training)."""
+    bucket = S3Storage(s3_url).bucket
+    with FaultProxy(moto.port) as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
+                                                       multipart_threshold=5 * MiB, request_attempts=2,
+                                                       retry=RetryOptions(attempts=3, initial=0.01, maximum=0.02)))
+        with pytest.raises(StorageError) as err:
+            with st.open_write("step-00000001/state.pt") as f:
+                f.write(os.urandom(6 * MiB))
+                proxy.rate, proxy.faults = 1.0, (fault,)  # from now on (the upload) every request fails
+    starts = sum("uploads" in r and r.startswith("POST") for r in proxy.log)  # CreateMultipartUpload
+    if fault == "503":
+        assert "gave up after retries" in str(err.value) and starts == 3 * 2  # operations x request tries
+    else:
+        assert "credentials" in str(err.value) and starts == 1
+
+
+def test_transient_faults_are_retried_without_touching_global_random(s3_url: str, moto, caplog):
+    """30% of requests fail (drops, 5xx, resets, truncated replies) while a background thread saves."""
+    bucket = S3Storage(s3_url).bucket
+    random.seed(1234)
+    before = random.getstate()
+    with FaultProxy(moto.port, rate=0.3, faults=("drop", "500", "503", "reset", "truncate"), seed=7) as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
+                                                       multipart_threshold=5 * MiB, retry=FAST_RETRY,
+                                                       request_attempts=6))
+        data = os.urandom(11 * MiB)
+        errors: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                with st.open_write("step-00000001/state.pt") as f:
+                    f.write(data)
+                st.put_bytes("step-00000001/manifest.json", b"{}", exclusive=True)
+                with st.local_copy("step-00000001/state.pt") as path:
+                    assert path.read_bytes() == data
+                assert st.list("") == ["step-00000001/manifest.json", "step-00000001/state.pt"]
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        with caplog.at_level(logging.WARNING):
+            t = threading.Thread(target=save)
+            t.start()
+            t.join(120)
+        assert not errors, errors
+        assert random.getstate() == before  # no retry jitter, no temp names drawn from `random`
+    assert sum(proxy.injected.values()) >= 3, proxy.injected
