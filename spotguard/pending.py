@@ -52,7 +52,7 @@ class PendingSave:
         return self.done() and self.error is None
 
     def cancel(self) -> None:
-        """Ask the worker to stop at its next write; ``wait()`` then returns quickly."""
+        """Ask the worker to stop before its next file or the manifest (the commit never happens)."""
         self._cancel.set()
 
     @property
