@@ -33,23 +33,6 @@ def split_url(url: str, scheme: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-def file_checksum(path: Path, update: Callable[[Any, int], int]) -> Crc32File:
-    """The running checksum of a whole file, as a ``Crc32File`` that has seen it (size and crc)."""
-    out = Crc32File(_Discard(), update)  # type: ignore[arg-type]
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            out.write(chunk)
-    return out
-
-
-class _Discard:
-    def write(self, data: Any) -> int:
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-
 class Crc32File:
     """A write-only wrapper that keeps a running checksum of what passes (one pass, no re-read)."""
 

@@ -34,7 +34,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from . import retry
-from ._common import Crc32File, Progress, crc_b64, file_checksum, file_crc, split_url, temp_dir, tmp_parent
+from ._common import Crc32File, Progress, crc_b64, file_crc, split_url, temp_dir, tmp_parent
 from .base import ObjectNotFoundError, Storage, check_key
 
 logger = logging.getLogger(__name__)
@@ -189,25 +189,25 @@ class GCSStorage(Storage):
             with open(spool, "wb") as raw:
                 crc = Crc32File(raw, _crc32c)
                 yield crc  # type: ignore[misc]
-            self._upload(key, spool, crc, deadline)
+            self._upload(key, spool, crc.b64(), crc.size, deadline)
 
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
         """Upload a local file (composite, resumable or simple by size), with no spool copy."""
-        self._upload(key, path, file_checksum(path, _crc32c), deadline)
+        self._upload(key, path, crc_b64(file_crc(path, _crc32c)), path.stat().st_size, deadline)
 
-    def _upload(self, key: str, spool: Path, crc: Crc32File, deadline: float | None) -> None:
+    def _upload(self, key: str, spool: Path, crc: str, size: int, deadline: float | None) -> None:
         full = self._key(key)
-        large = crc.size >= self.options.resumable_threshold
-        if self.options.composite_threshold and crc.size >= self.options.composite_threshold:
-            self._composite_upload(key, full, spool, crc.size, crc.b64(), deadline)
+        large = size >= self.options.resumable_threshold
+        if self.options.composite_threshold and size >= self.options.composite_threshold:
+            self._composite_upload(key, full, spool, size, crc, deadline)
             return
 
         def upload() -> None:
             blob = self.bucket.blob(full, chunk_size=self.options.chunk_size if large else None)
-            blob.crc32c = crc.b64()  # sent with the upload: GCS rejects a mismatch
+            blob.crc32c = crc  # sent with the upload: GCS rejects a mismatch
             blob.upload_from_filename(str(spool), checksum="crc32c", retry=None, timeout=self._timeout(deadline))
             if self.progress:
-                self.progress(crc.size)
+                self.progress(size)
 
         self._call("upload", key, upload, deadline)
 

@@ -33,7 +33,7 @@ from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from . import retry
-from ._common import Crc32File, Progress, crc_b64, file_checksum, file_crc, split_url, temp_dir, tmp_parent
+from ._common import Crc32File, Progress, crc_b64, file_crc, split_url, temp_dir, tmp_parent
 from .base import ObjectNotFoundError, Storage, check_key
 
 logger = logging.getLogger(__name__)
@@ -206,19 +206,19 @@ class S3Storage(Storage):
             with open(spool, "wb") as raw:
                 crc = Crc32File(raw)
                 yield crc  # type: ignore[misc]
-            self._upload(key, spool, crc, deadline)
+            self._upload(key, spool, crc.b64(), crc.size, deadline)
 
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
         """Upload a local file in parallel parts, straight from where it lies (no spool copy)."""
-        self._upload(key, path, file_checksum(path, zlib.crc32), deadline)
+        self._upload(key, path, crc_b64(file_crc(path, zlib.crc32)), path.stat().st_size, deadline)
 
-    def _upload(self, key: str, spool: Path, crc: Crc32File, deadline: float | None) -> None:
+    def _upload(self, key: str, spool: Path, crc: str, size: int, deadline: float | None) -> None:
         full = self._key(key)
         # Full-object CRC32: S3 checks it for PUT and multipart. A copy in user metadata lets
         # local_copy check downloads against servers that do not keep the checksum (moto's PUT).
-        extra = {"ChecksumCRC32": crc.b64(), "Metadata": {META_CRC: crc.b64()}}
+        extra = {"ChecksumCRC32": crc, "Metadata": {META_CRC: crc}}
         client = self._client_for(deadline)
-        config = self._config(crc.size)
+        config = self._config(size)
         self._call("upload", key, lambda: client.upload_file(
             str(spool), self.bucket, full, ExtraArgs=extra, Config=config,
             Callback=self._callback()), deadline)
