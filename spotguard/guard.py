@@ -68,6 +68,7 @@ class GuardOptions:
     async_save: bool = True
     busy: BusyPolicy | str = BusyPolicy.SKIP
     mtbf_hours: float | None = None
+    background_nice: int | None = 10  # Linux: niceness added to the background writer (None: none)
     # [distributed] only used in an initialised process group (see spotguard.distributed)
     sync_every: int = 1
     poll_on: str = "local-rank-0"
@@ -90,6 +91,9 @@ class GuardOptions:
             self.busy = BusyPolicy(self.busy)
         except ValueError:
             raise ConfigError(f"busy must be one of {[p.value for p in BusyPolicy]}, got {self.busy!r}") from None
+        if self.background_nice is not None and not (
+                isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
+            raise ConfigError(f"background_nice must be an int from 0 to 19 or None, got {self.background_nice!r}")
         if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
             raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         for value, enum_cls in ((self.poll_on, distributed.PollOn), (self.reshard, distributed.Reshard)):
@@ -129,13 +133,14 @@ class Guard:
         async_save: bool = True,
         busy: BusyPolicy | str = BusyPolicy.SKIP,
         mtbf_hours: float | None = None,
+        background_nice: int | None = 10,
         sync_every: int = 1,
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
     ) -> None:
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
-                                    mtbf_hours, sync_every, poll_on, reshard)
+                                    mtbf_hours, background_nice, sync_every, poll_on, reshard)
         # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
         self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
@@ -304,7 +309,8 @@ class Guard:
         if self._adaptive is not None:
             self._adaptive.observe(stall)  # with async saves the loop only loses the snapshot
         self._saved_step = step
-        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, cancel))
+        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, cancel),
+                                    nice=self.options.background_nice)
         self._schedule(step)
 
     def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], cancel: threading.Event) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -57,6 +59,39 @@ def test_step_returns_before_the_write_and_snapshot_is_isolated_from_training(tm
     assert steps(storage)[0] == (1, "periodic")
     payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
     assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+
+
+class NiceProbeStorage(LocalStorage):
+    """Records the niceness of the thread that stores each file."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.nice: list[int] = []
+
+    def put_file(self, key, path, *, deadline=None):
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().put_file(key, path, deadline=deadline)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux-only")
+@pytest.mark.parametrize("nice", [7, None])
+def test_background_writer_runs_at_lower_priority_and_the_loop_does_not(tmp_path, nice):
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    storage = NiceProbeStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1, background_nice=nice)
+    with g:
+        g.step(1)
+        g.wait()
+        assert storage.nice == [min(19, loop_nice + (nice or 0))]
+        g.save(2)  # a synchronous save (as an emergency) runs on the loop's thread, at its priority
+        assert storage.nice[-1] == loop_nice
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, "low"])
+def test_background_nice_is_validated(tmp_path, bad):
+    with pytest.raises(spotguard.ConfigError, match="background_nice"):
+        spotguard.Guard(str(tmp_path), providers=[], background_nice=bad)
 
 
 def test_busy_policy_skip_logs_and_skips(tmp_path, caplog):
