@@ -317,7 +317,7 @@ class Guard:
         """Background: serialise to the first tier, then upload to the durable URL."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        manifest = self._write(first, step, reason, lambda path: torch.save(payload, path), cancel=cancel)
+        manifest = self._write(first, step, reason, lambda f: torch.save(payload, f), cancel=cancel)
         if manifest is None:
             return
         self._stats.record_write(time.monotonic() - t0, manifest.size)
@@ -367,7 +367,7 @@ class Guard:
         t0 = time.monotonic()
         with state.rng_isolated():
             payload = self._payload(step, staged=False)
-            manifest = self._write(self.storage, step, reason, lambda path: torch.save(payload, path), deadline)
+            manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
         self._saved_step = step
         if manifest is not None:
             self._stats.record_write(time.monotonic() - t0, manifest.size)

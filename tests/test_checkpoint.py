@@ -192,7 +192,7 @@ def test_same_step_is_never_committed_twice(tmp_path):
     assert guard.save(3, "emergency") is None  # same guard: already saved
     other, _ = make_guard(tmp_path)  # another writer: the write-once manifest refuses
     with pytest.raises(CheckpointExistsError):
-        checkpoint.write(other.storage, 3, {"state.pt": lambda f: f.write_bytes(b"x")}, reason="periodic")
+        checkpoint.write(other.storage, 3, {"state.pt": lambda f: f.write(b"x")}, reason="periodic")
     assert (tmp_path / "step-00000003" / "manifest.json").read_bytes() == before
 
 

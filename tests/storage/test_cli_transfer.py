@@ -23,7 +23,7 @@ def fill(url: str) -> dict[int, bytes]:
     payloads = {}
     for step in (10, 20):
         payloads[step] = os.urandom(50_000 + step)
-        checkpoint.write(st, step, {"state.pt": lambda f, d=payloads[step]: f.write_bytes(d)}, reason="periodic")
+        checkpoint.write(st, step, {"state.pt": lambda f, d=payloads[step]: f.write(d)}, reason="periodic")
     st.put_bytes("step-00000030/state.pt", b"leftover of a killed save")
     return payloads
 

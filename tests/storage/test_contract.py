@@ -103,9 +103,9 @@ def test_traversal_keys_are_rejected(storage: Storage, key: str):
 
 def test_checkpoint_layer_works_unchanged(storage: Storage):
     for step in (10, 20, 30):
-        checkpoint.write(storage, step, {"state.pt": lambda f, s=step: f.write_bytes(bytes([s]) * 1000)}, reason="periodic")
+        checkpoint.write(storage, step, {"state.pt": lambda f, s=step: f.write(bytes([s]) * 1000)}, reason="periodic")
     with pytest.raises(CheckpointExistsError):
-        checkpoint.write(storage, 30, {"state.pt": lambda f: f.write_bytes(b"again")}, reason="manual")
+        checkpoint.write(storage, 30, {"state.pt": lambda f: f.write(b"again")}, reason="manual")
     storage.put_bytes("step-00000040/state.pt", b"leftover")  # no manifest: an interrupted save
     infos = checkpoint.scan(storage)
     assert [(i.step, i.status) for i in infos] == [(10, "complete"), (20, "complete"), (30, "complete"),
@@ -132,7 +132,7 @@ def test_listing_and_latest_span_more_than_one_default_page(kind, request):
     keys = [f"step-{i:08d}/state.pt" for i in range(1099)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: st.put_bytes(k, b"x"), keys))
-    checkpoint.write(st, 5000, {"state.pt": lambda f: f.write_bytes(b"newest")}, reason="periodic")
+    checkpoint.write(st, 5000, {"state.pt": lambda f: f.write(b"newest")}, reason="periodic")
     assert len(st.list("")) == 1101
     info = checkpoint.latest(st)
     assert info is not None and info.step == 5000

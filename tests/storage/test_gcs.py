@@ -59,8 +59,8 @@ def test_saves_leave_global_random_untouched_also_from_background_threads(fake_g
 
     def save() -> None:
         try:
-            checkpoint.write(st, 5, {"state.pt": lambda f: f.write_bytes(os.urandom(3 * MiB)),
-                                     "extra.bin": lambda f: f.write_bytes(os.urandom(3 * MiB // 2))}, reason="periodic")
+            checkpoint.write(st, 5, {"state.pt": lambda f: f.write(os.urandom(3 * MiB)),
+                                     "extra.bin": lambda f: f.write(os.urandom(3 * MiB // 2))}, reason="periodic")
             info = checkpoint.latest(st)
             assert info is not None
             checkpoint.verify(st, info)
@@ -99,7 +99,7 @@ def test_corrupted_object_is_caught_on_read_and_resume_falls_back(gcp_emulator_u
     """gcp-storage-emulator: it keeps objects as plain files, so the test can corrupt one at rest."""
     st = open_storage(gcp_emulator_url)
     for step in (1, 2):
-        checkpoint.write(st, step, {"state.pt": lambda f: f.write_bytes(os.urandom(100_000))}, reason="periodic")
+        checkpoint.write(st, step, {"state.pt": lambda f: f.write(os.urandom(100_000))}, reason="periodic")
     bucket = gcp_emulator_url.split("/")[2]
     stored = gcp_emulator.root / bucket / "run" / "step-00000002" / "state.pt"
     data = bytearray(stored.read_bytes())

@@ -56,7 +56,7 @@ def test_large_objects_go_multipart_with_full_object_crc(s3_url: str):
 def test_corrupted_object_is_caught_on_read_and_resume_falls_back(s3_url: str):
     st = open_storage(s3_url)
     for step in (1, 2):
-        checkpoint.write(st, step, {"state.pt": lambda f: f.write_bytes(os.urandom(100_000))}, reason="periodic")
+        checkpoint.write(st, step, {"state.pt": lambda f: f.write(os.urandom(100_000))}, reason="periodic")
     corrupt_in_moto(st.bucket, "run/step-00000002/state.pt")
     with pytest.raises(CheckpointCorruptError, match="CRC32"):
         with st.local_copy("step-00000002/state.pt"):
