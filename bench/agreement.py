@@ -9,7 +9,6 @@ model (the time the agreement is paid against), with the ratios.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -23,8 +22,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "examples")]
+sys.path[:0] = [str(REPO), str(REPO / "examples"), str(REPO / "bench")]
 
+from _rows import emit, parser, row  # noqa: E402
 from train import CharTransformer  # noqa: E402
 
 from spotguard import Guard  # noqa: E402
@@ -38,7 +38,7 @@ def per_call(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def worker(rank: int, world: int, port: int, steps: int, tmp: str) -> None:
+def worker(rank: int, world: int, port: int, steps: int, tmp: str, json_path: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # Baseline first, before any process group exists: the single-process fast path.
@@ -72,12 +72,17 @@ def worker(rank: int, world: int, port: int, steps: int, tmp: str) -> None:
         print(f"guard.step(), sync_every=8:                              {agreed8 * 1e6:9.1f} us per step")
         print(f"one DDP training step of the example model:             {step_time * 1e3:9.2f} ms")
         print(f"agreement / training step: {agreed / step_time:.2%} (sync_every=8: {agreed8 / step_time:.2%})")
+        label = "one DDP step of the example model"
+        emit([row(f"agreement all-reduce per step, {world} gloo ranks", agreed * 1e3, "ms",
+                  baseline=step_time * 1e3, baseline_label=label),
+              row(f"agreement with sync_every=8, {world} gloo ranks", agreed8 * 1e3, "ms",
+                  baseline=step_time * 1e3, baseline_label=label)], json_path)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3000)
     args = p.parse_args()
@@ -86,7 +91,7 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(worker, args=(args.ranks, port, args.steps, tmp), nprocs=args.ranks)
+        mp.spawn(worker, args=(args.ranks, port, args.steps, tmp, args.json), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ single-process ``Guard`` (one ``torch.save`` file) of the same state, measured i
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -22,7 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from _rows import emit, parser, row  # noqa: E402
 
 from spotguard import Guard  # noqa: E402
 
@@ -42,7 +43,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, world: int, port: int, width: int, layers: int, tmp: str) -> None:
+def worker(rank: int, world: int, port: int, width: int, layers: int, tmp: str,
+           json_path: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     model, opt = build(width, layers)
@@ -80,12 +82,16 @@ def worker(rank: int, world: int, port: int, width: int, layers: int, tmp: str) 
         print(f"baseline load (1 process):   {s_size / mb:7.1f} MB in {s_load:6.3f}s = {s_size / mb / s_load:7.1f} MB/s")
         print(f"ratio sharded/baseline throughput: save {(size / t_save) / (s_size / s_save):.2f}x, "
               f"load {(size / t_load) / (s_size / s_load):.2f}x")
+        emit([row(f"sharded save, {world} ranks, {size / mb:.0f} MB (DCP, local)", size / mb / t_save, "MB/s",
+                  baseline=s_size / mb / s_save, baseline_label="single-process Guard.save"),
+              row(f"sharded load, {world} ranks, {size / mb:.0f} MB (DCP, local)", size / mb / t_load, "MB/s",
+                  baseline=s_size / mb / s_load, baseline_label="single-process Guard.resume")], json_path)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=2)
@@ -94,7 +100,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        mp.spawn(worker, args=(args.ranks, port, args.width, args.layers, tmp), nprocs=args.ranks)
+        mp.spawn(worker, args=(args.ranks, port, args.width, args.layers, tmp, args.json), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

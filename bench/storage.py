@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import shutil
 import signal
@@ -203,6 +204,7 @@ def bench_gcs(state, raw: bytes, work: Path) -> list[tuple[str, str, float, str,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON (for bench/run_all.py)")
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MB (default 1024)")
     p.add_argument("--backends", default="local,s3,gcs")
     p.add_argument("--part-size-mb", type=int, help="S3 part / GCS chunk size (default: the backend's)")
@@ -224,6 +226,12 @@ def main() -> int:
     for backend, op, ours_s, base_name, base_s in rows:
         a, b = len(raw) / MB / ours_s, len(raw) / MB / base_s
         print(f"| {backend} | {op} | {a:.0f} | {base_name} | {b:.0f} | {a / b:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"figure": f"{backend} {op}, {len(raw) / MB:.0f} MB state, vs {base_name}", "value": round(len(raw) / MB / ours_s, 1),
+             "unit": "MB/s", "baseline": round(len(raw) / MB / base_s, 1), "baseline_label": base_name,
+             "ratio": round(base_s / ours_s, 3), "target": None, "pass": None}
+            for backend, op, ours_s, base_name, base_s in rows], indent=1))
     return 0
 
 
