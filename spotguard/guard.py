@@ -27,7 +27,7 @@ import torch
 
 from . import checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
-from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
+from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from .notices.base import Notice, NoticeProvider
 from .pending import PendingSave
 from .planner import AdaptiveInterval
@@ -225,9 +225,26 @@ class Guard:
             self._restore(info, payload)
             self._stats.restore_s = time.monotonic() - t0
             logger.info("resumed from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?")
+            self._drop_killed_saves(tiers, info.step)
             return info.step
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
         return 0
+
+    @staticmethod
+    def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resumed: int) -> None:
+        """Delete incomplete ``step-N/`` older than the resume point: saves killed mid-write.
+
+        Safe only here, before this run writes anything: the writer that left them is gone, and
+        the run goes on past ``resumed``, so they would never be replaced. Corrupt ones are kept.
+        """
+        for storage, infos in tiers:
+            for info in infos:
+                if info.status == "incomplete" and info.step < resumed:
+                    try:
+                        checkpoint.delete(storage, info.name)
+                        logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
+                    except StorageError as e:
+                        logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
 
     def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
         distributed.refuse_sharded(info)  # [distributed hook] a sharded checkpoint needs a process group

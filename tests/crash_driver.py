@@ -16,7 +16,7 @@ import time
 
 import torch
 
-STEPS = 60
+STEPS = 150
 
 
 def train(storage: str, log: str, steps: int = STEPS) -> None:
@@ -42,15 +42,36 @@ def train(storage: str, log: str, steps: int = STEPS) -> None:
             guard.step(step + 1)
 
 
-def run_child(storage: str, log: str, kill_after: float | None) -> int:
+def lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def run_child(storage: str, log: str, kill: tuple[int, float] | None) -> int:
+    """Fork a trainee; with ``kill=(k, t)``, SIGKILL it ``t`` seconds after it logged ``k`` steps.
+
+    Counting steps, not seconds from the fork, keeps the kills inside training and its background
+    saves (one is started at every step) however fast or loaded the machine is.
+    """
+    before = lines(log)
     pid = os.fork()
     if pid == 0:
         try:
             train(storage, log)
         finally:
             os._exit(0)
-    if kill_after is not None:
-        time.sleep(kill_after)
+    if kill is not None:
+        steps, delay = kill
+        deadline = time.monotonic() + 60
+        while lines(log) < before + steps and time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:  # finished (nothing left to train) before the kill
+                return status
+            time.sleep(0.001)
+        time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     return status
@@ -61,22 +82,29 @@ def main() -> int:
     torch.set_num_threads(1)
     rng = random.Random(seed)
     import spotguard  # noqa: F401 - warm: trainees start in milliseconds
+    # Warm: the first AdamW in a process imports more of torch (~1 s); children inherit it.
+    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters()).step()
     from spotguard import checkpoint
     from spotguard.storage import open_storage
 
     store = open_storage(storage)
-    partial = corrupt = 0
+    partial = corrupt = most_scratch = 0
     for _ in range(kills):
-        run_child(storage, log, rng.uniform(0.05, 1.2))
+        run_child(storage, log, (rng.randint(1, 3), rng.uniform(0.0, 0.03)))
         infos = checkpoint.scan(store)
         corrupt += sum(i.status == "corrupt" for i in infos)
-        partial += any(i.status == "incomplete" for i in infos) or any(
-            ".tmp-" in p for p in (os.path.join(d, n) for d, ds, fs in os.walk(storage) for n in fs + ds))
+        # Each save sweeps the scratch of killed writers, so what is here now is this kill's.
+        scratch = [n for n in os.listdir(storage) if n.startswith(".spotguard.tmp-")]
+        most_scratch = max(most_scratch, len(scratch))
+        partial += bool(scratch) or any(i.status == "incomplete" for i in infos)
         for info in infos:
             if info.complete:
                 checkpoint.verify(store, info)  # raises on a bad checksum
     status = run_child(storage, log, None)
-    print(json.dumps({"partial": partial, "corrupt": corrupt, "final_status": status}))
+    infos = checkpoint.scan(store)
+    print(json.dumps({"partial": partial, "corrupt": corrupt, "final_status": status, "most_scratch": most_scratch,
+                      "scratch_left": sum(n.startswith(".spotguard.tmp-") for n in os.listdir(storage)),
+                      "incomplete_left": sum(not i.complete for i in infos)}))
     return 0
 
 

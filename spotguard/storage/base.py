@@ -103,8 +103,8 @@ class Storage(abc.ABC):
 
 
 @contextmanager
-def _scratch_dir(parent: Path | None) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix=".spotguard.tmp-", dir=parent) as d:
+def _scratch_dir(parent: Path | None, tag: str = "") -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix=".spotguard.tmp-" + tag, dir=parent) as d:
         yield Path(d)
 
 

@@ -8,10 +8,13 @@ survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import os
 import secrets
 import shutil
+import socket
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -21,6 +24,32 @@ from ..errors import CheckpointExistsError, StorageError
 from .base import ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
+SCRATCH_PREFIX = ".spotguard.tmp-"
+EMPTY_DIR_GRACE_S = 60.0  # an empty directory this old has no writer about to fill it
+
+
+def _host() -> str:
+    return socket.gethostname().replace("@", "_")
+
+
+def _owner_tag() -> str:
+    """``host@pid-``: who owns a scratch directory (hostnames may contain dashes, not '@')."""
+    return f"{_host()}@{os.getpid()}-"
+
+
+def _dead_owner(tagged: str) -> bool:
+    """True for a leftover tagged ``host@pid-...`` (see _owner_tag) whose process on this host is gone."""
+    host, _, rest = tagged.rpartition("@")
+    pid = rest.split("-", 1)[0]
+    if host != _host() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,7 +73,7 @@ class LocalStorage(Storage):
 
     def _tmp_path(self, final: Path) -> Path:
         # os.urandom-based name: never draws from the training's global `random`.
-        return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        return final.with_name(f"{final.name}{TMP_MARK}{_owner_tag()}{secrets.token_hex(4)}")
 
     @contextmanager
     def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
@@ -87,7 +116,42 @@ class LocalStorage(Storage):
 
     def scratch(self) -> AbstractContextManager[Path]:
         self.root.mkdir(parents=True, exist_ok=True)
-        return _scratch_dir(self.root)  # same filesystem: put_file becomes a hard link
+        self._sweep_dead_scratch()
+        # Same filesystem: put_file becomes a hard link. The owner tag lets a later save sweep it.
+        return _scratch_dir(self.root, _owner_tag())
+
+    def _sweep_dead_scratch(self) -> None:
+        """Remove what killed writers on this host left: scratch directories, temp files, empty dirs.
+
+        A save killed with SIGKILL cannot clean up after itself; without this, a job preempted
+        again and again would leave one partial state file per kill. Leftovers of live writers,
+        of other hosts (a shared mount) and of unknown owners are left alone; an empty directory
+        is removed only after a minute, so a live writer that just created it is not disturbed.
+        """
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.startswith(SCRATCH_PREFIX):
+                if _dead_owner(entry.name[len(SCRATCH_PREFIX):]):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                self._sweep_dir(Path(entry.path))
+
+    @staticmethod
+    def _sweep_dir(path: Path) -> None:
+        try:
+            old = time.time() - path.stat().st_mtime > EMPTY_DIR_GRACE_S
+            names = os.listdir(path)
+        except OSError:
+            return
+        for name in names:
+            if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]):
+                (path / name).unlink(missing_ok=True)
+        if old and not os.listdir(path):
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
         final = self._path(key)
