@@ -195,8 +195,12 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
     return manifest
 
 
-def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None) -> Manifest:
-    """Copy a complete checkpoint to another storage (local tier -> durable), manifest last."""
+def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,
+         cancel: threading.Event | None = None) -> Manifest:
+    """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
+
+    ``cancel``, when set, abandons the copy before the next file or the manifest.
+    """
     if info.manifest is None:
         raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
     existing = dst.list(info.name + "/")
@@ -205,8 +209,12 @@ def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | 
     if existing:
         dst.delete(existing)
     for entry in info.manifest.files:
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled(f"upload of {info.name} abandoned")
         with src.local_copy(f"{info.name}/{entry.name}") as path:
             dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     dst.put_bytes(f"{info.name}/{MANIFEST}", info.manifest.to_bytes(), exclusive=True, deadline=deadline)
     return info.manifest
 

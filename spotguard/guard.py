@@ -43,6 +43,8 @@ EXIT_PREEMPTED = 75
 STORAGE_ENV = "SPOTGUARD_STORAGE"
 LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_DIR"
 STATE_FILE = "state.pt"
+FIT = 0.9  # share of the time left that an estimated save may use (estimates are rough)
+CANCEL_GRACE_S = 1.0  # how long an emergency waits for an abandoned save to notice
 
 
 class BusyPolicy(str, enum.Enum):
@@ -343,7 +345,7 @@ class Guard:
             t1 = time.monotonic()
             info = CheckpointInfo(step, checkpoint.step_dir(step), "complete", manifest)
             try:
-                checkpoint.copy(self.local, self.storage, info)
+                checkpoint.copy(self.local, self.storage, info, cancel=cancel)
             except CheckpointExistsError:
                 pass
             self._stats.record_upload(time.monotonic() - t1, manifest.size)
@@ -421,27 +423,20 @@ class Guard:
                 if pending.committed:
                     self._report_emergency(step, t0, left)
                     return
-            else:
-                estimate = self._stats.durable_seconds(two_tiers=False)
-                if left is not None and estimate is not None and estimate > left:
-                    logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
-                                 "save of step %d instead (%d step(s) will be lost)", step, estimate, left,
-                                 pending.step, step - pending.step)
-                    self._wait_pending(max(left, 0.0))
-                    return
-                pending.cancel()  # the newer state wins the bandwidth
-                self._wait_pending()
+            elif not self._settle_inflight(pending, step, left):
+                return  # the in-flight save is the resume point: the emergency one cannot make it
         self._reap()
         if self._saved_step == step and self._durable_step == step:
             logger.warning("stop at step %d: already checkpointed", step)
             if notice:
                 self.watcher.acknowledge(notice)
             return
-        estimate = self._stats.durable_seconds()
-        logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
-                       f"{self._stats.state_bytes / 1e6:.0f} MB" if self._stats.state_bytes else "size unknown",
-                       f"{estimate:.1f}s" if estimate is not None else "time unknown",
-                       f"{left:.1f}s before the deadline" if left is not None else "no deadline known")
+        estimate = self._emergency_estimate()
+        size = self._stats.state_bytes or state.nbytes(state.collect(self._objects))
+        left_now = None if deadline is None else deadline - time.monotonic()
+        logger.warning("emergency checkpoint of step %d: %.0f MB, estimated %s, %s", step, size / 1e6,
+                       f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
+                       f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known")
         self._saved_step = None if self._saved_step == step else self._saved_step
         try:
             self.save(step, "emergency", deadline=deadline)
@@ -454,6 +449,51 @@ class Guard:
             return
         self._stats.emergency_s = time.monotonic() - t0
         self._report_emergency(step, t0, left)
+
+    def _emergency_estimate(self) -> float | None:
+        """Seconds to write the state straight to the durable tier, from its measured throughput.
+
+        With two tiers that is the upload rate, never the local disk's; unmeasured means unknown.
+        """
+        st = self._stats
+        rate = st.upload_Bps if self.local is not None else st.write_Bps
+        return st.state_bytes / rate if rate and st.state_bytes else None
+
+    def _inflight_left(self, pending: PendingSave) -> float | None:
+        """Estimated seconds until the in-flight save commits (None: not measured yet)."""
+        st = self._stats
+        expected = st.write_s if self.local is None else (
+            None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
+        return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
+
+    def _settle_inflight(self, pending: PendingSave, step: int, left: float | None) -> bool:
+        """Wait for or abandon a periodic save of an older step, from measured times.
+
+        Both fit in the time left: wait for it, then write the emergency checkpoint. The emergency
+        one cannot fit: let the in-flight one commit (unless it is known to miss too) and return
+        False, it stays the resume point. Otherwise, or with nothing measured or no deadline, the
+        newer state wins: abandon it.
+        """
+        fresh, rest = self._emergency_estimate(), self._inflight_left(pending)
+        if left is not None and fresh is not None:
+            if rest is not None and rest + fresh <= left * FIT:
+                logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
+                               step, pending.step, rest)
+                self._wait_pending(left * FIT - fresh)  # never into the emergency save's share
+                if self._pending is None:
+                    return True
+            if fresh > left * FIT and (rest is None or rest <= left):
+                logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
+                             "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left,
+                             pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
+                self._wait_pending(max(left, 0.0))
+                return False
+        # The worker stops at its next file or before its manifest; never wait long for that,
+        # its leftovers are swept by a later run.
+        logger.warning("stop at step %d: abandoning the save of step %d for the newer state", step, pending.step)
+        pending.cancel()
+        self._wait_pending(CANCEL_GRACE_S if left is None else min(CANCEL_GRACE_S, max(left, 0.0) / 10))
+        return True
 
     def _report_emergency(self, step: int, t0: float, left: float | None) -> None:
         took = time.monotonic() - t0
@@ -527,6 +567,9 @@ class Guard:
         After a clean finish, the first error of a background save is raised here (never lost).
         """
         self.watcher.stop()
+        pending = self._pending
+        if pending is not None and pending.cancelled:
+            self._pending = None  # abandoned for an emergency save: never hold the exit for it
         self._wait_pending()
         if save and self.options.save_on_exit and self.stopped_at is None and self._step is not None \
                 and self._step != self._durable_step:

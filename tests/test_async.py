@@ -212,3 +212,55 @@ def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_save(tmp_pat
         assert g.step(3) is True
     assert steps(storage) == [(1, "periodic")]
     assert "2 step(s) will be lost" in caplog.text
+
+
+class StuckUpload(LocalStorage):
+    """A durable tier whose upload of step 1 hangs until released (a stalled transfer)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def put_file(self, key, path, *, deadline=None):
+        if key.startswith("step-00000001/"):
+            self.started.set()
+            self.release.wait(30)
+        return super().put_file(key, path, deadline=deadline)
+
+
+def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_the_deadline(tmp_path, caplog):
+    import datetime as dt
+    caplog.set_level(logging.INFO, logger="spotguard")
+    durable = StuckUpload(str(tmp_path / "bucket"))
+    g, _ = model_guard(durable, local_dir=str(tmp_path / "nvme"), every_steps=1, save_on_exit=False)
+    try:
+        with g:
+            g.step(1)
+            assert durable.started.wait(5)  # step 1 is on the local tier, its upload hangs
+            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=2)
+            g.watcher.report(Notice("test", "terminate", deadline=deadline))
+            t0 = time.monotonic()
+            assert g.step(2) is True
+            took = time.monotonic() - t0
+        exited = time.monotonic() - t0
+    finally:
+        durable.release.set()
+    assert took < 1.5 and exited < 1.8, (took, exited)
+    assert steps(durable) == [(2, "emergency")]
+    assert "abandoning the save of step 1" in caplog.text
+
+
+def test_emergency_waits_for_an_inflight_save_when_both_fit_in_the_time_left(tmp_path, caplog):
+    import datetime as dt
+    storage = GatedStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1, save_on_exit=False)
+    with g:
+        g.step(1)
+        assert storage.writing.wait(5)
+        st = g.stats()
+        st.write_s, st.write_Bps, st.state_bytes = 0.5, 1e9, 20_000  # measured: both saves take well under 10 s
+        deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=10)
+        g.watcher.report(Notice("test", "terminate", deadline=deadline))
+        threading.Timer(0.2, storage.gate.set).start()
+        assert g.step(2) is True
+    assert steps(storage) == [(1, "periodic"), (2, "emergency")]  # nothing was thrown away
