@@ -264,3 +264,19 @@ def test_emergency_waits_for_an_inflight_save_when_both_fit_in_the_time_left(tmp
         threading.Timer(0.2, storage.gate.set).start()
         assert g.step(2) is True
     assert steps(storage) == [(1, "periodic"), (2, "emergency")]  # nothing was thrown away
+
+
+def test_latest_and_stats_report_what_was_measured(tmp_path):
+    g, model = model_guard(str(tmp_path), every_steps=2, save_on_exit=False, busy="wait")
+    assert g.latest() is None
+    with g:
+        for step in range(1, 5):
+            g.step(step)
+        g.wait()
+        info = g.latest()
+        st = g.stats()
+    assert info is not None and info.step == 4 and info.complete and info.manifest.reason == "periodic"
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert st.checkpoints == 2 and st.state_bytes >= size
+    assert st.snapshot_s is not None and st.last_stall_s is not None and 0 < st.last_stall_s < 5
+    assert st.write_s is not None and st.write_Bps is not None and st.write_Bps > 0

@@ -60,6 +60,7 @@ class SignalProvider(NoticeProvider):
             logger.warning("signal handlers can only be installed from the main thread; "
                            "signals %s will not be watched", [s.name for s in self.signals])
             return
+        self._received.clear()  # a reopened provider starts afresh: its next signal is a first one
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
             if callable(self._previous[sig]) and self._previous[sig] is not signal.default_int_handler:

@@ -27,6 +27,14 @@ def test_sigterm_sets_the_flag_instead_of_killing():
         assert w.notice is not None and w.notice.provider == "signal" and w.notice.raw == {"signal": "SIGTERM"}
 
 
+def test_a_reopened_provider_treats_its_next_signal_as_a_first_one():
+    provider = SignalProvider(["USR1"])
+    for _ in range(2):  # e.g. one Guard used for two `with` blocks
+        with Watcher([provider], interval=0.1) as w:
+            signal.raise_signal(signal.SIGUSR1)  # a "second" signal would take SIGUSR1's default: death
+            assert wait_for(w.preempted)
+
+
 def test_sigusr1_with_grace_has_a_deadline():
     with Watcher([SignalProvider(["USR1"], grace=30)], interval=0.1) as w:
         signal.raise_signal(signal.SIGUSR1)
