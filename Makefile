@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+BENCH_MACHINE ?=
+ONLY ?=
 
 .PHONY: demo test bench lint clean checkov-venv
 
@@ -19,7 +21,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(ONLY) --machine "$(BENCH_MACHINE)"
 
 # checkov in a venv of its own: its bc-python-hcl2 installs a module `hcl2` that clashes with python-hcl2.
 # tests/terraform/test_checkov.py runs it (skipped when missing, failed when missing in CI).

@@ -7,7 +7,9 @@ Convention for a benchmark script: it prints its own table for people, and when 
      "ratio": 1.03, "target": "ratio >= 1", "pass": true}
 
 ``baseline``, ``ratio``, ``target`` and ``pass`` may be null (a figure without a baseline or target).
-Every figure the README quotes comes from this report.
+Every figure the README quotes comes from this report: the rows are kept in bench/report.json
+(re-running some scripts replaces only their rows), and the README's benchmark table between the
+``bench:begin`` / ``bench:end`` markers is rewritten from them along with bench/REPORT.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+ROWS = HERE / "report.json"
+README = REPO / "README.md"
+BEGIN, END = "<!-- bench:begin", "<!-- bench:end -->"
 
 
 def scripts(only: list[str]) -> list[Path]:
@@ -65,18 +70,8 @@ def fmt(value: object, unit: str = "") -> str:
     return f"{text} {unit}".strip()
 
 
-def report(rows: list[dict], status: list[str]) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# Benchmark report",
-        "",
-        f"Written by `make bench` (bench/run_all.py) on {now}: Python {platform.python_version()}, "
-        f"{platform.machine()}, {os.cpu_count()} CPU(s). Each figure and its baseline are measured in the "
-        "same run.",
-        "",
-        "| figure | value | baseline | ratio | target | result | script |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| figure | value | baseline | ratio | target | result | script |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = fmt(r.get("baseline"), r.get("unit", ""))
         if r.get("baseline_label") and r.get("baseline") is not None:
@@ -84,8 +79,26 @@ def report(rows: list[dict], status: list[str]) -> str:
         result = {True: "pass", False: "MISS", None: "-"}[r.get("pass")]
         lines.append(f"| {r['figure']} | {fmt(r.get('value'), r.get('unit', ''))} | {base} | "
                      f"{fmt(r.get('ratio'))} | {r.get('target') or '-'} | {result} | {r['script']} |")
-    lines += ["", *[f"- {s}" for s in status], ""]
-    return "\n".join(lines)
+    return lines
+
+
+def report(rows: list[dict], status: list[str], machine: str) -> str:
+    return "\n".join(["# Benchmark report", "", f"Written by `make bench` (bench/run_all.py): {machine}. Each figure "
+                      "and its baseline are measured in the same run.", "", *table(rows), "", *[f"- {s}" for s in status],
+                      ""])
+
+
+def update_readme(rows: list[dict], machine: str) -> bool:
+    """Rewrite the README's table between the markers; False when the README has no markers."""
+    text = README.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return False
+    head = text[:text.index("\n", start) + 1]  # keep the begin marker line as it is
+    block = [f"Measured {machine}; written by `make bench` from [bench/REPORT.md](bench/REPORT.md).", "",
+             *table(rows), ""]
+    README.write_text(head + "\n".join(block) + text[end:])
+    return True
 
 
 def main() -> int:
@@ -94,14 +107,25 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "REPORT.md"), help="markdown report (default bench/REPORT.md)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per script")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a figure misses its target")
+    ap.add_argument("--machine", default="", help="words about the machine, e.g. 'shared 2-core VM, no GPU'")
     args = ap.parse_args()
-    rows, status = [], []
+    previous = json.loads(ROWS.read_text()) if ROWS.exists() else {"rows": [], "status": {}}
+    ran, rows, status = [], [], dict(previous["status"])
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     for script in scripts(args.only):
         print(f"== {script.name}", flush=True)
         got, line = run(script, args.timeout)
+        ran.append(script.name)
         rows += got
-        status.append(line)
-    Path(args.out).write_text(report(rows, status))
+        status[script.name] = f"{line} on {now}"
+    # Rows of scripts not run this time are kept (``make bench agreement`` refreshes one script).
+    rows = sorted([r for r in previous["rows"] if r["script"] not in ran] + rows, key=lambda r: r["script"])
+    machine = (f"on {now}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU(s)"
+               f"{', ' + args.machine if args.machine else ''}")
+    ROWS.write_text(json.dumps({"rows": rows, "status": status}, indent=1) + "\n")
+    Path(args.out).write_text(report(rows, [status[k] for k in sorted(status)], machine))
+    if not update_readme(rows, machine):
+        print(f"warning: no {BEGIN} ... {END} markers in {README}", file=sys.stderr)
     missed = [r["figure"] for r in rows if r.get("pass") is False]
     print(f"\nwrote {args.out}: {len(rows)} figure(s), {len(missed)} missed")
     for figure in missed:
