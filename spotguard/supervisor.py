@@ -128,6 +128,7 @@ class Supervisor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop_signal: int | None = None
         self._stop_at = 0.0
+        self._unforwarded: int | None = None  # a stop signal that came while no child was known
         self._stopping = threading.Event()
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -234,6 +235,11 @@ class Supervisor:
             proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
         except OSError as e:
             raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
+        # The child runs before Popen returns: a stop signal in that window found no child to
+        # forward to. Forward it now, once (handlers run in this thread, so none is lost or doubled).
+        sig, self._unforwarded = self._unforwarded, None
+        if sig is not None:
+            _send(proc, sig)
         try:
             return self._watch(proc, beat)
         finally:
@@ -295,13 +301,11 @@ class Supervisor:
             logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
                            _signame(signum), self.options.grace)
             self._stopping.set()
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            try:
-                # A second delivery means "now" to the child's Guard too.
-                os.kill(proc.pid, self.options.forward_as or signum)
-            except ProcessLookupError:
-                pass
+        proc, sig = self._proc, self.options.forward_as or signum
+        if proc is None:
+            self._unforwarded = sig  # a child being started gets it from _run_once
+        elif proc.returncode is None:
+            _send(proc, sig)  # a second delivery means "now" to the child's Guard too
 
     def _install_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():
@@ -312,6 +316,13 @@ class Supervisor:
     def _restore_handlers(self, previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
