@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a training command; restart it after a crash or hang, not after a preemption",
                        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
                                    "2 restart budget used up or bad options, 128+N stopped by signal N "
-                                   "without the job exiting in time.")
+                                   "(the job died of it or did not exit in time); after a stop signal, "
+                                   "otherwise the job's own exit code.")
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
     p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
     p.add_argument("--prefetch", action="store_true", help="copy the newest checkpoint into --local-dir, verified, "
