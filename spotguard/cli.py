@@ -340,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-gb", type=float, metavar="G", help="checkpoint size, to report GB written per hour")
     p.add_argument("--intervals", default=",".join(f"{v:g}" for v in planner.DEFAULT_INTERVALS_S),
                    metavar="S,S,...", help="fixed intervals to compare, in seconds")
-    p.add_argument("--stats", metavar="FILE", help="measured costs, JSON: {snapshot_s, write_s, restart_s, state_bytes}")
+    p.add_argument("--stats", metavar="FILE", help="measured costs: records of json.dumps(guard.stats().as_dict()), "
+                   "a JSON object, list or lines; restart cost = restore_s + 60 s of start unless restart_s is given")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw goodput vs interval (needs spotguard[plot])")
     p.set_defaults(func=_cmd_plan)

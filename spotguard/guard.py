@@ -161,7 +161,8 @@ class Guard:
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
         self.emergency_error: BaseException | None = None
-        self._stats = GuardStats()
+        # In a process group every save is synchronous (spotguard.sharded), whatever async_save says.
+        self._stats = GuardStats(async_save=self.options.async_save and self._dist is None)
         self._staging = Staging()
         self._pending: PendingSave | None = None
         self._errors: list[BaseException] = []

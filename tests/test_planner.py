@@ -20,7 +20,7 @@ from spotguard.planner import (
     plan,
     young_interval,
 )
-from spotguard.stats import load_stats
+from spotguard.stats import DEFAULT_START_S, load_stats
 
 H = 3600.0
 
@@ -124,6 +124,9 @@ def test_stats_file_gives_the_blocking_cost_averaged_over_json_lines(tmp_path):
     assert got.restart_s == 50 and got.state_gb == pytest.approx(2.0)
     f.write_text(json.dumps({"snapshot_s": 1.5, "write_s": 30.0, "async": True}))
     assert load_stats(f).checkpoint_s == 1.5 and load_stats(f).restart_s is None
+    f.write_text(json.dumps({"snapshot_s": None, "write_s": 8.0, "restart_s": None, "restore_s": 5.0, "async": False}))
+    got = load_stats(f)  # null is "not measured"; without restart_s, the restore plus the default start
+    assert got.checkpoint_s == 8.0 and got.restart_s == 5.0 + DEFAULT_START_S
 
 
 @pytest.mark.parametrize("text, word", [
