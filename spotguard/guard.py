@@ -363,21 +363,24 @@ class Guard:
         """
         if self._saved_step == step:
             return None
-        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
-            return self._dist.save(self, step, reason, deadline)
         t0 = time.monotonic()
-        with state.rng_isolated():
-            payload = self._payload(step, staged=False)
-            manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
-        self._saved_step = step
+        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
+            manifest = self._dist.save(self, step, reason, deadline)  # prunes on rank 0
+        else:
+            with state.rng_isolated():
+                payload = self._payload(step, staged=False)
+                manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
+            self._saved_step = step
         if manifest is not None:
-            self._stats.record_write(time.monotonic() - t0, manifest.size)
+            took = time.monotonic() - t0
+            self._stats.record_write(took, manifest.size)
             if self._adaptive is not None and reason in ("periodic", "advisory"):
-                self._adaptive.observe(time.monotonic() - t0)
+                self._adaptive.observe(took)  # a synchronous save stalls the loop for all of it
             self._durable_step = max(step, self._durable_step or 0)
             self._stats.checkpoints += 1
-            self._prune(self.storage)
-        self._schedule(step)
+            if self._dist is None:
+                self._prune(self.storage)
+        self._schedule(step)  # after observe(): the next save is due at the re-picked interval
         return manifest
 
     def _save_logged(self, step: int, reason: str) -> None:
@@ -482,7 +485,7 @@ class Guard:
         if self._adaptive is None:
             return float(self.options.every_seconds or 0)
         # Never due faster than a background save takes to finish (it would only be skipped).
-        busy = (self._stats.write_s or 0) + (self._stats.upload_s or 0) if self.options.async_save else 0
+        busy = (self._stats.write_s or 0) + (self._stats.upload_s or 0) if self._stats.async_save else 0
         return max(self._adaptive.interval, busy)
 
     def _schedule(self, step: int) -> None:
