@@ -230,7 +230,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
               + (f", deadline {notice.deadline.isoformat()} ({left:.0f}s left)" if notice.deadline and left is not None else "")
               + (" (advisory)" if notice.advisory else ""), flush=True)
 
-    watcher = Watcher(args.providers, args.interval, on_notice=show)
+    watcher = Watcher(args.providers, args.interval, on_notice=show, stop_on_advisory=args.advisory)
     if not args.json:
         print(f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} "
               f"every {args.interval:g}s", file=sys.stderr, flush=True)
@@ -394,11 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-in", type=float, default=120.0, help="deadline written to --file (seconds)")
     p.set_defaults(func=_cmd_simulate)
 
-    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice")
+    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice",
+                       description="Prints notices as they arrive and exits 0 on the first stop notice "
+                                   "(or advisory one with --advisory); exit 1 at --timeout.")
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help="one JSON object per notice")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
+    p.add_argument("--advisory", action="store_true", help="advisory notices (AWS rebalance recommendation, "
+                   "GCP migrate) end it too, exit 0 (default: they are printed, only stop notices end it)")
     p.set_defaults(func=_cmd_watch)
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
     p.add_argument("url", help="storage URL (path, s3://, gs://)")
