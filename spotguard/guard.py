@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, distributed, heartbeat, state
+from . import _env, checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
@@ -114,7 +114,9 @@ class Guard:
     ``storage`` is a path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL (or a
     ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` (default
     ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
-    checkpoints are uploaded in the background.
+    checkpoints are uploaded in the background. ``stop_on_advisory`` (default
+    ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
+    checkpointing early.
     """
 
     def __init__(
@@ -127,7 +129,7 @@ class Guard:
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
         save_on_exit: bool = True,
-        stop_on_advisory: bool = False,
+        stop_on_advisory: bool | None = None,
         checkpoint_on_advisory: bool = True,
         local_dir: str | None = None,
         async_save: bool = True,
@@ -138,6 +140,8 @@ class Guard:
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
     ) -> None:
+        if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
+            stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
                                     mtbf_hours, background_nice, sync_every, poll_on, reshard)
