@@ -230,7 +230,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
               + (f", deadline {notice.deadline.isoformat()} ({left:.0f}s left)" if notice.deadline and left is not None else "")
               + (" (advisory)" if notice.advisory else ""), flush=True)
 
-    watcher = Watcher(args.providers, args.interval, on_notice=show)
+    watcher = Watcher(args.providers, args.interval, on_notice=show, stop_on_advisory=args.advisory)
     if not args.json:
         print(f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} "
               f"every {args.interval:g}s", file=sys.stderr, flush=True)
@@ -340,14 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-gb", type=float, metavar="G", help="checkpoint size, to report GB written per hour")
     p.add_argument("--intervals", default=",".join(f"{v:g}" for v in planner.DEFAULT_INTERVALS_S),
                    metavar="S,S,...", help="fixed intervals to compare, in seconds")
-    p.add_argument("--stats", metavar="FILE", help="measured costs, JSON: {snapshot_s, write_s, restart_s, state_bytes}")
+    p.add_argument("--stats", metavar="FILE", help="measured costs: records of json.dumps(guard.stats().as_dict()), "
+                   "a JSON object, list or lines; restart cost = restore_s + 60 s of start unless restart_s is given")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw goodput vs interval (needs spotguard[plot])")
     p.set_defaults(func=_cmd_plan)
     p = sub.add_parser("run", help="run a training command; restart it after a crash or hang, not after a preemption",
                        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
                                    "2 restart budget used up or bad options, 128+N stopped by signal N "
-                                   "without the job exiting in time.")
+                                   "(the job died of it or did not exit in time); after a stop signal, "
+                                   "otherwise the job's own exit code.")
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
     p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
     p.add_argument("--prefetch", action="store_true", help="copy the newest checkpoint into --local-dir, verified, "
@@ -392,11 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-in", type=float, default=120.0, help="deadline written to --file (seconds)")
     p.set_defaults(func=_cmd_simulate)
 
-    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice")
+    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice",
+                       description="Prints notices as they arrive and exits 0 on the first stop notice "
+                                   "(or advisory one with --advisory); exit 1 at --timeout.")
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help="one JSON object per notice")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
+    p.add_argument("--advisory", action="store_true", help="advisory notices (AWS rebalance recommendation, "
+                   "GCP migrate) end it too, exit 0 (default: they are printed, only stop notices end it)")
     p.set_defaults(func=_cmd_watch)
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
     p.add_argument("url", help="storage URL (path, s3://, gs://)")

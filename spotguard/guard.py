@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, data, distributed, heartbeat, state
+from . import _env, checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from .notices.base import Notice, NoticeProvider
@@ -116,7 +116,9 @@ class Guard:
     ``storage`` is a path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL (or a
     ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` (default
     ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
-    checkpoints are uploaded in the background.
+    checkpoints are uploaded in the background. ``stop_on_advisory`` (default
+    ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
+    checkpointing early.
     """
 
     def __init__(
@@ -129,7 +131,7 @@ class Guard:
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
         save_on_exit: bool = True,
-        stop_on_advisory: bool = False,
+        stop_on_advisory: bool | None = None,
         checkpoint_on_advisory: bool = True,
         local_dir: str | None = None,
         async_save: bool = True,
@@ -140,6 +142,8 @@ class Guard:
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
     ) -> None:
+        if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
+            stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
                                     mtbf_hours, background_nice, sync_every, poll_on, reshard)
@@ -163,7 +167,8 @@ class Guard:
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
         self.emergency_error: BaseException | None = None
-        self._stats = GuardStats()
+        # In a process group every save is synchronous (spotguard.sharded), whatever async_save says.
+        self._stats = GuardStats(async_save=self.options.async_save and self._dist is None)
         self._staging = Staging()
         self._pending: PendingSave | None = None
         self._errors: list[BaseException] = []
@@ -381,21 +386,24 @@ class Guard:
         """
         if self._saved_step == step:
             return None
-        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
-            return self._dist.save(self, step, reason, deadline)
         t0 = time.monotonic()
-        with state.rng_isolated():
-            payload = self._payload(step, staged=False)
-            manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
-        self._saved_step = step
+        if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
+            manifest = self._dist.save(self, step, reason, deadline)  # prunes on rank 0
+        else:
+            with state.rng_isolated():
+                payload = self._payload(step, staged=False)
+                manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
+            self._saved_step = step
         if manifest is not None:
-            self._stats.record_write(time.monotonic() - t0, manifest.size)
+            took = time.monotonic() - t0
+            self._stats.record_write(took, manifest.size)
             if self._adaptive is not None and reason in ("periodic", "advisory"):
-                self._adaptive.observe(time.monotonic() - t0)
+                self._adaptive.observe(took)  # a synchronous save stalls the loop for all of it
             self._durable_step = max(step, self._durable_step or 0)
             self._stats.checkpoints += 1
-            self._prune(self.storage)
-        self._schedule(step)
+            if self._dist is None:
+                self._prune(self.storage)
+        self._schedule(step)  # after observe(): the next save is due at the re-picked interval
         return manifest
 
     def _save_logged(self, step: int, reason: str) -> None:
@@ -538,7 +546,7 @@ class Guard:
         if self._adaptive is None:
             return float(self.options.every_seconds or 0)
         # Never due faster than a background save takes to finish (it would only be skipped).
-        busy = (self._stats.write_s or 0) + (self._stats.upload_s or 0) if self.options.async_save else 0
+        busy = (self._stats.write_s or 0) + (self._stats.upload_s or 0) if self._stats.async_save else 0
         return max(self._adaptive.interval, busy)
 
     def _schedule(self, step: int) -> None:

@@ -233,9 +233,9 @@ class AdaptiveInterval:
     Call ``observe(seconds)`` after each checkpoint (or time it with ``measure()``); ``interval`` is
     Daly's estimate for the moving average of the last ``window`` costs, like ``plan()``: with
     ``notice_s``/``notice_share`` it only covers the preemptions without a usable notice, and
-    falls back to all of them when checkpoints get slower than the notice lead. A change is logged
-    when it moves more than ``tolerance`` (relative) away from the last logged value, so that
-    noise in the measurements does not flood the log.
+    falls back to all of them when checkpoints get slower than the notice lead. The interval in use
+    changes only when the estimate moves more than ``tolerance`` (relative) away from it, so noise
+    in the measurements neither reschedules nor floods the log; every change is logged.
     """
 
     def __init__(self, mtbf_hours: float, *, notice_s: float | None = None, notice_share: float = 0.0,
@@ -258,7 +258,6 @@ class AdaptiveInterval:
         self.clock = clock
         self._costs: deque[float] = deque(maxlen=window)
         self.interval = min(max(checked_number("initial_s", initial_s), self.min_s), self.max_s)
-        self._logged = self.interval
 
     @property
     def mean_cost(self) -> float | None:
@@ -271,11 +270,10 @@ class AdaptiveInterval:
         share = self.notice_share if self.notice_s is not None and self.notice_s >= cost else 0.0
         mtbf = self.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
         target = min(max(daly_interval(cost, mtbf), self.min_s), self.max_s)
-        if abs(target - self._logged) > self.tolerance * self._logged:
+        if abs(target - self.interval) > self.tolerance * self.interval:
             logger.info("checkpoint interval %.0fs -> %.0fs (mean checkpoint cost %.2fs over %d, MTBF %.1fh)",
-                        self._logged, target, cost, len(self._costs), mtbf / 3600.0)
-            self._logged = target
-        self.interval = target
+                        self.interval, target, cost, len(self._costs), mtbf / 3600.0)
+            self.interval = target
         return self.interval
 
     @contextlib.contextmanager

@@ -3,13 +3,16 @@
 ``GuardStats`` is filled by the guard as it works (``guard.stats()``); the deadline logic of the
 emergency save reasons with it. ``GuardStats.as_dict()`` is one record of the stats file that
 ``spotguard plan --stats`` reads. Its format: one JSON object, a JSON list of objects, or JSON lines
-(one object per checkpoint); values are averaged. Keys, all optional, numbers or lists of numbers::
+(one object per checkpoint); values are averaged. Keys, all optional, numbers or lists of numbers
+(null: not measured; other keys are ignored)::
 
-    {"snapshot_s": 1.2, "write_s": 8.5, "restart_s": 95.0, "state_bytes": 4.2e9, "async": false}
+    {"snapshot_s": 1.2, "write_s": 8.5, "restart_s": 95.0, "restore_s": 4.0, "state_bytes": 4.2e9,
+     "async": false}
 
 ``snapshot_s``: the loop is blocked while the state is copied; ``write_s``: the storage write;
-``restart_s``: process start to training again; ``async``: true when the write runs in the
-background, so only the snapshot blocks the loop.
+``async``: true when the write runs in the background, so only the snapshot blocks the loop
+(otherwise the write does). ``restart_s``: preemption to training again; without it,
+``restore_s`` (what ``guard.resume()`` took) plus ``DEFAULT_START_S`` for the rest of a start.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from .errors import ConfigError
 from .planner import checked_number
 
 _ALPHA = 0.5  # weight of the newest measurement in the moving averages
+#: Restart cost besides the restore when a record has only ``restore_s``: starting Python, torch,
+#: CUDA and the data loaders. Waiting for a replacement machine is not in it: measure the whole
+#: restart and give ``restart_s`` (or ``--restart-cost``) where that matters.
+DEFAULT_START_S = 60.0
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -33,6 +40,7 @@ def _ema(old: float | None, new: float) -> float:
 class GuardStats:
     """Figures measured by the guard; rates are bytes per second, times are seconds."""
 
+    async_save: bool = True  # periodic saves write in the background: only the snapshot stalls the loop
     checkpoints: int = 0
     skipped: int = 0
     failures: int = 0
@@ -68,9 +76,12 @@ class GuardStats:
             return None
         return nbytes / rate
 
-    def as_dict(self, async_save: bool = True) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """JSON-ready figures: one record of the stats file (``spotguard plan --stats``)."""
-        return {**asdict(self), "async": async_save}
+        figures = asdict(self)
+        figures["async"] = figures.pop("async_save")
+        return figures
+
 
 @dataclass
 class MeasuredCosts:
@@ -82,7 +93,8 @@ class MeasuredCosts:
 
 
 def load_stats(path: str | Path) -> MeasuredCosts:
-    """Average the records; the checkpoint cost is ``snapshot_s + write_s`` (``snapshot_s`` when async)."""
+    """Average the records: the checkpoint cost is ``snapshot_s`` when async, else ``snapshot_s +
+    write_s``; the restart cost ``restart_s``, else ``restore_s + DEFAULT_START_S``."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -100,16 +112,18 @@ def load_stats(path: str | Path) -> MeasuredCosts:
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise ConfigError(f"{p}: record {i + 1} is not a JSON object")
-        got = {k: _mean(p, k, rec[k]) for k in ("snapshot_s", "write_s", "restart_s", "state_bytes") if k in rec}
-        if "snapshot_s" in got or "write_s" in got:
-            write = 0.0 if rec.get("async") else got.get("write_s", 0.0)
-            values["checkpoint"].append(got.get("snapshot_s", 0.0) + write)
-        for k in ("restart_s", "state_bytes"):
-            if k in got:
-                values[k].append(got[k])
+        got = {k: _mean(p, k, rec[k]) for k in ("snapshot_s", "write_s", "restart_s", "restore_s", "state_bytes")
+               if rec.get(k) is not None}
+        blocking = ["snapshot_s"] if rec.get("async") else ["snapshot_s", "write_s"]
+        if any(k in got for k in blocking):
+            values["checkpoint"].append(sum(got.get(k, 0.0) for k in blocking))
+        if "restart_s" in got or "restore_s" in got:
+            values["restart_s"].append(got.get("restart_s", got.get("restore_s", 0.0) + DEFAULT_START_S))
+        if "state_bytes" in got:
+            values["state_bytes"].append(got["state_bytes"])
     avg = {k: (sum(v) / len(v) if v else None) for k, v in values.items()}
     if all(v is None for v in avg.values()):
-        raise ConfigError(f"{p}: no snapshot_s, write_s, restart_s or state_bytes in it")
+        raise ConfigError(f"{p}: no snapshot_s, write_s, restart_s, restore_s or state_bytes in it")
     gb = None if avg["state_bytes"] is None else avg["state_bytes"] / 1e9
     return MeasuredCosts(avg["checkpoint"], avg["restart_s"], gb)
 

@@ -12,8 +12,9 @@ exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the 
 for a notice (heartbeat flag), whatever the code
 any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
                                                        then ``RestartBudgetExhausted`` (CLI: exit 2)
-we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits; after ``grace``
-child, which writes its emergency checkpoint)          seconds its group is killed, exit 128+signal
+we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits (128+N if signal
+child, which writes its emergency checkpoint)          N killed it); after ``grace`` seconds its group
+                                                       is killed, exit 128+signal
 =====================================================  ============================================
 
 Stop signals are forwarded once: a repeat of the same signal within ``DUPLICATE_WINDOW`` is the
@@ -113,7 +114,7 @@ def _to_signal(sig: str | int) -> signal.Signals:
 
 @dataclass
 class _Outcome:
-    code: int
+    code: int  # Popen.returncode: -N when the child died of signal N
     flags: int = 0
     hung: bool = False
     killed_after_grace: bool = False
@@ -128,6 +129,7 @@ class Supervisor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop_signal: int | None = None
         self._stop_at = 0.0
+        self._unforwarded: int | None = None  # a stop signal that came while no child was known
         self._stopping = threading.Event()
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -199,18 +201,19 @@ class Supervisor:
         """The exit code to stop with, or None to restart (counts against the budget)."""
         if out.killed_after_grace:
             return 128 + (self._stop_signal or signal.SIGTERM)
-        if out.code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
+        code = _exit_code(out.code)
+        if code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
             logger.warning("the job stopped for a notice (exit code %d): not restarting, exiting %d",
-                           out.code, EXIT_PREEMPTED)
+                           code, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         if self._stopping.is_set():
-            logger.warning("the job exited with code %d after a stop signal: not restarting", out.code)
-            return out.code
-        if out.code == 0 and not out.hung:
+            logger.warning("the job exited with code %d after a stop signal: not restarting", code)
+            return code
+        if code == 0 and not out.hung:
             logger.info("the job finished")
             return 0
-        what = "hung" if out.hung else (f"was killed by {_signame(-out.code)}" if out.code < 0
-                                        else f"crashed with exit code {out.code}")
+        what = "hung" if out.hung else (f"was killed by {_signame(-out.code)} (exit code {code})" if out.code < 0
+                                        else f"crashed with exit code {code}")
         if self.restarts >= self.options.max_restarts:
             raise RestartBudgetExhausted(
                 f"the job {what} and the restart budget is used up ({self.options.max_restarts} "
@@ -234,6 +237,11 @@ class Supervisor:
             proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
         except OSError as e:
             raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
+        # The child runs before Popen returns: a stop signal in that window found no child to
+        # forward to. Forward it now, once (handlers run in this thread, so none is lost or doubled).
+        sig, self._unforwarded = self._unforwarded, None
+        if sig is not None:
+            _send(proc, sig)
         try:
             return self._watch(proc, beat)
         finally:
@@ -295,13 +303,11 @@ class Supervisor:
             logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
                            _signame(signum), self.options.grace)
             self._stopping.set()
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            try:
-                # A second delivery means "now" to the child's Guard too.
-                os.kill(proc.pid, self.options.forward_as or signum)
-            except ProcessLookupError:
-                pass
+        proc, sig = self._proc, self.options.forward_as or signum
+        if proc is None:
+            self._unforwarded = sig  # a child being started gets it from _run_once
+        elif proc.returncode is None:
+            _send(proc, sig)  # a second delivery means "now" to the child's Guard too
 
     def _install_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():
@@ -312,6 +318,19 @@ class Supervisor:
     def _restore_handlers(self, previous: dict[int, object]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's exit as a shell reports it: 128+N for death by signal N (Popen gives -N, and
+    ``sys.exit(-N)`` would wrap to 256-N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

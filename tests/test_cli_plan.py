@@ -10,6 +10,7 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.planner import daly_interval, goodput
+from spotguard.stats import DEFAULT_START_S
 
 from .helpers import subprocess_env
 
@@ -60,6 +61,34 @@ def test_costs_come_from_a_stats_file_and_flags_override_it(tmp_path, capsys):
     assert doc["interval_s"] == pytest.approx(daly_interval(30, 6 * 3600))
     assert main(["plan", "--mtbf", "6", "--stats", str(stats), "--checkpoint-cost", "120", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["options"]["checkpoint_s"] == 120.0
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_the_record_of_a_real_guard_feeds_plan_stats(tmp_path, async_save):
+    """The README's record, json.dumps(guard.stats().as_dict()), after a resume and a periodic save:
+    the checkpoint cost is what blocked the loop (the snapshot, or the whole synchronous write) and
+    the restart cost the measured restore plus the default start."""
+    import torch
+
+    import spotguard
+
+    ckpt, model = str(tmp_path / "ckpt"), torch.nn.Linear(64, 64)
+    spotguard.Guard(ckpt, providers=[], async_save=async_save).track(model=model).save(1)
+    guard = spotguard.Guard(ckpt, providers=[], every_steps=1, async_save=async_save, save_on_exit=False)
+    assert guard.track(model=model).resume() == 1
+    with guard:
+        guard.step(2)
+    record = guard.stats().as_dict()
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps(record))
+    proc = subprocess.run([sys.executable, "-m", "spotguard", "plan", "--stats", str(stats), "--mtbf", "6", "--json"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    options = json.loads(proc.stdout)["options"]
+    assert record["async"] is async_save and record["checkpoints"] == 1
+    blocking = record["snapshot_s"] if async_save else record["write_s"]
+    assert blocking and options["checkpoint_s"] == pytest.approx(blocking)
+    assert record["restore_s"] and options["restart_s"] == pytest.approx(record["restore_s"] + DEFAULT_START_S)
 
 
 @pytest.mark.parametrize("args, word", [

@@ -157,6 +157,27 @@ def test_a_job_that_ignores_the_forwarded_signal_is_killed_after_the_grace_perio
     assert "did not exit within 1s" in err
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_job_killed_by_the_forwarded_signal_exits_128_plus_the_signal(tmp_path, sig):
+    """The child does not trap the signal and dies of it: the supervisor exits as a shell would
+    report that death (143 for SIGTERM), not with Popen's -N (which sys.exit turns into 256-N)."""
+    child = ["sh", "-c", "echo ready; exec sleep 60"]
+    proc = subprocess.Popen(run_cmd(tmp_path / "ckpt", child=child), env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert f"exited with code {128 + sig} after a stop signal" in err
+
+
+def test_a_job_killed_by_a_signal_is_a_crash_reported_as_128_plus_the_signal(tmp_path):
+    proc = supervise(run_cmd(tmp_path / "ckpt", "--max-restarts", "0",
+                             child=["sh", "-c", "kill -KILL $$"]))
+    assert proc.returncode == 2, proc.stderr
+    assert "the job was killed by SIGKILL (exit code 137) and the restart budget is used up" in proc.stderr
+
+
 def test_a_broadcast_stop_reaches_the_job_once_per_signal_with_forward_as(tmp_path):
     """Slurm preemption signals every process: the job gets SIGTERM directly, the supervisor gets it
     twice (directly and from the batch shell's trap) and forwards one SIGUSR1. No signal reaches

@@ -2,7 +2,9 @@
 
 ``build("auto")`` gives signals, the flag file when ``SPOTGUARD_NOTICE_FILE`` is set, and the
 cloud providers found by ``detect_clouds()``. Providers are registered by name so that
-``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere.
+``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere; the cloud
+providers built by name read their opt-ins from the environment (``from_env``), the one channel
+that reaches a job started by systemd or ``spotguard run``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..errors import ConfigError
 from .base import ADVISORY_KINDS, STOP_KINDS, Notice, NoticeProvider, stable_id
@@ -17,18 +20,18 @@ from .base import ADVISORY_KINDS, STOP_KINDS, Notice, NoticeProvider, stable_id
 __all__ = ["ADVISORY_KINDS", "STOP_KINDS", "Notice", "NoticeProvider", "build", "detect_clouds",
            "register", "stable_id"]
 
-# name -> "module:Class" (imported lazily so that a provider's dependencies load only when used)
+# name -> "module:factory" (imported lazily so that a provider's dependencies load only when used)
 _REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {
     "signal": "spotguard.notices.signals:SignalProvider",
     "file": "spotguard.notices.file:FileProvider",
-    "aws": "spotguard.notices.aws:AwsProvider",
-    "gcp": "spotguard.notices.gcp:GcpProvider",
-    "azure": "spotguard.notices.azure:AzureProvider",
+    "aws": "spotguard.notices.aws:AwsProvider.from_env",
+    "gcp": "spotguard.notices.gcp:GcpProvider.from_env",
+    "azure": "spotguard.notices.azure:AzureProvider.from_env",
 }
 
 
 def register(name: str, factory: str | Callable[[], NoticeProvider]) -> None:
-    """Make a provider available by name (a ``"module:Class"`` path or a zero-argument factory)."""
+    """Make a provider available by name (a ``"module:Class[.method]"`` path or a zero-argument factory)."""
     _REGISTRY[name] = factory
 
 
@@ -43,8 +46,11 @@ def create(name: str) -> NoticeProvider:
     except KeyError:
         raise ConfigError(f"unknown notice provider {name!r}; known: {', '.join(names())}") from None
     if isinstance(factory, str):
-        module, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
+        module, _, path = factory.partition(":")
+        found: Any = importlib.import_module(module)
+        for attr in path.split("."):
+            found = getattr(found, attr)
+        factory = found
     return factory()
 
 

@@ -1,8 +1,9 @@
 """Which cloud is this? Three metadata probes in parallel, short timeouts, one cached answer.
 
 Each probe asks something only that cloud's metadata service answers the right way: the IMDSv2
-token (AWS), the ``Metadata-Flavor: Google`` response header (GCP), the VM name with the
-``Metadata: true`` header (Azure). Off-cloud, 169.254.169.254 usually does not answer at all, so
+token (AWS; with ``$SPOTGUARD_AWS_ALLOW_IMDSV1`` an IMDSv1 read where the token is refused), the
+``Metadata-Flavor: Google`` response header (GCP), the VM name with the ``Metadata: true`` header
+(Azure). Off-cloud, 169.254.169.254 usually does not answer at all, so
 the probes run in daemon threads and the caller waits for them no longer than the deadline.
 """
 
@@ -13,17 +14,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import _env
 from . import aws, azure, gcp
 from ._http import MetadataClient
 
 logger = logging.getLogger(__name__)
 
-_cache: dict[tuple[tuple[str, str], ...], list[str]] = {}
+_cache: dict[tuple[tuple[tuple[str, str], ...], bool], list[str]] = {}
 _lock = threading.Lock()
 
 
 def _aws(client: MetadataClient) -> bool:
     resp = client.request("PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    if resp.status in (403, 404, 405) and _env.flag(_env.AWS_ALLOW_IMDSV1, default=False):
+        resp = client.request("GET", "/latest/meta-data/instance-id", {})  # as AwsProvider falls back
     return resp.status == 200 and bool(resp.body)
 
 
@@ -46,7 +50,7 @@ PROBES: dict[str, tuple[Callable[[], str], Callable[[MetadataClient], bool]]] = 
 
 def detect(timeout: float = 0.5, *, refresh: bool = False) -> list[str]:
     endpoints = {name: get_url() for name, (get_url, _) in PROBES.items()}
-    key = tuple(sorted(endpoints.items()))
+    key = (tuple(sorted(endpoints.items())), _env.flag(_env.AWS_ALLOW_IMDSV1, default=False))
     with _lock:
         if not refresh and key in _cache:
             return list(_cache[key])

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from .. import _env
 from ._http import MetadataClient, MetadataHTTPError, WarnOnce, check_status
 from .base import Notice, NoticeProvider, utcnow
 from .file import parse_time
@@ -55,6 +56,11 @@ class AwsProvider(NoticeProvider):
     """
 
     name = "aws"
+
+    @classmethod
+    def from_env(cls) -> AwsProvider:
+        """Built by name (``providers="auto"``, ``--providers aws``): ``$SPOTGUARD_AWS_ALLOW_IMDSV1=1`` opts in."""
+        return cls(allow_imdsv1=_env.flag(_env.AWS_ALLOW_IMDSV1, default=False))
 
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, allow_imdsv1: bool = False,
                  token_ttl: int = TOKEN_TTL, maintenance_horizon: float = 600.0) -> None:

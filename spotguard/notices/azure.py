@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Any
 
+from .. import _env
 from ._http import MetadataClient, WarnOnce, check_status
 from .base import Notice, NoticeProvider, utcnow
 
@@ -51,6 +52,11 @@ class AzureProvider(NoticeProvider):
     """Watches Azure Scheduled Events. ``ack=False`` opts out of approving events after a checkpoint."""
 
     name = "azure"
+
+    @classmethod
+    def from_env(cls) -> AzureProvider:
+        """Built by name (``providers="auto"``, ``--providers azure``): ``$SPOTGUARD_AZURE_ACK=0`` opts out."""
+        return cls(ack=_env.flag(_env.AZURE_ACK, default=True))
 
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, ack: bool = True,
                  vm_name: str | None = None) -> None:

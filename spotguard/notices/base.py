@@ -64,6 +64,7 @@ class Notice:
         return {
             "provider": self.provider,
             "kind": self.kind,
+            "advisory": self.advisory,
             "deadline": self.deadline.isoformat() if self.deadline else None,
             "received_at": self.received_at.isoformat(),
             "event_id": self.event_id,

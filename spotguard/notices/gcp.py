@@ -17,6 +17,7 @@ import os
 import threading
 import time
 
+from .. import _env
 from ._http import MetadataClient, WarnOnce, check_status
 from .base import Notice, NoticeProvider, Report, utcnow
 
@@ -29,6 +30,7 @@ HEADERS = {"Metadata-Flavor": "Google"}
 PREEMPTED = "instance/preempted"
 MAINTENANCE = "instance/maintenance-event"
 MAINTENANCE_WARNING = 60.0  # seconds GCP gives before a TERMINATE_ON_HOST_MAINTENANCE
+PREEMPT_WARNING = 30.0  # seconds a Spot or preemptible VM has after `preempted` flips
 
 
 def endpoint() -> str:
@@ -45,8 +47,13 @@ class GcpProvider(NoticeProvider):
     name = "gcp"
     blocking = True
 
+    @classmethod
+    def from_env(cls) -> GcpProvider:
+        """Built by name (``providers="auto"``, ``--providers gcp``): ``$SPOTGUARD_GCP_DEADLINE`` seconds."""
+        return cls(deadline_seconds=_env.seconds(_env.GCP_DEADLINE, default=PREEMPT_WARNING))
+
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, hang: int = 5,
-                 deadline_seconds: float = 30.0) -> None:
+                 deadline_seconds: float = PREEMPT_WARNING) -> None:
         if hang < 1:
             raise ValueError(f"hang must be at least 1 second, got {hang}")
         self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)

@@ -4,6 +4,11 @@
 locals {
   storage_url = "s3://${var.bucket_name}/${var.checkpoint_prefix}"
   kms_key_arn = var.kms_key_arn != null ? var.kms_key_arn : aws_kms_key.this[0].arn
+  # With capacity rebalancing the group launches a replacement on a rebalance recommendation, and
+  # that replacement resumes from the bucket. The old machine must then stop with an emergency
+  # checkpoint (the job's Guard stops on the advisory notice) rather than keep training the same
+  # steps beside the new one, whose results would be lost or overwrite each other.
+  job_environment = var.capacity_rebalance ? { SPOTGUARD_STOP_ON_ADVISORY = "1" } : {}
   user_data = templatefile("${path.module}/../bootstrap/spotguard-bootstrap.sh.tftpl", {
     python       = var.python
     pip_install  = var.spotguard_package
@@ -15,6 +20,7 @@ locals {
     hang_timeout = var.hang_timeout
     grace        = var.grace
     run_as       = var.run_as
+    environment  = local.job_environment
   })
 }
 
@@ -76,7 +82,7 @@ resource "aws_autoscaling_group" "this" {
   desired_capacity    = var.instance_count
   vpc_zone_identifier = var.subnet_ids
   health_check_type   = "EC2"
-  capacity_rebalance  = true # start a replacement on a rebalance recommendation, before the 2-minute notice
+  capacity_rebalance  = var.capacity_rebalance # a replacement starts on a rebalance recommendation (see locals)
 
   mixed_instances_policy {
     instances_distribution {

@@ -142,6 +142,12 @@ variable "run_as" {
   default     = "root"
 }
 
+variable "capacity_rebalance" {
+  description = "Launch a replacement on a rebalance recommendation, before the 2-minute notice; the old machine's job then stops with an emergency checkpoint (SPOTGUARD_STOP_ON_ADVISORY=1)."
+  type        = bool
+  default     = true
+}
+
 variable "max_restarts" {
   description = "Restarts of the job after crashes or hangs on one machine (spotguard run --max-restarts)."
   type        = number

@@ -131,6 +131,21 @@ def test_watch_prints_json_and_exits_0_on_a_notice(mock_metadata, run_cli):
     assert record["provider"] == "aws" and record["kind"] == "stop" and record["deadline"]
 
 
+@pytest.mark.parametrize("cloud, kind", [("aws", "rebalance"), ("gcp", "migrate")])
+def test_watch_ends_on_an_advisory_notice_only_with_advisory(mock_metadata, run_cli, cloud, kind):
+    server = mock_metadata(cloud)
+    server.mock.trigger(kind)
+    env = endpoint_env(cloud, server.url)
+    watch = ("watch", "--providers", cloud, "--json", "--interval", "0.1")
+    plain = run_cli(*watch, "--timeout", "1.5", **env)
+    assert plain.returncode == 1, plain.stderr  # printed, but only a stop notice ends it
+    record = json.loads(plain.stdout.splitlines()[0])
+    assert record["kind"] == kind and record["advisory"] is True
+    ended = run_cli(*watch, "--timeout", "30", "--advisory", **env)
+    assert ended.returncode == 0, ended.stderr
+    assert json.loads(ended.stdout.splitlines()[0])["kind"] == kind
+
+
 def test_watch_times_out_with_exit_1(mock_metadata, run_cli):
     server = mock_metadata("azure")
     out = run_cli("watch", "--providers", "azure", "--timeout", "0.5", **endpoint_env("azure", server.url))

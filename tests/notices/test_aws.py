@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spotguard import Watcher
+from spotguard import Watcher, notices
 from spotguard.notices._http import MetadataHTTPError
 from spotguard.notices.aws import AwsProvider, parse_maintenance_time
 from spotguard.notices.base import utcnow
@@ -134,6 +134,18 @@ def test_no_silent_imdsv1_fallback(mock_metadata):
     server.set_faults(status=403, count=1)
     server.mock.trigger("spot")
     assert provider(server, allow_imdsv1=True).poll().kind == "terminate"
+
+
+def test_provider_built_by_name_falls_back_to_imdsv1_only_with_the_environment_opt_in(mock_metadata, monkeypatch):
+    server = mock_metadata("aws", require_tokens=False)
+    server.mock.trigger("spot")
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.url)
+    server.set_faults(status=403, count=1)  # the token request is refused
+    with pytest.raises(MetadataHTTPError, match="token"):
+        notices.build("aws")[0].poll()
+    monkeypatch.setenv("SPOTGUARD_AWS_ALLOW_IMDSV1", "1")
+    server.set_faults(status=403, count=1)
+    assert notices.build("aws")[0].poll().kind == "terminate"
 
 
 @pytest.mark.parametrize("status", [500, 503])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import spotguard
+from spotguard import notices
 from spotguard.checkpoint import scan
 from spotguard.notices._http import MetadataHTTPError
 from spotguard.notices.azure import AzureProvider, parse_rfc1123
@@ -97,6 +98,20 @@ def test_acknowledge_approves_the_event_once(mock_metadata):
     quiet = AzureProvider(server.url, ack=False)
     server.mock.trigger("preempt")
     quiet.acknowledge(quiet.poll())
+    assert len(server.mock.acks) == 1
+
+
+def test_provider_built_by_name_does_not_acknowledge_with_spotguard_azure_ack_0(mock_metadata, monkeypatch):
+    server = mock_metadata("azure")
+    monkeypatch.setenv("SPOTGUARD_AZURE_METADATA_ENDPOINT", server.url)
+    server.mock.trigger("preempt")
+    monkeypatch.setenv("SPOTGUARD_AZURE_ACK", "0")
+    quiet = notices.build("azure")[0]
+    quiet.acknowledge(quiet.poll())
+    assert server.mock.acks == []
+    monkeypatch.delenv("SPOTGUARD_AZURE_ACK")
+    default = notices.build("azure")[0]
+    default.acknowledge(default.poll())
     assert len(server.mock.acks) == 1
 
 

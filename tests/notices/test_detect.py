@@ -57,3 +57,13 @@ def test_a_silent_endpoint_delays_start_by_at_most_about_a_second(monkeypatch):
         assert notices.detect_clouds(refresh=True) == []
         took = time.monotonic() - t0
     assert 0.4 < took < 1.0
+
+
+def test_aws_refusing_the_token_is_found_only_with_the_imdsv1_opt_in(mock_metadata, monkeypatch):
+    server = mock_metadata("aws", require_tokens=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.url)
+    server.set_faults(status=403, count=1)  # the token request is refused
+    assert notices.detect_clouds(refresh=True) == []
+    monkeypatch.setenv("SPOTGUARD_AWS_ALLOW_IMDSV1", "1")
+    server.set_faults(status=403, count=1)
+    assert notices.detect_clouds(refresh=True) == ["aws"]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spotguard import Watcher
+from spotguard import Watcher, notices
 from spotguard.mockmeta import endpoint_env
 from spotguard.notices._http import MetadataHTTPError
 from spotguard.notices.gcp import GcpProvider
@@ -52,6 +52,15 @@ def test_preemption_is_seen_as_soon_as_it_happens_with_a_30s_deadline(mock_metad
     assert 28 < notice.seconds_left() <= 30
     p.hang = 1
     assert p.poll() is notice  # still preempted: the same notice, the same deadline
+
+
+def test_provider_built_by_name_takes_its_deadline_from_spotguard_gcp_deadline(mock_metadata, monkeypatch):
+    server = mock_metadata("gcp")
+    monkeypatch.setenv("GCE_METADATA_HOST", endpoint_env("gcp", server.url)["GCE_METADATA_HOST"])
+    monkeypatch.setenv("SPOTGUARD_GCP_DEADLINE", "90")
+    server.mock.trigger("preempt")
+    notice = notices.build("gcp")[0].poll()
+    assert notice.kind == "preempt" and 88 < notice.seconds_left() <= 90
 
 
 def test_a_change_before_the_hanging_get_starts_is_not_missed(mock_metadata):

@@ -70,7 +70,8 @@ def render(workdir: Path, values: dict[str, object]) -> str:
 
 AWS_LIKE = dict(python="python3", pip_install="spotguard[aws]==0.1.0", code_repo="https://example.invalid/code.git",
                 code_ref="v1.0", command="python train.py --steps 1000 --name 'a b' --pct 50%%",
-                storage_url="s3://bucket/charlm/run-1", max_restarts=10, hang_timeout=1800, grace=100, run_as="root")
+                storage_url="s3://bucket/charlm/run-1", max_restarts=10, hang_timeout=1800, grace=100, run_as="root",
+                environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"})
 
 
 def test_rendered_script_passes_shellcheck(tmp_path):
@@ -88,6 +89,7 @@ def test_rendered_script_passes_shellcheck(tmp_path):
     assert "python train.py --steps 1000 --name 'a b' --pct 50%%\nSPOTGUARD_COMMAND" in text  # verbatim
     assert "--storage s3://bucket/charlm/run-1 --max-restarts 10 --grace 100" in text
     assert "TimeoutStopSec=115" in text
+    assert "\nEnvironment=PYTHONUNBUFFERED=1\nEnvironment=SPOTGUARD_STOP_ON_ADVISORY=1\nExecStart=" in text
 
 
 def _wheel(tmp_path: Path) -> Path:
@@ -108,7 +110,8 @@ def _code_repo(tmp_path: Path) -> str:
     (repo / "job.py").write_text(
         "import json, os, sys\n"
         "out = {'storage': os.environ.get('SPOTGUARD_STORAGE'), 'heartbeat': bool(os.environ.get('SPOTGUARD_HEARTBEAT')),\n"
-        "       'python': sys.executable, 'argv': sys.argv[1:]}\n"
+        "       'python': sys.executable, 'argv': sys.argv[1:],\n"
+        "       'stop_on_advisory': os.environ.get('SPOTGUARD_STOP_ON_ADVISORY')}\n"
         "open('result.json', 'w').write(json.dumps(out))\n")
     (repo / "requirements.txt").write_text("# nothing beyond spotguard\n")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
@@ -127,7 +130,7 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     script.write_text(render(tmp_path / "render", dict(
         python=sys.executable, pip_install=f"--no-deps --no-index {_wheel(tmp_path)}", code_repo=_code_repo(tmp_path),
         code_ref="v1", command="python job.py --epochs 2", storage_url=str(storage), max_restarts=3,
-        hang_timeout=600, grace=30, run_as="root")))
+        hang_timeout=600, grace=30, run_as="root", environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"})))
     env = subprocess_env(SPOTGUARD_BOOTSTRAP_ROOT=str(root), PATH=f"{fakebin}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH")  # the job must use the spotguard the script installed, not this checkout
 
@@ -157,7 +160,7 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     assert "the job finished" in ran.stderr
     result = json.loads((root / "opt/spotguard/code/result.json").read_text())
     assert result == {"storage": str(storage), "heartbeat": True, "python": f"{opt}/venv/bin/python",
-                      "argv": ["--epochs", "2"]}
+                      "argv": ["--epochs", "2"], "stop_on_advisory": "1"}  # the unit's environment reaches the job
 
     # A reboot (GCP reruns the startup script): nothing is reinstalled, the unit is started.
     again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)

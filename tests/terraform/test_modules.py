@@ -29,7 +29,8 @@ def test_aws_launch_template_requires_imdsv2_with_hop_limit_2_and_encrypts_the_r
 
 def test_aws_group_is_all_spot_capacity_optimized_with_rebalancing_over_the_instance_types():
     asg = one(AWS, "aws_autoscaling_group")
-    assert asg["capacity_rebalance"] is True
+    assert asg["capacity_rebalance"] == "${var.capacity_rebalance}"
+    assert variables(AWS)["capacity_rebalance"]["default"] is True
     policy = asg["mixed_instances_policy"]
     dist = policy["instances_distribution"]
     assert dist["on_demand_base_capacity"] == 0 and dist["on_demand_percentage_above_base_capacity"] == 0
@@ -38,6 +39,16 @@ def test_aws_group_is_all_spot_capacity_optimized_with_rebalancing_over_the_inst
     assert override["for_each"] == "${var.instance_types}"
     assert policy["launch_template"]["launch_template_specification"]["launch_template_id"] == \
         "${aws_launch_template.this.id}"
+
+
+def test_aws_job_stops_on_a_rebalance_recommendation_when_the_group_launches_a_replacement():
+    """With capacity rebalancing the replacement resumes from the bucket at once: the old machine's
+    job must stop with an emergency checkpoint instead of training the same steps beside it."""
+    assert one(AWS, "aws_autoscaling_group")["capacity_rebalance"] == "${var.capacity_rebalance}"
+    assert local(AWS, "job_environment") == \
+        '${var.capacity_rebalance ? {SPOTGUARD_STOP_ON_ADVISORY = "1"} : {}}'
+    assert "environment = local.job_environment" in local(AWS, "user_data")
+    assert "environment = {}" in local(GCP, "startup_script")  # no replacement before the notice there
 
 
 def test_aws_bucket_is_private_versioned_kms_encrypted_tls_only_with_a_lifecycle():

@@ -1,0 +1,45 @@
+"""Opt-ins from environment variables, for objects the user's code does not construct.
+
+Providers built by name (``providers="auto"``, ``--providers aws``) and a Guard inside a job that a
+systemd unit, ``spotguard run`` or torchrun starts can be reached by the environment alone. A value
+that cannot be read is a ``ConfigError`` naming the variable, never a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .errors import ConfigError
+
+AWS_ALLOW_IMDSV1 = "SPOTGUARD_AWS_ALLOW_IMDSV1"
+AZURE_ACK = "SPOTGUARD_AZURE_ACK"
+GCP_DEADLINE = "SPOTGUARD_GCP_DEADLINE"
+STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(name: str, default: bool) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case); unset or empty: ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ConfigError(f"${name} must be 1 or 0 (or true/false, yes/no, on/off), got {os.environ[name]!r}")
+
+
+def seconds(name: str, default: float) -> float:
+    """A positive, finite number of seconds; unset or empty: ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = math.nan
+    if not (math.isfinite(parsed) and parsed > 0):
+        raise ConfigError(f"${name} must be a positive number of seconds, got {os.environ[name]!r}")
+    return parsed

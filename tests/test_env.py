@@ -1,0 +1,45 @@
+"""Opt-ins from the environment: a Guard's stop_on_advisory, and bad values named clearly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import spotguard
+from spotguard import ConfigError, notices
+from spotguard.mockmeta import endpoint_env
+
+
+def test_spotguard_stop_on_advisory_makes_a_guard_stop_for_a_rebalance(mock_metadata, monkeypatch, tmp_path):
+    """A Guard built without the argument (as in a job started by the terraform module's unit)."""
+    server = mock_metadata("aws")
+    for name, value in endpoint_env("aws", server.url).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SPOTGUARD_STOP_ON_ADVISORY", "1")
+    guard = spotguard.Guard(str(tmp_path), providers="aws", interval=0.05).track(model=torch.nn.Linear(2, 2))
+    with guard:
+        for step in range(1, 400):
+            if step == 3:
+                server.mock.trigger("rebalance")
+            time.sleep(0.01)
+            if guard.step(step):
+                break
+    assert guard.stopped_at is not None and guard.notice.kind == "rebalance"
+    assert spotguard.Guard(str(tmp_path), providers=None, stop_on_advisory=False).options.stop_on_advisory is False
+    monkeypatch.delenv("SPOTGUARD_STOP_ON_ADVISORY")
+    assert spotguard.Guard(str(tmp_path), providers=None).options.stop_on_advisory is False
+
+
+@pytest.mark.parametrize("name, value, build", [
+    ("SPOTGUARD_AWS_ALLOW_IMDSV1", "maybe", lambda: notices.build("aws")),
+    ("SPOTGUARD_AZURE_ACK", "2", lambda: notices.build("azure")),
+    ("SPOTGUARD_GCP_DEADLINE", "soon", lambda: notices.build("gcp")),
+    ("SPOTGUARD_GCP_DEADLINE", "-5", lambda: notices.build("gcp")),
+    ("SPOTGUARD_STOP_ON_ADVISORY", "yes please", lambda: spotguard.Guard("unused", providers=None)),
+])
+def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, value, build):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"\\${name} must be"):
+        build()
