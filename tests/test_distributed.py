@@ -34,8 +34,8 @@ def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
 
 
-def example(nproc: int, storage: Path, *args: str) -> list[str]:
-    return torchrun(nproc, EXAMPLE, "--storage", str(storage), "--quiet", "--interval", "0.2", *args)
+def example(nproc: int, storage: Path, *args: str, script: Path = EXAMPLE) -> list[str]:
+    return torchrun(nproc, script, "--storage", str(storage), "--quiet", "--interval", "0.2", *args)
 
 
 def stopped_for_notice(proc: subprocess.CompletedProcess[str]) -> bool:
@@ -179,10 +179,14 @@ def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_
     with pytest.raises(CheckpointMismatchError, match="saved by 4 ranks.*reshard='reset-data'"):
         guard.resume()
 
-    # ... and with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
-    two = run(example(2, storage, "--steps", str(stops[0]), "--reshard", "reset-data",
-                      "--final", str(tmp_path / "resharded.pt")))
+    # ... and on 2 ranks too, on every rank, naming the data loader's position; then (same launch)
+    # with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
+    two = run(example(2, storage, "--steps", str(stops[0]), "--final", str(tmp_path / "resharded.pt"),
+                      script=REPO / "tests" / "dist_reshard.py"))
     assert two.returncode == 0, two.stderr[-3000:]
+    for r in range(2):
+        assert re.search(rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "
+                         r"RNG streams and loader.*reshard='reset-data'", two.stdout, re.M), two.stdout[-3000:]
     assert f"resuming at step {stops[0]}" in two.stdout
     assert_same(torch.load(tmp_path / "resharded.pt", weights_only=True),
                 torch.load(tmp_path / "at-stop.pt", weights_only=True))
