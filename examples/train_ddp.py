@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ:
+    if dist.is_initialized():
+        pass  # by a caller that runs main() more than once (tests/dist_reshard.py)
+    elif "RANK" in os.environ:
         dist.init_process_group("nccl" if cuda else "gloo")
     else:  # plain `python train_ddp.py`: a group of one
         dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -6,7 +6,7 @@ RNG streams, data loader position, other tracked objects) and ``manifest.json``.
 every step collective on the guard's save group (gloo):
 
 1. rank 0 checks the step is not committed and clears leftovers of an interrupted save;
-2. every rank writes its ``rank-NNNNN.pt``, then ``dcp.save`` writes the shards;
+2. every rank writes its ``rank-NNNNN.pt``; then, unless that failed on any rank, ``dcp.save`` the shards;
 3. every rank reports (error or its file entries with SHA-256) to every rank;
 4. rank 0 writes the manifest, write-once, only if every rank succeeded, and tells all the outcome.
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import checkpoint, data, state
+from . import checkpoint, data, errors, state
 from .checkpoint import MANIFEST, CheckpointInfo, FileEntry, HashingWriter, Manifest
 from .dcp import METADATA_FILE, SpotguardReader, SpotguardWriter
 from .distributed import Reshard
@@ -86,6 +87,48 @@ def _broadcast(value: Any, group: Any) -> Any:
     return box[0]
 
 
+def _max(code: int, group: Any) -> int:
+    """MAX of every rank's code: how a failure on one rank reaches all before the next collective."""
+    flag = torch.tensor([code], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag[0])
+
+
+def _failures(error: BaseException, rank: int) -> list[tuple[int, BaseException]]:
+    """(rank, exception) behind one error: DCP hands every rank the exceptions of all failed ranks."""
+    if isinstance(error, CheckpointException):
+        return sorted(((r, exc) for r, (exc, _) in error.failures.items()), key=lambda f: f[0])
+    return [(rank, error)]
+
+
+def _explain(error: BaseException, rank: int) -> str:
+    return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in _failures(error, rank))
+
+
+def _kind(error: BaseException) -> str:
+    """The name of the spotguard error class that ``error`` is (or its nearest base), else SpotguardError."""
+    return next((c.__name__ for c in type(error).__mro__ if c.__module__ == errors.__name__), "SpotguardError")
+
+
+def _agree(agreement: Agreement, where: str, error: BaseException | None) -> None:
+    """Collective: raise on every rank when any rank failed, naming each rank's error.
+
+    Corruption everywhere it failed is a ``CheckpointCorruptError`` (the caller tries an older
+    checkpoint, as a single process does); anything else (a storage error, state that does not fit)
+    is raised as the spotguard error class of the lowest failing rank.
+    """
+    local = [(r, _kind(e), f"{type(e).__name__}: {e}") for r, e in _failures(error, agreement.rank)] if error else []
+    corrupt = errors.CheckpointCorruptError.__name__
+    if not _max(max((1 if k == corrupt else 2 for _, k, _ in local), default=0), agreement.save_group):
+        return
+    reports: list[Any] = [None] * agreement.world_size
+    dist.all_gather_object(reports, local, group=agreement.save_group)
+    failures = sorted({f for per_rank in reports for f in per_rank})  # DCP reports the same on every rank
+    kind = next((k for _, k, _ in failures if k != corrupt), corrupt)
+    text = "; ".join(f"rank {r}: {msg}" for r, _, msg in failures)
+    raise getattr(errors, kind)(f"{where} cannot be loaded: {text}") from error
+
+
 def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: float | None) -> Manifest | None:
     """Collective: every rank calls it for the same step. Raises ``StorageError`` on all ranks alike."""
     storage, group, rank, world = guard.storage, agreement.save_group, agreement.rank, agreement.world_size
@@ -112,33 +155,36 @@ def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: f
         raise StorageError(status)
 
     _, _, rest = _split(guard._objects)
-    error, entries = "", []
+    error, entries, sd = "", [], {}
     with state.rng_isolated():
-        payload = {"step": step, "rank": rank, "world_size": world,
-                   "rng": state.capture_rng(),  # first: collecting a loader's state may draw
-                   "objects": state.collect(rest),
-                   "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
-        try:
+        try:  # anything that fails here fails on this rank alone: caught, then agreed on below
+            payload = {"step": step, "rank": rank, "world_size": world,
+                       "rng": state.capture_rng(),  # first: collecting a loader's state may draw
+                       "objects": state.collect(rest),
+                       "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
             with storage.open_write(f"{name}/{rank_file(rank)}", deadline=deadline) as raw:
                 out = HashingWriter(raw)
                 torch.save(payload, out)  # type: ignore[arg-type]
             entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest()))
+            sd = _dcp_state(guard._objects)
         except Exception as e:
-            error = f"rank {rank}: {type(e).__name__}: {e}"
-        writer = SpotguardWriter(storage, name, rank, deadline=deadline)
-        try:  # every rank joins dcp.save even after a local error: DCP's own collectives must match
-            dcp.save(_dcp_state(guard._objects), storage_writer=writer, process_group=group)
-            entries.extend(writer.entries)
-        except Exception as e:
-            error = error or f"rank {rank}: {type(e).__name__}: {e}"
+            error = _explain(e, rank)
+        # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
+        if not _max(int(bool(error)), group):
+            writer = SpotguardWriter(storage, name, rank, deadline=deadline)
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=group)
+                entries.extend(writer.entries)
+            except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
+                error = _explain(e, rank)
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
 
     outcome: str | bytes = ""
     if rank == 0:
-        errors = [err for err, _ in reports if err]
-        if errors:
-            outcome = "; ".join(errors)
+        failed = dict.fromkeys(err for err, _ in reports if err)  # DCP reports the same on every rank
+        if failed:
+            outcome = "; ".join(failed)
         else:
             files = sorted((FileEntry(*e) for _, es in reports for e in es), key=lambda f: f.name)
             manifest = Manifest(step=step, reason=reason, files=tuple(files), world_size=world,
@@ -172,54 +218,73 @@ def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
             "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams.")
 
 
-def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> str:
-    """Load one checkpoint on every rank; returns "" or this rank's error (the caller agrees)."""
+def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> None:
+    """Load one checkpoint on every rank; raises on every rank alike (see ``_agree``).
+
+    This rank's reads come first and are agreed on before ``dcp.load``, the restore after it: a
+    rank whose storage failed must not leave the others waiting in a collective it never joins.
+    """
     storage, rank, world = guard.storage, agreement.rank, agreement.world_size
     assert info.manifest is not None
     resharding = info.manifest.world_size != world
+    source = 0 if resharding else rank
     _, _, rest = _split(guard._objects)
 
     def opener(fname: str) -> Any:
         return checkpoint.open_verified(storage, info, fname)
 
-    try:
-        sd = _dcp_state(guard._objects)
-        with SpotguardReader(opener) as reader:
+    error: BaseException | None = None
+    with SpotguardReader(opener) as reader:
+        try:
+            # Fetched here, where an error keeps its type (DCP turns it into an AssertionError);
+            # dcp.load then reads the verified local copy.
+            reader.read_metadata()
+            with opener(rank_file(source)) as path:
+                try:
+                    payload = torch.load(path, map_location="cpu", weights_only=True)
+                except Exception as e:  # weights_only refuses anything but tensors and plain containers
+                    raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: cannot be loaded safely ({e})") from e
+            if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
+                raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
+            sd = _dcp_state(guard._objects)
+        except Exception as e:
+            error = e
+        _agree(agreement, info.name, error)
+
+        try:
             dcp.load(sd, storage_reader=reader, process_group=agreement.save_group)
-        _set_dcp_state(guard._objects, sd)
-        source = 0 if resharding else rank
-        with opener(rank_file(source)) as path:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
-            raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
-    except (CheckpointCorruptError, dcp.api.CheckpointException) as e:
-        return f"rank {rank}: {e}"
-    except Exception as e:
-        if "weights_only" in str(e) or "Unpickl" in type(e).__name__:
-            return f"rank {rank}: {info.name}/{rank_file(rank)} cannot be loaded safely ({e})"
-        raise
-    if resharding:
-        keep = {n: o for n, o in rest.items() if not data.is_stateful_loader(o)}
-        state.restore(keep, payload["objects"], where=info.name)
-        logger.warning("%s: resharded from %d to %d ranks; data loaders (%s) and RNG streams start afresh",
-                       info.name, info.manifest.world_size, world,
-                       ", ".join(n for n in rest if n not in keep) or "none")
-    else:
-        state.restore(rest, payload["objects"], where=info.name)
-        generators = payload.get("generators", {})
-        for name, obj in rest.items():
-            if data.is_stateful_loader(obj):
-                data.restore_generator(obj, generators.get(name))
-                data.neutralize_next_iterator(obj)
-        state.restore_rng(payload["rng"])  # last: nothing after this may draw
-    return ""
+            _set_dcp_state(guard._objects, sd)
+            if resharding:
+                keep = {n: o for n, o in rest.items() if not data.is_stateful_loader(o)}
+                state.restore(keep, payload["objects"], where=info.name)
+                logger.warning("%s: resharded from %d to %d ranks; data loaders (%s) and RNG streams start afresh",
+                               info.name, info.manifest.world_size, world,
+                               ", ".join(n for n in rest if n not in keep) or "none")
+            else:
+                state.restore(rest, payload["objects"], where=info.name)
+                generators = payload.get("generators", {})
+                for name, obj in rest.items():
+                    if data.is_stateful_loader(obj):
+                        data.restore_generator(obj, generators.get(name))
+                        data.neutralize_next_iterator(obj)
+                state.restore_rng(payload["rng"])  # last: nothing after this may draw
+        except (Exception, CheckpointException) as e:
+            error = e
+        _agree(agreement, info.name, error)
 
 
 def resume(guard: Guard, agreement: Agreement) -> int:
     """Collective ``Guard.resume``: rank 0's view of storage is everyone's; failures are agreed on."""
     storage, world = guard.storage, agreement.world_size
-    infos: list[CheckpointInfo] = _broadcast(checkpoint.scan(storage) if agreement.rank == 0 else None,
-                                             agreement.save_group)
+    listing: list[CheckpointInfo] | str = ""
+    if agreement.rank == 0:
+        try:
+            listing = checkpoint.scan(storage)
+        except Exception as e:
+            listing = f"rank 0 cannot list {storage.describe()}: {type(e).__name__}: {e}"
+    infos = _broadcast(listing, agreement.save_group)
+    if isinstance(infos, str):
+        raise StorageError(infos)
     for info in reversed(infos):
         if not info.complete or info.manifest is None:
             if agreement.rank == 0:
@@ -232,11 +297,10 @@ def resume(guard: Guard, agreement: Agreement) -> int:
         if info.manifest.world_size != world and Reshard(guard.options.reshard) is Reshard.REFUSE:
             _, _, rest = _split(guard._objects)
             raise CheckpointMismatchError(_refusal(info, world, sorted(rest)))
-        problem = _load(guard, agreement, info)
-        if agreement.reduce(1 if problem else 0):
-            problems: list[Any] = [None] * world
-            dist.all_gather_object(problems, problem, group=agreement.save_group)
-            logger.warning("skipping %s: %s", storage.describe(info.name), "; ".join(p for p in problems if p))
+        try:
+            _load(guard, agreement, info)
+        except CheckpointCorruptError as e:
+            logger.warning("skipping %s: %s", storage.describe(info.name), e)
             continue
         guard.extra.clear()
         guard.extra.update(info.manifest.extra)

@@ -34,8 +34,8 @@ def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
 
 
-def example(nproc: int, storage: Path, *args: str) -> list[str]:
-    return torchrun(nproc, EXAMPLE, "--storage", str(storage), "--quiet", "--interval", "0.2", *args)
+def example(nproc: int, storage: Path, *args: str, script: Path = EXAMPLE) -> list[str]:
+    return torchrun(nproc, script, "--storage", str(storage), "--quiet", "--interval", "0.2", *args)
 
 
 def stopped_for_notice(proc: subprocess.CompletedProcess[str]) -> bool:
@@ -43,8 +43,22 @@ def stopped_for_notice(proc: subprocess.CompletedProcess[str]) -> bool:
     return proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", proc.stderr) is not None
 
 
-def run(cmd: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=180)
+def run(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end; past ``timeout`` fail, and stop torchrun with SIGTERM: its workers run in
+    sessions of their own, and only torchrun stops them (ranks waiting on each other would stay)."""
+    proc = subprocess.Popen(cmd, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"still running after {timeout:.0f}s: {out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_until(cmd: list[str], losses: Path, at_step: int, act, **env: str) -> subprocess.CompletedProcess[str]:
@@ -165,10 +179,14 @@ def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_
     with pytest.raises(CheckpointMismatchError, match="saved by 4 ranks.*reshard='reset-data'"):
         guard.resume()
 
-    # ... and with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
-    two = run(example(2, storage, "--steps", str(stops[0]), "--reshard", "reset-data",
-                      "--final", str(tmp_path / "resharded.pt")))
+    # ... and on 2 ranks too, on every rank, naming the data loader's position; then (same launch)
+    # with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
+    two = run(example(2, storage, "--steps", str(stops[0]), "--final", str(tmp_path / "resharded.pt"),
+                      script=REPO / "tests" / "dist_reshard.py"))
     assert two.returncode == 0, two.stderr[-3000:]
+    for r in range(2):
+        assert re.search(rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "
+                         r"RNG streams and loader.*reshard='reset-data'", two.stdout, re.M), two.stdout[-3000:]
     assert f"resuming at step {stops[0]}" in two.stdout
     assert_same(torch.load(tmp_path / "resharded.pt", weights_only=True),
                 torch.load(tmp_path / "at-stop.pt", weights_only=True))
@@ -196,6 +214,26 @@ def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
     assert infos[1].complete and infos[1].manifest.world_size == 2
     assert infos[2].status == "incomplete", infos[2]
     assert latest(open_storage(str(root))).step == 1
+
+
+@pytest.mark.slow
+def test_storage_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """A save or load that fails on rank 1 alone raises there and on rank 0 together; rank 0 used to wait
+    in the next collective until the gloo timeout (30 minutes; here the run would be stopped at 90 s)."""
+    done = run(torchrun(2, REPO / "tests" / "dist_one_rank_fails.py", str(tmp_path / "ckpt")), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {(case, int(rank)): (kind, float(seconds), message) for case, rank, kind, seconds, message
+           in re.findall(r"^(\S+) rank=(\d) (\w+) ([0-9.]+)s: (.*)$", done.stdout, re.M)}
+    causes = {"save-state": "rank 1: RuntimeError: injected: no state",
+              "save-shard": "rank 1: StorageError: injected: cannot write step-00000004/shards/rank-00001.distcp",
+              "load-rank-file": "rank 1: StorageError: injected: cannot read step-00000002/rank-00001.pt",
+              "load-metadata": "rank 1: StorageError: injected: cannot read step-00000002/shards/metadata.dcp",
+              "load-shard": "rank 1: StorageError: injected: cannot read step-00000002/shards/rank-0000"}
+    for case, cause in causes.items():
+        for rank in (0, 1):
+            kind, seconds, message = got[case, rank]
+            assert kind == "StorageError" and cause in message and seconds < 10, (case, rank, got[case, rank])
+    assert got["load-after-all", 0][::2] == got["load-after-all", 1][::2] == ("ok", "2")  # step 2 not skipped
 
 
 @pytest.mark.slow
