@@ -126,7 +126,9 @@ def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(
     notice = tmp_path / "notice-{rank}"
     losses = str(tmp_path / "loss-{rank}.jsonl")
     storage = tmp_path / "ckpt"
-    first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
+    # Polling every 0.2 s at ~18 steps/s: the notice (written at step `at` <= 28) is seen well
+    # before step 40 whatever the moment of the polling cycle (at 1 s it could be missed).
+    first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05", "--interval", "0.2"),
                       tmp_path / "loss-0.jsonl", at, lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 20}'),
                       SPOTGUARD_NOTICE_FILE=str(notice))
     assert stopped_for_notice(first), (at, first.stdout, first.stderr[-3000:])
