@@ -41,7 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -191,28 +192,36 @@ def bench_local(state, raw: bytes, work: Path, rate: float | None = None) -> lis
             ("local", "load (cold cache)", load, "torch.load of a plain file (cold cache)", base_load)]
 
 
+@contextmanager
+def moto_server(work: Path) -> Iterator[int]:
+    """moto_server on 127.0.0.1 (objects in memory), with boto3's environment pointed at it; yields its port."""
+    port = free_port()
+    proc = start([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                 port, str(work))
+    try:
+        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        yield port
+    finally:
+        stop(proc)
+
+
 def bench_s3(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
     """moto_server; with ``rate``, every connection goes through a shaper of that many bytes/s."""
     import boto3
 
-    port = free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    proc = start([str(exe), "-H", "127.0.0.1", "-p", str(port)], port, str(work))
-    shaper = Shaper(port, rate) if rate else None
-    try:
-        env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ENDPOINT_URL": shaper.url if shaper else f"http://127.0.0.1:{port}"}
-        os.environ.update(env)
+    with moto_server(work) as port:
+        shaper = Shaper(port, rate) if rate else None
+        if shaper:
+            os.environ["AWS_ENDPOINT_URL"] = shaper.url
         client = boto3.client("s3")
         client.create_bucket(Bucket="bench")
         base_put = timed(lambda: client.put_object(Bucket="bench", Key="baseline/state.pt", Body=raw))
         base_get = timed(lambda: client.get_object(Bucket="bench", Key="baseline/state.pt")["Body"].read())
         save, load = ours("s3://bench/run", state, 1)
         upload = raw_upload("s3://bench/run", raw)
-    finally:
         if shaper:
             shaper.close()
-        stop(proc)
     name = f"s3 (moto via {rate / MB:.0f} MB/s-per-connection link)" if rate else "s3 (moto raw, loopback, CPU-bound)"
     return [(name, "save", save, "single put_object", base_put),
             (name, "upload only", upload, "single put_object", base_put),
