@@ -323,17 +323,17 @@ class S3Storage(Storage):
         if got != want:
             raise _ChecksumMismatch(f"CRC32 of the downloaded object is {got}, S3 holds {want}")
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         if prefix:
             check_key(prefix.rstrip("/"))
 
-        def run() -> list[str]:
+        def run() -> dict[str, int]:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix + prefix,
                 PaginationConfig={"PageSize": self.options.page_size})
-            return [o["Key"][len(self.prefix):] for page in pages for o in page.get("Contents", [])]
+            return {o["Key"][len(self.prefix):]: o["Size"] for page in pages for o in page.get("Contents", [])}
 
-        return sorted(self._call("list", prefix, run))
+        return dict(self._call("list", prefix, run))
 
     def delete(self, keys: Iterable[str]) -> None:
         full = [self._key(k) for k in keys]
