@@ -1,27 +1,37 @@
-"""Notice-to-commit time of the emergency checkpoint, for several state sizes, beside the budget.
+"""Notice-to-commit time of the emergency checkpoint, for several state sizes and two tiers, beside the budget.
 
 The clock starts when the notice reaches the watcher (detection latency is bench/detection.py's
 job) and stops when ``guard.step()`` returns True, i.e. when the manifest is committed in durable
-storage. Baseline measured in the same run: a plain ``torch.save`` + fsync of the same state.
-Budget: 30 s (GCP and Azure; AWS gives 120 s).
+storage. Tiers (``--tiers``): ``local`` (a temp dir on this disk) and ``s3`` (moto_server on
+127.0.0.1, started here with bench/storage.py's helper; loopback and CPU-bound, so no network
+limit is modelled). Baselines measured in the same run, the plain way to make the same state
+durable on the same tier: ``torch.save`` + fsync of a file (local), ``torch.save`` to memory + one
+``put_object`` (S3). Budget: 30 s (GCP and Azure; AWS gives 120 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
+import io
 import os
 import shutil
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-import spotguard
-from spotguard import Notice
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from _rows import emit, row  # noqa: E402
+from storage import moto_server  # noqa: E402
+
+import spotguard  # noqa: E402
+from spotguard import Notice  # noqa: E402
 
 
 def state_of(size_mb: int) -> torch.nn.Module:
@@ -30,54 +40,82 @@ def state_of(size_mb: int) -> torch.nn.Module:
                                  for _ in range(max(1, round(size_mb * 2**20 / (n * n * 4))))])
 
 
-def one(url: str, model: torch.nn.Module, budget: float) -> float:
+def one(url: str, model: torch.nn.Module, budget: float) -> tuple[float, BaseException | None]:
+    """Seconds from the notice to the commit (or to giving up), and why it was not committed."""
     guard = spotguard.Guard(url, providers=[], save_on_exit=False).track(model=model)
     with guard:
         guard.step(1)
         notice = Notice("bench", "preempt", deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=budget))
         t0 = time.perf_counter()
         guard.watcher.report(notice)
-        assert guard.step(2) is True and guard.emergency_error is None, guard.emergency_error
-        return time.perf_counter() - t0
+        assert guard.step(2) is True
+        return time.perf_counter() - t0, guard.emergency_error
+
+
+def baseline(url: str, state: dict[str, torch.Tensor], tmp: Path) -> float:
+    """Seconds to make ``state`` durable the plain way: torch.save + fsync, or torch.save + one put_object."""
+    t0 = time.perf_counter()
+    if url.startswith("s3://"):
+        import boto3
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        client = boto3.client("s3")
+        client.put_object(Bucket=bucket, Key=f"{prefix}/plain.pt".lstrip("/"), Body=io.BytesIO(buf.getbuffer()))
+        took = time.perf_counter() - t0
+        client.delete_object(Bucket=bucket, Key=f"{prefix}/plain.pt".lstrip("/"))  # moto keeps it in memory
+        return took
+    with open(tmp / "plain.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", default="512,1024,2048")
-    ap.add_argument("--url", default=None, help="durable storage URL (default: a temp dir); s3://... works too")
+    ap.add_argument("--tiers", default="local,s3", help="local and/or s3 (moto started here)")
+    ap.add_argument("--url", default=None, help="one durable storage URL instead of --tiers (s3://... works)")
     ap.add_argument("--budget", type=float, default=30.0)
-    ap.add_argument("--json", help="append result rows (JSON lines) to this file")
+    ap.add_argument("--json", help="also write the rows as JSON (for bench/run_all.py)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sg-emerg-"))
-    rows = []
+    results = []  # (where, baseline label, size MB, our seconds, baseline seconds, committed)
     try:
-        for size in (int(s) for s in args.sizes_mb.split(",")):
-            model = state_of(size)
-            sd = model.state_dict()
-            t0 = time.perf_counter()
-            with open(tmp / "plain.pt", "wb") as f:
-                torch.save(sd, f)
-                f.flush()
-                os.fsync(f.fileno())
-            baseline = time.perf_counter() - t0
-            url = f"{args.url.rstrip('/')}/emerg-{size}-{time.time_ns()}" if args.url else str(tmp / f"sg-{size}")
-            ours = one(url, model, args.budget)
-            rows.append((size, ours, baseline))
-            del model, sd
+        with ExitStack() as stack:
+            tiers = {"custom": args.url} if args.url else {}
+            for tier in [] if args.url else args.tiers.split(","):
+                if tier == "local":
+                    tiers["local"] = str(tmp)
+                elif tier == "s3":
+                    stack.enter_context(moto_server(tmp))
+                    import boto3
+
+                    boto3.client("s3").create_bucket(Bucket="emergency")
+                    tiers["s3"] = "s3://emergency"
+                else:
+                    raise SystemExit(f"unknown tier {tier!r}: local or s3")
+            for size in (int(s) for s in args.sizes_mb.split(",")):
+                model = state_of(size)
+                for tier, root in tiers.items():
+                    where = {"local": "local disk", "s3": "S3 on moto, 127.0.0.1"}.get(tier, root)
+                    label = "torch.save + one put_object" if root.startswith("s3://") else "torch.save + fsync"
+                    base = baseline(root, model.state_dict(), tmp)
+                    ours, error = one(f"{root.rstrip('/')}/emerg-{size}-{time.time_ns()}", model, args.budget)
+                    if error is not None:
+                        print(f"{size} MB on {where}: NOT committed: {type(error).__name__}: {error}", flush=True)
+                        where += f"; NOT committed: {type(error).__name__}"
+                    results.append((where, label, size, ours, base, error is None))
+                del model
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = args.url or "local disk"
-    print(f"emergency checkpoint, notice -> committed ({where}); budget {args.budget:.0f}s")
-    print(f"{'state':>8} {'spotguard':>10} {'torch.save+fsync':>17} {'ratio':>6} {'budget used':>12}")
-    for size, ours, base in rows:
-        print(f"{size:>6}MB {ours:9.2f}s {base:16.2f}s {ours / base:6.2f} {ours / args.budget:11.0%}")
-    if args.json:
-        out = []
-        for size, ours, base in rows:
-            out.append({"figure": f"emergency notice->commit {size} MB ({where})", "value": round(ours, 2),
-                                "unit": "s", "baseline": round(base, 2), "ratio": round(ours / base, 2),
-                                "target": f"< {args.budget:.0f} s", "pass": ours < args.budget})
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"emergency checkpoint, notice -> committed; budget {args.budget:.0f}s")
+    emit([row(f"emergency notice->commit {size} MB ({where})", round(ours, 2), "s", baseline=round(base, 2),
+              baseline_label=label, target=f"committed, < {args.budget:.0f} s",
+              passed=lambda v, r, ok=ok: ok and v < args.budget)
+          for where, label, size, ours, base, ok in results], args.json)
     return 0
 
 

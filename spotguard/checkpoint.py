@@ -220,12 +220,17 @@ def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | 
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:
-    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored."""
-    groups: dict[str, set[str]] = {}
-    for key in storage.list(""):
+    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored.
+
+    A file missing, or listed with another size than the manifest's, makes the checkpoint corrupt:
+    the listing carries the sizes, so a truncated object is caught without reading it (contents
+    are checked by ``verify``).
+    """
+    groups: dict[str, dict[str, int]] = {}
+    for key, size in storage.list_sizes("").items():
         top, _, rest = key.partition("/")
         if rest and parse_step_dir(top) is not None:
-            groups.setdefault(top, set()).add(rest)
+            groups.setdefault(top, {})[rest] = size
     infos = []
     for name in sorted(groups, key=lambda n: parse_step_dir(n) or 0):
         step = parse_step_dir(name) or 0
@@ -239,6 +244,10 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
             missing = [f.name for f in manifest.files if f.name not in groups[name]]
             if missing:
                 raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
+            for f in manifest.files:
+                if groups[name][f.name] != f.size:
+                    raise CheckpointCorruptError(f"{name}/{f.name}: {groups[name][f.name]} bytes, "
+                                                 f"the manifest says {f.size}")
         except CheckpointCorruptError as e:
             infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
             continue

@@ -10,6 +10,7 @@ Each request fails with probability ``rate`` in one of the chosen ways:
 - ``truncate``  forward, then send the headers and only half the body
 - ``403``       answer 403 (a permanent error, for fail-fast tests)
 
+With ``only`` set, only requests whose target contains it may fail (one operation among concurrent ones).
 The proxy's randomness is its own ``random.Random(seed)``; counters tell a test what happened.
 """
 
@@ -125,12 +126,13 @@ class FaultProxy:
     """``with FaultProxy(port, rate=0.3) as p: client(endpoint=p.url)``; ``p.rate`` may change live."""
 
     def __init__(self, upstream_port: int, *, rate: float = 0.0, faults: tuple[str, ...] = FAULTS,
-                 stall: float = 3.0, seed: int | None = None, upstream_host: str = "127.0.0.1") -> None:
+                 stall: float = 3.0, seed: int | None = None, upstream_host: str = "127.0.0.1",
+                 only: str = "") -> None:
         unknown = set(faults) - set(FAULTS) - {"403"}
         if unknown:
             raise ValueError(f"unknown fault(s) {sorted(unknown)}")
         self.upstream_host, self.upstream_port = upstream_host, upstream_port
-        self.rate, self.faults, self.stall = rate, tuple(faults), stall
+        self.rate, self.faults, self.stall, self.only = rate, tuple(faults), stall, only
         self.rng = random.Random(seed)
         self.requests = 0
         self.log: list[str] = []  # "METHOD target" of every request seen
@@ -147,7 +149,7 @@ class FaultProxy:
         with self._lock:
             self.requests += 1
             self.log.append(f"{method} {target}")
-            if self.rate <= 0 or self.rng.random() >= self.rate:
+            if self.only not in target or self.rate <= 0 or self.rng.random() >= self.rate:
                 return None
             fault = self.rng.choice(self.faults)
             self.injected[fault] += 1

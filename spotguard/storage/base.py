@@ -4,7 +4,8 @@ The checkpoint layer never branches on the backend. It uses, in this order for a
 ``list(prefix)`` (find leftovers) -> ``delete(keys)`` -> ``open_write(key)`` per file ->
 ``put_bytes(manifest, exclusive=True)`` last (``put_file`` copies
 between tiers), as the commit marker. For a resume:
-``list("")`` -> ``get_bytes(manifest)`` -> ``local_copy(key)`` per file.
+``list_sizes("")`` (sizes checked against the manifest) -> ``get_bytes(manifest)`` ->
+``local_copy(key)`` per file.
 
 Keys are relative, ``/``-separated paths below the storage root (``step-00000100/state.pt``).
 ``deadline`` arguments are ``time.monotonic()`` values: a backend stops retrying past them, so an
@@ -81,8 +82,13 @@ class Storage(abc.ABC):
         """A local file holding the object, valid inside the block (no copy for local storage)."""
 
     @abc.abstractmethod
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every key that starts with ``prefix`` (recursive), in-progress temp files excluded, with its
+        size in bytes as the listing reports it: a truncated object shows without reading it."""
+
     def list(self, prefix: str = "") -> list[str]:
-        """Every key that starts with ``prefix`` (recursive, sorted), in-progress temp files excluded."""
+        """Every key that starts with ``prefix``, sorted."""
+        return sorted(self.list_sizes(prefix))
 
     @abc.abstractmethod
     def delete(self, keys: Iterable[str]) -> None:

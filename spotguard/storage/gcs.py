@@ -318,16 +318,16 @@ class GCSStorage(Storage):
                     logger.warning("%s; downloading it again", e)
             yield path
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         if prefix:
             check_key(prefix.rstrip("/"))
 
-        def run() -> list[str]:
+        def run() -> dict[str, int]:
             blobs = self.bucket.list_blobs(prefix=self.prefix + prefix, page_size=self.options.page_size,
                                            retry=None, timeout=self.options.timeout)
-            return [b.name[len(self.prefix):] for b in blobs if PART_MARK not in b.name]
+            return {b.name[len(self.prefix):]: b.size for b in blobs if PART_MARK not in b.name}
 
-        return sorted(self._call("list", prefix, run))
+        return dict(self._call("list", prefix, run))
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -187,13 +187,13 @@ class LocalStorage(Storage):
             raise ObjectNotFoundError(f"{self.describe(key)} does not exist")
         yield path
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         start = self.root
         if "/" in prefix:  # walk only the directory the prefix names
             start = self.root / check_key(prefix.rsplit("/", 1)[0])
         if not start.is_dir():
-            return []
-        keys = []
+            return {}
+        sizes = {}
         for dirpath, dirs, files in os.walk(start):
             dirs[:] = [d for d in dirs if TMP_MARK not in d]  # scratch directories of running saves
             rel = Path(dirpath).relative_to(self.root).as_posix()
@@ -202,8 +202,11 @@ class LocalStorage(Storage):
                     continue
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    try:
+                        sizes[key] = os.stat(os.path.join(dirpath, name)).st_size
+                    except FileNotFoundError:  # deleted since the walk saw it
+                        pass
+        return sizes
 
     def delete(self, keys: Iterable[str]) -> None:
         parents = set()

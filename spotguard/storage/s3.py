@@ -15,7 +15,9 @@ is retried with tenacity; both stop at the caller's deadline.
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -91,35 +93,47 @@ class S3Storage(Storage):
         #: Optional byte-count callback for transfers (the CLI's progress bars).
         self.progress: Progress | None = None
         self._wait = retry.JitteredBackoff(self.options.retry)
-        # The deadline of the operation in progress, read by the per-request hook, which runs in the
-        # transfer manager's worker threads (so not thread-local).
-        self._deadline: float | None = None
+        self._session: Any = None  # boto3 sessions are not thread-safe: clients are made under a lock
+        self._session_lock = threading.Lock()
+        self._injected = client is not None
         self.client = client or self._make_client()
-        self._urgent: Any = client
 
-    def _client_for(self, deadline: float | None) -> Any:
-        """Under a deadline, a client with short timeouts: one hung request must not outlast it."""
-        if deadline is None:
-            return self.client
-        if self._urgent is None:
-            self._urgent = self._make_client(min(self.options.urgent_timeout, self.options.read_timeout))
-        return self._urgent
+    @contextmanager
+    def _client_for(self, deadline: float | None) -> Iterator[Any]:
+        """The shared client; under a deadline, a client of this operation's own, closed after it.
 
-    def _make_client(self, timeout: float | None = None) -> Any:
+        Its short timeouts keep one hung request from outlasting the deadline, and its retry hook
+        holds the deadline: the hook runs in the transfer manager's worker threads, so the deadline
+        must travel with the client, never through state shared with concurrent operations.
+        """
+        if deadline is None or self._injected:
+            yield self.client
+            return
+        client = self._make_client(deadline)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def _make_client(self, deadline: float | None = None) -> Any:
         o = self.options
+        timeout = None if deadline is None else min(o.urgent_timeout, o.read_timeout)
         # total_max_attempts=1: botocore's own retries draw jitter from the global random.
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"},
                         connect_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
                         read_timeout=timeout or o.read_timeout, max_pool_connections=max(10, o.concurrency * 2),
                         request_checksum_calculation="when_supported",
                         response_checksum_validation="when_supported")
-        client = boto3.session.Session().client("s3", endpoint_url=o.endpoint_url, config=config)
-        client.meta.events.register("needs-retry.s3", self._needs_retry)
+        with self._session_lock:
+            if self._session is None:
+                self._session = boto3.session.Session()
+            client = self._session.client("s3", endpoint_url=o.endpoint_url, config=config)
+        client.meta.events.register("needs-retry.s3", functools.partial(self._needs_retry, deadline=deadline))
         return client
 
     # -- retries -------------------------------------------------------------------------------
-    def _needs_retry(self, response: Any = None, attempts: int = 1, caught_exception: Any = None,
-                     **_: Any) -> float | None:
+    def _needs_retry(self, response: Any = None, attempts: int = 1, caught_exception: Any = None, *,
+                     deadline: float | None = None, **_: Any) -> float | None:
         """botocore hook: seconds to wait before re-sending one request, or None to give up."""
         if attempts >= self.options.request_attempts:
             return None
@@ -134,7 +148,6 @@ class S3Storage(Storage):
             if http.status_code < 500 and http.status_code != 429 and code not in _TRANSIENT_CODES:
                 return None
         delay = self._wait.delay(attempts)
-        deadline = self._deadline
         if deadline is not None and time.monotonic() + delay >= deadline:
             return None
         return delay
@@ -157,14 +170,11 @@ class S3Storage(Storage):
         return False
 
     def _call(self, what: str, key: str, fn: Any, deadline: float | None = None) -> Any:
-        self._deadline = deadline
         try:
             return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
                               what=f"{what} {self.describe(key)}", wait=self._wait)
         except (bex.BotoCoreError, bex.ClientError, Boto3Error, RetriesExceededError, _ChecksumMismatch) as e:
             raise self._error(what, key, self._cause(e)) from e
-        finally:
-            self._deadline = None
 
     def _error(self, what: str, key: str, e: BaseException) -> StorageError:
         where = f"s3://{self.bucket}/{self.prefix}{key}"
@@ -217,11 +227,11 @@ class S3Storage(Storage):
         # Full-object CRC32: S3 checks it for PUT and multipart. A copy in user metadata lets
         # local_copy check downloads against servers that do not keep the checksum (moto's PUT).
         extra = {"ChecksumCRC32": crc, "Metadata": {META_CRC: crc}}
-        client = self._client_for(deadline)
         config = self._config(size)
-        self._call("upload", key, lambda: client.upload_file(
-            str(spool), self.bucket, full, ExtraArgs=extra, Config=config,
-            Callback=self._callback()), deadline)
+        with self._client_for(deadline) as client:
+            self._call("upload", key, lambda: client.upload_file(
+                str(spool), self.bucket, full, ExtraArgs=extra, Config=config,
+                Callback=self._callback()), deadline)
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
                   deadline: float | None = None) -> None:
@@ -230,9 +240,7 @@ class S3Storage(Storage):
         if exclusive:
             args["IfNoneMatch"] = "*"
 
-        client = self._client_for(deadline)
-
-        def put() -> None:
+        def put(client: Any) -> None:
             try:
                 client.put_object(**args)
             except bex.ClientError as e:
@@ -244,7 +252,8 @@ class S3Storage(Storage):
                     return
                 raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
 
-        self._call("write", key, put, deadline)
+        with self._client_for(deadline) as client:
+            self._call("write", key, lambda: put(client), deadline)
 
     # -- reads ---------------------------------------------------------------------------------
     def _get(self, full: str, client: Any = None) -> bytes:
@@ -314,17 +323,17 @@ class S3Storage(Storage):
         if got != want:
             raise _ChecksumMismatch(f"CRC32 of the downloaded object is {got}, S3 holds {want}")
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         if prefix:
             check_key(prefix.rstrip("/"))
 
-        def run() -> list[str]:
+        def run() -> dict[str, int]:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix + prefix,
                 PaginationConfig={"PageSize": self.options.page_size})
-            return [o["Key"][len(self.prefix):] for page in pages for o in page.get("Contents", [])]
+            return {o["Key"][len(self.prefix):]: o["Size"] for page in pages for o in page.get("Contents", [])}
 
-        return sorted(self._call("list", prefix, run))
+        return dict(self._call("list", prefix, run))
 
     def delete(self, keys: Iterable[str]) -> None:
         full = [self._key(k) for k in keys]
@@ -359,8 +368,6 @@ class S3Storage(Storage):
 
     def close(self) -> None:
         self.client.close()
-        if self._urgent is not None and self._urgent is not self.client:
-            self._urgent.close()
 
     def abort_incomplete_uploads(self) -> builtins.list[str]:
         """Abort multipart uploads left by killed writers below the prefix (they are billed until then)."""

@@ -1,8 +1,11 @@
-"""``spotguard ls / verify / pull / rm`` on S3 (moto server) and on a local directory."""
+"""``spotguard ls / verify / pull / rm`` on S3 (moto server), GCS (fake-gcs-server) and a local directory."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import boto3
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from spotguard import checkpoint
 from spotguard.cli import main
 from spotguard.storage import open_storage
+from tests.helpers import subprocess_env
 from tests.storage.test_s3 import corrupt_in_moto
 
 
@@ -75,3 +79,55 @@ def test_ls_shows_corrupt_with_exit_0_and_verify_exits_1(s3_url, tmp_path, capsy
     assert main(["verify", s3_url + "/step-00000010"]) == 0
     assert main(["pull", s3_url, "--step", "20", str(tmp_path / "dest")]) == 2  # the corruption is reported
     assert "CRC32" in capsys.readouterr().err
+
+
+def truncate(url: str, key: str) -> None:
+    """Cut an object to half its length in the server itself, the way a broken writer would leave it."""
+    if url.startswith("s3://"):
+        from moto.core.models import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, f"{prefix}/{key}")
+        obj.value = obj.value[:len(obj.value) // 2]
+    elif url.startswith("gs://"):  # fake-gcs-server keeps objects in its own memory: rewrite it shorter
+        from google.cloud import storage
+
+        bucket, _, prefix = url[len("gs://"):].partition("/")
+        blob = storage.Client().bucket(bucket).blob(f"{prefix}/{key}")
+        data = blob.download_as_bytes()
+        blob.upload_from_string(data[:len(data) // 2])
+    else:
+        path = Path(url) / key
+        os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request, tmp_path, capsys):
+    url = {"local": lambda: str(tmp_path / "ckpt"), "s3": lambda: request.getfixturevalue("s3_url"),
+           "gcs": lambda: request.getfixturevalue("fake_gcs_url")}[kind]()
+    fill(url)
+    assert main(["ls", url]) == 0
+    assert capsys.readouterr().out.count("  complete") == 2
+    assert main(["verify", url]) == 0
+    capsys.readouterr()
+    truncate(url, "step-00000020/state.pt")
+    assert main(["ls", url]) == 0  # it could list: exit 0, corrupt entries shown
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["10"].endswith("  complete") and "incomplete" in lines["30"]
+    assert "corrupt (step-00000020/state.pt: 25010 bytes, the manifest says 50020)" in lines["20"]
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "step-00000020: CORRUPT" in out and "step-00000010: ok" in out
+
+
+@pytest.mark.parametrize(("url", "blocked", "extra"), [("s3://bucket/run", "boto3", "aws"),
+                                                       ("gs://bucket/run", "google.cloud.storage", "gcp")])
+def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
+    """A fresh interpreter where the SDK cannot be imported (None in sys.modules blocks the import)."""
+    code = (f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.cli import main\n"
+            f"sys.exit(main(['ls', {url!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"pip install 'spotguard[{extra}]'" in out.stderr and blocked in out.stderr

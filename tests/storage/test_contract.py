@@ -42,6 +42,7 @@ def test_open_write_roundtrips_large_objects(storage: Storage):
     with storage.local_copy("step-00000001/state.pt") as path:
         assert path.read_bytes() == data
     assert storage.list("") == ["step-00000001/state.pt"]
+    assert storage.list_sizes("step-00000001/") == {"step-00000001/state.pt": len(data)}
 
 
 def test_failed_write_leaves_nothing(storage: Storage):

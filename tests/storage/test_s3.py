@@ -146,3 +146,63 @@ def test_transient_faults_are_retried_without_touching_global_random(s3_url: str
         assert not errors, errors
         assert random.getstate() == before  # no retry jitter, no temp names drawn from `random`
     assert sum(proxy.injected.values()) >= 3, proxy.injected
+
+
+def test_an_emergency_deadline_does_not_cut_short_a_concurrent_background_upload(s3_url: str, moto):
+    """A periodic save retries 503s (no deadline) while an emergency upload with a deadline that has
+    all but passed runs beside it on the same storage: the periodic save keeps retrying and lands."""
+    bucket = S3Storage(s3_url).bucket
+    with FaultProxy(moto.port, rate=1.0, faults=("503",), only="/run/periodic") as proxy:
+        # attempts=1: only the per-request hook retries, the layer that reads the deadline.
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
+                                                       multipart_threshold=5 * MiB, request_attempts=1000,
+                                                       retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02)))
+        errors: list[BaseException] = []
+
+        def periodic() -> None:
+            try:
+                st.put_bytes("periodic/manifest.json", b"{}")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=periodic)
+        t.start()
+        while proxy.injected["503"] < 3:
+            time.sleep(0.01)
+        with st.open_write("emergency/state.pt", deadline=time.monotonic() + 0.01) as f:
+            f.write(os.urandom(20 * MiB))  # multipart, about 0.5 s on moto: the periodic save retries meanwhile
+        failed = proxy.injected["503"]
+        proxy.rate = 0.0
+        t.join(30)
+        assert not errors, errors
+        assert st.get_bytes("periodic/manifest.json") == b"{}" and failed > 10
+
+
+def test_a_background_operation_does_not_lift_a_concurrent_emergency_deadline(s3_url: str, moto):
+    """An emergency write retries 503s until its deadline while other operations start and finish
+    on the same storage: it still gives up at its deadline."""
+    bucket = S3Storage(s3_url).bucket
+    with FaultProxy(moto.port, rate=1.0, faults=("503",), only="/run/emergency") as proxy:
+        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, request_attempts=1000,
+                                                       retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02)))
+        outcome: list[BaseException | float] = []
+
+        def emergency() -> None:
+            t0 = time.monotonic()
+            try:
+                st.put_bytes("emergency/manifest.json", b"{}", deadline=t0 + 1.0)
+            except StorageError as e:
+                outcome.append(e)
+            outcome.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=emergency)
+        t.start()
+        for i in range(50):
+            st.put_bytes(f"periodic/{i}", b"x")
+            if not t.is_alive():
+                break
+        t.join(5)
+        proxy.rate = 0.0  # lets the old, deadline-less retries end
+        t.join(30)
+    assert isinstance(outcome[0], StorageError), outcome
+    assert outcome[1] < 1.5, outcome
