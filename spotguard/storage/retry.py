@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,36 @@ def call(fn: Callable[[], T], *, options: RetryOptions, transient: Callable[[Bas
 
     retrying = Retrying(stop=StopAtDeadline(options, deadline), wait=wait or JitteredBackoff(options),
                         retry=retry_if_exception(transient), before_sleep=log, reraise=True)
-    return retrying(fn)
+    if deadline is None:
+        return retrying(fn)
+    return _until(deadline, lambda: retrying(fn), what)
+
+
+def _until(deadline: float, fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` in a daemon thread; give up on it at ``deadline``.
+
+    Retries stop at the deadline, but a request already in flight (a large part, a slow commit)
+    would run on past it. The caller must learn the outcome while the machine is still there, so
+    it stops waiting at the deadline; the abandoned transfer never commits a checkpoint (the
+    manifest is written only after the data) and ends with its client.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="spotguard-deadline", daemon=True).start()
+    if not done.wait(max(deadline - time.monotonic(), 0.0)):
+        raise StorageError(f"{what}: still running at the deadline; abandoned")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -68,7 +68,7 @@ class S3Options:
     request_attempts: int = 4  # tries of one HTTP request (one part) before the operation fails
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
-    urgent_timeout: float = 5.0  # connect/read timeout of requests made under a deadline (emergency saves)
+    urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves): see _make_client
     endpoint_url: str | None = None  # None: boto3's chain (AWS_ENDPOINT_URL, config files)
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
@@ -117,7 +117,9 @@ class S3Storage(Storage):
 
     def _make_client(self, deadline: float | None = None) -> Any:
         o = self.options
-        timeout = None if deadline is None else min(o.urgent_timeout, o.read_timeout)
+        # Under a deadline: a third of the time left, within [urgent_timeout, read_timeout]. Long
+        # enough for a large part on a slow server, short enough that a hung request is retried.
+        timeout = None if deadline is None else min(o.read_timeout, max(o.urgent_timeout, (deadline - time.monotonic()) / 3))
         # total_max_attempts=1: botocore's own retries draw jitter from the global random.
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"},
                         connect_timeout=min(o.connect_timeout, timeout or o.connect_timeout),

@@ -150,3 +150,23 @@ def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backen
     finally:
         proxy.stop()
     assert took < 4, took
+
+
+def test_a_transfer_still_running_at_the_deadline_is_abandoned_then(backend):
+    """Per-request timeouts far longer than the time left (a large part on a slow server): the
+    caller still learns at the deadline that the write did not happen, not when the request ends."""
+    kind, url, server, monkeypatch = backend
+    proxy = proxied(kind, server, monkeypatch, rate=1.0, faults=("stall",), stall=30)
+    try:
+        if kind == "s3":
+            st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
+                                                                      urgent_timeout=20))
+        else:
+            st = GCSStorage(url, GCSOptions(timeout=60))
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="deadline"):
+            st.put_bytes("step-00000001/manifest.json", b"{}", exclusive=True, deadline=t0 + 2)
+        took = time.monotonic() - t0
+    finally:
+        proxy.stop()
+    assert took < 3, took

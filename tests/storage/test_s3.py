@@ -150,7 +150,8 @@ def test_transient_faults_are_retried_without_touching_global_random(s3_url: str
 
 def test_an_emergency_deadline_does_not_cut_short_a_concurrent_background_upload(s3_url: str, moto):
     """A periodic save retries 503s (no deadline) while an emergency upload with a deadline that has
-    all but passed runs beside it on the same storage: the periodic save keeps retrying and lands."""
+    all but passed runs beside it on the same storage and is abandoned at that deadline: the
+    periodic save keeps retrying and lands."""
     bucket = S3Storage(s3_url).bucket
     with FaultProxy(moto.port, rate=1.0, faults=("503",), only="/run/periodic") as proxy:
         # attempts=1: only the per-request hook retries, the layer that reads the deadline.
@@ -169,8 +170,10 @@ def test_an_emergency_deadline_does_not_cut_short_a_concurrent_background_upload
         t.start()
         while proxy.injected["503"] < 3:
             time.sleep(0.01)
-        with st.open_write("emergency/state.pt", deadline=time.monotonic() + 0.01) as f:
-            f.write(os.urandom(20 * MiB))  # multipart, about 0.5 s on moto: the periodic save retries meanwhile
+        with pytest.raises(StorageError, match="deadline"):  # about 0.5 s of multipart work, 0.01 s left
+            with st.open_write("emergency/state.pt", deadline=time.monotonic() + 0.01) as f:
+                f.write(os.urandom(20 * MiB))
+        time.sleep(0.5)  # the periodic save goes on retrying
         failed = proxy.injected["503"]
         proxy.rate = 0.0
         t.join(30)
