@@ -174,6 +174,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         except ProcessLookupError:
             print(f"spotguard: error: no process {args.pid}", file=sys.stderr)
             return 1
+        except PermissionError:
+            print(f"spotguard: error: not allowed to signal process {args.pid} (another user's; try sudo)",
+                  file=sys.stderr)
+            return 1
         print(f"sent {sig.name} to process {args.pid}")
         return 0
     if args.file:

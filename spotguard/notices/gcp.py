@@ -77,6 +77,8 @@ class GcpProvider(NoticeProvider):
         started = time.monotonic()
         if self._etag is None:
             value, etag = self._get(PREEMPTED)
+            if etag is None:  # no ETag, so no hanging GET: poll once a second, never in a busy loop
+                self._wake.wait(1.0)
         else:
             query = f"?wait_for_change=true&last_etag={self._etag}&timeout_sec={self.hang}"
             try:

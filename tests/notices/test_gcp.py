@@ -186,3 +186,35 @@ def test_watching_never_draws_from_the_global_random_generators(mock_metadata):
         assert watcher.preempted.wait(3)
     assert random.getstate() == before[0]
     assert (np.random.get_state()[1] == before[1]).all() and torch.equal(torch.get_rng_state(), before[2])
+
+
+def test_a_server_without_etags_is_polled_once_a_second_not_in_a_busy_loop():
+    """A metadata proxy that drops ETags gives no hanging GET: the provider must pace itself."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class NoEtag(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            body = b"NONE" if "maintenance" in self.path else b"FALSE"
+            self.send_response(200)
+            for k, v in (("Metadata-Flavor", "Google"), ("Content-Type", "application/text"),
+                         ("Content-Length", str(len(body)))):
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NoEtag)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with Watcher([GcpProvider(f"http://127.0.0.1:{server.server_port}")], interval=1.0) as w:
+            time.sleep(2.5)
+            assert not w.preempted.is_set()
+    finally:
+        server.shutdown()
+    reads = [h for h in hits if "preempted" in h]
+    assert 1 <= len(reads) <= 5, len(reads)  # about one a second; a busy loop makes hundreds
