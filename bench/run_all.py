@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a figure misses its target")
     ap.add_argument("--machine", default="", help="words about the machine, e.g. 'shared 2-core VM, no GPU'")
     args = ap.parse_args()
+    if args.only and not ROWS.exists():
+        ap.error(f"{ROWS.name} is missing: run every benchmark once (make bench) before some of them")
     previous = json.loads(ROWS.read_text()) if ROWS.exists() else {"rows": [], "status": {}}
     ran, rows, status = [], [], dict(previous["status"])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -118,7 +120,7 @@ def main() -> int:
         ran.append(script.name)
         rows += got
         status[script.name] = f"{line} on {now}"
-    # Rows of scripts not run this time are kept (``make bench agreement`` refreshes one script).
+    # Rows of scripts not run this time are kept (``make bench ONLY=agreement`` refreshes one script).
     rows = sorted([r for r in previous["rows"] if r["script"] not in ran] + rows, key=lambda r: r["script"])
     machine = (f"on {now}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU(s)"
                f"{', ' + args.machine if args.machine else ''}")

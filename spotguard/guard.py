@@ -27,7 +27,7 @@ import torch
 
 from . import _env, checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
-from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .notices.base import Notice, NoticeProvider
 from .pending import PendingSave
 from .planner import AdaptiveInterval
@@ -250,7 +250,7 @@ class Guard:
                     try:
                         checkpoint.delete(storage, info.name)
                         logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
-                    except StorageError as e:
+                    except OSError as e:  # StorageError included: cleanup must never fail a resume
                         logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
 
     def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
@@ -431,7 +431,7 @@ class Guard:
                 if pending.committed:
                     self._report_emergency(step, t0, left)
                     return
-            elif not self._settle_inflight(pending, step, left):
+            elif not self._settle_inflight(pending, step, deadline):
                 return  # the in-flight save is the resume point: the emergency one cannot make it
         self._reap()
         if self._saved_step == step and self._durable_step == step:
@@ -439,10 +439,10 @@ class Guard:
             if notice:
                 self.watcher.acknowledge(notice)
             return
-        estimate = self._emergency_estimate()
-        size = self._stats.state_bytes or state.nbytes(state.collect(self._objects))
+        estimate, size = self._emergency_estimate(), self._stats.state_bytes
         left_now = None if deadline is None else deadline - time.monotonic()
-        logger.warning("emergency checkpoint of step %d: %.0f MB, estimated %s, %s", step, size / 1e6,
+        logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
+                       f"{size / 1e6:.0f} MB" if size else "size unknown",
                        f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
                        f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known")
         self._saved_step = None if self._saved_step == step else self._saved_step
@@ -459,13 +459,8 @@ class Guard:
         self._report_emergency(step, t0, left)
 
     def _emergency_estimate(self) -> float | None:
-        """Seconds to write the state straight to the durable tier, from its measured throughput.
-
-        With two tiers that is the upload rate, never the local disk's; unmeasured means unknown.
-        """
-        st = self._stats
-        rate = st.upload_Bps if self.local is not None else st.write_Bps
-        return st.state_bytes / rate if rate and st.state_bytes else None
+        """Seconds to write the state straight to the durable tier, from its measured throughput."""
+        return self._stats.durable_seconds(two_tiers=self.local is not None)
 
     def _inflight_left(self, pending: PendingSave) -> float | None:
         """Estimated seconds until the in-flight save commits (None: not measured yet)."""
@@ -474,33 +469,38 @@ class Guard:
             None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
         return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
 
-    def _settle_inflight(self, pending: PendingSave, step: int, left: float | None) -> bool:
+    def _settle_inflight(self, pending: PendingSave, step: int, deadline: float | None) -> bool:
         """Wait for or abandon a periodic save of an older step, from measured times.
 
         Both fit in the time left: wait for it, then write the emergency checkpoint. The emergency
         one cannot fit: let the in-flight one commit (unless it is known to miss too) and return
         False, it stays the resume point. Otherwise, or with nothing measured or no deadline, the
-        newer state wins: abandon it.
+        newer state wins: abandon it. A save still running at the deadline is abandoned too.
         """
+        def left() -> float:
+            return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+
         fresh, rest = self._emergency_estimate(), self._inflight_left(pending)
-        if left is not None and fresh is not None:
-            if rest is not None and rest + fresh <= left * FIT:
+        if deadline is not None and fresh is not None:
+            if rest is not None and rest + fresh <= left() * FIT:
                 logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
                                step, pending.step, rest)
-                self._wait_pending(left * FIT - fresh)  # never into the emergency save's share
+                self._wait_pending(left() * FIT - fresh)  # never into the emergency save's share
                 if self._pending is None:
                     return True
-            if fresh > left * FIT and (rest is None or rest <= left):
+            elif fresh > left() * FIT and (rest is None or rest <= left()):
                 logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
-                             "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left,
+                             "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left(),
                              pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
-                self._wait_pending(max(left, 0.0))
+                self._wait_pending(left())
+                if self._pending is not None:
+                    pending.cancel()  # missed the deadline too: never hold the exit for it
                 return False
         # The worker stops at its next file or before its manifest; never wait long for that,
         # its leftovers are swept by a later run.
         logger.warning("stop at step %d: abandoning the save of step %d for the newer state", step, pending.step)
         pending.cancel()
-        self._wait_pending(CANCEL_GRACE_S if left is None else min(CANCEL_GRACE_S, max(left, 0.0) / 10))
+        self._wait_pending(CANCEL_GRACE_S if deadline is None else min(CANCEL_GRACE_S, left() / 10))
         return True
 
     def _report_emergency(self, step: int, t0: float, left: float | None) -> None:

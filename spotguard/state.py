@@ -91,13 +91,3 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
 
-
-def nbytes(tree: Any) -> int:
-    """Bytes held by the tensors in a nested state (dicts, lists, tuples): the size of a save."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(nbytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(nbytes(v) for v in tree)
-    return 0

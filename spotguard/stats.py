@@ -69,9 +69,12 @@ class GuardStats:
         self.upload_Bps = _ema(self.upload_Bps, nbytes / max(seconds, 1e-9))
 
     def durable_seconds(self, nbytes: int | None = None, two_tiers: bool = False) -> float | None:
-        """Estimated time to write ``nbytes`` straight to the durable tier, from measured rates."""
+        """Estimated time to write ``nbytes`` straight to the durable tier, from its measured rate.
+
+        With two tiers that is the upload rate, never the local disk's; unmeasured is None.
+        """
         nbytes = self.state_bytes if nbytes is None else nbytes
-        rate = (self.upload_Bps or self.write_Bps) if two_tiers else self.write_Bps
+        rate = self.upload_Bps if two_tiers else self.write_Bps
         if nbytes is None or not rate:
             return None
         return nbytes / rate

@@ -237,7 +237,7 @@ def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_th
         with g:
             g.step(1)
             assert durable.started.wait(5)  # step 1 is on the local tier, its upload hangs
-            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=2)
+            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
             g.watcher.report(Notice("test", "terminate", deadline=deadline))
             t0 = time.monotonic()
             assert g.step(2) is True
@@ -245,7 +245,7 @@ def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_th
         exited = time.monotonic() - t0
     finally:
         durable.release.set()
-    assert took < 1.5 and exited < 1.8, (took, exited)
+    assert took < 3.5 and exited < 4, (took, exited)  # the stuck upload would hold them for 30 s
     assert steps(durable) == [(2, "emergency")]
     assert "abandoning the save of step 1" in caplog.text
 

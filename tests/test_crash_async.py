@@ -29,7 +29,6 @@ def test_fifty_kills_during_async_saves_never_corrupt_a_resume(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["corrupt"] == 0 and summary["final_status"] == 0, (seed, summary)
     assert summary["partial"] >= 5, (seed, summary)  # many kills landed inside a background save
-    # Scratch files of killed saves are swept by the next save: they never pile up.
     # Scratch files of killed saves are swept by the next save, and unfinished step-N/ older than
     # the resume point by the next resume: storage does not fill up with partial states.
     assert summary["most_scratch"] <= 1 and summary["scratch_left"] == 0, (seed, summary)

@@ -62,6 +62,7 @@ class GcpProvider(NoticeProvider):
         self.hang = hang
         self.deadline_seconds = deadline_seconds
         self._etag: str | None = None
+        self._polled = False  # the first read is immediate; later reads without an ETag are paced
         self._preempt: Notice | None = None
         self._maintenance: tuple[str, Notice] | None = None
         self._wake = threading.Event()
@@ -76,9 +77,10 @@ class GcpProvider(NoticeProvider):
     def poll(self) -> Notice | None:
         started = time.monotonic()
         if self._etag is None:
-            value, etag = self._get(PREEMPTED)
-            if etag is None:  # no ETag, so no hanging GET: poll once a second, never in a busy loop
+            if self._polled:  # no ETag, so no hanging GET: poll once a second, never in a busy loop
                 self._wake.wait(1.0)
+            value, etag = self._get(PREEMPTED)
+            self._polled = True
         else:
             query = f"?wait_for_change=true&last_etag={self._etag}&timeout_sec={self.hang}"
             try:

@@ -11,6 +11,7 @@ import builtins
 import contextlib
 import errno
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -25,7 +26,8 @@ from .base import ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
 SCRATCH_PREFIX = ".spotguard.tmp-"
-EMPTY_DIR_GRACE_S = 60.0  # an empty directory this old has no writer about to fill it
+LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
+_STEP_DIR = re.compile(r"step-\d+")  # the checkpoint layer's directories (checkpoint.step_dir)
 
 
 def _host() -> str:
@@ -35,6 +37,16 @@ def _host() -> str:
 def _owner_tag() -> str:
     """``host@pid-``: who owns a scratch directory (hostnames may contain dashes, not '@')."""
     return f"{_host()}@{os.getpid()}-"
+
+
+def _idle(path: Path) -> bool:
+    """Unchanged for LEFTOVER_GRACE_S: the path and, for a directory, its entries."""
+    try:
+        paths = [path, *path.iterdir()] if path.is_dir() else [path]
+        newest = max(p.stat().st_mtime for p in paths)
+    except OSError:
+        return False
+    return time.time() - newest > LEFTOVER_GRACE_S
 
 
 def _dead_owner(tagged: str) -> bool:
@@ -121,12 +133,13 @@ class LocalStorage(Storage):
         return _scratch_dir(self.root, _owner_tag())
 
     def _sweep_dead_scratch(self) -> None:
-        """Remove what killed writers on this host left: scratch directories, temp files, empty dirs.
+        """Remove what killed writers on this host left: scratch directories, temp files, empty step dirs.
 
         A save killed with SIGKILL cannot clean up after itself; without this, a job preempted
-        again and again would leave one partial state file per kill. Leftovers of live writers,
-        of other hosts (a shared mount) and of unknown owners are left alone; an empty directory
-        is removed only after a minute, so a live writer that just created it is not disturbed.
+        again and again would leave one partial state file per kill. Only spotguard's own names
+        are touched, and only when their writer's process on this host is gone and they have not
+        changed for a while (a writer in another PID namespace on the same host looks dead, but a
+        live one keeps writing). Other hosts' leftovers (a shared mount) are left alone.
         """
         try:
             entries = list(os.scandir(self.root))
@@ -134,24 +147,23 @@ class LocalStorage(Storage):
             return
         for entry in entries:
             if entry.name.startswith(SCRATCH_PREFIX):
-                if _dead_owner(entry.name[len(SCRATCH_PREFIX):]):
+                if _dead_owner(entry.name[len(SCRATCH_PREFIX):]) and _idle(Path(entry.path)):
                     shutil.rmtree(entry.path, ignore_errors=True)
-            elif entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+            elif _STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 self._sweep_dir(Path(entry.path))
 
     @staticmethod
     def _sweep_dir(path: Path) -> None:
         try:
-            old = time.time() - path.stat().st_mtime > EMPTY_DIR_GRACE_S
             names = os.listdir(path)
         except OSError:
             return
         for name in names:
-            if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]):
+            if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]) and _idle(path / name):
                 (path / name).unlink(missing_ok=True)
-        if old and not os.listdir(path):
+        if _idle(path):
             with contextlib.suppress(OSError):
-                path.rmdir()
+                path.rmdir()  # only when empty: a checkpoint's directory never is
 
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
         final = self._path(key)

@@ -98,9 +98,12 @@ def _until(deadline: float, fn: Callable[[], T], what: str) -> T:
 
     Retries stop at the deadline, but a request already in flight (a large part, a slow commit)
     would run on past it. The caller must learn the outcome while the machine is still there, so
-    it stops waiting at the deadline; the abandoned transfer never commits a checkpoint (the
-    manifest is written only after the data) and ends with its client.
+    it stops waiting at the deadline. An abandoned data transfer cannot commit a checkpoint (the
+    manifest is written only after the data); an abandoned manifest write may still land, which
+    only makes that checkpoint complete. Either ends with its client.
     """
+    if deadline <= time.monotonic():
+        raise StorageError(f"{what}: the deadline has passed; not started")
     box: dict[str, Any] = {}
     done = threading.Event()
 
