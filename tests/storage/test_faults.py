@@ -132,15 +132,18 @@ def test_periodic_saves_fail_clearly_and_training_goes_on_with_100_percent_failu
     assert bucket in str(err.value)
 
 
-def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backend):
-    """Every request stalls (the server never answers): a save with 2 s left gives up in about 2 s,
-    although the normal per-request timeout is 60 s."""
+@pytest.mark.parametrize("urgent_timeout", [0.5, 20.0], ids=["short-request-timeout", "long-request-timeout"])
+def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backend, urgent_timeout):
+    """Every request stalls (the server never answers) and the normal per-request timeout is 60 s:
+    a save with 2 s left gives up in about 2 s. With short request timeouts the retries stop at the
+    deadline; with ones far longer than the time left (a large part on a slow server), the caller
+    stops waiting at the deadline all the same."""
     kind, url, server, monkeypatch = backend
     proxy = proxied(kind, server, monkeypatch, rate=1.0, faults=("stall",), stall=30)
     try:
         if kind == "s3":
             st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
-                                                                      urgent_timeout=0.5))
+                                                                      urgent_timeout=urgent_timeout))
         else:
             st = GCSStorage(url, GCSOptions(timeout=60))
         t0 = time.monotonic()
@@ -149,24 +152,4 @@ def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backen
         took = time.monotonic() - t0
     finally:
         proxy.stop()
-    assert took < 4, took
-
-
-def test_a_transfer_still_running_at_the_deadline_is_abandoned_then(backend):
-    """Per-request timeouts far longer than the time left (a large part on a slow server): the
-    caller still learns at the deadline that the write did not happen, not when the request ends."""
-    kind, url, server, monkeypatch = backend
-    proxy = proxied(kind, server, monkeypatch, rate=1.0, faults=("stall",), stall=30)
-    try:
-        if kind == "s3":
-            st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
-                                                                      urgent_timeout=20))
-        else:
-            st = GCSStorage(url, GCSOptions(timeout=60))
-        t0 = time.monotonic()
-        with pytest.raises(StorageError, match="deadline"):
-            st.put_bytes("step-00000001/manifest.json", b"{}", exclusive=True, deadline=t0 + 2)
-        took = time.monotonic() - t0
-    finally:
-        proxy.stop()
-    assert took < 3, took
+    assert took < 3.5, took
