@@ -139,10 +139,10 @@ class Agreement:
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._deadline = torch.zeros(1, dtype=torch.float64)
 
-    def reduce(self, code: int) -> int:
-        """MAX of every rank's code (one all-reduce of one int64)."""
+    def reduce(self, code: int, group: Any = None) -> int:
+        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's."""
         self._flag[0] = code
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group or self.group)
         return int(self._flag[0])
 
     def earliest_deadline(self, deadline: dt.datetime | None) -> dt.datetime | None:

@@ -87,13 +87,6 @@ def _broadcast(value: Any, group: Any) -> Any:
     return box[0]
 
 
-def _max(code: int, group: Any) -> int:
-    """MAX of every rank's code: how a failure on one rank reaches all before the next collective."""
-    flag = torch.tensor([code], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag[0])
-
-
 def _failures(error: BaseException, rank: int) -> list[tuple[int, BaseException]]:
     """(rank, exception) behind one error: DCP hands every rank the exceptions of all failed ranks."""
     if isinstance(error, CheckpointException):
@@ -119,7 +112,8 @@ def _agree(agreement: Agreement, where: str, error: BaseException | None) -> Non
     """
     local = [(r, _kind(e), f"{type(e).__name__}: {e}") for r, e in _failures(error, agreement.rank)] if error else []
     corrupt = errors.CheckpointCorruptError.__name__
-    if not _max(max((1 if k == corrupt else 2 for _, k, _ in local), default=0), agreement.save_group):
+    # MAX of every rank's code: a failure on one rank reaches all before the next collective.
+    if not agreement.reduce(max((1 if k == corrupt else 2 for _, k, _ in local), default=0), agreement.save_group):
         return
     reports: list[Any] = [None] * agreement.world_size
     dist.all_gather_object(reports, local, group=agreement.save_group)
@@ -170,7 +164,7 @@ def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: f
         except Exception as e:
             error = _explain(e, rank)
         # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
-        if not _max(int(bool(error)), group):
+        if not agreement.reduce(int(bool(error)), group):
             writer = SpotguardWriter(storage, name, rank, deadline=deadline)
             try:
                 dcp.save(sd, storage_writer=writer, process_group=group)

@@ -153,17 +153,16 @@ class LocalStorage(Storage):
                 self._sweep_dir(Path(entry.path))
 
     @staticmethod
-    def _sweep_dir(path: Path) -> None:
-        try:
-            names = os.listdir(path)
-        except OSError:
-            return
-        for name in names:
-            if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]) and _idle(path / name):
-                (path / name).unlink(missing_ok=True)
-        if _idle(path):
-            with contextlib.suppress(OSError):
-                path.rmdir()  # only when empty: a checkpoint's directory never is
+    def _sweep_dir(top: Path) -> None:
+        """Bottom-up through one ``step-N/`` (sharded checkpoints nest ``shards/``)."""
+        for dirpath, _, names in os.walk(top, topdown=False):
+            path = Path(dirpath)
+            for name in names:
+                if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]) and _idle(path / name):
+                    (path / name).unlink(missing_ok=True)
+            if _idle(path):
+                with contextlib.suppress(OSError):
+                    path.rmdir()  # only when empty: a checkpoint's directory never is
 
     def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
         final = self._path(key)

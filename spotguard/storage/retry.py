@@ -115,6 +115,8 @@ def _until(deadline: float, fn: Callable[[], T], what: str) -> T:
         finally:
             done.set()
 
+    # A daemon thread, not an executor: executor threads are joined at exit, and an abandoned
+    # transfer must never hold the process past its deadline.
     threading.Thread(target=run, name="spotguard-deadline", daemon=True).start()
     if not done.wait(max(deadline - time.monotonic(), 0.0)):
         raise StorageError(f"{what}: still running at the deadline; abandoned")

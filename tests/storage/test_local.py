@@ -41,9 +41,12 @@ def test_a_save_sweeps_leftovers_of_killed_writers_on_this_host_only(tmp_path):
             age(d / "0-state.pt", d)
     dead_tmp = step / f"state.pt.tmp-{host}@{dead}-1234abcd"
     live_tmp = step / f"manifest.json.tmp-{host}@{live}-1234abcd"
+    (step / "shards").mkdir()
+    nested_tmp = step / "shards" / f"data-0.distcp.tmp-{host}@{dead}-5678abcd"  # a sharded save's
     dead_tmp.write_bytes(b"partial")
     live_tmp.write_bytes(b"{}")
-    age(dead_tmp, live_tmp)
+    nested_tmp.write_bytes(b"partial")
+    age(dead_tmp, live_tmp, nested_tmp)
     old_empty, new_empty, users = root / "step-00000003", root / "step-00000009", root / "lost+found"
     for d in (old_empty, new_empty, users):
         d.mkdir()
@@ -53,6 +56,7 @@ def test_a_save_sweeps_leftovers_of_killed_writers_on_this_host_only(tmp_path):
         assert made.name.startswith(f".spotguard.tmp-{host}@{live}-")
 
     assert not scratch["dead"].exists() and not dead_tmp.exists() and not old_empty.exists()
+    assert not nested_tmp.exists()
     for name in ("dead, still changing", "live", "other host", "untagged"):
         assert scratch[name].exists(), name
     assert live_tmp.exists() and new_empty.exists() and users.exists()
