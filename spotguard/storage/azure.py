@@ -45,7 +45,8 @@ import azure.core.exceptions as aze
 import requests
 from azure.core import MatchConditions
 from azure.storage.blob import BlobServiceClient
-from azure.storage.blob._shared.policies import StorageRetryPolicy
+from azure.storage.blob._shared.authentication import AzureSigningError
+from azure.storage.blob._shared.policies import StorageRetryPolicy, is_retry
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, MissingDependencyError, StorageError
 from . import retry
@@ -60,7 +61,8 @@ CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
 ACCOUNT_NAME = "AZURE_STORAGE_ACCOUNT_NAME"
 _CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
 _ACCOUNT = re.compile(r"^[a-z0-9]{3,24}$")
-_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", "Md5Mismatch", "Crc64Mismatch"}
+_CHECKSUM_CODES = {"Md5Mismatch", "Crc64Mismatch"}  # a body damaged on the way: send it again
+_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", *_CHECKSUM_CODES}
 _NETWORK = (aze.ServiceRequestError, aze.ServiceResponseError, aze.IncompleteReadError, aze.DecodeError,
             requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
             ConnectionError, TimeoutError)
@@ -107,13 +109,42 @@ class AzureOptions:
             raise ConfigError("timeouts must be positive")
 
 
+def _code(e: BaseException) -> str:
+    code = getattr(e, "error_code", None) or ""
+    return str(getattr(code, "value", code))  # the SDK gives a str enum or a plain str
+
+
 class _RetryPolicy(StorageRetryPolicy):
-    """The SDK's per-request retry with our backoff, never sleeping past ``deadline``; auth errors fail at once."""
+    """The SDK's per-request retry with our backoff, never sleeping past ``deadline``.
+
+    Beyond the SDK's rules (connection errors, 5xx, 408) it re-sends a request whose body the
+    service refused for a checksum mismatch (one block damaged on the way is sent again, not the
+    whole object), and never retries a failed credential (no token will come on a retry).
+    """
 
     def __init__(self, attempts: int, wait: retry.JitteredBackoff, deadline: float | None) -> None:
         n = attempts - 1
         super().__init__(retry_total=n, retry_connect=n, retry_read=n, retry_status=n)
         self.wait, self.deadline = wait, deadline
+
+    def send(self, request: Any) -> Any:
+        settings = self.configure_retries(request)
+        while True:
+            try:
+                response = self.next.send(request)
+            except aze.AzureError as err:
+                if isinstance(err, AzureSigningError) or not self.increment(settings, request.http_request, error=err):
+                    raise
+                self.sleep(settings, request.context.transport)
+                continue
+            http = response.http_response
+            refused = http.status_code == 400 and http.headers.get("x-ms-error-code") in _CHECKSUM_CODES
+            if (is_retry(response, settings["mode"]) or refused) and \
+                    self.increment(settings, request.http_request, response=http):
+                self.sleep(settings, request.context.transport)
+                continue
+            http.location_mode = settings["mode"]
+            return response
 
     def increment(self, settings: dict[str, Any], request: Any, response: Any = None, error: Any = None) -> bool:
         if isinstance(error, aze.ClientAuthenticationError):
@@ -247,7 +278,7 @@ class AzureStorage(Storage):
         if isinstance(e, aze.HttpResponseError):
             status = e.status_code or 0
             return (status >= 500 and status not in (501, 505)) or status in (408, 429) \
-                or str(e.error_code or "") in _TRANSIENT_CODES
+                or _code(e) in _TRANSIENT_CODES
         return False
 
     def _call(self, what: str, key: str, fn: Any, deadline: float | None = None) -> Any:
@@ -263,7 +294,7 @@ class AzureStorage(Storage):
 
     def _error(self, what: str, key: str, e: BaseException) -> Exception:
         where = self.describe(key)
-        code = str(getattr(e, "error_code", "") or "")
+        code = _code(e)
         status = getattr(e, "status_code", None) or 0
         if isinstance(e, _ChecksumMismatch):
             return CheckpointCorruptError(f"{where}: {e}")
@@ -412,7 +443,7 @@ class AzureStorage(Storage):
                 try:
                     self.container.delete_blob(name)
                 except aze.ResourceNotFoundError as e:
-                    if str(e.error_code or "") == "ContainerNotFound":
+                    if _code(e) == "ContainerNotFound":
                         raise
 
             self._call("delete", key, run)
