@@ -8,6 +8,7 @@ from .hcl import TEMPLATE, TERRAFORM, blocks, load_module, local, one, variables
 
 AWS = load_module(TERRAFORM / "aws")
 GCP = load_module(TERRAFORM / "gcp")
+AZURE = load_module(TERRAFORM / "azure")
 
 
 def statements(doc: dict) -> list[dict]:
