@@ -4,11 +4,9 @@
 
 resource "azurerm_storage_account" "this" {
   # checkov:skip=CKV_AZURE_33: queue logging; this account holds blobs only and has no queues in use.
-  # checkov:skip=CKV_AZURE_206: geo-replication doubles storage cost; checkpoints are re-creatable state (set replication to GRS to have it).
+  # checkov:skip=CKV_AZURE_206: zone-redundant (ZRS) by default; geo-replication doubles the cost of re-creatable state (replication = "GRS" to have it).
   # checkov:skip=CKV2_AZURE_33: a private endpoint needs a private DNS zone the caller owns; access is limited to the job's subnet by a service endpoint instead.
-  # checkov:skip=CKV2_AZURE_1: a customer-managed key is optional (cmk_key_vault_key_id); by default Microsoft-managed keys plus infrastructure encryption.
   # checkov:skip=CKV_AZURE_59: public network access stays on so that the service-endpoint rule can admit the job's subnet; network_rules deny everything else.
-  # checkov:skip=CKV2_AZURE_21: read logging for the blob service needs a Log Analytics workspace the caller owns.
   name                              = var.storage_account_name
   resource_group_name               = var.resource_group_name
   location                          = var.location
@@ -64,7 +62,7 @@ resource "azurerm_storage_account" "this" {
 }
 
 resource "azurerm_storage_container" "checkpoints" {
-  # checkov:skip=CKV2_AZURE_21: as above, logging needs a workspace the caller owns.
+  # checkov:skip=CKV2_AZURE_21: read logging for the blob service needs a Log Analytics workspace the caller owns.
   name                  = var.container_name
   storage_account_id    = azurerm_storage_account.this.id
   container_access_type = "private"
