@@ -48,7 +48,13 @@ from azure.storage.blob import BlobServiceClient
 from azure.storage.blob._shared.authentication import AzureSigningError
 from azure.storage.blob._shared.policies import StorageRetryPolicy, is_retry
 
-from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, MissingDependencyError, StorageError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigError,
+    MissingDependencyError,
+    StorageError,
+)
 from . import retry
 from ._common import Crc32File, Progress, crc_b64, file_crc, split_url, temp_dir, tmp_parent
 from .base import ObjectNotFoundError, Storage, check_key
@@ -158,7 +164,7 @@ class _RetryPolicy(StorageRetryPolicy):
         transport.sleep(settings.get("sleep", 0.0))
 
 
-def parse_url(url: str) -> tuple[str, str | None, str, str]:
+def parse_url(url: str) -> tuple[str, str | None, str | None, str]:
     """``(container, account or None, blob host or None, prefix)`` of an ``az://``/``abfs[s]://`` URL."""
     scheme = urlparse(url).scheme
     if scheme not in ("az", "abfs", "abfss"):
@@ -201,16 +207,19 @@ class AzureStorage(Storage):
         self._wait = retry.JitteredBackoff(self.options.retry)
         conn = os.environ.get(CONNECTION_STRING, "").strip()
         self._conn: str | None = None
+        self._account_url = self.options.account_url
         if conn and credential is None and (account is None or account == _connection_account(conn)):
-            self._conn = conn
-            self.account = _connection_account(conn) or account
+            self._conn, self.account = conn, _connection_account(conn) or account
         else:
             self.account = account or os.environ.get(ACCOUNT_NAME, "").strip() or None
-            if self.account is None and self.options.account_url is None:
-                raise ConfigError(f"{url!r} names no storage account: use az://{self.container_name}@ACCOUNT"
-                                  f".blob.core.windows.net/..., or set {ACCOUNT_NAME} (or {CONNECTION_STRING})")
-        self._account_url = self.options.account_url or (f"https://{host or self.account + '.blob.core.windows.net'}"
-                                                         if not self._conn else None)
+            if self.account is not None and not _ACCOUNT.match(self.account):
+                raise ConfigError(f"{ACCOUNT_NAME}={self.account!r} is not a storage account name (3-24 lowercase "
+                                  "letters or digits)")
+            if self._account_url is None:
+                if self.account is None:
+                    raise ConfigError(f"{url!r} names no storage account: use az://{self.container_name}@ACCOUNT"
+                                      f".blob.core.windows.net/..., or set {ACCOUNT_NAME} (or {CONNECTION_STRING})")
+                self._account_url = f"https://{host or self.account + '.blob.core.windows.net'}"
         self._credential = credential
         self._lock = threading.Lock()
         self.container = self._make_client(None)
@@ -253,6 +262,7 @@ class AzureStorage(Storage):
             if o.account_url:
                 service = BlobServiceClient(o.account_url, credential=service.credential, **kwargs)
         else:
+            assert self._account_url is not None  # set in __init__ whenever there is no connection string
             service = BlobServiceClient(self._account_url, credential=self._credential or self._default_credential(),
                                         **kwargs)
         return service.get_container_client(self.container_name)

@@ -199,9 +199,10 @@ def test_transient_faults_are_retried_without_touching_global_random(az_url: str
 def test_token_refresh_jitter_does_not_draw_from_global_random():
     """azure-core's bearer-token policy draws a refresh jitter with each token (managed identity,
     az login ...): importing the backend gives that module a private generator."""
-    import spotguard.storage.azure  # noqa: F401
     from azure.core.credentials import AccessToken
     from azure.core.pipeline.policies import BearerTokenCredentialPolicy
+
+    import spotguard.storage.azure  # noqa: F401
 
     class Credential:
         def get_token(self, *scopes, **kwargs):
