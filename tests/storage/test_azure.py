@@ -43,6 +43,8 @@ def test_connection_string_url_talks_to_the_emulator(az_url: str, azurite):
         blob = service.get_blob_client(container, "run/k")
         assert blob.download_blob().readall() == b"v"
         assert blob.get_blob_properties().metadata[META_CRC]
+    # The Data Lake form naming the connection string's account reaches the same blobs.
+    assert open_storage(f"abfss://{container}@devstoreaccount1.dfs.core.windows.net/run").get_bytes("k") == b"v"
 
 
 @pytest.mark.parametrize(("url", "env", "account_url", "prefix"), [
@@ -66,10 +68,11 @@ def test_url_forms_reach_the_blob_endpoint_with_the_default_credential_chain(no_
     assert isinstance(st.container.credential, DefaultAzureCredential)
 
 
-def test_missing_credentials_fail_fast_naming_the_fixes(no_azure_env):
+def test_missing_credentials_fail_fast_naming_the_fixes(no_azure_env, tmp_path):
     """No connection string, no identity anywhere: the default chain finds no token, and that is
     not retried (the token is asked for before any request reaches the account)."""
     no_azure_env.setenv("AZURE_TOKEN_CREDENTIALS", "dev")  # developer tools only: no 169.254.169.254 probe here
+    no_azure_env.setenv("AZURE_CONFIG_DIR", str(tmp_path))  # an Azure CLI, if installed, is logged in nowhere
     st = AzureStorage("az://ckpt@nosuchacct0.blob.core.windows.net/run", AzureOptions(retry=RetryOptions(attempts=5)))
     t0 = time.monotonic()
     with pytest.raises(StorageError) as err:
@@ -151,11 +154,11 @@ def test_permanent_errors_fail_fast_naming_container_key_and_fix(azurite, monkey
         AzureStorage("az://no-such-container/x").list()
 
 
-def test_retries_stop_at_the_callers_deadline(az_url: str, azurite, monkeypatch):
+def test_retries_stop_at_the_callers_deadline(az_url: str, azurite):
     with FaultProxy(azurite.port, rate=1.0, faults=("503",)) as proxy:
-        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(proxy.port))
-        st = AzureStorage(az_url, AzureOptions(retry=RetryOptions(attempts=100, initial=0.2, maximum=0.4,
-                                                                  max_elapsed=60)))
+        # account_url: the connection string's account and key, another endpoint (here the proxy).
+        st = AzureStorage(az_url, AzureOptions(account_url=f"{proxy.url}/devstoreaccount1", retry=RetryOptions(
+            attempts=100, initial=0.2, maximum=0.4, max_elapsed=60)))
         t0 = time.monotonic()
         # Either the retries stopped short of the deadline, or a request was in flight at it.
         with pytest.raises(StorageError, match="gave up after retries|at the deadline"):
