@@ -252,15 +252,16 @@ class AzureStorage(Storage):
                                         read_timeout=timeout or o.read_timeout),
             retry_policy=_RetryPolicy(o.request_attempts, self._wait, deadline),
             max_single_put_size=o.single_put_threshold, max_block_size=o.block_size,
-            min_large_block_upload_threshold=o.block_size + 1,
             max_single_get_size=o.block_size, max_chunk_get_size=o.block_size)
         if self._conn:
             try:
-                service = BlobServiceClient.from_connection_string(self._conn, **kwargs)
+                if o.account_url:  # the connection string's key, another endpoint
+                    with BlobServiceClient.from_connection_string(self._conn) as parsed:
+                        service = BlobServiceClient(o.account_url, credential=parsed.credential, **kwargs)
+                else:
+                    service = BlobServiceClient.from_connection_string(self._conn, **kwargs)
             except ValueError as e:
                 raise ConfigError(f"{CONNECTION_STRING} cannot be read: {e}") from e
-            if o.account_url:
-                service = BlobServiceClient(o.account_url, credential=service.credential, **kwargs)
         else:
             assert self._account_url is not None  # set in __init__ whenever there is no connection string
             service = BlobServiceClient(self._account_url, credential=self._credential or self._default_credential(),

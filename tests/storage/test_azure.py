@@ -83,8 +83,14 @@ def test_missing_credentials_fail_fast_naming_the_fixes(no_azure_env, tmp_path):
     assert "az login" in msg and "AZURE_STORAGE_CONNECTION_STRING" in msg
 
 
-def test_an_account_must_be_named(no_azure_env):
+def test_an_account_must_be_named_and_a_connection_string_must_be_readable(no_azure_env):
     with pytest.raises(ConfigError, match="names no storage account.*AZURE_STORAGE_ACCOUNT_NAME"):
+        open_storage("az://ckpt/run")
+    no_azure_env.setenv("AZURE_STORAGE_ACCOUNT_NAME", "Not_An-Account")
+    with pytest.raises(ConfigError, match="AZURE_STORAGE_ACCOUNT_NAME='Not_An-Account' is not a storage account"):
+        open_storage("az://ckpt/run")
+    no_azure_env.setenv("AZURE_STORAGE_CONNECTION_STRING", "not a connection string")
+    with pytest.raises(ConfigError, match="AZURE_STORAGE_CONNECTION_STRING cannot be read"):
         open_storage("az://ckpt/run")
 
 
