@@ -320,7 +320,9 @@ class AzureStorage(Storage):
                                 "attach a managed identity (AZURE_CLIENT_ID for a user-assigned one), set "
                                 f"AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or {CONNECTION_STRING}")
         if isinstance(e, aze.ClientAuthenticationError) or status in (401, 403):
-            return StorageError(f"cannot {what} {where}: access denied ({code or status}); check the credentials "
+            detail = re.search(r"authenticationerrordetail:\s*(.+)", str(e), re.IGNORECASE)  # e.g. an expired token
+            code = f"{code or status}: {detail.group(1).strip()}" if detail else (code or str(status))
+            return StorageError(f"cannot {what} {where}: access denied ({code}); check the credentials "
                                 "(managed identity, az login, connection string) and that they hold the 'Storage "
                                 f"Blob Data Contributor' role on container {self.container_name!r}")
         if isinstance(e, aze.ServiceRequestError) and not self._transient(e):
