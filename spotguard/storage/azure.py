@@ -325,8 +325,9 @@ class AzureStorage(Storage):
             return StorageError(f"cannot {what} {where}: access denied ({code}); check the credentials "
                                 "(managed identity, az login, connection string) and that they hold the 'Storage "
                                 f"Blob Data Contributor' role on container {self.container_name!r}")
-        if isinstance(e, aze.ServiceRequestError) and not self._transient(e):
-            return StorageError(f"cannot {what} {where}: cannot reach the account ({e})")
+        if isinstance(e, aze.ServiceRequestError) and "resolve" in str(e).lower():
+            return StorageError(f"cannot {what} {where} (gave up after retries): the account's endpoint does not "
+                                f"resolve ({e}); check the account name {self.account!r} and the network")
         return StorageError(f"cannot {what} {where} (gave up after retries): {code or type(e).__name__}: {e}")
 
     def _key(self, key: str) -> str:
