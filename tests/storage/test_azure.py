@@ -222,3 +222,18 @@ def test_token_refresh_jitter_does_not_draw_from_global_random():
     before = random.getstate()
     policy._request_token("https://storage.azure.com/.default")
     assert random.getstate() == before
+
+
+def test_an_account_that_does_not_resolve_is_named():
+    """``.invalid`` never resolves (RFC 2606): the resolver fails at once, with or without a network."""
+    from azure.core.credentials import AccessToken
+
+    class Credential:
+        def get_token(self, *scopes, **kwargs):
+            return AccessToken("token", int(time.time()) + 3600)
+
+    st = AzureStorage("az://ckpt@nosuchacct.blob.core.windows.net/run", AzureOptions(
+        account_url="https://nosuchacct.blob.core.invalid", request_attempts=1,
+        retry=RetryOptions(attempts=2, initial=0.01, maximum=0.02)), credential=Credential())
+    with pytest.raises(StorageError, match="endpoint does not resolve.*check the account name 'nosuchacct'"):
+        st.list()
