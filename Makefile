@@ -7,11 +7,13 @@ ONLY ?=
 
 .PHONY: demo test bench lint clean checkov-venv
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tests/azurite/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # first, so the CPU wheel is used, not a CUDA build
-	$(PY) -m pip install -q -e '.[dev,aws,gcp,data,plot]'
+	$(PY) -m pip install -q -e '.[dev,aws,gcp,azure,data,plot]'
+	# Azurite (the Azure Storage emulator the az:// tests start) from the npm registry, pinned by its lock file.
+	npm ci --prefix tests/azurite --no-audit --no-fund --loglevel=error
 	touch $@
 
 demo: $(VENV)/.installed
@@ -35,4 +37,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy spotguard
 
 clean:
-	rm -rf $(VENV) .venv-checkov demo-run .pytest_cache
+	rm -rf $(VENV) .venv-checkov demo-run .pytest_cache tests/azurite/node_modules

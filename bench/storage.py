@@ -1,7 +1,8 @@
 """Save and load a training state through each storage backend, beside a plain baseline and issue 4's targets.
 
-Run from the repository root: ``python bench/storage.py [--size-mb 1024] [--backends local,s3,gcs]``.
-It starts its own servers on 127.0.0.1 (moto_server for S3, fake-gcs-server for GCS) and stops them.
+Run from the repository root: ``python bench/storage.py [--size-mb 1024] [--backends local,s3,gcs,azure]``.
+It starts its own servers on 127.0.0.1 (moto_server for S3, fake-gcs-server for GCS, Azurite for
+Azure, from ``tests/azurite``) and stops them.
 
 Figures (MB/s of state bytes, higher is better), each measured in this same run:
 - ours, upload only: ``open_write`` of the already serialised bytes (the transfer machinery alone).
@@ -9,12 +10,14 @@ Figures (MB/s of state bytes, higher is better), each measured in this same run:
   serialise, SHA-256, CRC, upload, manifest). ours, load: verified ``local_copy`` + ``torch.load``.
 - S3 baseline: one ``put_object`` / one ``get_object`` of the already serialised bytes.
 - GCS baseline: one single-stream ``upload_from_string`` / ``download_as_bytes`` of the same bytes.
+- Azure baseline: one ``upload_blob`` / ``download_blob`` of the same bytes with ``max_concurrency=1``
+  (the SDK's defaults otherwise: one stream, blocks one after another).
 - local baselines: ``torch.save`` to a file + plain file copy; a plain sequential write (+fsync)
   of the same size (the disk's sequential bandwidth); ``torch.load`` of a plain file. Both local
   loads start cold: each file is fsynced and dropped from the page cache
   (``posix_fadvise(DONTNEED)``) first, as ours is written with O_DIRECT and never cached.
 
-Targets (issue 4): S3 and GCS save and upload >= 2x the single-stream baseline; local save >= 0.8x
+Targets (issue 4): S3, GCS and Azure save and upload >= 2x the single-stream baseline; local save >= 0.8x
 the disk's sequential write+fsync; loads and the torch.save + copy comparison are information only.
 
 Two settings for the cloud backends:
@@ -121,6 +124,11 @@ def storage_for(url: str):  # type: ignore[no-untyped-def]
         from spotguard.storage.gcs import GCSOptions, GCSStorage
 
         return GCSStorage(url, GCSOptions(chunk_size=TUNING["part"], concurrency=TUNING["conc"]))
+    if url.startswith("az://") and TUNING:
+        from spotguard.storage.azure import AzureOptions, AzureStorage
+
+        return AzureStorage(url, AzureOptions(block_size=TUNING["part"], single_put_threshold=TUNING["part"],
+                                              concurrency=TUNING["conc"]))
     return open_storage(url)
 
 
@@ -260,6 +268,42 @@ def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[
             (name, "load", load, "single-stream download", base_down)]
 
 
+AZURITE = REPO / "tests" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def bench_azure(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
+    """Azurite (in memory); with ``rate``, the connection string points at a shaper in front of it."""
+    from azure.storage.blob import BlobServiceClient
+
+    if not AZURITE.exists():
+        raise SystemExit(f"{AZURITE} is missing: npm ci --prefix tests/azurite (make .venv/.installed does it)")
+    port = free_port()
+    proc = start([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+                  "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"], port, str(work))
+    shaper = Shaper(port, rate) if rate else None
+    try:
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = (
+            f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{shaper.port if shaper else port}/devstoreaccount1;")
+        with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+            blob = service.create_container("bench").get_blob_client("baseline/state.pt")
+            base_up = timed(lambda: blob.upload_blob(raw, max_concurrency=1))
+            base_down = timed(lambda: blob.download_blob(max_concurrency=1).readall())
+            blob.delete_blob()
+        save, load = ours("az://bench/run", state, 1)
+        upload = raw_upload("az://bench/run", raw)
+    finally:
+        if shaper:
+            shaper.close()
+        stop(proc)
+    name = (f"azure (Azurite via {rate / MB:.0f} MB/s-per-connection link)" if rate
+            else "azure (Azurite raw, loopback, CPU-bound)")
+    return [(name, "save", save, "single-stream upload_blob", base_up),
+            (name, "upload only", upload, "single-stream upload_blob", base_up),
+            (name, "load", load, "single-stream download_blob", base_down)]
+
+
 def as_row(r: Row, size: int) -> dict:
     """A report row with issue 4's target: cloud save/upload >= 2x single stream, local save >= 0.8x
     the disk's sequential write; the rest is information."""
@@ -285,16 +329,16 @@ def serialised(size_mb: int) -> tuple[dict[str, torch.Tensor], bytes]:
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MB (default 1024)")
-    p.add_argument("--backends", default="local,s3,gcs")
+    p.add_argument("--backends", default="local,s3,gcs,azure")
     p.add_argument("--link-mb-s", type=float, default=15.0,
                    help="per-connection limit of the shaped link in MB/s (0: no shaped rows)")
     p.add_argument("--shaped-size-mb", type=int, default=128, help="state size for the shaped rows (default 128)")
-    p.add_argument("--part-size-mb", type=int, help="S3 part / GCS chunk size (default: the backend's)")
+    p.add_argument("--part-size-mb", type=int, help="S3 part / GCS chunk / Azure block size (default: the backend's)")
     p.add_argument("--concurrency", type=int, default=8, help="parts in flight (with --part-size-mb)")
     args = p.parse_args()
     if args.part_size_mb:
         TUNING.update(part=args.part_size_mb << 20, conc=args.concurrency)
-    benches = {"local": bench_local, "s3": bench_s3, "gcs": bench_gcs}
+    benches = {"local": bench_local, "s3": bench_s3, "gcs": bench_gcs, "azure": bench_azure}
     runs = [(args.size_mb, None)]
     if args.link_mb_s:
         runs.append((args.shaped_size_mb, args.link_mb_s * MB))

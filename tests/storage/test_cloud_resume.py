@@ -1,5 +1,5 @@
-"""The exact-resume promise on the cloud backends, s3:// (moto server) and gs:// (fake-gcs-server: it
-enforces the manifest's if_generation_match, as GCS does): examples/train.py stopped by SIGTERM at a
+"""The exact-resume promise on the cloud backends, s3:// (moto server), gs:// (fake-gcs-server: it
+enforces the manifest's if_generation_match, as GCS does) and az:// (Azurite): examples/train.py stopped by SIGTERM at a
 random step, resumed, and compared bit for bit with an uninterrupted run; a sharded checkpoint of two
 ranks saved and resumed exactly."""
 
@@ -17,7 +17,7 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
 from tests.helpers import REPO, example_cmd, read_losses, run_example, subprocess_env
-from tests.storage.conftest import AWS_ENV
+from tests.storage.conftest import AWS_ENV, azurite_connection
 from tests.test_distributed import assert_same, run, torchrun
 from tests.test_resume import COMMON, assert_same_run
 
@@ -25,12 +25,15 @@ pytestmark = pytest.mark.slow
 _rng = random.Random()
 
 
-@pytest.fixture(params=["s3", "gs"])
+@pytest.fixture(params=["s3", "gs", "az"])
 def cloud(request):
     """(url, environment for the child processes) for each cloud backend."""
     if request.param == "s3":
         url = request.getfixturevalue("s3_url")
         return url, subprocess_env(**AWS_ENV, AWS_ENDPOINT_URL=request.getfixturevalue("moto").url)
+    if request.param == "az":
+        url = request.getfixturevalue("az_url")
+        return url, subprocess_env(AZURE_STORAGE_CONNECTION_STRING=azurite_connection(request.getfixturevalue("azurite").port))
     url = request.getfixturevalue("fake_gcs_url")
     return url, subprocess_env(STORAGE_EMULATOR_HOST=request.getfixturevalue("fake_gcs").url)
 

