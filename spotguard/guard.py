@@ -516,6 +516,8 @@ class Guard:
             self.save(step, "emergency", deadline=deadline)
         except Exception as e:
             self.emergency_error = e
+            self._stats.failures += 1
+            self.events.emit("failed", step=step, reason="emergency", error=f"{type(e).__name__}: {e}")
             resume_at = self._durable_step
             logger.error("emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, "
                          "%d step(s) lost", step, type(e).__name__, e,

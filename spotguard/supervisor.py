@@ -90,6 +90,7 @@ class SupervisorOptions:
     stack_wait: float = 1.0
     poll: float = 0.1
     forward_as: int | None = None  # forward stop signals as this one (e.g. SIGUSR1); None: as received
+    stdout_to_stderr: bool = False  # the job writes its stdout to our stderr (`spotguard run --json`)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -324,7 +325,8 @@ class Supervisor:
         # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
         # job is killed together with its data-loader workers.
         try:
-            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
+            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True,
+                                                 stdout=2 if opts.stdout_to_stderr else None)
         except OSError as e:
             raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
         # The child runs before Popen returns: a stop signal in that window found no child to
