@@ -134,7 +134,8 @@ class Guard:
     ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
     checkpoints are uploaded in the background. ``stop_on_advisory`` (default
     ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
-    checkpointing early.
+    checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
+    (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
     """
 
     def __init__(
