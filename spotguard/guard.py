@@ -249,7 +249,9 @@ class Guard:
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
         """
         if self._dist is not None:  # [distributed hook] collective, sharded checkpoints
-            return self._dist.resume(self)
+            step = self._dist.resume(self)
+            self._resumed(step, self.storage.describe(checkpoint.step_dir(step)) if step else None)
+            return step
         tiers = [(s, checkpoint.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
         self._durable_step = durable[-1] if durable else None
@@ -269,13 +271,16 @@ class Guard:
             self._stats.restore_s = time.monotonic() - t0
             logger.info("resumed from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?")
             self._drop_killed_saves(tiers, info.step)
-            m = info.manifest
-            self.events.emit("resume", step=info.step, checkpoint=where, reason=m.reason if m else None,
-                             checkpoint_time=m.time if m else None, restore_s=self._stats.restore_s)
+            self._resumed(info.step, where)
             return info.step
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
-        self.events.emit("resume", step=0, checkpoint=None, reason=None, checkpoint_time=None, restore_s=None)
+        self._resumed(0, None)
         return 0
+
+    def _resumed(self, step: int, where: str | None) -> None:
+        m = self.last_saved if where else None
+        self.events.emit("resume", step=step, checkpoint=where, reason=m.reason if m else None,
+                         checkpoint_time=m.time if m else None, restore_s=self._stats.restore_s if m else None)
 
     @staticmethod
     def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resumed: int) -> None:
