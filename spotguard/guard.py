@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from .snapshot import Staging
 from .stats import GuardStats
 from .storage import Storage, open_storage
 from .watcher import Watcher
+
+if TYPE_CHECKING:
+    from .metrics import GuardMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +210,7 @@ class Guard:
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
-        self.metrics = None
+        self.metrics: GuardMetrics | None = None
         if metrics_port is not None or metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from . import metrics
 
@@ -656,9 +659,7 @@ class Guard:
         try:
             self._finish(save)
         finally:
-            self.events.emit("close", step=self._step, stopped_at=self.stopped_at)
-            if self.metrics is not None:
-                self.metrics.close()
+            self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics stop on it
 
     def _finish(self, save: bool) -> None:
         pending = self._pending

@@ -46,7 +46,7 @@ class GuardMetrics:
     """Exports one Guard: a Prometheus collector (``collect()`` on scrape) and a JSON lines file.
 
     Made by ``spotguard.metrics.export()`` (or ``Guard(metrics_port=..., metrics_file=...)``); stops
-    with ``close()``, which the Guard calls when it closes.
+    when the guard closes (or with ``close()``).
     """
 
     def __init__(self, guard: Guard, *, port: int | None = None, host: str = "127.0.0.1",
@@ -63,7 +63,7 @@ class GuardMetrics:
         self._registry = registry
         self._closed = False
         self._worker = Worker(self._handle, self._sample, sample_s)
-        guard.events.add(self._worker.put)
+        guard.events.add(self._on_event)
         try:
             if registry is not None:
                 prometheus()
@@ -83,7 +83,7 @@ class GuardMetrics:
         if self._closed:
             return
         self._closed = True
-        self.guard.events.remove(self._worker.put)
+        self.guard.events.remove(self._on_event)
         self._worker.close()
         if self.endpoint is not None:
             self.endpoint.close()
@@ -91,6 +91,12 @@ class GuardMetrics:
             self._registry.unregister(self)
         if self._file is not None:
             self._file.close()
+
+    def _on_event(self, record: dict[str, Any]) -> None:
+        """The listener: queue the record (the guard's thread goes on at once); stop with the guard."""
+        self._worker.put(record)
+        if record["event"] == "close":
+            self.close()
 
     # -- the background thread --------------------------------------------------------------
     def _sample(self) -> None:

@@ -187,3 +187,21 @@ def test_a_port_in_use_is_a_clear_error(tmp_path):
             spotguard.Guard(str(tmp_path / "b"), providers=[], metrics_port=g.metrics.port)
     finally:
         g.close()
+
+
+def test_export_into_a_registry_the_user_serves_and_it_leaves_with_the_guard(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from spotguard.metrics import export
+
+    registry = CollectorRegistry()
+    guard = spotguard.Guard(str(tmp_path), every_steps=2, providers=[]).track(model=torch.nn.Linear(2, 2))
+    exporter = export(guard, registry=registry)
+    assert exporter.endpoint is None  # no server of ours
+    with guard:
+        for step in range(1, 4):
+            guard.step(step)
+        guard.wait()
+        text = generate_latest(registry).decode()
+        assert "spotguard_step 3.0" in text and "spotguard_checkpoints_total 1.0" in text
+    assert "spotguard_" not in generate_latest(registry).decode()  # unregistered when the guard closed
