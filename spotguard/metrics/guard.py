@@ -105,7 +105,7 @@ class GuardMetrics:
             if step is not None and step != self._seen[0]:
                 self._seen = (step, now)
                 self._samples.append((time.monotonic(), step))
-                while len(self._samples) > 2 and self._samples[1][0] < time.monotonic() - RATE_WINDOW_S:
+                while len(self._samples) > 2 and self._samples[1][0] <= time.monotonic() - RATE_WINDOW_S:
                     self._samples.popleft()
 
     def _handle(self, rec: dict[str, Any]) -> None:
@@ -130,11 +130,14 @@ class GuardMetrics:
 
     # -- figures ---------------------------------------------------------------------------------
     def steps_per_second(self) -> float | None:
+        """Steps over about the last ``RATE_WINDOW_S`` seconds, up to now: a stalled job decays to 0."""
+        now = time.monotonic()
         with self._lock:
-            if len(self._samples) < 2:
-                return None
-            (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+            samples = list(self._samples)
+        if len(samples) < 2:
+            return None
+        t0, s0 = samples[0]  # _sample() keeps the newest sample before the window as the anchor
+        return max(samples[-1][1] - s0, 0) / (now - t0) if now > t0 else None
 
     def interval_seconds(self) -> float | None:
         """The periodic interval in use, in seconds (``every_steps`` through the measured step rate)."""
