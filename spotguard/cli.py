@@ -48,6 +48,24 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail(args: argparse.Namespace, message: str, code: int = 1, **fields: object) -> int:
+    """An error result: the message on stderr and, with --json, as a document on stdout."""
+    print(f"spotguard: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "exit_code": code, **fields}))
+    return code
+
+
+def _verified(args: argparse.Namespace, text: str, url: str, info: checkpoint.CheckpointInfo | None,
+              status: str, problem: str | None = None) -> None:
+    """One verify result: a line of text, or with --json a document."""
+    if args.json:
+        print(json.dumps({"url": url, "name": info.name if info else None, "step": info.step if info else None,
+                          "status": status, "problem": problem}))
+    else:
+        print(text)
+
+
 def _split_step(url: str) -> tuple[str, str | None]:
     head, _, last = url.rstrip("/").rpartition("/")
     if head and checkpoint.parse_step_dir(last) is not None:
@@ -60,19 +78,24 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     storage = open_storage(root)
     infos = [i for i in checkpoint.scan(storage) if name is None or i.name == name]
     if name is not None and not infos:
+        if args.json:
+            return _fail(args, f"{storage.describe(name)}: no such checkpoint", url=storage.describe(name))
         print(f"{storage.describe(name)}: no such checkpoint", file=sys.stderr)
         return 1
+    if args.json and not infos:  # nothing verified is not "all good"
+        return _fail(args, f"no checkpoints in {storage.describe()}", url=storage.describe())
     bad = 0
     for info in infos:
+        where = storage.describe(info.name)
         try:
             checkpoint.verify(storage, info)
-            print(f"{info.name}: ok")
+            _verified(args, f"{info.name}: ok", where, info, "ok")
         except CheckpointCorruptError as e:
             if info.status == "incomplete" and name is None:
-                print(f"{info.name}: incomplete (ignored by resume)")
+                _verified(args, f"{info.name}: incomplete (ignored by resume)", where, info, "incomplete", str(e))
                 continue
             bad += 1
-            print(f"{info.name}: CORRUPT: {e}")
+            _verified(args, f"{info.name}: CORRUPT: {e}", where, info, "corrupt", str(e))
     return 1 if bad else 0
 
 
@@ -141,9 +164,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                 max_restarts=args.max_restarts,
                                 hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
                                 backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace,
-                                forward_as=args.forward_as)
+                                forward_as=args.forward_as, stdout_to_stderr=args.json)
     logging.getLogger("spotguard.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
-    return Supervisor(options).run()
+    supervisor = Supervisor(options)
+    exporter = None
+    if args.metrics_port is not None or args.metrics_file:
+        from .metrics.run import RunMetrics
+
+        logging.getLogger("spotguard.metrics").setLevel(logging.INFO)
+        exporter = RunMetrics(supervisor, port=args.metrics_port, host=args.metrics_host, jsonl=args.metrics_file)
+    try:
+        return supervisor.run()
+    except SpotguardError as e:
+        if not args.json:
+            raise
+        print(f"spotguard: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if exporter is not None:
+            exporter.close()
+        if args.json:
+            print(json.dumps(supervisor.summary()), flush=True)
 def _cmd_mock_metadata(args: argparse.Namespace) -> int:
     from . import mockmeta
 
@@ -266,15 +307,13 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     info = _pick(storage, args.step)
     if info is None:
         what = "no complete checkpoint" if args.step is None else f"no checkpoint of step {args.step}"
-        print(f"spotguard: {what} in {storage.describe()}", file=sys.stderr)
-        return 1
+        return _fail(args, f"{what} in {storage.describe()}", url=storage.describe())
     if not info.complete or info.manifest is None:
-        print(f"spotguard: {storage.describe(info.name)} is {info.status}: {info.problem}", file=sys.stderr)
-        return 1
+        return _fail(args, f"{storage.describe(info.name)} is {info.status}: {info.problem}",
+                     url=storage.describe(info.name))
     dest = open_storage(args.dest)
     if dest.list(info.name + "/"):
-        print(f"spotguard: {dest.describe(info.name)} already exists", file=sys.stderr)
-        return 1
+        return _fail(args, f"{dest.describe(info.name)} already exists", url=dest.describe(info.name))
     bar = _progress_bar(info.manifest.size, info.name)
     if hasattr(storage, "progress"):
         storage.progress = bar.update
@@ -288,8 +327,20 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         dest.put_bytes(f"{info.name}/{checkpoint.MANIFEST}", info.manifest.to_bytes(), exclusive=True)
     finally:
         bar.close()
-    print(f"{dest.describe(info.name)}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)")
+    if args.json:
+        print(json.dumps({"url": dest.describe(info.name), "source": storage.describe(info.name), "step": info.step,
+                          "name": info.name, "size": info.manifest.size, "verified": True}))
+    else:
+        print(f"{dest.describe(info.name)}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)")
     return 0
+
+
+def _deleted(args: argparse.Namespace, text: str, url: str, step: int | None, status: str,
+             problem: str | None) -> None:
+    if args.json:
+        print(json.dumps({"deleted": url, "step": step, "status": status, "problem": problem or None}))
+    else:
+        print(text)
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
@@ -297,19 +348,22 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     if args.step is not None:
         info = _pick(storage, args.step)
         if info is None:
-            print(f"spotguard: no checkpoint of step {args.step} in {storage.describe()}", file=sys.stderr)
-            return 1
+            return _fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
         checkpoint.delete(storage, info.name)
-        print(f"deleted {storage.describe(info.name)} ({info.status})")
+        _deleted(args, f"deleted {storage.describe(info.name)} ({info.status})", storage.describe(info.name),
+                 info.step, info.status, info.problem)
         return 0
     doomed = [i for i in checkpoint.scan(storage) if i.status == "incomplete"]
     for info in doomed:
         checkpoint.delete(storage, info.name)
-        print(f"deleted {storage.describe(info.name)} (incomplete: {info.problem})")
+        _deleted(args, f"deleted {storage.describe(info.name)} (incomplete: {info.problem})",
+                 storage.describe(info.name), info.step, info.status, info.problem)
     cleanup = getattr(storage, "remove_temp_files", None) or getattr(storage, "abort_incomplete_uploads", None)
     leftovers = cleanup() if cleanup else []
     for name in leftovers:
-        print(f"deleted leftover {name}")
+        _deleted(args, f"deleted leftover {name}", name, None, "leftover", None)
+    if args.json:
+        return 0  # one document per deletion; none when there was nothing to delete
     if not doomed and not leftovers:
         print(f"nothing incomplete in {storage.describe()}")
     return 0
@@ -328,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 when corrupt)")
     p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
+    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint (status ok, corrupt or "
+                   "incomplete); an error object and exit 1 when there is nothing to verify")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("plan", help="how often to checkpoint: interval, goodput and lost work per strategy")
@@ -368,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "after a forwarded stop signal (default 120)")
     p.add_argument("--forward-as", metavar="SIGNAL", help="forward stop signals as this one (e.g. USR1) "
                    "where the platform also signals the job directly (Slurm preemption)")
+    p.add_argument("--json", action="store_true", help="print one JSON document at the end (exit code, outcome, "
+                   "restarts by cause, every exit); the job's stdout goes to stderr")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (restarts and "
+                   "their causes) on this port (needs spotguard[metrics])")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address to serve them on (default 127.0.0.1)")
+    p.add_argument("--metrics-file", metavar="FILE", help="append one JSON line per start, exit and the end")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
     p.set_defaults(func=_cmd_run)
     clouds = ("aws", "gcp", "azure")
@@ -412,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="storage URL (path, s3://, gs://, az://)")
     p.add_argument("dest", help="local checkpoint root; the checkpoint lands in DEST/step-NNNNNNNN/")
     p.add_argument("--step", type=int, help="which step (default: the newest complete checkpoint)")
+    p.add_argument("--json", action="store_true", help="one JSON object: the pulled checkpoint, or an error")
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("rm", help="delete one checkpoint, or the leftovers of interrupted saves")
@@ -420,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
     what.add_argument("--incomplete", action="store_true",
                       help="delete checkpoints without a manifest and unfinished uploads")
+    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted, or an error")
     p.set_defaults(func=_cmd_rm)
     return parser
 
@@ -432,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SpotguardError as e:
         print(f"spotguard: error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(e), "exit_code": 2, "type": type(e).__name__}))
         return 2
 
 

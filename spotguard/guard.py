@@ -13,6 +13,7 @@ the durable URL, bounded by the notice deadline.
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import math
@@ -21,13 +22,14 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _env, checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
+from .events import Events
 from .notices.base import Notice, NoticeProvider
 from .pending import PendingSave
 from .planner import AdaptiveInterval
@@ -35,6 +37,9 @@ from .snapshot import Staging
 from .stats import GuardStats
 from .storage import Storage, open_storage
 from .watcher import Watcher
+
+if TYPE_CHECKING:
+    from .metrics import GuardMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,10 @@ class GuardOptions:
     busy: BusyPolicy | str = BusyPolicy.SKIP
     mtbf_hours: float | None = None
     background_nice: int | None = 10  # Linux: niceness added to the background writer (None: none)
+    # [metrics] spotguard.metrics: Prometheus endpoint (needs spotguard[metrics]) and JSON lines
+    metrics_port: int | None = None  # 0 picks a free port; + LOCAL_RANK in a process group
+    metrics_host: str = "127.0.0.1"  # "0.0.0.0" to let other machines scrape it
+    metrics_file: str | None = None  # {rank}, {local_rank} are filled in
     # [distributed] only used in an initialised process group (see spotguard.distributed)
     sync_every: int = 1
     poll_on: str = "local-rank-0"
@@ -96,6 +105,9 @@ class GuardOptions:
         if self.background_nice is not None and not (
                 isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
             raise ConfigError(f"background_nice must be an int from 0 to 19 or None, got {self.background_nice!r}")
+        if self.metrics_port is not None and not (
+                isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port must be an int from 0 to 65535 or None, got {self.metrics_port!r}")
         if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
             raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         for value, enum_cls in ((self.poll_on, distributed.PollOn), (self.reshard, distributed.Reshard)):
@@ -103,6 +115,13 @@ class GuardOptions:
                 enum_cls(value)
             except ValueError:
                 raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None
+
+
+def _copy_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return copy.deepcopy(extra)
+    except Exception:  # not JSON anyway: checkpoint.write reports it from the background save
+        return dict(extra)
 
 
 def _world_size() -> int:
@@ -118,7 +137,8 @@ class Guard:
     ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's NVMe) from which periodic
     checkpoints are uploaded in the background. ``stop_on_advisory`` (default
     ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
-    checkpointing early.
+    checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
+    (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
     """
 
     def __init__(
@@ -138,6 +158,9 @@ class Guard:
         busy: BusyPolicy | str = BusyPolicy.SKIP,
         mtbf_hours: float | None = None,
         background_nice: int | None = 10,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_file: str | None = None,
         sync_every: int = 1,
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
@@ -146,7 +169,8 @@ class Guard:
             stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
-                                    mtbf_hours, background_nice, sync_every, poll_on, reshard)
+                                    mtbf_hours, background_nice, metrics_port, metrics_host, metrics_file,
+                                    sync_every, poll_on, reshard)
         # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
         self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
@@ -162,7 +186,8 @@ class Guard:
         self._dist = distributed.setup(sync_every)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
-        #: JSON-serialisable values saved in the manifest and restored by ``resume()``.
+        #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
+        #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
@@ -182,6 +207,15 @@ class Guard:
         self._lock = threading.Lock()
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self._schedule(0)
+        #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
+        #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
+        self.events = Events()
+        self.metrics: GuardMetrics | None = None
+        if metrics_port is not None or metrics_file:  # [metrics] reads stats() and events; step() is untouched
+            from . import metrics
+
+            self.metrics = metrics.export(self, port=metrics_port, host=metrics_host, jsonl=metrics_file,
+                                          per_rank=True)
 
     # -- setup -------------------------------------------------------------------------------
     @property
@@ -206,6 +240,11 @@ class Guard:
         """Measured figures: snapshot stall, write and upload throughput, state size."""
         return self._stats
 
+    @property
+    def last_step(self) -> int | None:
+        """The step last passed to ``step()`` (or resumed from); None before either."""
+        return self._step
+
     def resume(self) -> int:
         """Restore the newest checkpoint that verifies, from either tier; return its step (0 if none).
 
@@ -213,7 +252,9 @@ class Guard:
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
         """
         if self._dist is not None:  # [distributed hook] collective, sharded checkpoints
-            return self._dist.resume(self)
+            step = self._dist.resume(self)
+            self._resumed(step, self.storage.describe(checkpoint.step_dir(step)) if step else None)
+            return step
         tiers = [(s, checkpoint.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
         self._durable_step = durable[-1] if durable else None
@@ -233,9 +274,16 @@ class Guard:
             self._stats.restore_s = time.monotonic() - t0
             logger.info("resumed from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?")
             self._drop_killed_saves(tiers, info.step)
+            self._resumed(info.step, where)
             return info.step
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
+        self._resumed(0, None)
         return 0
+
+    def _resumed(self, step: int, where: str | None) -> None:
+        m = self.last_saved if where else None
+        self.events.emit("resume", step=step, checkpoint=where, reason=m.reason if m else None,
+                         checkpoint_time=m.time if m else None, restore_s=self._stats.restore_s if m else None)
 
     @staticmethod
     def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resumed: int) -> None:
@@ -321,6 +369,7 @@ class Guard:
                 pending.skipped += 1
                 logger.log(level, "%s checkpoint of step %d skipped: step %d is still being written",
                            reason, step, pending.step)
+                self.events.emit("skipped", step=step, reason=reason, in_flight=pending.step)
                 self._schedule(step)
                 return
             self._wait_pending()
@@ -328,40 +377,54 @@ class Guard:
         t0 = time.perf_counter()
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
             payload = self._payload(step, staged=True)
+        extra = _copy_extra(self.extra)  # the values of this step, whatever the loop sets while it is written
         stall = time.perf_counter() - t0
         self._stats.record_snapshot(stall, self._staging.nbytes)
         if self._adaptive is not None:
             self._adaptive.observe(stall)  # with async saves the loop only loses the snapshot
         self._saved_step = step
-        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, cancel),
+        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, extra, cancel),
                                     nice=self.options.background_nice)
         self._schedule(step)
 
-    def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], cancel: threading.Event) -> None:
+    def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any],
+                     cancel: threading.Event) -> None:
         """Background: serialise to the first tier, then upload to the durable URL."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        manifest = self._write(first, step, reason, lambda f: torch.save(payload, f), cancel=cancel)
+        manifest = self._write(first, step, reason, lambda f: torch.save(payload, f), cancel=cancel, extra=extra)
         if manifest is None:
             return
-        self._stats.record_write(time.monotonic() - t0, manifest.size)
+        took = time.monotonic() - t0
+        self._stats.record_write(took, manifest.size)
         self._prune(first)
         if self.local is not None:
+            self._committed(manifest, "local", took, durable=False)
             t1 = time.monotonic()
             info = CheckpointInfo(step, checkpoint.step_dir(step), "complete", manifest)
             try:
                 checkpoint.copy(self.local, self.storage, info, cancel=cancel)
             except CheckpointExistsError:
                 pass
-            self._stats.record_upload(time.monotonic() - t1, manifest.size)
+            took = time.monotonic() - t1
+            self._stats.record_upload(took, manifest.size)
             self._prune(self.storage)
         self._durable_step = max(step, self._durable_step or 0)
         self._stats.checkpoints += 1
+        self._committed(manifest, "durable", took, durable=True)
+
+    def _committed(self, manifest: Manifest, tier: str, seconds: float, durable: bool) -> None:
+        if self.events:  # the record carries the stats, so the JSON lines are a `plan --stats` file too
+            self.events.emit("checkpoint", step=manifest.step, reason=manifest.reason, tier=tier, durable=durable,
+                             size=manifest.size, seconds=seconds, checkpoint_time=manifest.time,
+                             **self._stats.as_dict())
 
     def _write(self, storage: Storage, step: int, reason: str, writer: checkpoint.Writer,
-               deadline: float | None = None, cancel: threading.Event | None = None) -> Manifest | None:
+               deadline: float | None = None, cancel: threading.Event | None = None,
+               extra: dict[str, Any] | None = None) -> Manifest | None:
         try:
-            manifest = checkpoint.write(storage, step, {STATE_FILE: writer}, reason=reason, extra=self.extra,
+            manifest = checkpoint.write(storage, step, {STATE_FILE: writer}, reason=reason,
+                                        extra=self.extra if extra is None else extra,
                                         world_size=_world_size(), torch_version=torch.__version__,
                                         deadline=deadline, cancel=cancel)
         except CheckpointExistsError:
@@ -403,6 +466,7 @@ class Guard:
             self._stats.checkpoints += 1
             if self._dist is None:
                 self._prune(self.storage)
+            self._committed(manifest, "durable", took, durable=True)
         self._schedule(step)  # after observe(): the next save is due at the re-picked interval
         return manifest
 
@@ -413,10 +477,21 @@ class Guard:
             self._stats.failures += 1
             self._errors.append(e)
             logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
+            self.events.emit("failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}")
             self._schedule(step)
 
     # -- the emergency ------------------------------------------------------------------------
     def _emergency(self, step: int, left: float | None = None) -> None:
+        t0 = time.monotonic()
+        try:
+            self._emergency_save(step, left)
+        finally:
+            notice, resume_at = self.notice, self._durable_step
+            self.events.emit("stop", step=step, committed=resume_at == step, resume_step=resume_at,
+                             lost_steps=step - (resume_at or 0), seconds=time.monotonic() - t0,
+                             kind=notice.kind if notice else None, provider=notice.provider if notice else None)
+
+    def _emergency_save(self, step: int, left: float | None) -> None:
         self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
         notice = self.notice
         if left is None:  # [distributed] ranks pass the earliest deadline among them
@@ -450,6 +525,8 @@ class Guard:
             self.save(step, "emergency", deadline=deadline)
         except Exception as e:
             self.emergency_error = e
+            self._stats.failures += 1
+            self.events.emit("failed", step=step, reason="emergency", error=f"{type(e).__name__}: {e}")
             resume_at = self._durable_step
             logger.error("emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, "
                          "%d step(s) lost", step, type(e).__name__, e,
@@ -532,6 +609,8 @@ class Guard:
             else:
                 self._stats.failures += 1
                 self._errors.append(pending.error)
+                self.events.emit("failed", step=pending.step, reason=pending.reason,
+                                 error=f"{type(pending.error).__name__}: {pending.error}")
             if self._saved_step == pending.step:
                 self._saved_step = None
 
@@ -556,6 +635,8 @@ class Guard:
             self._due_time = time.monotonic() + self._every_seconds()
 
     def _on_notice(self, notice: Notice) -> None:
+        self._stats.notices[notice.kind] = self._stats.notices.get(notice.kind, 0) + 1
+        self.events.emit("notice", **{k: v for k, v in notice.to_json().items() if k != "raw"})
         if notice.advisory and not self.options.stop_on_advisory and self.options.checkpoint_on_advisory:
             self._due_step = -math.inf  # the next step() checkpoints early (from the loop's thread)
 
@@ -575,6 +656,12 @@ class Guard:
         After a clean finish, the first error of a background save is raised here (never lost).
         """
         self.watcher.stop()
+        try:
+            self._finish(save)
+        finally:
+            self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics stop on it
+
+    def _finish(self, save: bool) -> None:
         pending = self._pending
         if pending is not None and pending.cancelled:
             self._pending = None  # abandoned for an emergency save: never hold the exit for it

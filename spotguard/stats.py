@@ -18,7 +18,7 @@ emergency save reasons with it. ``GuardStats.as_dict()`` is one record of the st
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class GuardStats:
     upload_Bps: float | None = None
     emergency_s: float | None = None
     restore_s: float | None = None
+    notices: dict[str, int] = field(default_factory=dict)  # distinct notices seen, by kind
 
     def record_snapshot(self, seconds: float, nbytes: int) -> None:
         self.last_stall_s = seconds

@@ -25,6 +25,11 @@ two deliveries distinct, so the child does not read them as "stop now".
 A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
 the first one): the child's Python stacks are dumped to the log (faulthandler, on ``SIGUSR2``),
 its process group is killed and it is restarted from the last checkpoint.
+
+Every start and exit is an event (``supervisor.events``, ``supervisor.exits``): an exit has its
+cause (``CAUSES``), exit code, signal, last step and the seconds of work lost, the wall time from the
+newer of the newest checkpoint's commit and the child's start to its exit. ``spotguard.metrics.run``
+exports them; ``summary()`` is the document ``spotguard run --json`` prints.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +51,7 @@ from types import FrameType
 
 from . import checkpoint, heartbeat
 from .errors import ConfigError, SpotguardError, StorageError
+from .events import Events, Record
 from .guard import EXIT_PREEMPTED, LOCAL_DIR_ENV, STORAGE_ENV
 from .storage import Storage, open_storage
 
@@ -54,6 +61,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 #: A repeat of the first stop signal this soon is the same broadcast (Slurm and systemd's
 #: control-group mode signal every process, a wrapper shell may forward too), not a user insisting.
 DUPLICATE_WINDOW = 2.0
+#: Why a child exited. Restarted: ``exit_code`` (non-zero), ``signal`` (killed by one), ``hang`` (no step
+#: for hang_timeout), ``startup_timeout`` (no first step in time). Not restarted: ``finished``,
+#: ``preempted`` (exit 75 or its Guard stopped for a notice), ``stopped`` (it exited after our stop
+#: signal), ``grace_exceeded`` (killed: it did not exit within the grace after our stop signal).
+CAUSES = ("exit_code", "signal", "hang", "startup_timeout", "finished", "preempted", "stopped", "grace_exceeded")
 
 
 class RestartBudgetExhausted(SpotguardError):
@@ -78,6 +90,7 @@ class SupervisorOptions:
     stack_wait: float = 1.0
     poll: float = 0.1
     forward_as: int | None = None  # forward stop signals as this one (e.g. SIGUSR1); None: as received
+    stdout_to_stderr: bool = False  # the job writes its stdout to our stderr (`spotguard run --json`)
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,6 +131,7 @@ class _Outcome:
     flags: int = 0
     hung: bool = False
     killed_after_grace: bool = False
+    stepped: bool = True  # a hang after the first step (else a startup timeout)
 
 
 class Supervisor:
@@ -131,6 +145,14 @@ class Supervisor:
         self._stop_at = 0.0
         self._unforwarded: int | None = None  # a stop signal that came while no child was known
         self._stopping = threading.Event()
+        self.events = Events()
+        self.starts = 0
+        self.exits: list[Record] = []  # one per child exit, oldest first
+        self.restart_causes: Counter[str] = Counter()
+        self.exit_code: int | None = None
+        self.error: str | None = None
+        self.beat: Path | None = None  # the running child's heartbeat file
+        self._started_at = 0.0  # wall time of the running child's start
 
     # -- checkpoints -------------------------------------------------------------------------
     def report_latest(self) -> checkpoint.CheckpointInfo | None:
@@ -176,14 +198,37 @@ class Supervisor:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
         """Supervise until done; returns the exit code (see the module docstring)."""
+        try:
+            self.exit_code = self._supervise()
+        except SpotguardError as e:
+            self.exit_code, self.error = 2, str(e)
+            raise
+        finally:
+            self.events.emit("end", exit_code=self.exit_code, restarts=self.restarts, error=self.error)
+        return self.exit_code
+
+    def summary(self) -> Record:
+        """The run as one JSON-ready document: exit code, outcome, restarts by cause, every exit."""
+        last = self.exits[-1] if self.exits else None
+        outcome = "gave_up" if self.error else last["cause"] if last and not last["restart"] else \
+            "stopped" if self._stopping.is_set() else None
+        return {"exit_code": self.exit_code, "outcome": outcome, "restarts": self.restarts,
+                "restart_causes": dict(self.restart_causes), "starts": self.starts, "exits": self.exits,
+                "error": self.error}
+
+    def _supervise(self) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
         previous = self._install_handlers()
         try:
             while True:
-                self.report_latest()
+                info = self.report_latest()
                 if self._stopping.is_set():
                     return 128 + (self._stop_signal or 0)
-                outcome = self._run_once(heartbeat.create(workdir / "heartbeat"))
+                self.starts += 1
+                self.beat = heartbeat.create(workdir / "heartbeat")
+                self._started_at = time.time()
+                self.events.emit("start", attempt=self.starts, checkpoint_step=info.step if info else None)
+                outcome = self._run_once(self.beat)
                 decided = self._decide(outcome)
                 if decided is not None:
                     return decided
@@ -194,33 +239,79 @@ class Supervisor:
                     logger.warning("stop signal during the backoff: not restarting")
                     return 128 + (self._stop_signal or 0)
         finally:
+            self.beat = None
             self._restore_handlers(previous)
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _exited(self, out: _Outcome, cause: str, restart: bool) -> None:
+        """Record one child exit (``exits``, ``restart_causes``, an ``exit`` event)."""
+        now = time.time()
+        step = heartbeat.read(self.beat)[0] if self.beat else 0
+        newest = self._newest_checkpoint() if cause != "finished" else None
+        lost = None
+        if cause != "finished":
+            since = self._started_at if newest is None else max(newest[1], self._started_at)
+            lost = max(now - since, 0.0)
+        code = _exit_code(out.code)
+        record: Record = {"attempt": self.starts, "cause": cause, "exit_code": code,
+                          "signal": _signame(-out.code) if out.code < 0 else None, "step": step,
+                          "seconds": now - self._started_at, "checkpoint_step": newest[0] if newest else None,
+                          "lost_s": lost, "restart": restart}
+        self.exits.append(record)
+        if restart:
+            self.restart_causes[cause] += 1
+        self.events.emit("exit", **record)
+
+    def _newest_checkpoint(self) -> tuple[int, float] | None:
+        """(step, unix commit time) of the newest complete checkpoint; None without one or storage."""
+        url = self.options.storage or os.environ.get(STORAGE_ENV)
+        if not url:
+            return None
+        try:
+            storage = open_storage(url)
+            try:
+                info = checkpoint.latest(storage)
+            finally:
+                storage.close()
+            if info is None or info.manifest is None:
+                return None
+            return info.step, dt.datetime.fromisoformat(info.manifest.time).timestamp()
+        except (SpotguardError, OSError, ValueError) as e:
+            logger.debug("cannot read the newest checkpoint for the lost-work figure: %s", e)
+            return None
 
     def _decide(self, out: _Outcome) -> int | None:
         """The exit code to stop with, or None to restart (counts against the budget)."""
         if out.killed_after_grace:
+            self._exited(out, "grace_exceeded", restart=False)
             return 128 + (self._stop_signal or signal.SIGTERM)
         code = _exit_code(out.code)
         if code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
             logger.warning("the job stopped for a notice (exit code %d): not restarting, exiting %d",
                            code, EXIT_PREEMPTED)
+            self._exited(out, "preempted", restart=False)
             return EXIT_PREEMPTED
         if self._stopping.is_set():
             logger.warning("the job exited with code %d after a stop signal: not restarting", code)
+            self._exited(out, "stopped", restart=False)
             return code
         if code == 0 and not out.hung:
             logger.info("the job finished")
+            self._exited(out, "finished", restart=False)
             return 0
         what = "hung" if out.hung else (f"was killed by {_signame(-out.code)} (exit code {code})" if out.code < 0
                                         else f"crashed with exit code {code}")
+        cause = ("hang" if out.stepped else "startup_timeout") if out.hung else "signal" if out.code < 0 \
+            else "exit_code"
         if self.restarts >= self.options.max_restarts:
+            self._exited(out, cause, restart=False)
             raise RestartBudgetExhausted(
                 f"the job {what} and the restart budget is used up ({self.options.max_restarts} "
                 f"restart(s)); giving up. Fix the cause (see the log above), then run again: "
                 "it resumes from the newest checkpoint")
         self.restarts += 1
         logger.error("the job %s", what)
+        self._exited(out, cause, restart=True)
         return None
 
     def _run_once(self, beat: Path) -> _Outcome:
@@ -234,7 +325,8 @@ class Supervisor:
         # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
         # job is killed together with its data-loader workers.
         try:
-            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True)
+            proc = self._proc = subprocess.Popen(opts.command, env=env, start_new_session=True,
+                                                 stdout=2 if opts.stdout_to_stderr else None)
         except OSError as e:
             raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
         # The child runs before Popen returns: a stop signal in that window found no child to
@@ -279,7 +371,7 @@ class Supervisor:
                              now - last_change, where)
                 self._dump_stacks(proc)
                 _kill_group(proc)
-                return _Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True)
+                return _Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True, stepped=seen_step)
 
     def _dump_stacks(self, proc: subprocess.Popen[bytes]) -> None:
         """faulthandler in the child (registered by its Guard) writes every thread's stack to stderr."""

@@ -280,3 +280,28 @@ def test_latest_and_stats_report_what_was_measured(tmp_path):
     assert st.checkpoints == 2 and st.state_bytes >= size
     assert st.snapshot_s is not None and st.last_stall_s is not None and 0 < st.last_stall_s < 5
     assert st.write_s is not None and st.write_Bps is not None and st.write_Bps > 0
+
+
+def test_an_async_checkpoint_records_extra_as_it_was_at_its_step(tmp_path, monkeypatch):
+    """The loop may change ``guard.extra`` before the background save gets going; the manifest keeps
+    the values of the step saved (here the writer is held before it starts)."""
+    started, go = threading.Event(), threading.Event()
+    real_write = checkpoint.write
+
+    def held_write(*args, **kwargs):
+        started.set()
+        assert go.wait(10), "test never let the save go"
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write", held_write)
+    g, _ = model_guard(str(tmp_path), every_steps=5)
+    with g:
+        g.extra["epoch"] = 1
+        g.step(5)
+        assert started.wait(10)  # step 5 is in flight, its manifest not yet built
+        g.extra["epoch"] = 2
+        go.set()
+        g.wait()
+        g.extra["epoch"] = 3
+    saved = {i.step: i.manifest.extra for i in checkpoint.scan(open_storage(str(tmp_path))) if i.complete}
+    assert saved == {5: {"epoch": 1}}  # and no final save: step 5 is the last step

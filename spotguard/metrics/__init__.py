@@ -1,0 +1,34 @@
+"""Metrics of a training job and of ``spotguard run``: Prometheus (``spotguard[metrics]``) and JSON lines.
+
+``Guard(..., metrics_port=9400, metrics_file="metrics.jsonl")`` or ``export(guard, ...)``; ``spotguard
+run --metrics-port P --metrics-file F`` for the supervisor. The endpoint binds 127.0.0.1 unless told
+otherwise (``metrics_host="0.0.0.0"`` to let a Prometheus server elsewhere scrape it). See
+``spotguard.metrics.guard`` and ``spotguard.metrics.run`` for what is exported and how it is measured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .. import distributed
+from .guard import GuardMetrics
+
+if TYPE_CHECKING:
+    from ..guard import Guard
+
+__all__ = ["GuardMetrics", "export"]
+
+
+def export(guard: Guard, *, port: int | None = None, host: str = "127.0.0.1", jsonl: str | None = None,
+           registry: Any = None, per_rank: bool = True, sample_s: float = 1.0) -> GuardMetrics:
+    """Export ``guard``'s figures: an HTTP endpoint on ``host:port`` (0: a free port), JSON lines
+    appended to ``jsonl``, and/or a collector registered in a prometheus_client ``registry`` you serve
+    yourself. Under torchrun (``per_rank``) rank N serves on ``port + LOCAL_RANK`` and ``{rank}`` /
+    ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes.
+    """
+    if per_rank and distributed.world_size() > 1:
+        if port:
+            port += distributed.local_rank()
+        if jsonl:
+            jsonl = distributed.format_per_rank(jsonl)
+    return GuardMetrics(guard, port=port, host=host, jsonl=jsonl, registry=registry, sample_s=sample_s)

@@ -1,0 +1,78 @@
+"""``spotguard run``'s metrics: starts, exits and restarts by cause, the job's step, work lost per exit.
+
+Read from the ``Supervisor`` on scrape (its counters, the child's heartbeat file for the step), and
+written as JSON lines from its events (``start``, ``exit``, ``end``) by a background thread. An
+exit's ``lost_s`` is the wall time from the newer of the newest checkpoint's commit (its manifest's
+time) and the child's start to the exit: the work the next start redoes (hang time included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .. import heartbeat
+from ..supervisor import CAUSES
+from .sink import Endpoint, JsonLines, Worker
+
+if TYPE_CHECKING:
+    from ..supervisor import Supervisor
+
+
+class RunMetrics:
+    """Exports one Supervisor: an endpoint on ``host:port`` and/or JSON lines in ``jsonl``."""
+
+    def __init__(self, supervisor: Supervisor, *, port: int | None = None, host: str = "127.0.0.1",
+                 jsonl: str | None = None) -> None:
+        self.supervisor = supervisor
+        self._file = JsonLines(jsonl) if jsonl else None
+        self._worker = Worker(self._file.write if self._file else lambda rec: None, name="spotguard-run-metrics")
+        supervisor.events.add(self._worker.put)
+        try:
+            self.endpoint = Endpoint(self, host, port) if port is not None else None
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def port(self) -> int | None:
+        return self.endpoint.port if self.endpoint else None
+
+    def close(self) -> None:
+        self.supervisor.events.remove(self._worker.put)
+        self._worker.close()
+        if getattr(self, "endpoint", None) is not None:
+            self.endpoint.close()  # type: ignore[union-attr]
+            self.endpoint = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+        sup = self.supervisor
+        exits = list(sup.exits)
+        yield CounterMetricFamily("spotguard_run_starts", "Times the job was started.", value=sup.starts)
+        restarts = CounterMetricFamily("spotguard_run_restarts", "Restarts, by the cause of the exit before.",
+                                       labels=["cause"])
+        ended = CounterMetricFamily("spotguard_run_exits", "Job exits, by cause.", labels=["cause"])
+        for cause in CAUSES:
+            if cause in ("exit_code", "signal", "hang", "startup_timeout"):
+                restarts.add_metric([cause], sup.restart_causes.get(cause, 0))
+            ended.add_metric([cause], sum(1 for e in exits if e["cause"] == cause))
+        yield restarts
+        yield ended
+        beat = sup.beat
+        yield GaugeMetricFamily("spotguard_run_job_running", "1 while the job is running.",
+                                value=1 if beat is not None and sup._proc is not None else 0)
+        if beat is not None:
+            yield GaugeMetricFamily("spotguard_run_job_step", "The job's last completed step (its heartbeat).",
+                                    value=heartbeat.read(beat)[0])
+        if exits:
+            yield GaugeMetricFamily("spotguard_run_last_exit_code", "Exit code of the job's last exit "
+                                    "(128+N for signal N).", value=exits[-1]["exit_code"])
+        lost = [e["lost_s"] for e in exits if e["lost_s"] is not None]
+        yield SummaryMetricFamily("spotguard_run_lost_seconds", "Exits that lost work (all but finished), "
+                                  "and the seconds of work redone after each.", count_value=len(lost),
+                                  sum_value=sum(lost))
