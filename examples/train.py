@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[train] {'resuming at' if start else 'starting at'} step {start} of {args.steps}", flush=True)
     log = open(args.losses, "a") if args.losses else None
     stopped = False
+    loss = None  # a run resumed at its last step trains no step
     t0 = time.monotonic()
     with guard:
         while step < args.steps and not stopped:
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train] stopped at step {step} for a {n.kind if n else '?'} notice from "
               f"{n.provider if n else '?'}; checkpoint committed, exiting {spotguard.EXIT_PREEMPTED}", flush=True)
         return spotguard.EXIT_PREEMPTED
+    last = f"last loss {loss.item():.4f}" if loss is not None else "no step left to train"
     print(f"[train] finished {args.steps} steps ({step - start} in this run, {time.monotonic() - t0:.1f}s), "
-          f"last loss {loss.item():.4f}", flush=True)
+          f"{last}", flush=True)
     if args.final:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.final)
     return 0
