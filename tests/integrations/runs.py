@@ -22,6 +22,7 @@ from spotguard.storage import open_storage
 from ..helpers import REPO, read_losses, subprocess_env
 
 WAIT_S = 240  # a loaded 2-core machine imports a trainer in tens of seconds
+SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step N + 2
 
 
 def command(script: str, run_dir: Path, *args: str) -> list[str]:
@@ -86,3 +87,64 @@ def reference_run(script: str, run_dir: Path, *args: str) -> tuple[list[tuple[in
     done = run(script, run_dir, *args, "--final", str(run_dir / "final.pt"))
     assert done.returncode == 0, done.stderr[-4000:]
     return read_losses(run_dir / "losses.jsonl"), run_dir / "final.pt"
+
+
+def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str, ...], steps: int,
+                                     mock_metadata, rng) -> int:
+    """A real SIGTERM at a random step, then (resumed) a notice from the AWS mock at a later random step.
+
+    Both runs must exit 75 with an emergency checkpoint of their last step; returns that step.
+    """
+    from spotguard.cli import main as spotguard_main
+    from spotguard.mockmeta import endpoint_env
+
+    at = rng.randint(2, steps // 2 - 3)
+    first = stop_when(script, run_dir, (*args, *SLOW), after_step(run_dir, at), sigterm)
+    stopped = assert_stopped(first, run_dir)
+    assert at <= stopped < steps
+
+    server = mock_metadata("aws")
+    env = subprocess_env(**endpoint_env("aws", server.url))
+    at = rng.randint(stopped + 2, steps - 5)
+    second = stop_when(
+        script, run_dir, (*args, *SLOW, "--providers", "signal,aws"), after_step(run_dir, at),
+        lambda proc: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", server.url]), env=env)
+    assert "notice from aws" in second.stdout, second.stdout
+    stopped = assert_stopped(second, run_dir)
+    assert at <= stopped < steps
+    assert "before the deadline" in second.stderr  # the AWS notice carries one: the commit reports its margin
+    return stopped
+
+
+def stop_during_evaluation_then_warmup(script: str, run_dir: Path, args: tuple[str, ...], eval_steps: list[int],
+                                       eval_batches: int, rng) -> subprocess.CompletedProcess[str]:
+    """SIGTERM while an evaluation runs (it is cut short, the step is checkpointed), then, resumed,
+    SIGTERM during the warm-up before the first step (nothing new to save: stop at the resume point)."""
+    at = rng.choice(eval_steps)
+
+    def in_eval() -> bool:
+        return any(e["event"] == "eval_batch" and e["step"] == at for e in events(run_dir))
+
+    first = stop_when(script, run_dir, (*args, *SLOW, "--eval-sleep", "2"), in_eval, sigterm)
+    assert assert_stopped(first, run_dir) == at
+    batches = [e for e in events(run_dir) if e["event"] == "eval_batch" and e["step"] == at]
+    assert len(batches) < eval_batches  # cut short: the checkpoint did not wait for the whole evaluation
+
+    def began_twice() -> bool:
+        return sum(e["event"] == "train_begin" for e in events(run_dir)) == 2
+
+    second = stop_when(script, run_dir, (*args, *SLOW, "--warmup-sleep", "1"), began_twice, sigterm)
+    assert assert_stopped(second, run_dir) == at  # nothing trained since the resume point
+    assert "already checkpointed" in second.stderr
+    assert max(i.step for i in checkpoints(run_dir)) == at
+    return first
+
+
+def finish_identically(script: str, run_dir: Path, args: tuple[str, ...], reference) -> subprocess.CompletedProcess[str]:
+    """The last, uninterrupted resume: losses of every step and the final parameters equal the reference."""
+    from ..test_resume import assert_same_run
+
+    last = run(script, run_dir, *args, "--final", str(run_dir / "final.pt"))
+    assert last.returncode == 0, last.stderr[-4000:]
+    assert_same_run(run_dir / "losses.jsonl", run_dir / "final.pt", reference)
+    return last
