@@ -11,6 +11,7 @@ reads one attribute per step (``due``) and does everything else only when it is 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -100,7 +101,6 @@ class FolderCheckpoints:
 
     def __init__(self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None) -> None:
         if storage is None:
-            import os
             storage = os.environ.get(STORAGE_ENV)
             if not storage:
                 raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
@@ -145,6 +145,8 @@ class FolderCheckpoints:
             if not info.complete:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
                 continue
+            if self.work_dir:
+                Path(self.work_dir).mkdir(parents=True, exist_ok=True)
             dest = Path(tempfile.mkdtemp(prefix=f"spotguard-{info.name}-", dir=self.work_dir))
             try:
                 checkpoint.fetch(self.storage, info, dest)

@@ -27,12 +27,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .. import checkpoint
+from ..errors import MissingDependencyError
 from ..notices.base import NoticeProvider
 from ..storage import Storage
 from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise MissingDependencyError("spotguard.integrations.hf needs transformers: pip install 'spotguard[hf]'") from e
 
 logger = logging.getLogger(__name__)
 

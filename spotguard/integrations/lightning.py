@@ -24,14 +24,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
 from .. import state
+from ..errors import MissingDependencyError
 from ..guard import EXIT_PREEMPTED
 from ..notices.base import NoticeProvider
 from ..storage import Storage
 from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+
+try:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+except ImportError as e:
+    raise MissingDependencyError("spotguard.integrations.lightning needs lightning: "
+                                 "pip install 'spotguard[lightning]'") from e
 
 logger = logging.getLogger(__name__)
 

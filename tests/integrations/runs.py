@@ -37,7 +37,7 @@ def events(run_dir: Path) -> list[dict]:
 
 def run(script: str, run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command(script, run_dir, *args), env=env or subprocess_env(), capture_output=True,
-                          text=True, timeout=WAIT_S)
+                          text=True, timeout=WAIT_S, cwd=run_dir)
 
 
 def stop_when(script: str, run_dir: Path, args: tuple[str, ...], ready: Callable[[], bool],
@@ -45,7 +45,7 @@ def stop_when(script: str, run_dir: Path, args: tuple[str, ...], ready: Callable
               ) -> subprocess.CompletedProcess[str]:
     """Start the example, call ``stop(proc)`` once ``ready()`` holds, and return the finished process."""
     proc = subprocess.Popen(command(script, run_dir, *args), env=env or subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=run_dir)
     try:
         deadline = time.monotonic() + WAIT_S
         while not ready():

@@ -24,7 +24,8 @@ _rng = random.Random()  # the test's own randomness
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return runs.reference_run(SCRIPT, tmp_path_factory.mktemp("hf-reference"), *ARGS)
+    run_dir = tmp_path_factory.mktemp("hf-reference")
+    return runs.reference_run(SCRIPT, run_dir, *ARGS, "--output-dir", str(run_dir / "hf-output"))
 
 
 def plant_broken_checkpoints(run_dir, good_step: int) -> None:
