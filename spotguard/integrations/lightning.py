@@ -69,6 +69,7 @@ class SpotguardCallback(Callback):
         self._watch = self.notices
         self._trainer: Any = None
         self._resumed_step = 0
+        self._seen_step = -1
         self._committed_step: int | None = None
         self._rng_before_validation: dict[str, Any] | None = None
         self._rng_after_iterator: dict[str, Any] | None = None
@@ -125,7 +126,7 @@ class SpotguardCallback(Callback):
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._resumed_step = trainer.global_step
+        self._resumed_step = self._seen_step = trainer.global_step
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
@@ -135,10 +136,13 @@ class SpotguardCallback(Callback):
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # accumulating gradients: no optimizer step yet, nothing to stop or save at
+        self._seen_step = step
         if self._watch.due:
             self._due(trainer)
-        elif self.every_steps and trainer.global_step % self.every_steps == 0 \
-                and trainer.global_step != self._committed_step:
+        elif self.every_steps and step and step % self.every_steps == 0 and step != self._committed_step:
             self._save(trainer, "periodic")
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
