@@ -69,7 +69,7 @@ class SpotguardCallback(Callback):
         self._watch = self.notices
         self._trainer: Any = None
         self._resumed_step = 0
-        self._seen_step = -1
+        self._steps = self._seen_steps = 0  # optimizer steps (as trainer.global_step), and the last one acted on
         self._committed_step: int | None = None
         self._rng_before_validation: dict[str, Any] | None = None
         self._rng_after_iterator: dict[str, Any] | None = None
@@ -126,7 +126,7 @@ class SpotguardCallback(Callback):
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._resumed_step = self._seen_step = trainer.global_step
+        self._resumed_step = self._steps = self._seen_steps = trainer.global_step
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
@@ -135,14 +135,16 @@ class SpotguardCallback(Callback):
         if self._watch.due and self.notices.preempted.is_set() and trainer.global_step == self._resumed_step:
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
 
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._steps += 1  # our own count: trainer.global_step is a chain of properties, too slow per batch
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._seen_step:
+        if self._steps == self._seen_steps:
             return  # accumulating gradients: no optimizer step yet, nothing to stop or save at
-        self._seen_step = step
+        self._seen_steps = self._steps
         if self._watch.due:
             self._due(trainer)
-        elif self.every_steps and step and step % self.every_steps == 0 and step != self._committed_step:
+        elif self.every_steps and self._steps % self.every_steps == 0 and trainer.global_step != self._committed_step:
             self._save(trainer, "periodic")
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
