@@ -5,7 +5,8 @@ What a training step pays: for the Hugging Face Trainer, ``SpotguardCallback.on_
 ones, with the Trainer's real ``TrainerState``/``TrainerControl``; for Accelerate,
 ``AcceleratorGuard.step()`` against an empty method; for Lightning, the callback's
 ``on_train_batch_start`` + ``on_before_optimizer_step`` + ``on_train_batch_end`` against
-``Callback``'s empty ones, with a real ``lightning.Trainer``. Target: < 1 us per step.
+``Callback``'s empty ones, with a real ``lightning.Trainer``. Target: the overhead, value minus
+baseline, < 1 us per step (both measured in the same run: a loaded machine inflates both alike).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import timeit
 from _rows import emit, parser, row
 
 TARGET_NS = 1000.0
+TARGET = "overhead (value - baseline) < 1000 ns"
 
 
 def per_call_ns(stmt, number: int, repeat: int = 7) -> float:
@@ -35,11 +37,13 @@ def hf(root: str, n: int) -> dict:
 
     cb, empty = SpotguardCallback(root, providers=[]), TrainerCallback()
     state, control = TrainerState(global_step=10), TrainerControl()
-    ours = per_call_ns(lambda: (cb.on_step_begin(None, state, control), cb.on_step_end(None, state, control)), n)
-    base = per_call_ns(lambda: (empty.on_step_begin(None, state, control), empty.on_step_end(None, state, control)), n)
+    ours = per_call_ns(lambda: (cb.on_step_begin(None, state, control),
+                                cb.on_step_end(None, state, control)), n)
+    base = per_call_ns(lambda: (empty.on_step_begin(None, state, control),
+                                empty.on_step_end(None, state, control)), n)
     return row("HF SpotguardCallback per step, nothing due (on_step_begin + on_step_end)", ours, "ns",
-               baseline=base, baseline_label="empty TrainerCallback", target="< 1000 ns",
-               passed=lambda v, r: v < TARGET_NS)
+               baseline=base, baseline_label="empty TrainerCallback",
+               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
 
 
 def accelerate(root: str, n: int) -> dict:
@@ -52,7 +56,8 @@ def accelerate(root: str, n: int) -> dict:
     ours = per_call_ns(lambda: guard.step(10), n)
     base = per_call_ns(lambda: empty.step(10), n)
     return row("Accelerate AcceleratorGuard.step(), nothing due (every_steps)", ours, "ns", baseline=base,
-               baseline_label="empty method call", target="< 1000 ns", passed=lambda v, r: v < TARGET_NS)
+               baseline_label="empty method call",
+               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
 
 
 def lightning(root: str, n: int) -> dict:
@@ -77,8 +82,8 @@ def lightning(root: str, n: int) -> dict:
 
     ours, base = per_call_ns(ours_step, n), per_call_ns(empty_step, n)
     return row("Lightning SpotguardCallback per step, nothing due (3 hooks)", ours, "ns",
-               baseline=base, baseline_label="empty Callback", target="< 1000 ns",
-               passed=lambda v, r: v < TARGET_NS)
+               baseline=base, baseline_label="empty Callback",
+               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
 
 
 def main() -> int:
