@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml tests/azurite/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0   # first, so the CPU wheel is used, not a CUDA build
-	$(PY) -m pip install -q -e '.[dev,aws,gcp,azure,data,plot,metrics]'
+	$(PY) -m pip install -q -e '.[dev,aws,gcp,azure,data,plot,metrics,hf,lightning]'
 	# Azurite (the Azure Storage emulator the az:// tests start) from the npm registry, pinned by its lock file.
 	npm ci --prefix tests/azurite --no-audit --no-fund --loglevel=error
 	touch $@

@@ -12,7 +12,9 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import re
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -168,15 +170,8 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
     except (TypeError, ValueError) as e:
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
-        if not _FILE_NAME.match(fname):
-            raise ConfigError(f"invalid checkpoint file name {fname!r}")
-    existing = storage.list(name + "/")
-    if f"{name}/{MANIFEST}" in existing:
-        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
-    if existing:
-        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
-                    storage.describe(name))
-        storage.delete(existing)
+        _check_file_name(fname)
+    _clear_leftovers(storage, name)
     entries = []
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
@@ -193,6 +188,82 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
                         extra=extra_json, torch_version=torch_version)
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
+
+
+def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
+              extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
+              deadline: float | None = None) -> Manifest:
+    """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
+
+    Trainers write their checkpoint folders file by file, with no commit marker and no checksums:
+    a folder cut short by a kill looks like a checkpoint. Here every regular file below
+    ``directory`` is hashed and stored under ``step-N/`` with its relative path, and the manifest
+    is written last, so the folder obeys the same rules as ``write``. The files must not change
+    afterwards: local storage hard-links them when it can.
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step)
+    root = Path(directory)
+    if not root.is_dir():
+        raise ConfigError(f"cannot commit {root}: not a directory")
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    if not paths:
+        raise ConfigError(f"cannot commit {root}: it holds no files")
+    files = {p.relative_to(root).as_posix(): p for p in paths}
+    for fname in files:
+        _check_file_name(fname)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
+    _clear_leftovers(storage, name)
+    entries = []
+    for fname, path in files.items():
+        entries.append(FileEntry(fname, path.stat().st_size, sha256_file(path)))
+        storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
+                        extra=extra_json, torch_version=torch_version)
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
+
+
+def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
+    """Every file of a complete checkpoint, verified, in the local folder ``dest`` (created); returns it.
+
+    For libraries that load a checkpoint folder themselves (``Trainer``'s ``resume_from_checkpoint``).
+    A file is hard-linked where it can be (a local checkpoint, a download's temp file), else copied.
+    """
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in info.manifest.files:
+        target = dest / entry.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        with open_verified(storage, info, entry.name) as path:
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copyfile(path, target)
+    return dest
+
+
+def _check_file_name(fname: str) -> None:
+    if not _FILE_NAME.match(fname) or fname == MANIFEST:
+        raise ConfigError(f"invalid checkpoint file name {fname!r}")
+
+
+def _clear_leftovers(storage: Storage, name: str) -> None:
+    """Refuse a committed ``name``; delete what an interrupted save of it left."""
+    existing = storage.list(name + "/")
+    if f"{name}/{MANIFEST}" in existing:
+        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
+    if existing:
+        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
+                    storage.describe(name))
+        storage.delete(existing)
 
 
 def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,

@@ -215,3 +215,55 @@ def test_extra_must_be_json(tmp_path, caplog):
     with pytest.raises(ConfigError, match="JSON"):
         guard.save(1, "manual")
     assert saved_steps(tmp_path) == []
+
+
+def _trainer_folder(root: Path) -> Path:
+    """A folder as a trainer writes it: several files, one nested."""
+    folder = root / "checkpoint-12"
+    (folder / "shards").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights" * 100)
+    (folder / "trainer_state.json").write_text('{"global_step": 12}')
+    (folder / "shards" / "rank-0.bin").write_bytes(b"\x00\x01" * 50)
+    return folder
+
+
+def test_write_dir_commits_a_trainer_folder_manifest_last(tmp_path):
+    folder = _trainer_folder(tmp_path / "out")
+    storage = open_storage(str(tmp_path / "ckpt"))
+    manifest = checkpoint.write_dir(storage, 12, folder, reason="emergency", extra={"epoch": 1})
+    assert sorted(f.name for f in manifest.files) == ["model.safetensors", "shards/rank-0.bin", "trainer_state.json"]
+    info = checkpoint.latest(storage)
+    assert info is not None and info.step == 12 and info.manifest == manifest
+    checkpoint.verify(storage, info)
+    got = checkpoint.fetch(storage, info, tmp_path / "pulled")
+    for f in manifest.files:
+        assert (got / f.name).read_bytes() == (folder / f.name).read_bytes()
+    with pytest.raises(CheckpointExistsError):
+        checkpoint.write_dir(storage, 12, folder, reason="emergency")
+
+
+def test_fetch_refuses_a_tampered_file(tmp_path):
+    folder = _trainer_folder(tmp_path / "out")
+    storage = open_storage(str(tmp_path / "ckpt"))
+    checkpoint.write_dir(storage, 12, folder, reason="periodic")
+    stored = tmp_path / "ckpt" / "step-00000012" / "model.safetensors"
+    data = bytearray(stored.read_bytes())
+    data[3] ^= 0xFF  # same size: only the checksum can tell
+    stored.unlink()  # the stored file may be a hard link of the trainer's: replace it, do not edit it
+    stored.write_bytes(bytes(data))
+    info = checkpoint.latest(storage)
+    with pytest.raises(spotguard.CheckpointCorruptError, match="SHA-256"):
+        checkpoint.fetch(storage, info, tmp_path / "pulled")
+
+
+def test_write_dir_rejects_empty_folders_and_unsafe_names(tmp_path):
+    storage = open_storage(str(tmp_path / "ckpt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no files"):
+        checkpoint.write_dir(storage, 1, tmp_path / "empty", reason="manual")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "epoch=0-step=1.ckpt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="invalid checkpoint file name"):
+        checkpoint.write_dir(storage, 1, odd, reason="manual")
+    assert checkpoint.scan(storage) == []

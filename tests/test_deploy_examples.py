@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -79,3 +82,51 @@ def test_sbatch_script_checkpoints_on_usr1_and_requeues(tmp_path):
     assert "stopped at step" in out and "requeueing job 4242" in out
     assert calls.read_text().split("\n")[0] == "requeue 4242"
     assert any(storage.glob("step-*/manifest.json"))  # the emergency checkpoint
+
+
+SKYPILOT = REPO / "examples" / "skypilot" / "hf-trainer.yaml"
+RAY = REPO / "examples" / "ray" / "train_ray.py"
+
+
+def test_skypilot_managed_job_relaunches_on_exit_75_and_runs_the_hf_example():
+    task = yaml.safe_load(SKYPILOT.read_text())
+    resources = task["resources"]
+    assert resources["use_spot"] is True
+    recovery = resources["job_recovery"]
+    codes = recovery["recover_on_exit_codes"]
+    assert EXIT_PREEMPTED in (codes if isinstance(codes, list) else [codes])
+    assert recovery["strategy"] in ("FAILOVER", "EAGER_NEXT_REGION")
+    assert isinstance(recovery["max_restarts_on_errors"], int) and recovery["max_restarts_on_errors"] >= 0
+    assert task["envs"]["SPOTGUARD_STORAGE"].startswith(("s3://", "gs://"))  # a machine's disk goes with it
+    # The run's exit status is the script's (set -e), and the script and its flags exist.
+    run = task["run"]
+    assert run.lstrip().startswith("set -e")
+    words = shlex.split(run.split("\n", 1)[1])
+    script = REPO / words[words.index("python") + 1]
+    assert script == REPO / "examples" / "hf_trainer.py" and script.exists()
+    flags = [w for w in words if w.startswith("--")]
+    assert "--storage" in flags and all(f'"{flag}"' in script.read_text() for flag in flags)
+    extras = re.findall(r"\.\[([a-z,]+)\]", task["setup"])
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert extras and all(f"\n{extra} = [" in pyproject for extra in extras[0].split(","))
+    assert "torch==2.13.0" in task["setup"]
+
+
+def test_ray_recipe_imports_without_ray_and_restarts_on_every_failure():
+    tree = ast.parse(RAY.read_text())
+    top_level = {alias.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                 for alias in node.names} | {node.module.split(".")[0] for node in tree.body
+                                             if isinstance(node, ast.ImportFrom) and node.module}
+    assert "ray" not in top_level  # imported where used: the recipe reads (and loads) without ray
+    spec = importlib.util.spec_from_file_location("train_ray", RAY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exc:  # no bucket: refused before anything starts
+        module.main([])
+    assert exc.value.code == 2
+    loop = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_loop_per_worker")
+    calls = {ast.unparse(n.func) for n in ast.walk(loop) if isinstance(n, ast.Call)}
+    assert {"spotguard.Guard", "guard.track", "guard.resume", "guard.step", "Preempted"} <= calls
+    assert issubclass(module.Preempted, Exception)  # Ray Train counts it as a failure and restarts
+    failure = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "FailureConfig")
+    assert ast.unparse(failure) == "FailureConfig(max_failures=-1)"

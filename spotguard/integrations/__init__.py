@@ -1,0 +1,8 @@
+"""spotguard for the trainers people already use: Hugging Face Trainer, Accelerate, Lightning.
+
+One module per trainer, each imported only by name (``spotguard.integrations.hf``,
+``.accelerate``, ``.lightning``), so that installing spotguard never pulls in a trainer: the
+trainers come with the extras ``spotguard[hf]`` and ``spotguard[lightning]``. They share
+``_common``: a notice watch (spotguard's ``Watcher``) and the trainer's own checkpoint folders
+committed to spotguard storage with a manifest written last, so a folder cut short is never resumed.
+"""

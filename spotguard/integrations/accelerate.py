@@ -1,0 +1,178 @@
+"""spotguard for Hugging Face Accelerate: ``accelerator.save_state``/``load_state`` made safe on spot machines.
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    guard = AcceleratorGuard(accelerator, "s3://bucket/runs/1", every_steps=500)
+    guard.track(counter)                 # accelerator.register_for_checkpointing(counter)
+    step = guard.resume()                # accelerator.load_state(<newest verified checkpoint>)
+    with guard:                          # watches for notices; a clean exit writes a final checkpoint
+        for batch in loader:
+            ...                          # one training step
+            step += 1
+            if guard.step(step):         # nearly free when nothing is due
+                break                    # a notice came: the emergency checkpoint is committed
+    sys.exit(guard.exit_code)            # 75 after a notice
+
+Every save is ``accelerator.save_state`` into a scratch folder (on the storage's filesystem for a
+local path, so storing it is a hard link), committed as ``step-N/`` with a manifest written last;
+``resume()`` loads the newest folder whose files match their manifest. Accelerate saves the
+model, optimizers, schedulers, registered objects, the RNG streams and, with
+``use_stateful_dataloader=True``, the data loader's position: the resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from .. import data
+from ..checkpoint import Manifest
+from ..errors import ConfigError
+from ..notices.base import Notice, NoticeProvider
+from ..storage import Storage
+from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AcceleratorGuard"]
+
+
+class AcceleratorGuard:
+    """Checkpoints an Accelerate training loop periodically and on a notice, and resumes it exactly.
+
+    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
+    checkpoints are kept there. ``every_steps``: periodic checkpoints (None: only on notices and
+    at the end). ``providers``/``interval``/``stop_on_advisory``: as for ``spotguard.Guard``.
+    """
+
+    def __init__(self, accelerator: Any, storage: str | Storage | None = None, *, every_steps: int | None = None,
+                 keep: int = 3, providers: str | Iterable[str | NoticeProvider] | None = "auto",
+                 interval: float = 1.0, stop_on_advisory: bool = False, save_on_exit: bool = True,
+                 work_dir: str | None = None) -> None:
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
+        project = getattr(accelerator, "project_configuration", None)
+        if getattr(project, "automatic_checkpoint_naming", False):
+            raise ConfigError("ProjectConfiguration(automatic_checkpoint_naming=True) makes save_state ignore its "
+                              "folder: turn it off, spotguard names, commits and prunes the checkpoints")
+        self.accelerator = accelerator
+        self.checkpoints = FolderCheckpoints(storage, keep, work_dir)
+        self.notices = NoticeWatch(providers, interval, stop_on_advisory)
+        self.every_steps = every_steps
+        self.save_on_exit = save_on_exit
+        #: The step this run stopped at for a notice, or None.
+        self.stopped_at: int | None = None
+        self.emergency_error: BaseException | None = None
+        self._watch = self.notices  # one attribute lookup less on the hot path
+        self._step: int | None = None
+        self._saved_step: int | None = None
+        self._due_step: float = math.inf
+        self._schedule(0)
+
+    @property
+    def notice(self) -> Notice | None:
+        return self.notices.notice
+
+    @property
+    def exit_code(self) -> int:
+        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0."""
+        return self.notices.exit_code
+
+    def track(self, *objects: Any) -> AcceleratorGuard:
+        """Save and restore ``objects`` too (``accelerator.register_for_checkpointing``)."""
+        self.accelerator.register_for_checkpointing(*objects)
+        return self
+
+    def resume(self) -> int:
+        """``accelerator.load_state`` from the newest checkpoint that verifies; return its step (0 if none)."""
+        refuse_process_group("AcceleratorGuard")
+        found = self.checkpoints.newest_verified()
+        if found is None:
+            return 0
+        step, folder = found
+        try:
+            self.accelerator.load_state(str(folder))
+        finally:
+            self.checkpoints.cleanup()
+        for loader in getattr(self.accelerator, "_dataloaders", []):
+            # Its first iterator after the restore must not draw from the RNG streams just restored:
+            # the uninterrupted run created it at the start of the epoch, not here.
+            base = getattr(loader, "base_dataloader", loader)
+            if data.is_stateful_loader(base):
+                data.neutralize_next_iterator(base)
+        self._step = self._saved_step = step
+        self._schedule(step)
+        return step
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self, step: int) -> bool:
+        """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
+        if self._watch.due or step >= self._due_step:
+            return self._step_slow(step)
+        self._step = step
+        return False
+
+    def _step_slow(self, step: int) -> bool:
+        self._step = step
+        if self.notices.preempted.is_set():
+            if self.stopped_at is None:
+                self.stopped_at = step
+                self._emergency(step)
+            return True
+        reason = "advisory" if self.notices.take_advisory() else "periodic"
+        try:
+            self.save(step, reason)
+        except Exception as e:  # a failed periodic save must not end the training
+            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step,
+                         type(e).__name__, e)
+            self._schedule(step)
+        return False
+
+    def _emergency(self, step: int) -> None:
+        if self._saved_step == step:
+            logger.warning("stop at step %d: already checkpointed", step)
+            self.notices.acknowledge()
+            return
+        logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
+        try:
+            self.save(step, "emergency", deadline=self.notices.deadline())
+        except Exception as e:
+            self.emergency_error = e
+            logger.error("emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
+                         step, type(e).__name__, e, self._saved_step)
+            return
+        self.notices.acknowledge()
+
+    def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
+        """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now."""
+        with self.checkpoints.storage.scratch() as scratch:
+            folder = scratch / "state"
+            t0 = time.monotonic()
+            self.accelerator.save_state(str(folder))
+            logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
+            manifest = self.checkpoints.commit(step, folder, reason, deadline)
+        self._saved_step = step
+        self._schedule(step)
+        return manifest
+
+    def _schedule(self, step: int) -> None:
+        self._due_step = step + self.every_steps if self.every_steps else math.inf
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def __enter__(self) -> AcceleratorGuard:
+        refuse_process_group("AcceleratorGuard")
+        self.notices.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(save=exc_type is None)
+
+    def close(self, save: bool = True) -> None:
+        """Stop watching; after a clean finish, checkpoint the last step if it is not saved yet."""
+        self.notices.stop()
+        if save and self.save_on_exit and self.stopped_at is None and self._step is not None \
+                and self._step != self._saved_step:
+            self.save(self._step, "final")

@@ -1,0 +1,198 @@
+"""spotguard for the Hugging Face ``Trainer``: a ``TrainerCallback`` (``pip install 'spotguard[hf]'``).
+
+    cb = SpotguardCallback("s3://bucket/runs/1")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    sys.exit(cb.train(trainer))   # resumes from the newest verified checkpoint; 75 after a notice
+
+What happens, in the Trainer's own order: a notice (SIGTERM, cloud metadata) raises a flag; at the
+next ``on_step_end`` the callback sets ``control.should_save`` and ``should_training_stop``, so
+the Trainer finishes the step and writes its own ``checkpoint-N/`` folder; in ``on_save`` that
+folder is committed to spotguard storage (files, then a manifest with SHA-256, last) and the
+Trainer stops. Every save the Trainer makes for itself (``save_steps``) is committed the same way,
+so the storage always holds folders that verify. The resume goes the other way: the newest
+``step-N/`` whose files match their manifest is fetched and handed to ``trainer.train(
+resume_from_checkpoint=...)``, which restores model, optimizer, scheduler, RNG streams and the
+data position itself; a folder cut short by a kill has no manifest and is skipped.
+
+A notice that comes while no training step runs: during an evaluation, the evaluation is cut
+short (``cb.train`` only; with a bare callback it runs to its end) and the checkpoint written at
+once; before the first step of this run (loading, warm-up), the run stops at once when its state
+is the checkpoint it resumed from, and after its first step otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .. import checkpoint
+from ..errors import MissingDependencyError
+from ..notices.base import NoticeProvider
+from ..storage import Storage
+from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise MissingDependencyError("spotguard.integrations.hf needs transformers: pip install 'spotguard[hf]'") from e
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SpotguardCallback"]
+
+
+class _Interrupt(Exception):
+    """Raised from a callback to leave ``Trainer.train`` where the Trainer offers no way out."""
+
+
+class SpotguardCallback(TrainerCallback):
+    """Stops a ``Trainer`` after the current step on a notice, commits its checkpoints, resumes verified ones.
+
+    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
+    checkpoints are kept there. ``providers``/``interval``: what to watch and how often, as for
+    ``spotguard.Guard``. ``stop_on_advisory``: stop on an advisory notice (rebalance, migrate)
+    instead of only checkpointing early. ``work_dir``: where verified copies are fetched for a resume.
+    """
+
+    def __init__(self, storage: str | Storage | None = None, *, keep: int = 3,
+                 providers: str | Iterable[str | NoticeProvider] | None = "auto", interval: float = 1.0,
+                 stop_on_advisory: bool = False, work_dir: str | None = None) -> None:
+        self.checkpoints = FolderCheckpoints(storage, keep, work_dir)
+        self.notices = NoticeWatch(providers, interval, stop_on_advisory)
+        #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
+        self.stopped_at: int | None = None
+        self.emergency_error: BaseException | None = None
+        self._trainer: Any = None
+        self._resumed_step = 0
+        self._committed_step: int | None = None
+        self._reason: str | None = None
+
+    # -- the user's side ---------------------------------------------------------------------
+    def resume_from_checkpoint(self) -> str | None:
+        """The newest checkpoint that verifies, as a local folder for ``trainer.train(resume_from_checkpoint=...)``."""
+        found = self.checkpoints.newest_verified()
+        self._resumed_step = found[0] if found else 0
+        return str(found[1]) if found else None
+
+    def train(self, trainer: Any, **kwargs: Any) -> int:
+        """``trainer.train`` from the newest verified checkpoint; returns the exit code for the job.
+
+        ``spotguard.EXIT_PREEMPTED`` (75) after a notice (the checkpoint is committed), else 0.
+        Other keyword arguments go to ``trainer.train``.
+        """
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        self._trainer = trainer
+        try:
+            trainer.train(resume_from_checkpoint=self.resume_from_checkpoint(), **kwargs)
+        except _Interrupt:
+            self._save_interrupted(trainer)
+        finally:
+            self._trainer = None
+            self.close()
+        return self.exit_code
+
+    @property
+    def exit_code(self) -> int:
+        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0."""
+        return self.notices.exit_code
+
+    def close(self) -> None:
+        """Stop watching and remove the fetched resume copy (``on_train_end`` does it too)."""
+        self.notices.stop()
+        self.checkpoints.cleanup()
+
+    # -- Trainer events ----------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        refuse_process_group("SpotguardCallback")
+        self._resumed_step = state.global_step
+        newest = checkpoint.latest(self.checkpoints.storage)
+        if newest is not None and newest.step > state.global_step:
+            logger.warning("%s holds step %d but training starts at step %d: pass resume_from_checkpoint="
+                           "callback.resume_from_checkpoint(), or use callback.train(trainer)",
+                           self.checkpoints.storage.describe(), newest.step, state.global_step)
+        self.notices.start()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.notices.due and self._trainer is not None and state.global_step == self._resumed_step \
+                and self.notices.preempted.is_set():
+            raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.notices.due:
+            self._due(state, control)
+        elif control.should_save and state.global_step == self._committed_step:
+            control.should_save = False
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.stopped_at is not None:
+            # The Trainer evaluates and saves at every epoch end, also after a stop mid-epoch: skip both.
+            control.should_save = control.should_evaluate = False
+        elif self.notices.due:
+            self._due(state, control)
+        if control.should_save and state.global_step == self._committed_step:
+            control.should_save = False  # committed files may be hard links: never rewrite them
+        return control
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.notices.due and self.stopped_at is None:
+            self._due(state, control)  # the Trainer saves right after the evaluation
+        return control
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.notices.due and self._trainer is not None and self.notices.preempted.is_set():
+            raise _Interrupt  # cut the evaluation short: the checkpoint must make the deadline
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step, reason = state.global_step, self._reason or "periodic"
+        self._reason = None
+        self._commit(step, Path(args.output_dir) / f"checkpoint-{step}", reason)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    # -- inside ------------------------------------------------------------------------------
+    def _due(self, state: Any, control: Any) -> None:
+        if self.notices.preempted.is_set():
+            if self.stopped_at is None:
+                self.stopped_at = state.global_step
+                self._reason = "emergency"
+                control.should_save = state.global_step != self._committed_step
+                logger.warning("stopping after step %d for a notice: writing the emergency checkpoint",
+                               state.global_step)
+            control.should_training_stop = True
+        elif self.notices.take_advisory():
+            self._reason = "advisory"
+            control.should_save = True
+
+    def _commit(self, step: int, folder: Path, reason: str) -> None:
+        emergency = reason == "emergency"
+        try:
+            if not folder.is_dir():
+                raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+            self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
+            self._committed_step = step
+        except Exception as e:  # a failed periodic commit must not end the training
+            logger.error("%s checkpoint of step %d NOT committed (%s: %s)%s", reason, step, type(e).__name__, e,
+                         "" if not emergency else "; the resume point stays the previous checkpoint")
+            if emergency:
+                self.emergency_error = e
+            return
+        if emergency:
+            self.notices.acknowledge()
+
+    def _save_interrupted(self, trainer: Any) -> None:
+        """After a notice cut training short outside a step: checkpoint unless the state is already saved."""
+        step = trainer.state.global_step
+        self.stopped_at = step
+        if step == self._resumed_step or step == self._committed_step:
+            logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
+            return
+        logger.warning("stopped for a notice during an evaluation after step %d: writing the emergency checkpoint",
+                       step)
+        # The Trainer's own save (its private method: the public save_model() writes no optimizer/RNG state).
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        self._commit(step, Path(trainer.args.output_dir) / f"checkpoint-{step}", "emergency")

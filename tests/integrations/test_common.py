@@ -1,0 +1,95 @@
+"""What the trainer integrations share: trainer folders committed and found again, the notice flag,
+and the promise that spotguard never imports a trainer unless asked to."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from spotguard import EXIT_PREEMPTED, checkpoint
+from spotguard.errors import ConfigError
+from spotguard.integrations._common import FolderCheckpoints, NoticeWatch
+from spotguard.notices.base import Notice
+
+from ..helpers import subprocess_env
+
+
+def trainer_folder(root, step: int):
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes([step]) * 64)
+    (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+    return folder
+
+
+def test_newest_verified_skips_a_folder_cut_short_and_one_that_fails_its_checksums(tmp_path, caplog):
+    ckpts = FolderCheckpoints(str(tmp_path / "ckpt"), keep=5, work_dir=str(tmp_path / "work"))
+    for step in (10, 20, 30):
+        assert ckpts.commit(step, trainer_folder(tmp_path / "out", step), "periodic") is not None
+    # step 30: a file replaced after the commit (same size); step 40: files but no manifest (a kill mid-save)
+    stored = tmp_path / "ckpt" / "step-00000030" / "model.safetensors"
+    stored.unlink()
+    stored.write_bytes(b"\xff" * 64)
+    (tmp_path / "ckpt" / "step-00000040").mkdir()
+    (tmp_path / "ckpt" / "step-00000040" / "model.safetensors").write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING):
+        step, folder = ckpts.newest_verified()
+    assert step == 20
+    assert (folder / "model.safetensors").read_bytes() == bytes([20]) * 64
+    assert (folder / "trainer_state.json").read_text() == '{"global_step": 20}'
+    assert "step-00000040: incomplete" in caplog.text and "SHA-256 does not match" in caplog.text
+    ckpts.cleanup()
+    assert not folder.exists() and (tmp_path / "ckpt" / "step-00000020").is_dir()
+
+
+def test_commit_prunes_to_keep_and_a_committed_step_is_not_written_twice(tmp_path):
+    ckpts = FolderCheckpoints(str(tmp_path / "ckpt"), keep=2)
+    for step in (1, 2, 3):
+        ckpts.commit(step, trainer_folder(tmp_path / "out", step), "periodic")
+    assert [i.step for i in checkpoint.scan(ckpts.storage)] == [2, 3]
+    assert ckpts.commit(3, tmp_path / "out" / "checkpoint-3", "emergency") is None
+    assert checkpoint.latest(ckpts.storage).manifest.reason == "periodic"
+
+
+def test_storage_comes_from_the_environment_or_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPOTGUARD_STORAGE", raising=False)
+    with pytest.raises(ConfigError, match="SPOTGUARD_STORAGE"):
+        FolderCheckpoints(None)
+    monkeypatch.setenv("SPOTGUARD_STORAGE", str(tmp_path / "env"))
+    assert FolderCheckpoints(None).storage.describe() == str(tmp_path / "env")
+
+
+def test_notice_watch_flags_stop_and_advisory_notices():
+    watch = NoticeWatch(providers=[])
+    assert not watch.due and watch.exit_code == 0 and watch.deadline() is None
+    watch.watcher.report(Notice("aws", "rebalance", raw={"id": 1}))
+    assert watch.due and not watch.preempted.is_set()
+    assert watch.take_advisory() and not watch.due and not watch.take_advisory()
+    deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=120)
+    watch.watcher.report(Notice("aws", "terminate", deadline=deadline, raw={"id": 2}))
+    assert watch.due and watch.preempted.is_set() and watch.exit_code == EXIT_PREEMPTED
+    assert not watch.take_advisory() and watch.due  # a stop stays due
+    import time
+    assert 100 < watch.deadline() - time.monotonic() <= 120
+
+
+def test_spotguard_never_imports_a_trainer_and_names_the_extra_when_one_is_missing():
+    code = ("import sys, spotguard, spotguard.integrations, spotguard.integrations.accelerate\n"
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))\n"
+            "sys.modules['transformers'] = None; sys.modules['lightning'] = None\n"
+            "for name in ('hf', 'lightning'):\n"
+            "    try:\n"
+            "        __import__('spotguard.integrations.' + name)\n"
+            "    except ImportError as e:\n"
+            "        print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[]"
+    assert "MissingDependencyError" in lines[1] and "pip install 'spotguard[hf]'" in lines[1]
+    assert "MissingDependencyError" in lines[2] and "pip install 'spotguard[lightning]'" in lines[2]

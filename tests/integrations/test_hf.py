@@ -1,0 +1,64 @@
+"""Hugging Face Trainer + SpotguardCallback: stopped by SIGTERM, a cloud notice, during an evaluation and
+during warm-up, resumed each time, and equal to an uninterrupted run bit for bit."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from . import runs
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SCRIPT = "hf_trainer.py"
+STEPS = 40
+# Saves every 15 steps, evaluations (4 batches) every 10, 32 batches per epoch: notices meet saves,
+# evaluations and an epoch end.
+ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2")
+_rng = random.Random()  # the test's own randomness
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hf-reference")
+    return runs.reference_run(SCRIPT, run_dir, *ARGS, "--output-dir", str(run_dir / "hf-output"))
+
+
+def plant_broken_checkpoints(run_dir, good_step: int) -> None:
+    """What a kill mid-save leaves: newer folders without a manifest, or whose files fail their checksums."""
+    good = run_dir / "ckpt" / f"step-{good_step:08d}"
+    cut = run_dir / "ckpt" / f"step-{STEPS - 1:08d}"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
+    bad = run_dir / "ckpt" / f"step-{STEPS - 2:08d}"
+    shutil.copytree(good, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["step"] = STEPS - 2
+    (bad / "manifest.json").unlink()
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    weights = bytearray((bad / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (bad / "model.safetensors").unlink()  # may be a hard link of the good one: replace, never edit
+    (bad / "model.safetensors").write_bytes(bytes(weights))
+    # The Trainer's own folder: a checkpoint-N cut short, the one `resume_from_checkpoint=True` would take.
+    (run_dir / "hf-output" / f"checkpoint-{STEPS - 1}").mkdir(parents=True)
+
+
+def test_hf_trainer_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
+    args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
+    stopped = runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, args, STEPS, mock_metadata, _rng)
+    plant_broken_checkpoints(tmp_path, stopped)
+    last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
+    assert f"skipping {tmp_path / 'ckpt' / f'step-{STEPS - 1:08d}'}: incomplete" in last.stderr
+    assert "SHA-256 does not match" in last.stderr
+
+
+def test_hf_trainer_notice_during_evaluation_and_warmup_still_checkpoints(tmp_path, reference):
+    args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
+    in_eval = runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, args, [10, 20], 4, _rng)
+    assert "during an evaluation" in in_eval.stderr
+    runs.finish_identically(SCRIPT, tmp_path, args, reference)
