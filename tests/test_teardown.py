@@ -9,6 +9,7 @@ chain uses torchrun itself.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -20,12 +21,81 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from spotguard import Guard, SpotguardError, distributed
+from spotguard.checkpoint import latest
+from spotguard.storage import open_storage
+
+from .dist_teardown import gloo_threads
 from .helpers import REPO, free_port, subprocess_env
 
 WORKER = REPO / "tests" / "dist_teardown.py"
 ORDERS = ("after", "inside", "none", "fsdp2")
 RUNS_PER_ORDER = 10  # 40 runs in all
+
+
+def threads() -> int:
+    """gloo threads of live groups: groups earlier tests left to the garbage collector go first."""
+    gc.collect()
+    return gloo_threads()
+
+
+@pytest.fixture
+def group():
+    """A one-rank gloo group whose threads all exist already; yields the number of gloo threads."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.barrier()
+    yield threads()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def guarded(tmp_path, **kw) -> Guard:
+    return Guard(str(tmp_path), providers=None, **kw).track(model=torch.nn.Linear(2, 2))
+
+
+def test_leaving_the_block_destroys_the_guards_groups_and_joins_their_threads(tmp_path, group):
+    guard = guarded(tmp_path)
+    assert threads() > group
+    with guard:
+        guard.step(1)
+    assert threads() == group
+    assert latest(guard.storage).step == 1  # the final checkpoint came first
+    guard.close()  # again: harmless
+    dist.destroy_process_group()  # after the block, as PyTorch recommends
+    guard.close()
+    with pytest.raises(SpotguardError, match="closed"):
+        guard.save(2)
+
+
+def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp_path, group, caplog):
+    guard = guarded(tmp_path, every_steps=2)
+    with guard:
+        for step in range(1, 4):
+            guard.step(step)
+        dist.destroy_process_group()
+    assert "no final checkpoint of step 3: the process group was destroyed" in caplog.text
+    assert latest(guard.storage).step == 2
+    assert threads() <= group  # ours are gone (the default group too, unless something holds it)
+
+
+def test_a_guard_never_closed_has_its_groups_destroyed_at_exit(tmp_path, group):
+    guard = guarded(tmp_path)
+    guard.save(1)
+    assert threads() > group
+    distributed._close_at_exit()  # what atexit runs before interpreter shutdown
+    assert threads() == group
+
+
+def test_a_closed_guard_entered_again_agrees_on_new_groups(tmp_path, group):
+    guard = guarded(tmp_path)
+    with guard:
+        guard.step(1)
+    with guard:
+        guard.step(2)
+    assert latest(guard.storage).step == 2 and threads() == group
 
 
 @dataclass
@@ -82,28 +152,37 @@ def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 12
 
 
 def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
-    """``runs`` jobs on one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed."""
+    """``runs`` jobs on one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
+
+    Each job trains 5 steps past its resume point, checkpointing every 2 steps: the last step is
+    saved only by the final checkpoint on leaving the block.
+    """
     storage = tmp / "ckpt"
     done: list[tuple[str, Run]] = []
-    last = 0
+    resume_at = 0
     for i in range(runs):
         kind = ("uninterrupted", "sigterm", "resumed")[i % 3]
         work = tmp / f"run-{i}"
         work.mkdir()
-        args = [str(storage), "--order", order, "--steps", str(last + 6)]
+        args = [str(storage), "--order", order, "--steps", str(resume_at + 5)]
         if kind == "sigterm":
-            args += ["--sigterm-at", str(last + 2)]
+            args += ["--sigterm-at", str(resume_at + 2)]
         run = run_pair(work, args, torchrun=i == 0)
-        assert run.clean, f"{order} run {i} ({kind}, {run.launcher}): exit codes {run.codes}\n{run.out[-4000:]}"
-        assert int(run.field("resumed")) == last, (order, i, run.out[-2000:])
-        stopped, new_last = run.field("stopped"), int(run.field("last"))
-        if kind == "sigterm":
-            assert stopped != "None" and last + 2 <= new_last < last + 6, (order, i, run.out[-2000:])
+        where = f"{order} run {i} ({kind}, {run.launcher})"
+        assert run.clean, f"{where}: exit codes {run.codes}\n{run.out[-4000:]}"
+        assert int(run.field("resumed")) == resume_at, (where, run.out[-2000:])
+        last, stopped = int(run.field("last")), run.field("stopped")
+        if kind == "sigterm":  # every rank stopped at the same step, soon after the signal
+            assert stopped == str(last) and resume_at + 2 <= last < resume_at + 5, (where, run.out[-2000:])
         else:
-            assert stopped == "None" and new_last == last + 6, (order, i, run.out[-2000:])
+            assert stopped == "None" and last == resume_at + 5, (where, run.out[-2000:])
         for before, after in re.findall(r"gloo threads before the guard: (\d+), after the block: (\d+)", run.out):
-            assert before == after, f"the Guard left gloo threads behind ({order} run {i}):\n{run.out[-2000:]}"
-        last = new_last
+            assert before == after, f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
+        newest = latest(open_storage(str(storage)))
+        # Destroyed inside the block, the group cannot write the final checkpoint: the last periodic one stays.
+        expected = last - 1 if order == "inside" and kind != "sigterm" else last
+        assert newest is not None and newest.step == expected, (where, newest, run.out[-2000:])
+        resume_at = newest.step
         done.append((kind, run))
     return done
 
