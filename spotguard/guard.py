@@ -591,18 +591,17 @@ class Guard:
         if pending is not None and pending.cancelled:
             self._pending = None  # abandoned for an emergency save: never hold the exit for it
         self._wait_pending()
-        final = save and self.options.save_on_exit and self.stopped_at is None and self._step is not None \
-            and self._step != self._durable_step
+        step = self._step
+        final = save and self.options.save_on_exit and self.stopped_at is None and step != self._durable_step
         if final and self._dist is not None and not self._dist.usable:
             final = False  # closed already, or the program destroyed the process group inside the block
             if self._dist.group is not None:
-                logger.warning("no final checkpoint of step %d: the process group was destroyed before the guard "
-                               "was closed (call dist.destroy_process_group() after the `with guard:` block)",
-                               self._step)
-        if final:
-            if self._saved_step == self._step:
+                logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard "
+                               "was closed (call dist.destroy_process_group() after the `with guard:` block)", step)
+        if final and step is not None:
+            if self._saved_step == step:
                 self._saved_step = None  # committed only to the local tier: write it durably now
-            self._save_logged(self._step, "final")
+            self._save_logged(step, "final")
         if save:
             self.wait()
         elif self._errors:
