@@ -12,6 +12,13 @@ MASTER_PORT set: rank 0 hosts the store). ``--order`` is the teardown the progra
 ``--sigterm-at N``: rank 1 sends itself SIGTERM after step N (every rank stops, emergency save).
 Rank 0 prints ``resumed=R last=L stopped=S``; each rank prints the gloo threads it had before the
 Guard and after the block (the Guard must leave none behind). Exits 0, stopped or not.
+
+``--fork-chain ORDER DIR FIRST LAST`` runs jobs FIRST..LAST of a chain (see ``job_args``) without
+paying for ``import torch`` in every process: this process imports everything once, runs no torch
+op, and forks both ranks of each job. A forked rank runs ``main()`` and then exits through
+interpreter shutdown like any process, which is where the abort happened. Per job, ``DIR/run-I/``
+gets ``out-R.log``, ``codes`` (the ranks' exit statuses, -N for signal N) and ``newest`` (the
+newest checkpoint's step afterwards).
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +40,10 @@ from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotguard import Guard
+from spotguard.checkpoint import latest
+from spotguard.storage import open_storage
+
+KINDS = ("uninterrupted", "sigterm", "resumed")
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 noise
 
@@ -56,6 +71,62 @@ def build(order: str) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def job_args(storage: Path, order: str, index: int, resume_at: int) -> list[str]:
+    """Job ``index`` of a chain cycles through KINDS; it trains 5 steps past its resume point
+    (checkpoints every 2 steps, so only the final checkpoint saves the last step)."""
+    args = [str(storage), "--order", order, "--steps", str(resume_at + 5)]
+    if KINDS[index % 3] == "sigterm":
+        args += ["--sigterm-at", str(resume_at + 2)]
+    return args
+
+
+def newest_step(storage: Path) -> int:
+    info = latest(open_storage(str(storage)))
+    return info.step if info else 0
+
+
+def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 120) -> None:
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
+
+    import spotguard.sharded  # noqa: F401  # torch.distributed.checkpoint
+    storage = root / "ckpt"
+    for index in range(first, last + 1):
+        work = root / f"run-{index}"
+        work.mkdir()
+        args = job_args(storage, order, index, newest_step(storage))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:  # the rank: its own output, environment and argv; exits by interpreter shutdown
+                fd = os.open(work / f"out-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port))
+                sys.argv = [__file__, *args]
+                sys.exit(main())
+            pids.append(pid)
+        codes = [_wait(pid, time.monotonic() + timeout) for pid in pids]
+        (work / "codes").write_text(" ".join(map(str, codes)))
+        (work / "newest").write_text(str(newest_step(storage)))
+
+
+def _wait(pid: int, deadline: float) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -105,4 +176,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fork-chain"]:
+        fork_chain(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        raise SystemExit(0)
     raise SystemExit(main())

@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from spotguard import Guard, SpotguardError, distributed
 from spotguard.checkpoint import latest
-from spotguard.storage import open_storage
 
-from .dist_teardown import gloo_threads
+from .dist_teardown import KINDS, gloo_threads, job_args, newest_step
 from .helpers import REPO, free_port, subprocess_env
 
 WORKER = REPO / "tests" / "dist_teardown.py"
@@ -114,7 +113,7 @@ class Run:
         return found.group(1)
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[int]:
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     """Wait for every process; past ``timeout``, kill their sessions (ranks waiting on each other)."""
     deadline = time.monotonic() + timeout
     try:
@@ -151,23 +150,40 @@ def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 12
     return Run("torchrun" if torchrun else "processes", codes, "".join(log.read_text() for log in logs))
 
 
+def forked(tmp: Path, order: str, first: int, last: int, timeout: float = 600) -> list[Run]:
+    """Jobs ``first``..``last`` of a chain, each rank a forked process (``dist_teardown.py --fork-chain``)."""
+    log = tmp / "launcher.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(WORKER), "--fork-chain", order, str(tmp), str(first), str(last)],
+                                env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    assert _finish([proc], timeout) == [0], f"the launcher failed ({order}): {log.read_text()[-3000:]}"
+    runs = []
+    for index in range(first, last + 1):
+        work = tmp / f"run-{index}"
+        codes = [int(c) for c in (work / "codes").read_text().split()] if (work / "codes").exists() else [-1]
+        logs = sorted(work.glob("out-*.log"))
+        runs.append(Run("forked", codes, "".join(log.read_text() for log in logs)))
+    return runs
+
+
 def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
     """``runs`` jobs on one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
 
-    Each job trains 5 steps past its resume point, checkpointing every 2 steps: the last step is
-    saved only by the final checkpoint on leaving the block.
+    Job 0 runs under torchrun, job 1 as two plain processes, the others forked from one launcher
+    that imported torch once (a torchrun start costs ~6 s; most of a plain start is ``import torch``).
     """
     storage = tmp / "ckpt"
-    done: list[tuple[str, Run]] = []
+    done = []
+    for i in range(2):
+        (tmp / f"run-{i}").mkdir()
+        run = run_pair(tmp / f"run-{i}", job_args(storage, order, i, newest_step(storage)), torchrun=i == 0)
+        done.append((run, newest_step(storage)))
+    for run in forked(tmp, order, 2, runs - 1):
+        done.append((run, int((tmp / f"run-{len(done)}" / "newest").read_text())))
+
     resume_at = 0
-    for i in range(runs):
-        kind = ("uninterrupted", "sigterm", "resumed")[i % 3]
-        work = tmp / f"run-{i}"
-        work.mkdir()
-        args = [str(storage), "--order", order, "--steps", str(resume_at + 5)]
-        if kind == "sigterm":
-            args += ["--sigterm-at", str(resume_at + 2)]
-        run = run_pair(work, args, torchrun=i == 0)
+    for i, (run, newest) in enumerate(done):
+        kind = KINDS[i % 3]
         where = f"{order} run {i} ({kind}, {run.launcher})"
         assert run.clean, f"{where}: exit codes {run.codes}\n{run.out[-4000:]}"
         assert int(run.field("resumed")) == resume_at, (where, run.out[-2000:])
@@ -178,13 +194,10 @@ def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
             assert stopped == "None" and last == resume_at + 5, (where, run.out[-2000:])
         for before, after in re.findall(r"gloo threads before the guard: (\d+), after the block: (\d+)", run.out):
             assert before == after, f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
-        newest = latest(open_storage(str(storage)))
         # Destroyed inside the block, the group cannot write the final checkpoint: the last periodic one stays.
-        expected = last - 1 if order == "inside" and kind != "sigterm" else last
-        assert newest is not None and newest.step == expected, (where, newest, run.out[-2000:])
-        resume_at = newest.step
-        done.append((kind, run))
-    return done
+        assert newest == (last - 1 if order == "inside" and kind != "sigterm" else last), (where, newest)
+        resume_at = newest
+    return [(KINDS[i % 3], run) for i, (run, _) in enumerate(done)]
 
 
 @pytest.mark.slow
@@ -196,5 +209,5 @@ def test_forty_jobs_exit_0_in_every_teardown_order(tmp_path):
         for order in ORDERS:
             (tmp_path / order).mkdir()
             futures[order] = pool.submit(chain, tmp_path / order, order, RUNS_PER_ORDER)
-    runs = [run for future in futures.values() for run in future.result()]
-    assert len(runs) == 40 and sum(run.launcher == "torchrun" for _, run in runs) == len(ORDERS)
+    runs = [run for future in futures.values() for _, run in future.result()]
+    assert len(runs) == 40 and [run.launcher for run in runs].count("torchrun") == len(ORDERS)
