@@ -14,12 +14,14 @@ attribute check per step and no collective.
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import enum
 import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import notices
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, SpotguardError
 from .notices.base import Notice, NoticeProvider
 
 if TYPE_CHECKING:
@@ -120,27 +122,71 @@ def _epoch(deadline: dt.datetime | None) -> float:
     return deadline.timestamp() if deadline is not None else math.inf
 
 
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is still a live group of this process (not destroyed, default group up)."""
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):  # "not registered" / "default process group has not been initialized"
+        return False
+    return True
+
+
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
     Creating it is itself collective (two ``new_group`` calls): every rank must construct its
-    Guard in the same order.
+    Guard in the same order. ``close()`` destroys both groups (``Guard.close`` calls it; an
+    ``atexit`` hook does it for a Guard never closed).
     """
 
     def __init__(self, sync_every: int = 1, timeout: float | None = None) -> None:
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = dt.timedelta(seconds=timeout)
-        self.group = dist.new_group(**kwargs)
-        self.save_group = dist.new_group(**kwargs)
+        self.group: Any = dist.new_group(**kwargs)
+        self.save_group: Any = dist.new_group(**kwargs)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.sync_every = sync_every
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._deadline = torch.zeros(1, dtype=torch.float64)
+        _at_exit.add(self)
+
+    @property
+    def usable(self) -> bool:
+        """Both groups can still run collectives: not closed, and not destroyed by the user's
+        ``dist.destroy_process_group()`` (which destroys every group, ours included)."""
+        return self.group is not None and _registered(self.group) and _registered(self.save_group)
+
+    def close(self) -> None:
+        """Destroy both groups now, while the interpreter is whole. Idempotent, never raises.
+
+        Why: ``dist.destroy_process_group()`` shuts groups down and forgets them, but a gloo group
+        (two worker threads, a socket loop) lives on while anything holds it. Held here until
+        interpreter shutdown, a worker that still had a tensor to release took the GIL while
+        Python was finalizing, and the process aborted ("terminate called without an active
+        exception"). Dropping the last references here joins those threads. Any order works: a
+        group the user already destroyed (with the default group) is only released.
+        """
+        _at_exit.discard(self)
+        groups, self.group, self.save_group = [self.group, self.save_group], None, None
+        for group in groups:
+            if group is None or not _registered(group):
+                continue
+            try:
+                dist.destroy_process_group(group)  # local: shuts the gloo backend down, unregisters it
+            except Exception as e:
+                logger.warning("destroying spotguard's process group failed: %s: %s", type(e).__name__, e)
+        groups.clear()  # the last references: the C++ destructors join the groups' threads here
+
+    def _check(self) -> None:
+        if self.group is None:
+            raise SpotguardError("this Guard is closed: its process groups are destroyed (enter it again with "
+                                 "`with guard:` on every rank, or build a new Guard)")
 
     def reduce(self, code: int, group: Any = None) -> int:
         """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's."""
+        self._check()
         self._flag[0] = code
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group or self.group)
         return int(self._flag[0])
@@ -189,11 +235,25 @@ class Agreement:
 
     def save(self, guard: Guard, step: int, reason: str, deadline: float | None) -> Manifest | None:
         from . import sharded
+        self._check()
         return sharded.save(guard, self, step, reason, deadline)
 
     def resume(self, guard: Guard) -> int:
         from . import sharded
+        self._check()
         return sharded.resume(guard, self)
+
+
+#: Agreements not closed yet. At exit (before interpreter shutdown) they are closed, so a Guard
+#: never closed (no ``with`` block, an exception that skipped ``close()``) leaves no gloo group
+#: to the finalizer either. Weak: a Guard dropped by the program is not kept alive.
+_at_exit: weakref.WeakSet[Agreement] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for agreement in list(_at_exit):
+        agreement.close()
 
 
 def refuse_sharded(info: CheckpointInfo) -> None:

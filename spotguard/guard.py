@@ -642,6 +642,8 @@ class Guard:
 
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> Guard:
+        if self._dist is not None and self._dist.group is None and distributed.is_distributed():
+            self._dist = distributed.setup(self.options.sync_every)  # entered again after close(): collective too
         self.watcher.start()
         if self._timed:
             self._due_time = time.monotonic() + self._every_seconds()
@@ -654,7 +656,17 @@ class Guard:
         """Stop the watcher, finish pending saves and, after a clean finish, checkpoint the last step.
 
         After a clean finish, the first error of a background save is raised here (never lost).
+        In a process group, the guard's own gloo groups are destroyed last, whatever happened
+        (see ``Agreement.close``), so nothing of spotguard outlives the block; calling it again,
+        or after ``dist.destroy_process_group()``, is harmless.
         """
+        try:
+            self._finish(save)
+        finally:
+            if self._dist is not None:
+                self._dist.close()
+
+    def _finish(self, save: bool) -> None:
         self.watcher.stop()
         try:
             self._finish(save)
@@ -666,11 +678,17 @@ class Guard:
         if pending is not None and pending.cancelled:
             self._pending = None  # abandoned for an emergency save: never hold the exit for it
         self._wait_pending()
-        if save and self.options.save_on_exit and self.stopped_at is None and self._step is not None \
-                and self._step != self._durable_step:
-            if self._saved_step == self._step:
+        step = self._step
+        final = save and self.options.save_on_exit and self.stopped_at is None and step != self._durable_step
+        if final and self._dist is not None and not self._dist.usable:
+            final = False  # closed already, or the program destroyed the process group inside the block
+            if self._dist.group is not None:
+                logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard "
+                               "was closed (call dist.destroy_process_group() after the `with guard:` block)", step)
+        if final and step is not None:
+            if self._saved_step == step:
                 self._saved_step = None  # committed only to the local tier: write it durably now
-            self._save_logged(self._step, "final")
+            self._save_logged(step, "final")
         if save:
             self.wait()
         elif self._errors:

@@ -1,0 +1,182 @@
+"""Worker for tests/test_teardown.py: a 2-rank training script as a user writes it from the README.
+
+gloo, DDP (or FSDP2), AdamW, a StatefulDataLoader; a Guard tracks them, resumes, and the loop runs
+inside ``with guard:``. Run by torchrun or as plain processes (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT set: rank 0 hosts the store). ``--order`` is the teardown the program does:
+
+  after   ``dist.destroy_process_group()`` after the block, as PyTorch recommends
+  inside  ``dist.destroy_process_group()`` inside the block, before it ends
+  none    the process group is never destroyed
+  fsdp2   an FSDP2 model, destroyed after the block; nothing deleted first
+
+``--sigterm-at N``: rank 1 sends itself SIGTERM after step N (every rank stops, emergency save).
+Rank 0 prints ``resumed=R last=L stopped=S``; each rank prints the gloo threads it had before the
+Guard and after the block (the Guard must leave none behind). Exits 0, stopped or not.
+
+``--fork-chain ORDER DIR FIRST LAST`` runs jobs FIRST..LAST of a chain (see ``job_args``) without
+paying for ``import torch`` in every process: this process imports everything once, runs no torch
+op, and forks both ranks of each job. A forked rank runs ``main()`` and then exits through
+interpreter shutdown like any process, which is where the abort happened. Per job, ``DIR/run-I/``
+gets ``out-R.log``, ``codes`` (the ranks' exit statuses, -N for signal N) and ``newest`` (the
+newest checkpoint's step afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from spotguard import Guard
+from spotguard.checkpoint import latest
+from spotguard.storage import open_storage
+
+KINDS = ("uninterrupted", "sigterm", "resumed")
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 noise
+
+
+def gloo_threads() -> int:
+    """gloo's native threads in this process (two workers per group, socket loops)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            count += "gloo" in open(f"/proc/self/task/{tid}/comm").read()
+        except OSError:
+            pass  # the thread ended meanwhile
+    return count
+
+
+def build(order: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if order != "fsdp2":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def job_args(storage: Path, order: str, index: int, resume_at: int) -> list[str]:
+    """Job ``index`` of a chain cycles through KINDS; it trains 5 steps past its resume point
+    (checkpoints every 2 steps, so only the final checkpoint saves the last step)."""
+    args = [str(storage), "--order", order, "--steps", str(resume_at + 5)]
+    if KINDS[index % 3] == "sigterm":
+        args += ["--sigterm-at", str(resume_at + 2)]
+    return args
+
+
+def newest_step(storage: Path) -> int:
+    info = latest(open_storage(str(storage)))
+    return info.step if info else 0
+
+
+def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 120) -> None:
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
+
+    import spotguard.sharded  # noqa: F401  # torch.distributed.checkpoint
+    storage = root / "ckpt"
+    for index in range(first, last + 1):
+        work = root / f"run-{index}"
+        work.mkdir()
+        args = job_args(storage, order, index, newest_step(storage))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:  # the rank: its own output, environment and argv; exits by interpreter shutdown
+                fd = os.open(work / f"out-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port))
+                sys.argv = [__file__, *args]
+                sys.exit(main())
+            pids.append(pid)
+        codes = [_wait(pid, time.monotonic() + timeout) for pid in pids]
+        (work / "codes").write_text(" ".join(map(str, codes)))
+        (work / "newest").write_text(str(newest_step(storage)))
+
+
+def _wait(pid: int, deadline: float) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("storage")
+    p.add_argument("--steps", type=int, required=True, help="train up to this step")
+    p.add_argument("--order", choices=["after", "inside", "none", "fsdp2"], default="after")
+    p.add_argument("--sigterm-at", type=int)
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = TensorDataset(torch.randn(512, 8, generator=torch.Generator().manual_seed(1)), torch.randn(512, 1))
+    loader = StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=0))
+    model = build(args.order)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dist.barrier()  # the default group's threads exist from here on
+    before = gloo_threads()
+
+    guard = Guard(args.storage, every_steps=2, providers="signal")
+    guard.track(model=model, optimizer=opt, loader=loader)
+    step = resumed = guard.resume()
+    stopped = None
+    with guard:
+        for x, y in loader:
+            if step >= args.steps:
+                break
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            if rank == 1 and step == args.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if guard.step(step):
+                stopped = step
+                break
+        if args.order == "inside":
+            dist.destroy_process_group()
+    after = gloo_threads()
+    if args.order in ("after", "fsdp2"):
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"resumed={resumed} last={step} stopped={stopped}", flush=True)
+    print(f"rank {rank} gloo threads before the guard: {before}, after the block: {after}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fork-chain"]:
+        fork_chain(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        raise SystemExit(0)
+    raise SystemExit(main())
