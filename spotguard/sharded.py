@@ -159,7 +159,7 @@ def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: f
             with storage.open_write(f"{name}/{rank_file(rank)}", deadline=deadline) as raw:
                 out = HashingWriter(raw)
                 torch.save(payload, out)  # type: ignore[arg-type]
-            entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest()))
+            entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest(), out.chunk_size))
             sd = _dcp_state(guard._objects)
         except Exception as e:
             error = _explain(e, rank)
