@@ -19,8 +19,9 @@ import enum
 import logging
 import math
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -123,16 +124,19 @@ def _epoch(deadline: dt.datetime | None) -> float:
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
-    Creating it is itself collective (two ``new_group`` calls): every rank must construct its
-    Guard in the same order.
+    Creating it is itself collective (two ``new_group`` calls, three with ``async_save``): every
+    rank must construct its Guard in the same order. The async group is used only by the
+    background thread that writes periodic saves, so its collectives never interleave with the
+    loop's (the stop agreement, synchronous and emergency saves, resume).
     """
 
-    def __init__(self, sync_every: int = 1, timeout: float | None = None) -> None:
+    def __init__(self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False) -> None:
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = dt.timedelta(seconds=timeout)
         self.group = dist.new_group(**kwargs)
         self.save_group = dist.new_group(**kwargs)
+        self.async_group = dist.new_group(**kwargs) if async_save else None
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.sync_every = sync_every
@@ -140,10 +144,15 @@ class Agreement:
         self._deadline = torch.zeros(1, dtype=torch.float64)
 
     def reduce(self, code: int, group: Any = None) -> int:
-        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's."""
-        self._flag[0] = code
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group or self.group)
-        return int(self._flag[0])
+        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's.
+
+        Safe from the background writer's thread (on its own group): only the per-step call
+        reuses a preallocated tensor.
+        """
+        flag = self._flag if group is None else torch.zeros(1, dtype=torch.int64)
+        flag[0] = code
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or self.group)
+        return int(flag[0])
 
     def earliest_deadline(self, deadline: dt.datetime | None) -> dt.datetime | None:
         """The earliest notice deadline of all ranks (None when no rank has one)."""
@@ -173,7 +182,12 @@ class Agreement:
             return False
         if verdict == STOP:
             return self._stop(guard, step)
-        guard._save_logged(step, "advisory" if verdict == ADVISORY else "periodic")
+        reason = "advisory" if verdict == ADVISORY else "periodic"
+        if self.async_group is None:
+            guard._save_logged(step, reason)
+        else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides for all
+            pending = guard._pending
+            guard._save_async(step, reason, busy=bool(self.reduce(int(pending is not None and not pending.done()))))
         return False
 
     def _stop(self, guard: Guard, step: int) -> bool:
@@ -191,6 +205,23 @@ class Agreement:
         from . import sharded
         return sharded.save(guard, self, step, reason, deadline)
 
+    def stage(self, guard: Guard, step: int, reason: str) -> Callable[[threading.Event], None]:
+        """Snapshot this rank's state into the guard's staging buffers; return the background write."""
+        from . import sharded
+        staged = sharded.collect(guard, self.rank, self.world_size, step, staging=guard._staging)
+        return lambda cancel: sharded.save_staged(guard, self, step, reason, staged, cancel)
+
+    def agree_inflight(self, decision: int) -> int:
+        """The emergency's decision on an in-flight async save, the same on every rank (MAX: the most
+        cautious). The ranks' parts are one collective save: one rank alone may not drop or keep it."""
+        return self.reduce(decision)
+
+    def close(self) -> None:
+        """Destroy the group only this Guard's background writer used (its thread has ended)."""
+        if self.async_group is not None and is_distributed():
+            dist.destroy_process_group(self.async_group)
+        self.async_group = None
+
     def resume(self, guard: Guard) -> int:
         from . import sharded
         return sharded.resume(guard, self)
@@ -205,11 +236,11 @@ def refuse_sharded(info: CheckpointInfo) -> None:
             f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))")
 
 
-def setup(sync_every: int, timeout: float | None = None) -> Agreement | None:
+def setup(sync_every: int, timeout: float | None = None, async_save: bool = False) -> Agreement | None:
     """An ``Agreement`` when a process group is initialised, else None (single process)."""
     if not is_distributed():
         return None
-    agreement = Agreement(sync_every, timeout)
+    agreement = Agreement(sync_every, timeout, async_save)
     logger.info("rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
                 agreement.rank, agreement.world_size, sync_every)
     return agreement
