@@ -21,10 +21,13 @@ and reshard to another world size; per-rank state does not (see ``Reshard``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +52,7 @@ from .snapshot import Staging
 if TYPE_CHECKING:
     from .distributed import Agreement
     from .guard import Guard
+    from .storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +284,16 @@ def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
             "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams.")
 
 
+@contextlib.contextmanager
+def _open_sized(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
+    """A local file of a checkpoint whose checksum another rank verified: its size is checked again."""
+    entry = next(f for f in info.manifest.files if f.name == fname)  # type: ignore[union-attr]
+    with storage.local_copy(f"{info.name}/{fname}") as path:
+        if path.stat().st_size != entry.size:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: size {path.stat().st_size} != {entry.size} in manifest")
+        yield path
+
+
 def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> None:
     """Load one checkpoint on every rank; raises on every rank alike (see ``_agree``).
 
@@ -291,13 +305,23 @@ def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> None:
     resharding = info.manifest.world_size != world
     source = 0 if resharding else rank
     _, _, rest = _split(guard._objects)
+    # On local (shared) storage every rank reads the very same files: each shard file is verified
+    # once, by one rank, before the agreement below, not by every rank that reads from it (under
+    # DDP, all of them). Downloaded copies (S3, GCS) are each rank's own: each is verified.
+    shards = sorted(f.name for f in info.manifest.files if f.name.endswith(".distcp"))
+    mine = shards[rank::world] if storage.scheme == "file" else []
 
     def opener(fname: str) -> Any:
+        if fname in shards and storage.scheme == "file":
+            return _open_sized(storage, info, fname)  # verified by its rank before the agreement
         return checkpoint.open_verified(storage, info, fname)
 
     error: BaseException | None = None
     with SpotguardReader(opener) as reader:
         try:
+            for fname in mine:
+                with checkpoint.open_verified(storage, info, fname):
+                    pass
             # Fetched here, where an error keeps its type (DCP turns it into an AssertionError);
             # dcp.load then reads the verified local copy.
             reader.read_metadata()

@@ -5,7 +5,9 @@ so most due saves find the previous one still in flight, and rank 0's pruning af
 (a listing) is slow too, so that its writer thread outlives rank 1's: both ranks must still skip
 or start the same saves. Prints one line per rank: the steps it started,
 how many it skipped, and its model state at each started step (for the test to compare with
-what was committed), then resumes the newest checkpoint and prints whether it is exact.
+what was committed), then resumes the newest checkpoint and prints whether it is exact. Last, a
+byte of the newest checkpoint's rank-1 shard file (which rank 1 verifies for both, rank 0 reads
+too) is flipped, and both ranks must resume the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -80,6 +83,15 @@ def main() -> int:
     fresh = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
     resumed = fresh.resume()
     print(json.dumps({"rank": rank, "resumed": resumed, "exact": flat(model2) == flat(model)}), flush=True)
+
+    shard = Path(root) / f"step-{resumed:08d}" / "shards" / "rank-00001.distcp"
+    if rank == 0:
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        shard.write_bytes(bytes(raw))
+    dist.barrier()
+    again = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
+    print(json.dumps({"rank": rank, "after_flip": again.resume()}), flush=True)
     dist.destroy_process_group()
     return 0
 

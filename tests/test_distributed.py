@@ -278,6 +278,9 @@ def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_the
     assert runs[0]["started"] == runs[1]["started"] and runs[0]["skipped"] == runs[1]["skipped"] > 0, runs
     assert len(runs[0]["started"]) >= 2, runs[0]["started"]
     assert resumes[0] == {"rank": 0, "resumed": 40, "exact": True} and resumes[1]["exact"], resumes
+    flips = {r["rank"]: r["after_flip"] for r in lines if "after_flip" in r}
+    assert flips[0] == flips[1] == max(runs[0]["started"]), flips  # corrupt step 40 skipped on both ranks
+    assert "SHA-256 does not match" in done.stderr
 
     storage = open_storage(str(root))
     periodic = [i for i in scan(storage) if i.complete and i.manifest.reason == "periodic"]
