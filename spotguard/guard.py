@@ -528,6 +528,8 @@ class Guard:
             if pending is not None and pending.committed:
                 self._report_emergency(step, t0, left)
                 return
+        elif decision is Inflight.KEEP and (pending is None or pending.done()):
+            return  # [distributed] this rank's part is done, another's is finishing: it is the resume point
         elif decision is not Inflight.NONE and pending is not None and \
                 not self._settle_inflight(pending, step, deadline, decision):
             return  # the in-flight save is the resume point: the emergency one cannot make it
