@@ -14,6 +14,7 @@ rank restores, not slower than single-process.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import statistics
@@ -55,6 +56,7 @@ def drop_cache(root: Path) -> None:
 
 def cold(root: Path, fn) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process's threads) of ``fn`` after dropping ``root``'s cache."""
+    gc.collect()  # a previous load's memory map, still referenced, would keep its pages in the cache
     drop_cache(root)
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
@@ -90,6 +92,7 @@ def worker(rank: int, world: int, port: int, size_mb: int, tmp: str, repeat: int
     times = []
     for _ in range(repeat):
         guard = Guard(str(root), providers=None).track(model=target)
+        gc.collect()
         if rank == 0:
             drop_cache(root)
         dist.barrier()
