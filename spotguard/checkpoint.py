@@ -229,7 +229,7 @@ def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
     _clear_leftovers(storage, name)
     entries = []
     for fname, path in files.items():
-        entries.append(FileEntry(fname, path.stat().st_size, sha256_file(path)))
+        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
                         extra=extra_json, torch_version=torch_version)
