@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BENCH_MACHINE ?=
 ONLY ?=
 
-.PHONY: demo test bench lint clean checkov-venv
+.PHONY: demo test bench gpu-check lint clean checkov-venv
 
 $(VENV)/.installed: pyproject.toml tests/azurite/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py $(ONLY) --machine "$(BENCH_MACHINE)"
+
+# On a CUDA machine (torch==2.13.0 with CUDA in the venv): the tests marked gpu, then the loop's
+# stall per checkpoint against the device-to-host copy. Without CUDA both say so and pass.
+gpu-check: $(VENV)/.installed
+	$(PY) -m pytest -m gpu -v -rs
+	$(PY) bench/checkpoint_stall.py --device cuda --size-mb 1024
 
 # checkov in a venv of its own: its bc-python-hcl2 installs a module `hcl2` that clashes with python-hcl2.
 # tests/terraform/test_checkov.py runs it (skipped when missing, failed when missing in CI).

@@ -65,14 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s")
     cuda = torch.cuda.is_available()
+    backend = "gloo"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        # NCCL refuses two ranks on one GPU: more ranks than GPUs on a node (a test rig) train over gloo
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+        backend = "gloo" if shared else "nccl"
     if dist.is_initialized():
         pass  # by a caller that runs main() more than once (tests/dist_reshard.py)
     elif "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend)
     else:  # plain `python train_ddp.py`: a group of one
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.set_num_threads(args.threads)

@@ -1,7 +1,8 @@
 """The layout of one checkpoint, and how it is written, found, verified and pruned.
 
 ``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
-last, write-once, and lists every file with its size and SHA-256: a directory without a valid
+last, write-once, and lists every file with its size and checksum (SHA-256 per 16 MiB chunk, see
+``spotguard.digest``; whole-file SHA-256 in older manifests): a directory without a valid
 manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
 other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
 """
@@ -9,7 +10,6 @@ other way round: manifest first, so a half-deleted checkpoint is never mistaken 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from . import digest
 from ._version import __version__
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, SaveCancelled, StorageError
 from .fileio import DirectFile
@@ -29,7 +30,8 @@ from .storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "spotguard/1"
+FORMAT = "spotguard/2"  # chunked checksums; readers take "spotguard/1" (whole-file SHA-256) too
+FORMATS = ("spotguard/1", FORMAT)
 MANIFEST = "manifest.json"
 REASONS = ("periodic", "emergency", "final", "advisory", "manual")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -50,9 +52,13 @@ def parse_step_dir(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file of a checkpoint. ``sha256`` is the ``digest.ChunkedSha256`` of the file when
+    ``chunk_size`` > 0, else (manifests of spotguard/1) the SHA-256 of the whole file."""
+
     name: str
     size: int
     sha256: str
+    chunk_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,18 @@ class Manifest:
         """Parse and validate; anything unexpected is a ``CheckpointCorruptError``."""
         try:
             data = json.loads(raw)
-            if not isinstance(data, dict) or data.get("format") != FORMAT:
-                raise ValueError(f"not a {FORMAT} manifest")
+            if not isinstance(data, dict) or data.get("format") not in FORMATS:
+                raise ValueError(f"not a {' or '.join(FORMATS)} manifest")
             files = []
             for f in data["files"]:
-                name, size, sha = f["name"], f["size"], f["sha256"]
+                name, size, sha, chunk = f["name"], f["size"], f["sha256"], f.get("chunk_size", 0)
                 if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
                     raise ValueError(f"unsafe file name {name!r}")
                 if not isinstance(size, int) or size < 0 or not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
                     raise ValueError(f"bad size or sha256 for {name!r}")
-                files.append(FileEntry(name, size, sha))
+                if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+                    raise ValueError(f"bad chunk_size for {name!r}")
+                files.append(FileEntry(name, size, sha, chunk))
             if not files:
                 raise ValueError("no files listed")
             step = data["step"]
@@ -102,7 +110,7 @@ class Manifest:
             return cls(step=step, reason=str(data["reason"]), files=tuple(files), time=str(data["time"]),
                        world_size=int(data.get("world_size", 1)), extra=extra,
                        spotguard_version=str(data.get("spotguard_version", "")),
-                       torch_version=str(data.get("torch_version", "")))
+                       torch_version=str(data.get("torch_version", "")), format=data["format"])
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"{where}: invalid manifest ({e})") from e
 
@@ -128,7 +136,8 @@ class HashingWriter:
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
         self.size = 0
-        self._hash = hashlib.sha256()
+        self._hash = digest.ChunkedSha256()
+        self.chunk_size = self._hash.chunk_size
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self._hash.update(data)
@@ -181,7 +190,7 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
             storage.put_file(f"{name}/{fname}", path, deadline=deadline)
-            entries.append(FileEntry(fname, out.size, out.hexdigest()))
+            entries.append(FileEntry(fname, out.size, out.hexdigest(), out.chunk_size))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
@@ -220,7 +229,7 @@ def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
     _clear_leftovers(storage, name)
     entries = []
     for fname, path in files.items():
-        entries.append(FileEntry(fname, path.stat().st_size, sha256_file(path)))
+        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
                         extra=extra_json, torch_version=torch_version)
@@ -335,17 +344,13 @@ def latest(storage: Storage) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @contextmanager
 def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
-    """A local path to one file of a checkpoint, after its size and SHA-256 matched the manifest."""
+    """A local path to one file of a checkpoint, after its size and checksum matched the manifest.
+
+    Verifying reads the whole file (chunks hashed on several threads), which leaves it in the
+    page cache for the caller's load.
+    """
     if info.manifest is None:
         raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
     entry = next((f for f in info.manifest.files if f.name == fname), None)
@@ -355,7 +360,7 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
-        if sha256_file(path) != entry.sha256:
+        if digest.file_digest(path, entry.chunk_size) != entry.sha256:
             raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
         yield path
 

@@ -116,7 +116,7 @@ class SpotguardWriter(StorageWriter):
                 length = out.size - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=ShardLocation(fname, offset, length)))
-        self.entries.append(FileEntry(f"shards/{fname}", out.size, out.hexdigest()))
+        self.entries.append(FileEntry(f"shards/{fname}", out.size, out.hexdigest(), out.chunk_size))
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -124,7 +124,7 @@ class SpotguardWriter(StorageWriter):
         with self.storage.open_write(f"{self.prefix}/{METADATA_FILE}", deadline=self.deadline) as raw:
             out = HashingWriter(raw)
             pickle.dump(metadata, out, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
-        self.entries.append(FileEntry(f"shards/{METADATA_FILE}", out.size, out.hexdigest()))
+        self.entries.append(FileEntry(f"shards/{METADATA_FILE}", out.size, out.hexdigest(), out.chunk_size))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -20,9 +20,10 @@ import enum
 import logging
 import math
 import os
+import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,17 +135,20 @@ def _registered(group: Any) -> bool:
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
-    Creating it is itself collective (two ``new_group`` calls): every rank must construct its
-    Guard in the same order. ``close()`` destroys both groups (``Guard.close`` calls it; an
-    ``atexit`` hook does it for a Guard never closed).
+    Creating it is itself collective (two ``new_group`` calls, three with ``async_save``): every
+    rank must construct its Guard in the same order. The async group is used only by the
+    background thread that writes periodic saves, so its collectives never interleave with the
+    loop's (the stop agreement, synchronous and emergency saves, resume). ``close()`` destroys
+    the groups (``Guard.close`` calls it; an ``atexit`` hook does it for a Guard never closed).
     """
 
-    def __init__(self, sync_every: int = 1, timeout: float | None = None) -> None:
+    def __init__(self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False) -> None:
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = dt.timedelta(seconds=timeout)
         self.group: Any = dist.new_group(**kwargs)
         self.save_group: Any = dist.new_group(**kwargs)
+        self.async_group: Any = dist.new_group(**kwargs) if async_save else None
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.sync_every = sync_every
@@ -158,8 +162,8 @@ class Agreement:
         ``dist.destroy_process_group()`` (which destroys every group, ours included)."""
         return self.group is not None and _registered(self.group) and _registered(self.save_group)
 
-    def close(self) -> None:
-        """Destroy both groups now, while the interpreter is whole. Idempotent, never raises.
+    def close(self, keep_async: bool = False) -> None:
+        """Destroy the groups now, while the interpreter is whole. Idempotent, never raises.
 
         Why: ``dist.destroy_process_group()`` shuts groups down and forgets them, but a gloo group
         (two worker threads, a socket loop) lives on while anything holds it. Held here until
@@ -167,9 +171,14 @@ class Agreement:
         Python was finalizing, and the process aborted ("terminate called without an active
         exception"). Dropping the last references here joins those threads. Any order works: a
         group the user already destroyed (with the default group) is only released.
+        ``keep_async``: a background writer thread still runs on the async group (abandoned and
+        not yet ended): that group is left to the ``atexit`` hook, never destroyed under it.
         """
-        _at_exit.discard(self)
         groups, self.group, self.save_group = [self.group, self.save_group], None, None
+        if not keep_async:  # else this agreement stays registered: the atexit hook closes it again
+            _at_exit.discard(self)
+            groups.append(self.async_group)
+            self.async_group = None
         for group in groups:
             if group is None or not _registered(group):
                 continue
@@ -185,11 +194,17 @@ class Agreement:
                                  "`with guard:` on every rank, or build a new Guard)")
 
     def reduce(self, code: int, group: Any = None) -> int:
-        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's."""
-        self._check()
-        self._flag[0] = code
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group or self.group)
-        return int(self._flag[0])
+        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's.
+
+        Safe from the background writer's thread (on its own group): only the per-step call
+        reuses a preallocated tensor.
+        """
+        if group is None:
+            self._check()
+        flag = self._flag if group is None else torch.zeros(1, dtype=torch.int64)
+        flag[0] = code
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or self.group)
+        return int(flag[0])
 
     def earliest_deadline(self, deadline: dt.datetime | None) -> dt.datetime | None:
         """The earliest notice deadline of all ranks (None when no rank has one)."""
@@ -219,7 +234,12 @@ class Agreement:
             return False
         if verdict == STOP:
             return self._stop(guard, step)
-        guard._save_logged(step, "advisory" if verdict == ADVISORY else "periodic")
+        reason = "advisory" if verdict == ADVISORY else "periodic"
+        if self.async_group is None:
+            guard._save_logged(step, reason)
+        else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides for all
+            pending = guard._pending
+            guard._save_async(step, reason, busy=bool(self.reduce(int(pending is not None and not pending.done()))))
         return False
 
     def _stop(self, guard: Guard, step: int) -> bool:
@@ -237,6 +257,17 @@ class Agreement:
         from . import sharded
         self._check()
         return sharded.save(guard, self, step, reason, deadline)
+
+    def stage(self, guard: Guard, step: int, reason: str) -> Callable[[threading.Event], None]:
+        """Snapshot this rank's state into the guard's staging buffers; return the background write."""
+        from . import sharded
+        staged = sharded.collect(guard, self.rank, self.world_size, step, staging=guard._staging)
+        return lambda cancel: sharded.save_staged(guard, self, step, reason, staged, cancel)
+
+    def agree_inflight(self, decision: int) -> int:
+        """The emergency's decision on an in-flight async save, the same on every rank (MAX: the most
+        cautious). The ranks' parts are one collective save: one rank alone may not drop or keep it."""
+        return self.reduce(decision)
 
     def resume(self, guard: Guard) -> int:
         from . import sharded
@@ -265,11 +296,11 @@ def refuse_sharded(info: CheckpointInfo) -> None:
             f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))")
 
 
-def setup(sync_every: int, timeout: float | None = None) -> Agreement | None:
+def setup(sync_every: int, timeout: float | None = None, async_save: bool = False) -> Agreement | None:
     """An ``Agreement`` when a process group is initialised, else None (single process)."""
     if not is_distributed():
         return None
-    agreement = Agreement(sync_every, timeout)
+    agreement = Agreement(sync_every, timeout, async_save)
     logger.info("rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
                 agreement.rank, agreement.world_size, sync_every)
     return agreement

@@ -5,8 +5,10 @@ copies every page; ~2.5 s of system time per GiB on our 2-core CI machine, again
 O_DIRECT), and that CPU is taken from the training loop while a periodic save runs in the
 background. Reading the file back to hash it costs as much again. ``DirectFile`` copies what it is
 given into two page-aligned buffers, writes each full buffer with ``O_DIRECT`` from a helper
-thread while the other one fills (the GIL is released during the write), and hashes the same
-bytes on the way, so the file is written once and never read back. Where the filesystem refuses
+thread while the other one fills (the GIL is released during the write), and hashes each buffer
+on that thread too (one chunk of ``digest.ChunkedSha256`` per buffer; ``hashlib`` releases the
+GIL as well), so the file is written once, never read back, and the serialising thread never
+waits for the hash. Where the filesystem refuses
 ``O_DIRECT`` (tmpfs, some FUSE mounts) or the platform has none (macOS), it writes through the page
 cache instead; ``close()`` always fsyncs.
 """
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+from .digest import CHUNK, ChunkedSha256
+
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
-BUFFER = 16 << 20
+BUFFER = CHUNK  # a whole number of checksum chunks per buffer
 
 
 class DirectFile:
@@ -43,7 +46,8 @@ class DirectFile:
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
         self.size = 0
-        self._hash = hashlib.sha256()
+        self._hash = ChunkedSha256()  # updated by the I/O thread only, in file order
+        self.chunk_size = self._hash.chunk_size
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
         self._current, self._fill = 0, 0
@@ -57,7 +61,6 @@ class DirectFile:
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         mv = memoryview(data).cast("B")
-        self._hash.update(mv)
         n, off = len(mv), 0
         while off < n:
             view = self._views[self._current]
@@ -74,6 +77,7 @@ class DirectFile:
         """Nothing to do: bytes reach the disk in whole buffers, and all of them on ``close()``."""
 
     def hexdigest(self) -> str:
+        """The file's ``ChunkedSha256``, once closed."""
         return self._hash.hexdigest()
 
     def close(self) -> None:
@@ -84,7 +88,7 @@ class DirectFile:
             if self._fill:
                 padded = -(-self._fill // ALIGN) * ALIGN if self.direct else self._fill
                 self._views[self._current][self._fill:padded] = bytes(padded - self._fill)
-                self._submit(padded)
+                self._submit(padded, self._fill)
             self._wait()
             os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
             os.fsync(self._fd)
@@ -112,15 +116,21 @@ class DirectFile:
             self.abort()
 
     # -- internals ---------------------------------------------------------------------------------
-    def _submit(self, length: int) -> None:
+    def _submit(self, length: int, data: int | None = None) -> None:
+        """Hash the buffer's first ``data`` bytes (default: all) and write ``length`` of them, on the I/O thread."""
         self._wait()  # the other buffer's write must be done before it is refilled
-        self._inflight = self._io.submit(self._write_all, self._views[self._current][:length])
+        view = self._views[self._current]
+        self._inflight = self._io.submit(self._hash_and_write, view[:length], view[:length if data is None else data])
         self._current, self._fill = 1 - self._current, 0
 
     def _wait(self) -> None:
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             inflight.result()
+
+    def _hash_and_write(self, view: memoryview, data: memoryview) -> None:
+        self._hash.update(data)
+        self._write_all(view)
 
     def _write_all(self, view: memoryview) -> None:
         while view:

@@ -52,6 +52,16 @@ FIT = 0.9  # share of the time left that an estimated save may use (estimates ar
 CANCEL_GRACE_S = 1.0  # how long an emergency waits for an abandoned save to notice
 
 
+class Inflight(enum.IntEnum):
+    """An emergency's decision on a periodic save in flight; ordered so that MAX is the most cautious."""
+
+    NONE = 0  # nothing in flight
+    SAME = 1  # the in-flight save is of the stop step itself: wait for it
+    WAIT = 2  # both fit before the deadline: wait for it, then write the emergency checkpoint
+    ABANDON = 3  # the newer state wins: cancel it, write the emergency checkpoint
+    KEEP = 4  # the emergency checkpoint cannot fit: let it commit, it is the resume point
+
+
 class BusyPolicy(str, enum.Enum):
     """What a due periodic checkpoint does while the previous one is still being written."""
 
@@ -181,9 +191,9 @@ class Guard:
         local_dir = local_dir or os.environ.get(LOCAL_DIR_ENV)  # set by `spotguard run --local-dir`
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
         # [distributed hook] per-rank providers; the agreement collective when in a process group.
-        # In a group, saves are collective, sharded and synchronous (spotguard.sharded).
+        # In a group, saves are collective and sharded (spotguard.sharded).
         providers = distributed.providers_for_rank(providers, poll_on)
-        self._dist = distributed.setup(sync_every)
+        self._dist = distributed.setup(sync_every, async_save=self.options.async_save)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
@@ -192,10 +202,10 @@ class Guard:
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
         self.emergency_error: BaseException | None = None
-        # In a process group every save is synchronous (spotguard.sharded), whatever async_save says.
-        self._stats = GuardStats(async_save=self.options.async_save and self._dist is None)
+        self._stats = GuardStats(async_save=self.options.async_save)
         self._staging = Staging()
         self._pending: PendingSave | None = None
+        self._abandoned: PendingSave | None = None  # [distributed] a save dropped for an emergency one
         self._errors: list[BaseException] = []
         self._objects: dict[str, Any] = {}
         self._step: int | None = None
@@ -360,31 +370,40 @@ class Guard:
             "generators": {n: g for n, o in self._objects.items() if (g := data.generator_state(o)) is not None},
         }
 
-    def _save_async(self, step: int, reason: str) -> None:
+    def _save_async(self, step: int, reason: str, busy: bool | None = None) -> None:
+        """Snapshot now, write in the background. ``busy``: whether the previous save is still in
+        flight ([distributed] agreed by all ranks; by default this process's own view)."""
         pending = self._pending
-        if pending is not None and not pending.done():
+        if busy is None:
+            busy = pending is not None and not pending.done()
+        if busy:
             if self.options.busy is BusyPolicy.SKIP:
                 self._stats.skipped += 1
-                level = logging.DEBUG if pending.skipped else logging.WARNING  # once per slow save
-                pending.skipped += 1
-                logger.log(level, "%s checkpoint of step %d skipped: step %d is still being written",
-                           reason, step, pending.step)
-                self.events.emit("skipped", step=step, reason=reason, in_flight=pending.step)
+                level = logging.DEBUG if pending is not None and pending.skipped else logging.WARNING  # once per slow save
+                if pending is not None:
+                    pending.skipped += 1
+                in_flight = pending.step if pending is not None else None  # [distributed] another rank's
+                logger.log(level, "%s checkpoint of step %d skipped: step %s is still being written", reason, step,
+                           in_flight if in_flight is not None else "?")
+                self.events.emit("skipped", step=step, reason=reason, in_flight=in_flight)
                 self._schedule(step)
                 return
             self._wait_pending()
         self._reap()
         t0 = time.perf_counter()
-        with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
-            payload = self._payload(step, staged=True)
-        extra = _copy_extra(self.extra)  # the values of this step, whatever the loop sets while it is written
+        if self._dist is not None:  # [distributed hook] this rank's shard and files, staged alike
+            work = self._dist.stage(self, step, reason)
+        else:
+            with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
+                payload = self._payload(step, staged=True)
+            extra = _copy_extra(self.extra)  # the values of this step, whatever the loop sets while it is written
+            work = lambda cancel: self._write_tiers(step, reason, payload, extra, cancel)  # noqa: E731
         stall = time.perf_counter() - t0
         self._stats.record_snapshot(stall, self._staging.nbytes)
         if self._adaptive is not None:
             self._adaptive.observe(stall)  # with async saves the loop only loses the snapshot
         self._saved_step = step
-        self._pending = PendingSave(step, reason, lambda cancel: self._write_tiers(step, reason, payload, extra, cancel),
-                                    nice=self.options.background_nice)
+        self._pending = PendingSave(step, reason, work, nice=self.options.background_nice)
         self._schedule(step)
 
     def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any],
@@ -499,15 +518,22 @@ class Guard:
         t0 = time.monotonic()
         deadline = None if left is None else t0 + left
         pending = self._pending
+        decision = Inflight.NONE
         if pending is not None and not pending.done():
-            if pending.step == step:
-                logger.warning("stop at step %d: its checkpoint is already being written; waiting for it", step)
-                self._wait_pending(None if left is None else max(left, 0.0))
-                if pending.committed:
-                    self._report_emergency(step, t0, left)
-                    return
-            elif not self._settle_inflight(pending, step, deadline):
-                return  # the in-flight save is the resume point: the emergency one cannot make it
+            decision = Inflight.SAME if pending.step == step else self._inflight_decision(pending, deadline)
+        if self._dist is not None:  # [distributed hook] one collective save in flight: one decision for all ranks
+            decision = Inflight(self._dist.agree_inflight(decision))
+        if decision is Inflight.SAME:
+            logger.warning("stop at step %d: its checkpoint is already being written; waiting for it", step)
+            self._wait_pending(None if left is None else max(left, 0.0))
+            if pending is not None and pending.committed:
+                self._report_emergency(step, t0, left)
+                return
+        elif decision is Inflight.KEEP and (pending is None or pending.done()):
+            return  # [distributed] this rank's part is done, another's is finishing: it is the resume point
+        elif decision is not Inflight.NONE and pending is not None and \
+                not self._settle_inflight(pending, step, deadline, decision):
+            return  # the in-flight save is the resume point: the emergency one cannot make it
         self._reap()
         if self._saved_step == step and self._durable_step == step:
             logger.warning("stop at step %d: already checkpointed", step)
@@ -546,33 +572,44 @@ class Guard:
             None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
         return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
 
-    def _settle_inflight(self, pending: PendingSave, step: int, deadline: float | None) -> bool:
-        """Wait for or abandon a periodic save of an older step, from measured times.
+    def _inflight_decision(self, pending: PendingSave, deadline: float | None) -> Inflight:
+        """What to do with a periodic save of an older step, from measured times.
 
         Both fit in the time left: wait for it, then write the emergency checkpoint. The emergency
-        one cannot fit: let the in-flight one commit (unless it is known to miss too) and return
-        False, it stays the resume point. Otherwise, or with nothing measured or no deadline, the
-        newer state wins: abandon it. A save still running at the deadline is abandoned too.
+        one cannot fit: keep the in-flight one (unless it is known to miss too), it stays the
+        resume point. Otherwise, or with nothing measured or no deadline, the newer state wins:
+        abandon it.
         """
+        left = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        fresh, rest = self._emergency_estimate(), self._inflight_left(pending)
+        if deadline is not None and fresh is not None:
+            if rest is not None and rest + fresh <= left * FIT:
+                return Inflight.WAIT
+            if fresh > left * FIT and (rest is None or rest <= left):
+                return Inflight.KEEP
+        return Inflight.ABANDON
+
+    def _settle_inflight(self, pending: PendingSave, step: int, deadline: float | None, decision: Inflight) -> bool:
+        """Carry out ``decision`` on the in-flight save; False when it stays the resume point instead
+        of an emergency checkpoint. A save still running at the deadline is abandoned."""
         def left() -> float:
             return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
 
-        fresh, rest = self._emergency_estimate(), self._inflight_left(pending)
-        if deadline is not None and fresh is not None:
-            if rest is not None and rest + fresh <= left() * FIT:
-                logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
-                               step, pending.step, rest)
-                self._wait_pending(left() * FIT - fresh)  # never into the emergency save's share
-                if self._pending is None:
-                    return True
-            elif fresh > left() * FIT and (rest is None or rest <= left()):
-                logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
-                             "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left(),
-                             pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
-                self._wait_pending(left())
-                if self._pending is not None:
-                    pending.cancel()  # missed the deadline too: never hold the exit for it
-                return False
+        fresh, rest = self._emergency_estimate() or 0.0, self._inflight_left(pending)
+        if decision is Inflight.WAIT:
+            logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
+                           step, pending.step, rest or 0.0)
+            self._wait_pending(max(left() * FIT - fresh, 0.0))  # never into the emergency save's share
+            if self._pending is None:
+                return True
+        elif decision is Inflight.KEEP:
+            logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
+                         "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left(),
+                         pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
+            self._wait_pending(left())
+            if self._pending is not None:
+                pending.cancel()  # missed the deadline too: never hold the exit for it
+            return False
         # The worker stops at its next file or before its manifest; never wait long for that,
         # its leftovers are swept by a later run.
         logger.warning("stop at step %d: abandoning the save of step %d for the newer state", step, pending.step)
@@ -660,23 +697,28 @@ class Guard:
         (see ``Agreement.close``), so nothing of spotguard outlives the block; calling it again,
         or after ``dist.destroy_process_group()``, is harmless.
         """
-        try:
-            self._finish(save)
-        finally:
-            if self._dist is not None:
-                self._dist.close()
-
-    def _finish(self, save: bool) -> None:
         self.watcher.stop()
         try:
             self._finish(save)
         finally:
-            self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics stop on it
+            try:
+                if self._dist is not None:
+                    # [distributed] the background writer's group goes with its thread, never under a live one
+                    writing = any(p is not None and not p.done() for p in (self._abandoned, self._pending))
+                    self._dist.close(keep_async=writing)
+            finally:
+                self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics stop on it
 
     def _finish(self, save: bool) -> None:
         pending = self._pending
         if pending is not None and pending.cancelled:
             self._pending = None  # abandoned for an emergency save: never hold the exit for it
+            if self._dist is not None:  # [distributed] its ranks drop it together, soon: let its thread end
+                self._abandoned = pending
+                try:
+                    pending.wait(CANCEL_GRACE_S * 5)
+                except Exception:
+                    pass  # abandoned: its error is no one's
         self._wait_pending()
         step = self._step
         final = save and self.options.save_on_exit and self.stopped_at is None and step != self._durable_step

@@ -3,11 +3,15 @@
 ``<root>/step-00000100/`` holds ``shards/rank-NNNNN.distcp`` + ``shards/metadata.dcp`` (DCP,
 written by every rank without gathering onto one), ``rank-NNNNN.pt`` (what belongs to one rank:
 RNG streams, data loader position, other tracked objects) and ``manifest.json``. Order of a save,
-every step collective on the guard's save group (gloo):
+every step collective on one gloo group (the guard's save group for synchronous saves, its async
+group for periodic saves written in the background):
 
+0. every rank collects its state (``collect``; for an async save, into reused host buffers: the
+   only part that blocks the training loop);
 1. rank 0 checks the step is not committed and clears leftovers of an interrupted save;
-2. every rank writes its ``rank-NNNNN.pt``; then, unless that failed on any rank, ``dcp.save`` the shards;
-3. every rank reports (error or its file entries with SHA-256) to every rank;
+2. every rank writes its ``rank-NNNNN.pt``; then, unless that failed or was cancelled on any rank,
+   ``dcp.save`` the shards;
+3. every rank reports (error, its file entries with checksums, cancelled) to every rank;
 4. rank 0 writes the manifest, write-once, only if every rank succeeded, and tells all the outcome.
 
 A rank that dies anywhere before 4 leaves a directory without a manifest: not a checkpoint.
@@ -17,8 +21,13 @@ and reshard to another world size; per-rank state does not (see ``Reshard``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,11 +46,13 @@ from . import checkpoint, data, errors, state
 from .checkpoint import MANIFEST, CheckpointInfo, FileEntry, HashingWriter, Manifest
 from .dcp import METADATA_FILE, SpotguardReader, SpotguardWriter
 from .distributed import Reshard
-from .errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
+from .errors import CheckpointCorruptError, CheckpointMismatchError, SaveCancelled, StorageError
+from .snapshot import Staging
 
 if TYPE_CHECKING:
     from .distributed import Agreement
     from .guard import Guard
+    from .storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +134,48 @@ def _agree(agreement: Agreement, where: str, error: BaseException | None) -> Non
     raise getattr(errors, kind)(f"{where} cannot be loaded: {text}") from error
 
 
-def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: float | None) -> Manifest | None:
-    """Collective: every rank calls it for the same step. Raises ``StorageError`` on all ranks alike."""
-    storage, group, rank, world = guard.storage, agreement.save_group, agreement.rank, agreement.world_size
+@dataclasses.dataclass
+class Staged:
+    """What one rank saves: its own file's payload, its DCP state dict, or why it could not collect them."""
+
+    payload: dict[str, Any]
+    sd: dict[str, Any]
+    error: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # guard.extra when collected
+
+
+def collect(guard: Guard, rank: int, world: int, step: int, staging: Staging | None = None) -> Staged:
+    """This rank's state, never raising (a failure is carried, then agreed on by ``write``).
+
+    With ``staging`` (async saves) every tensor is copied into its reused host buffers, so that
+    training may go on while the copy is written; without, the live tensors are written at once.
+    """
+    _, _, rest = _split(guard._objects)
+    with state.rng_isolated():
+        try:
+            payload = {"step": step, "rank": rank, "world_size": world,
+                       "rng": state.capture_rng(),  # first: collecting a loader's state may draw
+                       "objects": state.collect(rest),
+                       "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
+            sd = _dcp_state(guard._objects)
+            if staging is not None:
+                staged = staging.snapshot({"objects": payload["objects"], "sd": sd})
+                payload["objects"], sd = staged["objects"], staged["sd"]
+            from .guard import _copy_extra
+            return Staged(payload, sd, extra=_copy_extra(guard.extra))  # this step's, whatever the loop sets later
+        except Exception as e:
+            return Staged({}, {}, _explain(e, rank))
+
+
+def write(guard: Guard, agreement: Agreement, group: Any, step: int, reason: str, staged: Staged,
+          deadline: float | None, cancel: threading.Event | None = None) -> Manifest | None:
+    """Collective on ``group``: every rank calls it for the same step, in the same order of collectives
+    whatever happens (failures and ``cancel`` are agreed on, never acted on by one rank alone).
+
+    Returns the manifest, or None when the step is already committed. Raises ``StorageError`` (any
+    rank failed) or ``SaveCancelled`` (any rank was cancelled) on all ranks alike.
+    """
+    storage, rank, world = guard.storage, agreement.rank, agreement.world_size
     name = checkpoint.step_dir(step)
     status = "ok"
     if rank == 0:
@@ -142,66 +192,88 @@ def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: f
     status = _broadcast(status, group)
     if status == "exists":
         logger.info("%s is already committed; not writing it twice", storage.describe(name))
-        guard._saved_step = step
-        guard._schedule(step)
         return None
     if status != "ok":
         raise StorageError(status)
 
-    _, _, rest = _split(guard._objects)
-    error, entries, sd = "", [], {}
-    with state.rng_isolated():
-        try:  # anything that fails here fails on this rank alone: caught, then agreed on below
-            payload = {"step": step, "rank": rank, "world_size": world,
-                       "rng": state.capture_rng(),  # first: collecting a loader's state may draw
-                       "objects": state.collect(rest),
-                       "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
+    def cancelled() -> bool:
+        return cancel is not None and cancel.is_set()
+
+    error, entries = staged.error, []
+    if not error:
+        try:  # fails on this rank alone: caught, then agreed on below
             with storage.open_write(f"{name}/{rank_file(rank)}", deadline=deadline) as raw:
                 out = HashingWriter(raw)
-                torch.save(payload, out)  # type: ignore[arg-type]
-            entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest()))
-            sd = _dcp_state(guard._objects)
+                torch.save(staged.payload, out)  # type: ignore[arg-type]
+            entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest(), out.chunk_size))
         except Exception as e:
             error = _explain(e, rank)
-        # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
-        if not agreement.reduce(int(bool(error)), group):
-            writer = SpotguardWriter(storage, name, rank, deadline=deadline)
-            try:
-                dcp.save(sd, storage_writer=writer, process_group=group)
-                entries.extend(writer.entries)
-            except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
-                error = _explain(e, rank)
+    # dcp.save is collective: every rank enters it, or (after a failure or cancel on any rank) none does
+    if not agreement.reduce(2 if error else int(cancelled()), group):
+        writer = SpotguardWriter(storage, name, rank, deadline=deadline)
+        try:
+            dcp.save(staged.sd, storage_writer=writer, process_group=group)
+            entries.extend(writer.entries)
+        except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
+            error = _explain(e, rank)
     reports: list[Any] = [None] * world
-    dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
+    dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries], cancelled()), group=group)
 
-    outcome: str | bytes = ""
+    outcome: str | bytes | None = ""
     if rank == 0:
-        failed = dict.fromkeys(err for err, _ in reports if err)  # DCP reports the same on every rank
+        failed = dict.fromkeys(err for err, _, _ in reports if err)  # DCP reports the same on every rank
         if failed:
             outcome = "; ".join(failed)
+        elif cancelled() or any(c for _, _, c in reports):
+            outcome = None  # abandoned (an emergency save took over): never committed
         else:
-            files = sorted((FileEntry(*e) for _, es in reports for e in es), key=lambda f: f.name)
+            files = sorted((FileEntry(*e) for _, es, _ in reports for e in es), key=lambda f: f.name)
             manifest = Manifest(step=step, reason=reason, files=tuple(files), world_size=world,
-                                extra=guard.extra, torch_version=torch.__version__)
+                                extra=staged.extra, torch_version=torch.__version__)
             try:
                 storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
                 outcome = manifest.to_bytes()
             except Exception as e:
                 outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
     outcome = _broadcast(outcome, group)
+    if outcome is None:
+        raise SaveCancelled(f"sharded save of {name} abandoned before its commit")
     if isinstance(outcome, str):
         raise StorageError(f"sharded checkpoint of step {step} not committed: {outcome}")
     manifest = Manifest.from_bytes(outcome, where=name)
-    guard._saved_step = step
-    guard.last_saved = manifest
     logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
     if rank == 0:
         try:
             checkpoint.prune(storage, guard.options.keep)
         except Exception as e:
             logger.warning("pruning old checkpoints failed: %s", e)
+    return manifest
+
+
+def save(guard: Guard, agreement: Agreement, step: int, reason: str, deadline: float | None) -> Manifest | None:
+    """Collective, synchronous: every rank calls it for the same step. Raises ``StorageError`` on all ranks alike."""
+    staged = collect(guard, agreement.rank, agreement.world_size, step)
+    manifest = write(guard, agreement, agreement.save_group, step, reason, staged, deadline)
+    guard._saved_step = step
+    if manifest is not None:
+        guard.last_saved = manifest
     guard._schedule(step)
     return manifest
+
+
+def save_staged(guard: Guard, agreement: Agreement, step: int, reason: str, staged: Staged,
+                cancel: threading.Event) -> None:
+    """Background (``PendingSave``): write a staged save on the agreement's async group, then record it."""
+    t0 = time.monotonic()
+    manifest = write(guard, agreement, agreement.async_group, step, reason, staged, None, cancel)
+    if manifest is None:
+        return
+    took = time.monotonic() - t0
+    guard.last_saved = manifest
+    guard._stats.record_write(took, manifest.size)
+    guard._durable_step = max(step, guard._durable_step or 0)
+    guard._stats.checkpoints += 1
+    guard._committed(manifest, "durable", took, durable=True)
 
 
 def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
@@ -210,6 +282,16 @@ def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
             f"can be resharded, but per-rank state cannot: RNG streams and {', '.join(per_rank) or 'no other'}"
             f" object(s). Resume with {saved} ranks, or pass Guard(..., reshard='reset-data') to reshard "
             "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams.")
+
+
+@contextlib.contextmanager
+def _open_sized(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
+    """A local file of a checkpoint whose checksum another rank verified: its size is checked again."""
+    entry = next(f for f in info.manifest.files if f.name == fname)  # type: ignore[union-attr]
+    with storage.local_copy(f"{info.name}/{fname}") as path:
+        if path.stat().st_size != entry.size:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: size {path.stat().st_size} != {entry.size} in manifest")
+        yield path
 
 
 def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> None:
@@ -223,13 +305,23 @@ def _load(guard: Guard, agreement: Agreement, info: CheckpointInfo) -> None:
     resharding = info.manifest.world_size != world
     source = 0 if resharding else rank
     _, _, rest = _split(guard._objects)
+    # On local (shared) storage every rank reads the very same files: each shard file is verified
+    # once, by one rank, before the agreement below, not by every rank that reads from it (under
+    # DDP, all of them). Downloaded copies (S3, GCS) are each rank's own: each is verified.
+    shards = sorted(f.name for f in info.manifest.files if f.name.endswith(".distcp"))
+    mine = shards[rank::world] if storage.scheme == "file" else []
 
     def opener(fname: str) -> Any:
+        if fname in shards and storage.scheme == "file":
+            return _open_sized(storage, info, fname)  # verified by its rank before the agreement
         return checkpoint.open_verified(storage, info, fname)
 
     error: BaseException | None = None
     with SpotguardReader(opener) as reader:
         try:
+            for fname in mine:
+                with checkpoint.open_verified(storage, info, fname):
+                    pass
             # Fetched here, where an error keeps its type (DCP turns it into an AssertionError);
             # dcp.load then reads the verified local copy.
             reader.read_metadata()

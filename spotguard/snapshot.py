@@ -52,6 +52,10 @@ class Staging:
 
     def _stage(self, t: torch.Tensor, path: str) -> torch.Tensor:
         t = t.detach()
+        if _is_dtensor(t):  # FSDP2/TP shards: stage this rank's local part, keep its placement
+            local = self._stage(t._local_tensor, path)  # type: ignore[attr-defined]
+            dtensor: Any = type(t)
+            return dtensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
         if t.layout is not torch.strided or t.is_quantized:
             return t.to("cpu", copy=True)  # rare layouts: a plain copy, not pooled
         buf = self._buffers.get(path)
@@ -61,3 +65,8 @@ class Staging:
             self.allocations += 1
         buf.copy_(t, non_blocking=buf.is_pinned())
         return buf
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (checked without importing it where it was never used)."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor") and hasattr(t, "_spec")

@@ -21,12 +21,13 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = nn.Linear(8, 4)
-    guard = Guard(root, every_steps=2, providers=[], metrics_port=port,
+    guard = Guard(root, every_steps=2, providers=[], metrics_port=port, busy="wait",
                   metrics_file=str(out / "metrics-{rank}.jsonl")).track(model=model)
     guard.resume()
     with guard:
         for step in range(1, 5):
             guard.step(step)
+        guard.wait()  # periodic sharded saves are written in the background
         with urllib.request.urlopen(f"http://127.0.0.1:{guard.metrics.port}/metrics", timeout=10) as answer:
             (out / f"out-{rank}.txt").write_text(f"{guard.metrics.port}\n" + answer.read().decode())
     dist.destroy_process_group()

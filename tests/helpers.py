@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -63,3 +64,9 @@ def read_losses(path: Path) -> list[tuple[int, float]]:
             rec = json.loads(line)
             out.append((rec["step"], float.fromhex(rec["loss"])))
     return out
+
+
+def chunked_sha256(data: bytes, chunk: int = 16 << 20) -> str:
+    """What a spotguard/2 manifest records for a file: SHA-256 of its chunks' SHA-256 digests."""
+    pieces = [data[i:i + chunk] for i in range(0, len(data), chunk)] or [b""]
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()

@@ -15,6 +15,8 @@ from spotguard import checkpoint
 from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError
 from spotguard.storage import open_storage
 
+from .helpers import chunked_sha256
+
 
 def make_guard(root: Path, **kw) -> tuple[spotguard.Guard, torch.nn.Linear]:
     torch.manual_seed(0)
@@ -44,8 +46,7 @@ def test_manifest_lists_files_with_sizes_and_sha256(tmp_path):
     (entry,) = data["files"]
     state = tmp_path / "step-00000007" / "state.pt"
     assert entry["name"] == "state.pt" and entry["size"] == state.stat().st_size
-    import hashlib
-    assert entry["sha256"] == hashlib.sha256(state.read_bytes()).hexdigest()
+    assert entry["chunk_size"] == 16 << 20 and entry["sha256"] == chunked_sha256(state.read_bytes())
     assert manifest is not None and manifest.size == state.stat().st_size
 
 

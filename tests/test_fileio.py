@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from hypothesis import strategies as st
 
 from spotguard import fileio
 from spotguard.fileio import ALIGN, O_DIRECT, DirectFile
+
+from .helpers import chunked_sha256
 
 SMALL = 2 * ALIGN  # a small buffer so that a few KB cross many buffer boundaries
 
@@ -31,7 +32,7 @@ def test_bytes_size_and_digest_are_exact_at_buffer_boundaries(tmp_path, size):
     data = os.urandom(size)
     f = write_chunks(tmp_path / "f", [data], buffer_size=SMALL)
     assert (tmp_path / "f").read_bytes() == data  # the O_DIRECT block padding is cut off
-    assert f.size == size and f.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert f.size == size and f.hexdigest() == chunked_sha256(data)
 
 
 @settings(max_examples=40, deadline=None)
@@ -41,7 +42,7 @@ def test_any_chunking_gives_the_same_file(tmp_path_factory, sizes):
     chunks = [os.urandom(n) for n in sizes]
     f = write_chunks(path, chunks, buffer_size=SMALL)
     assert path.read_bytes() == b"".join(chunks)
-    assert f.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert f.hexdigest() == chunked_sha256(b"".join(chunks))
 
 
 def test_torch_save_into_it_loads_with_weights_only_and_mmap(tmp_path):
@@ -51,7 +52,7 @@ def test_torch_save_into_it_loads_with_weights_only_and_mmap(tmp_path):
     loaded = torch.load(tmp_path / "state.pt", weights_only=True, mmap=True)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
     assert torch.equal(loaded["nested"][0], torch.arange(10)) and torch.equal(loaded["nested"][1]["b"], torch.ones(3))
-    assert f.hexdigest() == hashlib.sha256((tmp_path / "state.pt").read_bytes()).hexdigest()
+    assert f.hexdigest() == chunked_sha256((tmp_path / "state.pt").read_bytes())
 
 
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")

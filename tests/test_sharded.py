@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from spotguard.distributed import providers_for_rank
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError
 from spotguard.notices.base import Notice
 from spotguard.notices.file import FileProvider
+from spotguard.storage import LocalStorage
 
 
 @pytest.fixture
@@ -35,7 +37,8 @@ def make(storage, **kw):
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
-    guard = Guard(str(storage), providers=None, **kw).track(model=model, optimizer=opt, scheduler=sched)
+    guard = Guard(storage if isinstance(storage, LocalStorage) else str(storage), providers=None,
+                  **kw).track(model=model, optimizer=opt, scheduler=sched)
     return guard, model, opt, sched
 
 
@@ -111,7 +114,7 @@ def test_notice_stops_with_emergency_checkpoint_on_the_next_sync_step(tmp_path, 
 
 def test_sharded_periodic_saves_feed_the_adaptive_interval_and_the_stats(tmp_path, group, caplog):
     caplog.set_level(logging.INFO, logger="spotguard.planner")
-    guard, model, opt, sched = make(tmp_path, every_steps=1, every_seconds="auto", mtbf_hours=6)
+    guard, model, opt, sched = make(tmp_path, every_steps=1, every_seconds="auto", mtbf_hours=6, async_save=False)
     with guard:
         train(model, opt, sched, 1)
         assert guard.step(1) is False
@@ -156,3 +159,72 @@ def test_single_process_refuses_a_sharded_checkpoint_instead_of_skipping_it(tmp_
             alone.resume()
     finally:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class GatedStorage(LocalStorage):
+    """Local storage whose writes of one rank file wait for ``gate`` (to hold a background save in flight)."""
+
+    def __init__(self, url: str, key: str = "step-00000001/rank-00000.pt") -> None:
+        super().__init__(url)
+        self.key, self.gate, self.writing = key, threading.Event(), threading.Event()
+
+    def open_write(self, key, *, deadline=None):
+        if key == self.key:
+            self.writing.set()
+            assert self.gate.wait(20), "test never opened the gate"
+        return super().open_write(key, deadline=deadline)
+
+
+def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp_path, group):
+    storage = GatedStorage(str(tmp_path))
+    guard, model, opt, sched = make(storage, every_steps=1, busy="skip", save_on_exit=False)
+    assert guard._dist.async_group is not None
+    with guard:
+        train(model, opt, sched, 1)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        assert guard.step(1) is False  # returns although the write is held
+        assert storage.writing.wait(10) and latest(guard.storage) is None
+        train(model, opt, sched, 1)  # training moves on while step 1 is written
+        assert guard.step(2) is False and guard.stats().skipped == 1  # busy: skipped, not queued
+        storage.gate.set()
+        guard.wait()
+        assert guard.stats().as_dict()["async"] is True and guard.stats().snapshot_s is not None
+    assert [i.step for i in scan(guard.storage)] == [1]
+    assert guard._dist.async_group is None  # the background writer's group went with the Guard
+    assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-save")]
+    fresh, model2, *_ = make(tmp_path)
+    assert fresh.resume() == 1
+    for k, v in want.items():
+        assert torch.equal(model2.state_dict()[k], v), k  # the state at step 1, not the one trained after
+
+
+def test_emergency_abandons_an_inflight_async_sharded_save_and_commits_the_newest(tmp_path, group, caplog):
+    caplog.set_level(logging.INFO, logger="spotguard")
+    storage = GatedStorage(str(tmp_path))
+    guard, model, opt, sched = make(storage, every_steps=1)
+    with guard:
+        train(model, opt, sched, 1)
+        guard.step(1)
+        assert storage.writing.wait(10)
+        guard.watcher.report(Notice("test", "terminate"))  # nothing measured yet: the newer state wins
+        threading.Timer(0.3, storage.gate.set).start()
+        assert guard.step(2) is True
+    assert [(i.step, i.manifest.reason) for i in scan(guard.storage) if i.complete] == [(2, "emergency")]
+    assert "abandoning the save of step 1" in caplog.text and "emergency checkpoint of step 2 committed" in caplog.text
+    assert not (tmp_path / "step-00000001" / "manifest.json").exists()  # the cancel reached the commit
+
+
+def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_async_sharded_save(tmp_path, group, caplog):
+    import datetime as dt
+    storage = GatedStorage(str(tmp_path))
+    guard, model, opt, sched = make(storage, every_steps=1, save_on_exit=False)
+    guard.stats().write_Bps, guard.stats().state_bytes = 1.0, 10_000  # measured: far too slow for the state
+    with guard:
+        guard.step(1)
+        assert storage.writing.wait(10)
+        deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=3)
+        guard.watcher.report(Notice("test", "terminate", deadline=deadline))
+        threading.Timer(0.3, storage.gate.set).start()
+        assert guard.step(3) is True
+    assert [(i.step, i.manifest.reason) for i in scan(guard.storage) if i.complete] == [(1, "periodic")]
+    assert "2 step(s) will be lost" in caplog.text

@@ -1,0 +1,116 @@
+"""On a CUDA machine (``make gpu-check``): pinned staging, CUDA random streams, NCCL training beside the
+gloo agreement group, exact resumes on one GPU and on two ranks, and the stall benchmark.
+
+Skipped without CUDA. With one GPU, the two-rank test puts both ranks on it (the example then trains
+over gloo, since NCCL refuses two ranks on one device); with two or more, it trains over NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spotguard
+from spotguard import EXIT_PREEMPTED
+from spotguard.checkpoint import latest
+from spotguard.snapshot import Staging
+from spotguard.storage import open_storage
+
+from .helpers import REPO, read_losses, run_example, subprocess_env
+from .test_distributed import assert_same, example, run, run_until, stopped_for_notice
+from .test_resume import assert_same_run, stop_at
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `make gpu-check` on a GPU machine")]
+_rng = random.Random()
+
+
+def test_staging_pins_host_buffers_and_snapshots_device_tensors_exactly():
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "opt": [torch.randn(4096, device="cuda"), 3]}
+    staging = Staging()
+    assert staging.pin
+    snap = staging.snapshot(state)
+    assert snap["w"].device.type == "cpu" and snap["w"].is_pinned() and snap["opt"][0].is_pinned()
+    assert torch.equal(snap["w"], state["w"].cpu()) and snap["opt"][1] == 3
+    ptr, allocations = snap["w"].data_ptr(), staging.allocations
+    state["w"].add_(1)  # training goes on: the snapshot keeps the old values, the next one the new
+    assert not torch.equal(snap["w"], state["w"].cpu())
+    again = staging.snapshot(state)
+    assert again["w"].data_ptr() == ptr and staging.allocations == allocations  # reused, not regrown
+    assert torch.equal(again["w"], state["w"].cpu())
+
+
+def test_cuda_random_streams_are_restored_on_resume(tmp_path):
+    model = torch.nn.Linear(8, 8).cuda()
+    guard = spotguard.Guard(str(tmp_path), providers=[]).track(model=model)
+    torch.cuda.manual_seed_all(123)
+    torch.rand(5, device="cuda")  # move the stream off its seed
+    guard.save(1)
+    want = [torch.rand(7, device=f"cuda:{d}") for d in range(torch.cuda.device_count())]
+    torch.cuda.manual_seed_all(999)  # a new process would start elsewhere
+    fresh = spotguard.Guard(str(tmp_path), providers=[]).track(model=torch.nn.Linear(8, 8).cuda())
+    assert fresh.resume() == 1
+    got = [torch.rand(7, device=f"cuda:{d}") for d in range(torch.cuda.device_count())]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_resume_on_one_gpu_after_sigterm_continues_identically(tmp_path, reference_runs):
+    """examples/train.py trains on the GPU (autocast, GradScaler) when there is one."""
+    args = ("--steps", "60", "--every-steps", "20", "--batch-size", "16", "--num-workers", "0")
+    reference = reference_runs(*args)
+    losses, final, storage = tmp_path / "losses.jsonl", tmp_path / "final.pt", tmp_path / "ckpt"
+    first = stop_at(storage, losses, args, _rng.randint(3, 50), signal.SIGTERM)
+    assert first.returncode == EXIT_PREEMPTED, first.stderr[-3000:]
+    second = run_example(storage, *args, "--losses", str(losses), "--final", str(final))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert_same_run(losses, final, reference)
+
+
+@pytest.mark.slow
+def test_two_ranks_on_gpus_stop_together_and_resume_identically(tmp_path):
+    """NCCL (or, with one GPU, gloo over CUDA tensors) for training; spotguard agrees on its own gloo group."""
+    common = ("--steps", "40", "--every-steps", "15")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    done = run(example(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"), "--final",
+                       str(ref / "final.pt")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    notice, losses, storage = tmp_path / "notice-{rank}", str(tmp_path / "loss-{rank}.jsonl"), tmp_path / "ckpt"
+    first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
+                      tmp_path / "loss-0.jsonl", _rng.randint(4, 28),
+                      lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 30}'),
+                      SPOTGUARD_NOTICE_FILE=str(notice))
+    assert stopped_for_notice(first), first.stderr[-3000:]
+    stops = [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)]
+    assert stops[0] == stops[1], stops
+    info = latest(open_storage(str(storage)))
+    assert info and info.step == stops[0] and info.manifest.reason == "emergency"
+    Path(str(notice).format(rank=1)).unlink()
+    second = run(example(2, storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt")))
+    assert second.returncode == 0, second.stderr[-3000:]
+    for r in range(2):
+        got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ref / f"loss-{r}.jsonl"))
+        for step, loss in got:
+            assert loss == want[step], (r, step)
+    assert_same(torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True))
+
+
+def test_stall_benchmark_measures_against_the_device_to_host_copy(tmp_path):
+    """The figure itself is for bench/REPORT.md (make gpu-check prints it for 1 GiB); here: it is produced."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "checkpoint_stall.py"), "--device", "cuda",
+                           "--size-mb", "128", "--repeat", "2", "--json", str(out)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["figure"].split(" (")[0]: r for r in json.loads(out.read_text())}
+    row = next(r for name, r in rows.items() if name.startswith("stall per checkpoint vs device-to-host copy"))
+    assert row["value"] > 0 and row["baseline"] > 0
