@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -39,6 +40,7 @@ MAINTENANCE_CODES = ("instance-stop", "instance-retirement", "instance-reboot", 
 #: A scheduled event whose window is already open may start at any moment. AWS documents no
 #: shorter warning than the spot two minutes, so that is the time assumed when NotAfter is unknown.
 MAINTENANCE_WARNING = SPOT_WARNING
+_TOKEN = re.compile(r"[A-Za-z0-9+/=_.-]{1,512}")  # what an IMDSv2 token looks like (printable, no spaces)
 HOP_LIMIT_HINT = ("no answer to PUT /latest/api/token, although something listens: in a container, the "
                   "instance's metadata hop limit must be 2 (aws ec2 modify-instance-metadata-options "
                   "--http-put-response-hop-limit 2); or allow IMDSv1 with $SPOTGUARD_AWS_ALLOW_IMDSV1=1")
@@ -102,8 +104,12 @@ class AwsProvider(NoticeProvider):
             self._warn("IMDSv2 token request timed out (%s); using IMDSv1 as allowed", self.client.base_url)
             self._v1 = True
             return
-        if resp.status == 200 and resp.body:
-            self._token = resp.text.strip()
+        token = resp.text.strip()
+        if resp.status == 200 and token and not _TOKEN.fullmatch(token):
+            # A garbled answer kept as the token would be sent for hours (or be refused as a header).
+            raise MetadataHTTPError(f"IMDSv2 token request: not a token ({len(token)} bytes of something else)")
+        if resp.status == 200 and token:
+            self._token = token
             # Renew well before expiry: a token used at its last second can expire in flight.
             self._token_expires = time.monotonic() + self.token_ttl * 0.8
             self._v1 = False
