@@ -120,7 +120,9 @@ class MetadataClient:
                 if fresh or attempt or interrupted:
                     raise MetadataHTTPError(f"{method} {self.base_url}{path}: {e}") from e
                 continue  # the server closed an idle keep-alive connection: try once on a new one
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                # ValueError: a header value that cannot be sent (a garbled token). Whatever failed,
+                # the connection is closed: one left half-used refuses every later request.
                 # Connected but no answer: something listens and drops our reply (an IMDS hop limit).
                 read_timeout = isinstance(e, socket.timeout) and conn.sock is not None
                 self.close()

@@ -341,3 +341,30 @@ def test_a_token_timeout_warns_again_every_few_minutes_and_never_logs_a_token(mo
     assert 3 <= len(warnings) <= 7, len(warnings)  # again every 0.6 s, not once and not on every poll
     issued = list(server.mock.tokens)
     assert issued and not any(token in caplog.text for token in issued)
+
+
+def test_a_garbled_token_is_refused_and_polling_recovers_after_the_storm(mock_metadata):
+    """A storm's random bytes as the token answer: kept, they were sent as a header for hours."""
+    server = mock_metadata("aws")
+    server.mock.trigger("spot")
+    original, state = server.mock.handle, {"garble": True}
+
+    def garbled_token(req):
+        if req.method == "PUT" and state.pop("garble", False):
+            return type(original(req))(200, "\u00e9\u00a7\x85 not a token".encode(), {})
+        return original(req)
+
+    server.mock.handle = garbled_token
+    p = provider(server)
+    with pytest.raises(MetadataHTTPError, match="not a token"):
+        p.poll()
+    assert p.poll().kind == "terminate"
+
+
+def test_a_request_that_cannot_be_sent_leaves_the_connection_usable(mock_metadata):
+    from spotguard.notices._http import MetadataClient
+
+    client = MetadataClient.from_url(mock_metadata("aws").url)
+    with pytest.raises(MetadataHTTPError):
+        client.request("GET", "/latest/meta-data/instance-id", {"X-aws-ec2-metadata-token": "\u0101\u0102"})
+    assert client.request("GET", "/latest/meta-data/instance-id", {}).status == 401  # not "Request-started"
