@@ -8,7 +8,7 @@ nanoseconds, and ``stop()`` returns within one interval because every wait is an
 Backoff after a failed poll is capped near the polling interval (1 s by default): a notice that
 appears during a storm of metadata errors must still be seen within about two seconds, and one
 poll a second never hammers a metadata service. A provider that asks for it (``fast_retry``, GCP)
-is retried every 0.1 s in the first seconds of a failure. A provider that keeps failing is
+is retried every 0.1-0.2 s in the first seconds of a failure. A provider that keeps failing is
 reported at WARNING level again every ``warn_every`` seconds, so a lasting problem stays visible.
 """
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 # Our own generator: the training's global random streams must never be touched by spotguard.
 _jitter = random.Random()
-FAST_RETRY = 0.1  # seconds between retries in the first ``provider.fast_retry`` seconds of a failure
+FAST_RETRY = 0.2  # at most this long between retries in the first ``provider.fast_retry`` seconds of a failure
 
 
 class Watcher:

@@ -118,7 +118,7 @@ class NoticeProvider(abc.ABC):
     name: str = "provider"
     #: True when poll() itself waits for an event (bounded); the watcher then polls back to back.
     blocking: bool = False
-    #: Seconds at the start of a failure during which the watcher retries fast (0.1 s apart), for
+    #: Seconds at the start of a failure during which the watcher retries fast (0.1-0.2 s apart), for
     #: sources whose notices leave so little time that a second of backoff matters (GCP's 30 s).
     fast_retry: float = 0.0
 
