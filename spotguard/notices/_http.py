@@ -122,8 +122,8 @@ class MetadataClient:
                 continue  # the server closed an idle keep-alive connection: try once on a new one
             except (OSError, http.client.HTTPException, ValueError) as e:
                 # ValueError: a header value that cannot be sent (a garbled token). Whatever failed,
-                # the connection is closed: one left half-used refuses every later request.
-                # Connected but no answer: something listens and drops our reply (an IMDS hop limit).
+                # the connection is closed: one left half-used refuses every later request. A
+                # timeout once connected: something listens but drops our answer (an IMDS hop limit).
                 read_timeout = isinstance(e, socket.timeout) and conn.sock is not None
                 self.close()
                 reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {e}"

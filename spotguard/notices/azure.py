@@ -6,10 +6,11 @@ and ``Redeploy`` (moved to another host, 10 min); ``Freeze`` (a pause of a few s
 kept) is only logged. The set is configurable. The deadline is ``NotBefore`` while it lies ahead;
 for an event already ``Started`` (``NotBefore`` blank) or past its ``NotBefore`` it is 30 s from
 now (it may happen at any moment, yet "no time left" would stop the emergency save before it
-starts), and for an unreadable ``NotBefore`` the event type's documented minimum notice. The document's ``DocumentIncarnation``
-changes whenever the event list does, so an unchanged document is not parsed again. Once the
-emergency checkpoint is committed, Guard calls ``acknowledge()``, which approves the event
-(``StartRequests``) so Azure need not wait for ``NotBefore``: the replacement comes sooner.
+starts), and for an unreadable ``NotBefore`` the event type's documented minimum notice. The
+document's ``DocumentIncarnation`` changes whenever the event list does, so an unchanged document
+is not parsed again. Once the emergency checkpoint is committed, Guard calls ``acknowledge()``,
+which approves the event (``StartRequests``) so Azure need not wait for ``NotBefore``: the
+replacement comes sooner.
 """
 
 from __future__ import annotations
