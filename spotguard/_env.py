@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from .errors import ConfigError
 
 AWS_ALLOW_IMDSV1 = "SPOTGUARD_AWS_ALLOW_IMDSV1"
 AZURE_ACK = "SPOTGUARD_AZURE_ACK"
+AZURE_STOP_EVENTS = "SPOTGUARD_AZURE_STOP_EVENTS"
 GCP_DEADLINE = "SPOTGUARD_GCP_DEADLINE"
 STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
+
+T = TypeVar("T")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -43,3 +48,14 @@ def seconds(name: str, default: float) -> float:
     if not (math.isfinite(parsed) and parsed > 0):
         raise ConfigError(f"${name} must be a positive number of seconds, got {os.environ[name]!r}")
     return parsed
+
+
+def choices(name: str, default: T, parse: Callable[[str], T]) -> T:
+    """A value read by ``parse`` (which raises ValueError on a bad one); unset or empty: ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise ConfigError(f"${name}: {e}") from None

@@ -50,6 +50,11 @@ LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_DIR"
 STATE_FILE = "state.pt"
 FIT = 0.9  # share of the time left that an estimated save may use (estimates are rough)
 CANCEL_GRACE_S = 1.0  # how long an emergency waits for an abandoned save to notice
+#: An emergency save whose deadline has passed (a long step, a user's stale deadline) or is about to
+#: still gets this long, best effort: the machine is still here, and "not started" loses the work.
+#: Short enough not to distort a real short deadline (a pod's grace period); long enough for one
+#: request (S3's shortest request timeout under a deadline is 5 s too).
+EMERGENCY_FLOOR_S = 5.0
 
 
 class Inflight(enum.IntEnum):
@@ -515,6 +520,10 @@ class Guard:
         notice = self.notice
         if left is None:  # [distributed] ranks pass the earliest deadline among them
             left = notice.seconds_left() if notice else None
+        if left is not None and left < EMERGENCY_FLOOR_S:
+            logger.warning("the notice leaves %.1fs; the emergency checkpoint gets %.0fs, best effort",
+                           left, EMERGENCY_FLOOR_S)
+            left = EMERGENCY_FLOOR_S
         t0 = time.monotonic()
         deadline = None if left is None else t0 + left
         pending = self._pending

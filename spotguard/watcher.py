@@ -4,6 +4,12 @@ Why one thread per provider: a GCP hanging GET or a signal queue wait blocks ins
 and must not delay the other sources. The watcher owns timing, error logging and backoff; nothing
 a provider raises ever reaches the training loop. Checking ``preempted.is_set()`` costs tens of
 nanoseconds, and ``stop()`` returns within one interval because every wait is an Event wait.
+
+Backoff after a failed poll is capped near the polling interval (1 s by default): a notice that
+appears during a storm of metadata errors must still be seen within about two seconds, and one
+poll a second never hammers a metadata service. A provider that asks for it (``fast_retry``, GCP)
+is retried every 0.1-0.2 s in the first seconds of a failure. A provider that keeps failing is
+reported at WARNING level again every ``warn_every`` seconds, so a lasting problem stays visible.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from . import notices
@@ -20,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 # Our own generator: the training's global random streams must never be touched by spotguard.
 _jitter = random.Random()
+FAST_RETRY = 0.2  # at most this long between retries in the first ``provider.fast_retry`` seconds of a failure
 
 
 class Watcher:
@@ -27,7 +35,9 @@ class Watcher:
 
     ``on_notice(notice)`` is called once per distinct notice (advisory ones included) from a
     watcher thread. Advisory notices (``rebalance``, ``migrate``) set ``preempted`` only when
-    ``stop_on_advisory`` is True; otherwise they are kept in ``advisories``.
+    ``stop_on_advisory`` is True; otherwise they are kept in ``advisories``. ``max_backoff`` caps
+    the wait after failed polls (never below ``interval``); ``warn_every`` is how often a provider
+    that keeps failing is reported again at WARNING level.
     """
 
     def __init__(
@@ -37,15 +47,19 @@ class Watcher:
         on_notice: Callable[[Notice], None] | None = None,
         *,
         stop_on_advisory: bool = False,
-        max_backoff: float = 5.0,
+        max_backoff: float = 1.0,
+        warn_every: float = 300.0,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
+        if warn_every <= 0:
+            raise ValueError("warn_every must be positive")
         self.providers: list[NoticeProvider] = notices.build(providers)
         self.interval = interval
         self.on_notice = on_notice
         self.stop_on_advisory = stop_on_advisory
         self.max_backoff = max(max_backoff, interval)
+        self.warn_every = warn_every
         self.preempted = threading.Event()
         self.notice: Notice | None = None
         self.advisories: list[Notice] = []
@@ -130,22 +144,38 @@ class Watcher:
                 except Exception as e:
                     logger.warning("acknowledging %s to %s failed: %s", notice.event_id, provider.name, e)
 
+    def _backoff(self, provider: NoticeProvider, failures: int, outage: float) -> float:
+        """Seconds to wait after the ``failures``-th failed poll in a row, ``outage`` seconds into it."""
+        if outage < provider.fast_retry:
+            step = min(FAST_RETRY, self.interval)
+        else:
+            step = min(self.max_backoff, self.interval * 2 ** min(failures - 1, 6))
+        return step * (0.5 + 0.5 * _jitter.random())  # jitter decorrelates machines, never past the cap
+
     def _run(self, provider: NoticeProvider) -> None:
-        failures = 0
+        failures, since, warned = 0, 0.0, 0.0
         while not self._stopping.is_set():
             try:
                 notice = provider.poll()
             except Exception as e:
+                now = time.monotonic()
+                if not failures:
+                    since = now
                 failures += 1
-                delay = min(self.max_backoff, self.interval * 2 ** min(failures - 1, 6))
-                delay *= 0.5 + _jitter.random()  # decorrelate retries across machines
-                level = logging.WARNING if failures == 1 else logging.DEBUG
-                logger.log(level, "notice provider %s failed (%s: %s); retrying in %.2fs",
-                           provider.name, type(e).__name__, e, delay)
+                delay = self._backoff(provider, failures, now - since)
+                if failures == 1 or now - warned >= self.warn_every:
+                    warned = now
+                    logger.warning("notice provider %s failed%s (%s: %s); retrying in %.2fs", provider.name,
+                                   f" for {now - since:.0f}s ({failures} polls)" if failures > 1 else "",
+                                   type(e).__name__, e, delay)
+                else:
+                    logger.debug("notice provider %s failed (%s: %s); retrying in %.2fs", provider.name,
+                                 type(e).__name__, e, delay)
                 self._stopping.wait(delay)
                 continue
             if failures:
-                logger.info("notice provider %s recovered after %d failed polls", provider.name, failures)
+                logger.info("notice provider %s recovered after %d failed polls (%.1fs)", provider.name,
+                            failures, time.monotonic() - since)
                 failures = 0
             if notice is not None:
                 self.report(notice)

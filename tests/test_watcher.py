@@ -92,3 +92,14 @@ def test_a_provider_that_fails_to_open_is_skipped(caplog):
     with Watcher([Broken([]), good], interval=0.01) as w:
         assert w.preempted.wait(5)
     assert "failed to open" in caplog.text
+
+
+def test_backoff_after_failures_never_exceeds_about_a_second():
+    """A notice that appears while a provider fails must not wait out seconds of backoff (issue 17)."""
+    fast = Scripted([])
+    fast.fast_retry = 3.0
+    w = Watcher([Scripted([]), fast], interval=1.0)
+    slow_delays = [w._backoff(w.providers[0], failures, 60.0) for failures in range(1, 30) for _ in range(50)]
+    assert max(slow_delays) <= 1.0 and min(slow_delays) >= 0.5
+    assert max(w._backoff(fast, 5, 1.0) for _ in range(200)) <= 0.2  # first seconds of an outage: fast
+    assert min(w._backoff(fast, 5, 3.5) for _ in range(200)) >= 0.5

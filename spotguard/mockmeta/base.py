@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Reply:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    abort: str | None = None  # "reset" or "truncated": how a storm breaks the answer (server.STORM)
 
     @classmethod
     def text(cls, status: int, text: str, content_type: str = "text/plain", **headers: str) -> Reply:
@@ -45,6 +46,10 @@ class CloudMock(abc.ABC):
 
     cloud: str = "?"
     kinds: tuple[str, ...] = ()  # the first one is what ``simulate-preemption`` triggers by default
+    #: The real service's ``Server`` header (None: none is sent).
+    server_header: ClassVar[str | None] = None
+    #: Other headers the real service puts on every answer, errors included (GCP's ``Metadata-Flavor``).
+    identity_headers: ClassVar[dict[str, str]] = {}
 
     def __init__(self) -> None:
         self.cond = threading.Condition()

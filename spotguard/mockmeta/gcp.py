@@ -5,12 +5,17 @@ request), that header on every response, ``application/text`` values with an ``E
 GET (``wait_for_change=true`` blocks while ``last_etag`` equals the current ETag, or until the next
 change when no ``last_etag`` is given, for at most ``timeout_sec``), ``GET /`` answering 200 so
 google-auth's ``ping()`` recognises the server, and ``preempted`` flipping at once on a trigger.
+Enough of the rest for google-auth's compute-engine credentials (a rehearsal runs the same code as
+on a VM): the default service account (``aliases``, ``email``, ``scopes``, its recursive listing
+as JSON with lists) and a fake ``token``; recursive listings with Google's camelCase keys; and
+``Server: Metadata Server for VM``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from typing import Any
 
@@ -26,6 +31,8 @@ NOT_FOUND = """<!DOCTYPE html>
   <p>The requested URL <code>{path}</code> was not found on this server.  <ins>That's all we know.</ins>
 """
 MAX_WAIT = 3600
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/userinfo.email")
+LISTS = ("aliases", "scopes")  # newline-separated values that recursive listings give as JSON arrays
 
 
 def etag_of(value: str) -> str:
@@ -35,6 +42,8 @@ def etag_of(value: str) -> str:
 class GcpMock(CloudMock):
     cloud = "gcp"
     kinds = ("preempt", "maintenance", "migrate")
+    server_header = "Metadata Server for VM"
+    identity_headers = FLAVOR
 
     def __init__(self, *, name: str = "spot-trainer-1", project: str = "mock-project") -> None:
         super().__init__()
@@ -45,6 +54,11 @@ class GcpMock(CloudMock):
             "projects/123456789012/machineTypes/g2-standard-4", "instance/scheduling/provisioning-model": "SPOT",
             "instance/scheduling/preemptible": "TRUE", "project/project-id": project,
             "project/numeric-project-id": "123456789012"}
+        email = "123456789012-compute@developer.gserviceaccount.com"
+        for account in ("default", email):
+            self.values.update({f"instance/service-accounts/{account}/aliases": "default",
+                                f"instance/service-accounts/{account}/email": email,
+                                f"instance/service-accounts/{account}/scopes": "\n".join(SCOPES)})
         self.reset()
 
     def reset(self) -> None:
@@ -72,6 +86,8 @@ class GcpMock(CloudMock):
         if not req.path.startswith(ROOT) or req.method != "GET":
             return self._not_found(req)
         key = req.path[len(ROOT):]
+        if key.startswith("instance/service-accounts/") and key.endswith("/token"):
+            return self._token(req, key)
         with self.cond:
             if key.endswith("/") or key == "":
                 return self._directory(req, key)
@@ -99,11 +115,25 @@ class GcpMock(CloudMock):
                 return
             self.cond.wait(left)
 
+    def _token(self, req: Request, key: str) -> Reply:
+        account = key[len("instance/service-accounts/"):-len("/token")]
+        if f"instance/service-accounts/{account}/email" not in self.values:
+            return self._not_found(req)
+        token = {"access_token": "ya29.mock-" + secrets.token_urlsafe(48), "expires_in": 3599, "token_type": "Bearer"}
+        return Reply.text(200, json.dumps(token), "application/json", **FLAVOR)
+
     def _directory(self, req: Request, key: str) -> Reply:
         entries = {k[len(key):] for k in self.values if k.startswith(key)}
         if req.query.get("recursive") == "true":
-            return Reply.text(200, json.dumps({e: self.values[key + e] for e in sorted(entries)}),
-                              "application/json", **FLAVOR)
+            tree: dict[str, Any] = {}
+            for entry in sorted(entries):
+                *parents, leaf = entry.split("/")
+                node = tree
+                for part in parents:
+                    node = node.setdefault(_camel(part), {})
+                value = self.values[key + entry]
+                node[_camel(leaf)] = value.split("\n") if leaf in LISTS else value
+            return Reply.text(200, json.dumps(tree), "application/json", **FLAVOR)
         names = sorted({e.split("/")[0] + ("/" if "/" in e else "") for e in entries})
         if not names:
             return self._not_found(req)
@@ -111,3 +141,9 @@ class GcpMock(CloudMock):
 
     def _not_found(self, req: Request) -> Reply:
         return Reply.text(404, NOT_FOUND.format(path=req.path), "text/html; charset=UTF-8", **FLAVOR)
+
+
+def _camel(name: str) -> str:
+    """``machine-type`` -> ``machineType``: recursive listings spell keys the way the API does."""
+    first, *rest = name.split("-")
+    return first + "".join(part[:1].upper() + part[1:] for part in rest)

@@ -2,18 +2,24 @@
 
 Control API (JSON, under ``/_mock/``, never on a cloud's own paths):
 ``POST /_mock/trigger {"kind", "in", "action", ...}``, ``POST /_mock/clear``,
-``POST /_mock/faults {"status": 503, "count": N, "delay": S}``, ``GET /_mock/state``.
-Faults happen only when asked for: ``error_rate`` (a private random generator, seedable) or a
-count of upcoming failures set through the control API.
+``POST /_mock/faults {"status": 503, "count": N, "delay": S}``, ``POST /_mock/storm {"on": true}``,
+``GET /_mock/state``. Faults happen only when asked for: ``error_rate`` (a private random generator,
+seedable), a count of upcoming failures set through the control API, or a storm: every request is
+answered, in turn, by one of the failures real metadata services and the proxies in front of them
+produce (``STORM``: 5xx, 429, 401, garbage bodies, connection resets, truncated answers).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
+import socket
+import struct
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -26,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 CONTROL = "/_mock/"
 DEFAULT_PORT = 1338  # as amazon-ec2-metadata-mock
+#: A storm's answers, in turn. "garbage": 200 with random bytes (and the cloud's own headers);
+#: "reset": the connection is reset without an answer; "truncated": the body stops short.
+STORM = ("503", "500", "429", "401", "garbage", "reset", "502", "truncated")
 
 
 class MockControlError(SpotguardError, ConnectionError):
@@ -36,6 +45,14 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like the real services
     disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
     server: _Server
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        """As http.server's, with the imitated service's ``Server`` header instead of Python's."""
+        self.log_request(code)
+        self.send_response_only(code, message)
+        if self.server.owner.mock.server_header:
+            self.send_header("Server", self.server.owner.mock.server_header)
+        self.send_header("Date", self.date_time_string())
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
@@ -50,13 +67,19 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # a bug in the mock must show as a 500, not a dropped connection
             logger.exception("mock metadata server failed on %s %s", req.method, req.path)
             reply = Reply.text(500, f"mock error: {e}")
+        if reply.abort == "reset":  # RST instead of an answer: linger 0, then close
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
         self.send_response(reply.status)
         for name, value in reply.headers.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(reply.body)))
+        self.send_header("Content-Length", str(len(reply.body) * (2 if reply.abort == "truncated" else 1)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(reply.body)
+        if reply.abort == "truncated":
+            self.close_connection = True
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
 
@@ -82,6 +105,11 @@ class MockMetadataServer:
         self.error_rate = error_rate
         self._rng = random.Random(seed)  # private: the mock may share a process with training
         self._faults: dict[str, Any] = {"count": 0}
+        self._storm = False
+        self._storm_answers = itertools.cycle(STORM)
+        #: Called with each storm answer's name (from a server thread), e.g. to end a storm in a test.
+        self.on_storm: Callable[[str], None] | None = None
+        self.storm_answers = 0
         self._httpd = _Server((host, port), _Handler)
         self._httpd.owner = self
         self._thread: threading.Thread | None = None
@@ -118,9 +146,36 @@ class MockMetadataServer:
         with self.mock.cond:
             self._faults = {"status": status, "count": count, "delay": delay}
 
+    def set_storm(self, on: bool = True) -> None:
+        """Answer every request (held hanging GETs too) with the next failure of ``STORM``, or stop."""
+        with self.mock.cond:
+            self._storm = on
+
+    def _storm_reply(self) -> Reply | None:
+        with self.mock.cond:
+            if not self._storm:
+                return None
+            answer = next(self._storm_answers)
+            self.storm_answers += 1
+        headers = dict(self.mock.identity_headers)
+        if answer == "garbage":
+            reply = Reply(200, self._rng.randbytes(48), {"Content-Type": "text/plain", **headers})
+        elif answer in ("reset", "truncated"):
+            reply = Reply(200, b"partial answer", headers, abort=answer)
+        else:
+            reply = Reply(int(answer), f"error {answer}".encode(), {"Content-Type": "text/plain", **headers})
+        if self.on_storm is not None:
+            self.on_storm(answer)
+        return reply
+
     def dispatch(self, req: Request) -> Reply:
         if req.path.startswith(CONTROL):
             return self._control(req)
+        stormy = self._storm_reply()
+        if stormy is not None:
+            with self.mock.cond:
+                self.mock.requests += 1
+            return stormy
         with self.mock.cond:
             self.mock.requests += 1
             fault = None
@@ -134,7 +189,8 @@ class MockMetadataServer:
                 time.sleep(fault["delay"])
             if fault.get("status"):
                 return Reply.text(int(fault["status"]), "Service Unavailable")
-        return self.mock.handle(req)
+        reply = self.mock.handle(req)
+        return self._storm_reply() or reply  # a hanging GET held into a storm gets the storm's answer
 
     def _control(self, req: Request) -> Reply:
         op = req.path[len(CONTROL):].strip("/")
@@ -151,6 +207,9 @@ class MockMetadataServer:
             if op == "clear":
                 self.mock.clear()
                 return Reply.json(200, {"cloud": self.mock.cloud, "cleared": True})
+            if op == "storm":
+                self.set_storm(bool(body.get("on", True)))
+                return Reply.json(200, {"cloud": self.mock.cloud, "storm": self._storm})
             if op == "faults":
                 self.set_faults(int(body.get("status", 503)), int(body.get("count", 1)), float(body.get("delay", 0)))
                 return Reply.json(200, {"cloud": self.mock.cloud, "faults": body})

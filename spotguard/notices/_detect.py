@@ -1,7 +1,9 @@
 """Which cloud is this? Three metadata probes in parallel, short timeouts, one cached answer.
 
 Each probe asks something only that cloud's metadata service answers the right way: the IMDSv2
-token (AWS; with ``$SPOTGUARD_AWS_ALLOW_IMDSV1`` an IMDSv1 read where the token is refused), the
+token (AWS; with ``$SPOTGUARD_AWS_ALLOW_IMDSV1`` an IMDSv1 read where the token is refused; where
+the token request times out but an IMDSv1 read is answered, as in a container behind a hop limit
+of 1, AWS is found all the same, with a warning, so the problem is never silent), the
 ``Metadata-Flavor: Google`` response header (GCP), the VM name with the ``Metadata: true`` header
 (Azure). Off-cloud, 169.254.169.254 usually does not answer at all, so
 the probes run in daemon threads and the caller waits for them no longer than the deadline.
@@ -16,7 +18,7 @@ from collections.abc import Callable
 
 from .. import _env
 from . import aws, azure, gcp
-from ._http import MetadataClient
+from ._http import MetadataClient, MetadataHTTPError
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +26,30 @@ _cache: dict[tuple[tuple[tuple[str, str], ...], bool], list[str]] = {}
 _lock = threading.Lock()
 
 
+V1_PROBE = "/latest/meta-data/instance-id"
+#: Time left for the IMDSv1 read after a token request timed out (the service answers in ~1 ms).
+V1_TIMEOUT = 0.25
+
+
 def _aws(client: MetadataClient) -> bool:
-    resp = client.request("PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    try:
+        resp = client.request("PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    except MetadataHTTPError as e:
+        if not e.read_timeout:
+            raise
+        # Connected, but the token's answer never came back: a container behind a hop limit of 1
+        # drops it, while IMDSv1 GETs still get through. Off AWS nothing answers either request.
+        v1 = client.request("GET", V1_PROBE, {}, timeout=V1_TIMEOUT)
+        if v1.status not in (200, 401):  # 401: IMDSv2 is required, still an AWS metadata service
+            return False
+        if v1.status == 200 and _env.flag(_env.AWS_ALLOW_IMDSV1, default=False):
+            logger.warning("AWS metadata service at %s: IMDSv2 token request timed out; using IMDSv1 "
+                           "as allowed by $%s", client.base_url, _env.AWS_ALLOW_IMDSV1)
+        else:
+            logger.warning("AWS metadata service at %s: %s", client.base_url, aws.HOP_LIMIT_HINT)
+        return True
     if resp.status in (403, 404, 405) and _env.flag(_env.AWS_ALLOW_IMDSV1, default=False):
-        resp = client.request("GET", "/latest/meta-data/instance-id", {})  # as AwsProvider falls back
+        resp = client.request("GET", V1_PROBE, {})  # as AwsProvider falls back
     return resp.status == 200 and bool(resp.body)
 
 

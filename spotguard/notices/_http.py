@@ -12,6 +12,8 @@ import http.client
 import logging
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -21,28 +23,40 @@ __all__ = ["MetadataClient", "MetadataHTTPError", "Response", "WarnOnce", "check
 class MetadataHTTPError(OSError):
     """A metadata request failed: no answer, or an HTTP status the caller did not expect."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, *, read_timeout: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        #: The server accepted the connection but sent no answer in time (not: nothing listening).
+        self.read_timeout = read_timeout
 
 
 class WarnOnce:
-    """Log a warning the first time a message appears, at debug level afterwards: a malformed
-    document seen on every one-second poll must not write 86,400 warnings a day."""
+    """Log a warning the first time a kind of message appears, then at most once every ``every``
+    seconds (debug level in between): a malformed document seen on every one-second poll must not
+    write 86,400 warnings a day, yet a problem that lasts must stay visible.
 
-    def __init__(self, logger: logging.Logger) -> None:
+    A kind is the message template and its first argument (the path or event it is about), so
+    garbage that differs on every poll still counts as one kind.
+    """
+
+    def __init__(self, logger: logging.Logger, every: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
-        self._said: set[str] = set()
+        self.every = every
+        self.clock = clock
+        self._said: dict[tuple[str, str], float] = {}
 
     def __call__(self, msg: str, *args: object) -> None:
-        text = msg % args
-        if text in self._said:
-            self.logger.debug("%s", text)
+        key = (msg, str(args[0]) if args else "")
+        now = self.clock()
+        last = self._said.get(key)
+        if last is not None and now - last < self.every:
+            self.logger.debug(msg, *args)
             return
         if len(self._said) > 256:
             self._said.clear()
-        self._said.add(text)
-        self.logger.warning("%s", text)
+        self._said[key] = now
+        self.logger.warning(msg, *args)
 
 
 def check_status(status: int, expected: tuple[int, ...], what: str) -> None:
@@ -106,10 +120,15 @@ class MetadataClient:
                 if fresh or attempt or interrupted:
                     raise MetadataHTTPError(f"{method} {self.base_url}{path}: {e}") from e
                 continue  # the server closed an idle keep-alive connection: try once on a new one
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                # ValueError: a header value that cannot be sent (a garbled token). Whatever failed,
+                # the connection is closed: one left half-used refuses every later request. A
+                # timeout once connected: something listens but drops our answer (an IMDS hop limit).
+                read_timeout = isinstance(e, socket.timeout) and conn.sock is not None
                 self.close()
                 reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {e}"
-                raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}") from e
+                raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}",
+                                        read_timeout=read_timeout) from e
             if raw.will_close:
                 self.close()
             return Response(raw.status, {k.lower(): v for k, v in raw.getheaders()}, data)

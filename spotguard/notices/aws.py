@@ -1,9 +1,13 @@
 """AWS EC2 notices through the instance metadata service, IMDSv2 only (unless the user opts in).
 
 One ``poll()`` reads, in order of severity: the spot interruption (``spot/instance-action``), active
-scheduled maintenance that stops, retires or reboots the instance, the Auto Scaling target
-lifecycle state (``Terminated`` on scale-in), and the rebalance recommendation (advisory). A 404
-means "nothing". Malformed content is logged and never becomes a stop on its own.
+scheduled events that stop, retire or reboot the instance (``events/maintenance/scheduled``), the
+Auto Scaling target lifecycle state (``Terminated`` on scale-in), and the rebalance recommendation
+(advisory). A 404 means "nothing". Malformed content is logged and never becomes a stop on its own.
+
+Each notice has an id made of what it is (the spot action, the scheduled event's id), never of
+its payload's times: a service that restamps ``time`` or ``noticeTime`` on every request (as the
+public AWS metadata mock does) still gives one notice, so one early checkpoint.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import time
 from typing import Any
 
 from .. import _env
 from ._http import MetadataClient, MetadataHTTPError, WarnOnce, check_status
-from .base import Notice, NoticeProvider, utcnow
+from .base import Notice, NoticeProvider, deadline_ahead, utcnow
 from .file import parse_time
 
 logger = logging.getLogger(__name__)
@@ -28,8 +33,17 @@ TOKEN_TTL = 21600  # the maximum IMDS allows (6 hours)
 #: AWS gives two minutes between the spot notice and the interruption.
 SPOT_WARNING = dt.timedelta(minutes=2)
 STOP_ACTIONS = ("terminate", "stop", "hibernate")
-MAINTENANCE_CODES = ("instance-stop", "instance-retire", "instance-reboot", "system-reboot",
+#: Scheduled-event codes (EC2 ``InstanceStatusEvent.code``) that stop, retire or reboot the instance:
+#: every documented code, since each one loses the instance's memory or its network for a while.
+MAINTENANCE_CODES = ("instance-stop", "instance-retirement", "instance-reboot", "system-reboot",
                      "system-maintenance")
+#: A scheduled event whose window is already open may start at any moment. AWS documents no
+#: shorter warning than the spot two minutes, so that is the time assumed when NotAfter is unknown.
+MAINTENANCE_WARNING = SPOT_WARNING
+_TOKEN = re.compile(r"[A-Za-z0-9+/=_.-]{1,512}")  # what an IMDSv2 token looks like (printable, no spaces)
+HOP_LIMIT_HINT = ("no answer to PUT /latest/api/token, although something listens: in a container, the "
+                  "instance's metadata hop limit must be 2 (aws ec2 modify-instance-metadata-options "
+                  "--http-put-response-hop-limit 2); or allow IMDSv1 with $SPOTGUARD_AWS_ALLOW_IMDSV1=1")
 
 SPOT = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
@@ -77,10 +91,25 @@ class AwsProvider(NoticeProvider):
 
     # -- IMDSv2 token --------------------------------------------------------------------------
     def _refresh_token(self) -> None:
-        resp = self.client.request("PUT", "/latest/api/token",
-                                   {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)})
-        if resp.status == 200 and resp.body:
-            self._token = resp.text.strip()
+        try:
+            resp = self.client.request("PUT", "/latest/api/token",
+                                       {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)})
+        except MetadataHTTPError as e:
+            if not e.read_timeout:
+                raise
+            # The PUT's answer was dropped on the way (a container one hop beyond a hop limit of 1).
+            # botocore treats this timeout as "no token" and goes on with IMDSv1; so do we, if allowed.
+            if not self.allow_imdsv1:
+                raise MetadataHTTPError(f"IMDSv2 token request timed out: {HOP_LIMIT_HINT}") from e
+            self._warn("IMDSv2 token request timed out (%s); using IMDSv1 as allowed", self.client.base_url)
+            self._v1 = True
+            return
+        token = resp.text.strip()
+        if resp.status == 200 and token and not _TOKEN.fullmatch(token):
+            # A garbled answer kept as the token would be sent for hours (or be refused as a header).
+            raise MetadataHTTPError(f"IMDSv2 token request: not a token ({len(token)} bytes of something else)")
+        if resp.status == 200 and token:
+            self._token = token
             # Renew well before expiry: a token used at its last second can expire in flight.
             self._token_expires = time.monotonic() + self.token_ttl * 0.8
             self._v1 = False
@@ -132,13 +161,18 @@ class AwsProvider(NoticeProvider):
         if action not in STOP_ACTIONS:
             self._warn("%s: unexpected content %r; ignored", SPOT, data)
             return None
+        now = utcnow()
         try:
-            deadline = parse_time(data.get("time"))
+            stated: dt.datetime | None = parse_time(data.get("time"))
         except (ValueError, TypeError, OverflowError):
             # The action itself is unambiguous; only its time is unusable: assume the documented 2 min.
-            deadline = utcnow() + SPOT_WARNING
+            stated = None
             self._warn("%s: bad time %r; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
-        return Notice(self.name, action, deadline=deadline, raw=data)
+        else:
+            if stated is not None and stated <= now:
+                self._warn("%s: time %r has passed; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
+        return Notice(self.name, action, deadline=deadline_ahead(stated, SPOT_WARNING, now), raw=data,
+                      event_id=f"aws-spot-{action}")
 
     def _maintenance(self) -> list[Notice]:
         events = self._json(MAINTENANCE)
@@ -154,22 +188,40 @@ class AwsProvider(NoticeProvider):
                     or event.get("Code") not in MAINTENANCE_CODES:
                 continue
             try:
-                deadline = parse_maintenance_time(str(event.get("NotBefore", "")))
+                not_before = parse_maintenance_time(str(event.get("NotBefore", "")))
             except ValueError:
                 self._warn("%s: event %s has a bad NotBefore %r; ignored", MAINTENANCE,
                                event.get("EventId"), event.get("NotBefore"))
                 continue
-            if (deadline - now).total_seconds() > self.maintenance_horizon:
-                logger.debug("scheduled %s at %s: not yet within %.0fs", event.get("Code"), deadline,
+            if (not_before - now).total_seconds() > self.maintenance_horizon:
+                logger.debug("scheduled %s at %s: not yet within %.0fs", event.get("Code"), not_before,
                             self.maintenance_horizon)
                 continue
-            out.append(Notice(self.name, "maintenance", deadline=deadline, raw=event))
+            out.append(Notice(self.name, "maintenance", deadline=self._window_deadline(event, not_before, now),
+                              raw=event, event_id=self._event_id(event)))
         return out
+
+    @staticmethod
+    def _window_deadline(event: dict[str, Any], not_before: dt.datetime, now: dt.datetime) -> dt.datetime:
+        """NotBefore while ahead; once the window is open, NotAfter (the latest end) when given."""
+        if not_before > now:
+            return not_before
+        try:
+            not_after: dt.datetime | None = parse_maintenance_time(str(event.get("NotAfter") or ""))
+        except ValueError:
+            not_after = None
+        return deadline_ahead(not_after, MAINTENANCE_WARNING, now)
+
+    @staticmethod
+    def _event_id(event: dict[str, Any]) -> str:
+        ident = str(event.get("EventId") or "") or f"{event.get('Code')}-{event.get('NotBefore')}"
+        return f"aws-maintenance-{ident}"
 
     def _lifecycle(self) -> Notice | None:
         status, text = self._get(LIFECYCLE)
         if status == 200 and text.strip() == "Terminated":
-            return Notice(self.name, "terminate", raw={"target-lifecycle-state": "Terminated"})
+            return Notice(self.name, "terminate", raw={"target-lifecycle-state": "Terminated"},
+                          event_id="aws-asg-terminate")
         return None
 
     def _rebalance(self) -> Notice | None:
@@ -179,7 +231,7 @@ class AwsProvider(NoticeProvider):
         if not isinstance(data, dict) or "noticeTime" not in data:
             self._warn("%s: unexpected content %r; ignored", REBALANCE, data)
             return None
-        return Notice(self.name, "rebalance", raw=data)
+        return Notice(self.name, "rebalance", raw=data, event_id="aws-rebalance")
 
     def wakeup(self) -> None:
         self.client.interrupt()

@@ -1,10 +1,16 @@
 """Azure notices through Scheduled Events (``/metadata/scheduledevents``) of the instance metadata service.
 
-A ``Preempt`` (Spot eviction, about 30 s ahead) or ``Terminate`` event whose ``Resources`` name this
-VM is a stop notice with its ``NotBefore`` as the deadline. The document's ``DocumentIncarnation``
-changes whenever the event list does, so an unchanged document is not parsed again. Once the
-emergency checkpoint is committed, Guard calls ``acknowledge()``, which approves the event
-(``StartRequests``) so Azure need not wait for ``NotBefore``: the replacement comes sooner.
+An event whose ``Resources`` name this VM is a stop notice when it loses the VM's memory or the VM
+itself: ``Preempt`` (Spot eviction, 30 s ahead), ``Terminate`` (5 to 15 min), ``Reboot`` (15 min)
+and ``Redeploy`` (moved to another host, 10 min); ``Freeze`` (a pause of a few seconds, memory
+kept) is only logged. The set is configurable. The deadline is ``NotBefore`` while it lies ahead;
+for an event already ``Started`` (``NotBefore`` blank) or past its ``NotBefore`` it is 30 s from
+now (it may happen at any moment, yet "no time left" would stop the emergency save before it
+starts), and for an unreadable ``NotBefore`` the event type's documented minimum notice. The
+document's ``DocumentIncarnation`` changes whenever the event list does, so an unchanged document
+is not parsed again. Once the emergency checkpoint is committed, Guard calls ``acknowledge()``,
+which approves the event (``StartRequests``) so Azure need not wait for ``NotBefore``: the
+replacement comes sooner.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ import email.utils
 import json
 import logging
 import os
+import re
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from .. import _env
 from ._http import MetadataClient, WarnOnce, check_status
-from .base import Notice, NoticeProvider, utcnow
+from .base import Notice, NoticeProvider, deadline_ahead, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +37,34 @@ API_VERSION = "2020-07-01"
 EVENTS = f"/metadata/scheduledevents?api-version={API_VERSION}"
 VM_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 HEADERS = {"Metadata": "true"}
-STOP_TYPES = {"Preempt": "preempt", "Terminate": "terminate"}
-DEFAULT_WARNING = dt.timedelta(seconds=30)
+#: Every documented ``EventType`` and the notice kind it becomes when it is a stop.
+KINDS = {"Preempt": "preempt", "Terminate": "terminate", "Reboot": "reboot", "Redeploy": "redeploy",
+         "Freeze": "freeze"}
+#: Event types that stop training by default: all but Freeze, which keeps memory and disks.
+DEFAULT_STOP_EVENTS = ("Preempt", "Terminate", "Reboot", "Redeploy")
+#: The minimum time between an event's appearance and its NotBefore, per type (Azure's documentation;
+#: Terminate is user-configurable from 5 to 15 minutes: the least is assumed).
+MIN_NOTICE = {"Preempt": dt.timedelta(seconds=30), "Terminate": dt.timedelta(minutes=5),
+              "Reboot": dt.timedelta(minutes=15), "Redeploy": dt.timedelta(minutes=10),
+              "Freeze": dt.timedelta(minutes=15)}
+#: Assumed time left once an event has started or its NotBefore has passed: the shortest notice.
+STARTED_WARNING = MIN_NOTICE["Preempt"]
+#: What a VM (or scale-set instance) name looks like; anything else is a garbled answer.
+_VM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}")
 
 
 def endpoint() -> str:
     return os.environ.get(ENV_ENDPOINT) or DEFAULT_ENDPOINT
+
+
+def parse_stop_events(value: str | Iterable[str]) -> frozenset[str]:
+    """``"Preempt,Terminate"`` (or a list) -> the event types, checked against the documented ones."""
+    names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+    by_lower = {k.lower(): k for k in KINDS}
+    unknown = [n for n in names if n.lower() not in by_lower]
+    if unknown:
+        raise ValueError(f"unknown Azure event type(s) {unknown}; known: {', '.join(KINDS)}")
+    return frozenset(by_lower[n.lower()] for n in names)
 
 
 def parse_rfc1123(value: str) -> dt.datetime:
@@ -49,20 +79,25 @@ def parse_rfc1123(value: str) -> dt.datetime:
 
 
 class AzureProvider(NoticeProvider):
-    """Watches Azure Scheduled Events. ``ack=False`` opts out of approving events after a checkpoint."""
+    """Watches Azure Scheduled Events. ``ack=False`` opts out of approving events after a checkpoint;
+    ``stop_events`` names the event types that stop training (default: all but ``Freeze``)."""
 
     name = "azure"
 
     @classmethod
     def from_env(cls) -> AzureProvider:
-        """Built by name (``providers="auto"``, ``--providers azure``): ``$SPOTGUARD_AZURE_ACK=0`` opts out."""
-        return cls(ack=_env.flag(_env.AZURE_ACK, default=True))
+        """Built by name (``providers="auto"``, ``--providers azure``): ``$SPOTGUARD_AZURE_ACK=0`` opts
+        out of approvals, ``$SPOTGUARD_AZURE_STOP_EVENTS=Preempt,Terminate`` picks the stop events."""
+        return cls(ack=_env.flag(_env.AZURE_ACK, default=True),
+                   stop_events=_env.choices(_env.AZURE_STOP_EVENTS, frozenset(DEFAULT_STOP_EVENTS),
+                                            parse_stop_events))
 
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, ack: bool = True,
-                 vm_name: str | None = None) -> None:
+                 vm_name: str | None = None, stop_events: Iterable[str] = DEFAULT_STOP_EVENTS) -> None:
         self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
         self._warn = WarnOnce(logger)
         self.ack = ack
+        self.stop_events = parse_stop_events(stop_events)
         self.vm_name = vm_name
         self.incarnation: int | None = None
         self.acknowledged: list[str] = []
@@ -78,7 +113,10 @@ class AzureProvider(NoticeProvider):
 
     def poll(self) -> Notice | None:
         if self.vm_name is None:
-            self.vm_name = self._request("GET", VM_NAME).strip()
+            name = self._request("GET", VM_NAME).strip()
+            if not _VM_NAME.fullmatch(name):  # never keep a garbled answer: no event would name it
+                raise ValueError(f"{VM_NAME.partition('?')[0]}: not a VM name: {name[:80]!r}")
+            self.vm_name = name
         text = self._request("GET", EVENTS)
         try:
             doc = json.loads(text)
@@ -100,28 +138,32 @@ class AzureProvider(NoticeProvider):
         for event in events:
             if not isinstance(event, dict):
                 continue
-            kind = STOP_TYPES.get(str(event.get("EventType")))
+            etype = str(event.get("EventType"))
             resources = [str(r).lower() for r in event.get("Resources") or []]
-            if kind is None:
+            if etype not in self.stop_events:
                 if event.get("EventType"):
                     logger.info("scheduled %s event %s (not a stop)", event.get("EventType"), event.get("EventId"))
                 continue
             if mine not in resources:
                 continue
-            not_before = str(event.get("NotBefore") or "")
-            if not not_before or event.get("EventStatus") == "Started":
-                deadline = utcnow()  # already started: no time left to wait for
-            else:
-                try:
-                    deadline = parse_rfc1123(not_before)
-                except ValueError:
-                    deadline = utcnow() + DEFAULT_WARNING
-                    self._warn("scheduled event %s: bad NotBefore %r; assuming 30 s",
-                                   event.get("EventId"), not_before)
+            kind = KINDS[etype]
             event_id = str(event.get("EventId") or "")
-            return Notice(self.name, kind, deadline=deadline, raw=event,
+            return Notice(self.name, kind, deadline=self._deadline(event, etype), raw=event,
                           event_id=f"azure-{kind}-{event_id}" if event_id else "")
         return None
+
+    def _deadline(self, event: dict[str, Any], etype: str) -> dt.datetime:
+        not_before = str(event.get("NotBefore") or "")
+        if event.get("EventStatus") == "Started" or not not_before:
+            return utcnow() + STARTED_WARNING  # underway: as soon as possible, but never "no time left"
+        try:
+            stated = parse_rfc1123(not_before)
+        except ValueError:
+            warning = MIN_NOTICE[etype]
+            self._warn("scheduled event %s: bad NotBefore %r; assuming %.0f s", event.get("EventId"),
+                       not_before, warning.total_seconds())
+            return utcnow() + warning
+        return deadline_ahead(stated, STARTED_WARNING)
 
     def acknowledge(self, notice: Notice) -> None:
         """Approve the event (``StartRequests``): our state is safe, Azure may proceed now."""

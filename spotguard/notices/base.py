@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Notice kinds that announce the machine goes away. Anything else is advisory.
-STOP_KINDS = frozenset({"terminate", "stop", "hibernate", "preempt", "maintenance", "signal", "file"})
+STOP_KINDS = frozenset({"terminate", "stop", "hibernate", "preempt", "maintenance", "reboot", "redeploy",
+                        "signal", "file"})
 #: Advisory kinds: the machine is at risk but not yet reclaimed (an early checkpoint is worth it).
 ADVISORY_KINDS = frozenset({"rebalance", "migrate"})
 
@@ -72,6 +73,19 @@ class Notice:
         }
 
 
+def deadline_ahead(stated: dt.datetime | None, warning: dt.timedelta, now: dt.datetime | None = None) -> dt.datetime:
+    """The cloud's stated deadline while it lies ahead, else ``now + warning`` (the cloud's documented
+    minimum warning).
+
+    A stated time already past (a stale spot ``time``, an AWS maintenance window already open, an
+    Azure event already started, a skewed clock) cannot be the deadline while this machine still
+    runs: "no time left" would make the emergency save refuse to start and lose the work. A stated
+    time ahead is kept even when it is closer than the warning: the notice may have been seen late.
+    """
+    now = now or utcnow()
+    return stated if stated is not None and stated > now else now + warning
+
+
 def stable_id(provider: str, kind: str, raw: Any) -> str:
     """A short hash of the payload: identical payloads give identical ids (cf. NTH's event ids)."""
     try:
@@ -104,6 +118,9 @@ class NoticeProvider(abc.ABC):
     name: str = "provider"
     #: True when poll() itself waits for an event (bounded); the watcher then polls back to back.
     blocking: bool = False
+    #: Seconds at the start of a failure during which the watcher retries fast (0.1-0.2 s apart), for
+    #: sources whose notices leave so little time that a second of backoff matters (GCP's 30 s).
+    fast_retry: float = 0.0
 
     def open(self, report: Report) -> None:  # noqa: B027 - optional hook
         """Prepare (install handlers, open sessions). ``report`` pushes a notice out of band."""

@@ -7,6 +7,11 @@ first read is a plain GET, which yields the current value and its ETag. ``mainte
 read with a plain GET on every round (GCP announces host maintenance 60 s ahead):
 ``TERMINATE_ON_HOST_MAINTENANCE`` is a stop notice, ``MIGRATE_ON_HOST_MAINTENANCE`` an advisory
 (``migrate``) that triggers an early checkpoint.
+
+GCP stamps no time on a preemption, so the 30 s are counted from the flip as far as it can be
+known: the last moment ``FALSE`` was confirmed (a hanging GET that waited confirms it until it
+returns). Requests that failed around the flip thus shorten the deadline instead of hiding in it,
+and the watcher retries fast in the first seconds of a failure (``fast_retry``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ PREEMPTED = "instance/preempted"
 MAINTENANCE = "instance/maintenance-event"
 MAINTENANCE_WARNING = 60.0  # seconds GCP gives before a TERMINATE_ON_HOST_MAINTENANCE
 PREEMPT_WARNING = 30.0  # seconds a Spot or preemptible VM has after `preempted` flips
+#: A hanging GET that took longer than this really waited: the server held FALSE until it answered.
+_WAITED = 0.25
 
 
 def endpoint() -> str:
@@ -46,6 +53,7 @@ class GcpProvider(NoticeProvider):
 
     name = "gcp"
     blocking = True
+    fast_retry = 3.0  # 503s while `preempted` flips: every second of backoff would come off the 30 s
 
     @classmethod
     def from_env(cls) -> GcpProvider:
@@ -62,7 +70,8 @@ class GcpProvider(NoticeProvider):
         self.hang = hang
         self.deadline_seconds = deadline_seconds
         self._etag: str | None = None
-        self._polled = False  # the first read is immediate; later reads without an ETag are paced
+        self._last_read: float | None = None  # monotonic; reads without an ETag are paced from it
+        self._false_at: dt.datetime | None = None  # the last moment `preempted` was known FALSE
         self._preempt: Notice | None = None
         self._maintenance: tuple[str, Notice] | None = None
         self._wake = threading.Event()
@@ -77,10 +86,10 @@ class GcpProvider(NoticeProvider):
     def poll(self) -> Notice | None:
         started = time.monotonic()
         if self._etag is None:
-            if self._polled:  # no ETag, so no hanging GET: poll once a second, never in a busy loop
-                self._wake.wait(1.0)
+            if self._last_read is not None:  # no ETag, no hanging GET: a read a second, never a busy loop
+                self._wake.wait(max(0.0, self._last_read + 1.0 - started))
             value, etag = self._get(PREEMPTED)
-            self._polled = True
+            waited = False
         else:
             query = f"?wait_for_change=true&last_etag={self._etag}&timeout_sec={self.hang}"
             try:
@@ -89,11 +98,14 @@ class GcpProvider(NoticeProvider):
                 if self._wake.is_set():
                     return None  # interrupted by wakeup(): the watcher is stopping
                 raise
-            if etag == self._etag and time.monotonic() - started < 0.2:
+            took = time.monotonic() - started
+            waited = took >= _WAITED
+            if etag == self._etag and not waited:
                 # A server that ignores wait_for_change must not turn this thread into a busy loop.
-                self._wake.wait(1.0)
+                self._wake.wait(1.0 - took)
+        self._last_read = time.monotonic()
         self._etag = etag or None
-        preempt = self._preempted(value, etag)
+        preempt = self._preempted(value, etag, waited)
         try:
             maintenance = self._check_maintenance()
         except OSError:
@@ -102,14 +114,20 @@ class GcpProvider(NoticeProvider):
             raise
         return preempt or maintenance
 
-    def _preempted(self, value: str, etag: str | None) -> Notice | None:
+    def _preempted(self, value: str, etag: str | None, waited: bool) -> Notice | None:
+        now = utcnow()
         if value == "TRUE":
             if self._preempt is None:
-                deadline = utcnow() + dt.timedelta(seconds=self.deadline_seconds)
+                # The flip happened after FALSE was last known; a hanging GET that waited knew it
+                # until it returned. The deadline cannot have passed already: this VM still runs.
+                flip = now if waited or self._false_at is None else self._false_at
+                deadline = max(flip + dt.timedelta(seconds=self.deadline_seconds), now)
                 self._preempt = Notice(self.name, "preempt", deadline=deadline,
-                                       raw={"preempted": value, "etag": etag})
+                                       raw={"preempted": value, "etag": etag}, event_id="gcp-preempt")
             return self._preempt
-        if value != "FALSE":
+        if value == "FALSE":
+            self._false_at = now
+        else:
             self._warn("%s: unexpected value %r; ignored", PREEMPTED, value[:100])
         self._preempt = None
         return None

@@ -12,6 +12,7 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.mockmeta import MockControlError, control, endpoint_env
+from spotguard.notices._http import MetadataClient, MetadataHTTPError
 from spotguard.notices.file import FileProvider
 
 from ..helpers import free_port, subprocess_env
@@ -150,3 +151,23 @@ def test_watch_times_out_with_exit_1(mock_metadata, run_cli):
     server = mock_metadata("azure")
     out = run_cli("watch", "--providers", "azure", "--timeout", "0.5", **endpoint_env("azure", server.url))
     assert out.returncode == 1 and out.stdout == "" and "watching azure" in out.stderr
+
+
+def test_a_storm_answers_with_every_kind_of_failure_in_turn_then_ends(mock_metadata):
+    from spotguard.mockmeta.server import STORM
+
+    server = mock_metadata("gcp")
+    client = MetadataClient.from_url(server.url, timeout=1.0)
+    server.set_storm(True)
+    outcomes = []
+    for _ in STORM:
+        client.close()  # a fresh connection each time: no silent retry of a reset one
+        try:
+            resp = client.request("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
+            outcomes.append(resp.status if resp.body != b"FALSE" else "ok")
+        except MetadataHTTPError:
+            outcomes.append("broken")
+    assert outcomes == [503, 500, 429, 401, 200, "broken", 502, "broken"]
+    assert server.storm_answers == len(STORM)
+    server.set_storm(False)
+    assert client.request("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"}).text == "FALSE"

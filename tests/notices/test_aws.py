@@ -228,3 +228,146 @@ def test_the_same_malformed_content_warns_once(mock_metadata, caplog):
         for _ in range(5):
             p.poll()
     assert caplog.text.count("malformed JSON") == 1
+
+
+# -- issue 17: notices as real clouds send them ------------------------------------------------
+@pytest.mark.parametrize("code", ["instance-retirement", "instance-stop", "instance-reboot", "system-reboot",
+                                  "system-maintenance"])
+def test_every_documented_scheduled_event_code_is_a_stop_notice(mock_metadata, code):
+    server = mock_metadata("aws")
+    event = server.mock.trigger("maintenance", action=code, warning=300)
+    notice = provider(server).poll()
+    assert notice is not None and notice.kind == "maintenance" and not notice.advisory
+    assert notice.raw["Code"] == code and notice.event_id == f"aws-maintenance-{event['EventId']}"
+
+
+def test_a_stale_spot_time_gives_the_documented_two_minutes_not_a_passed_deadline(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    # the payload of the AWS Node Termination Handler's test fixtures: a time long past
+    server.mock.values["spot/instance-action"] = json.dumps({"action": "terminate", "time": "2017-09-18T08:22:00Z"})
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        notice = provider(server).poll()
+    assert notice.kind == "terminate" and 115 < notice.seconds_left() <= 120
+    assert "has passed" in caplog.text
+
+
+def _scheduled(not_before: dt.datetime, not_after: dt.datetime | None = None, code="system-reboot") -> str:
+    fmt = "%d %b %Y %H:%M:%S GMT"
+    event = {"Code": code, "Description": "scheduled reboot", "EventId": "instance-event-0d59937288b749b32",
+             "NotBefore": not_before.strftime(fmt), "State": "active"}
+    if not_after is not None:
+        event["NotAfter"] = not_after.strftime(fmt)
+    return json.dumps([event])
+
+
+def test_a_maintenance_window_already_open_runs_to_not_after_or_two_minutes(mock_metadata):
+    server = mock_metadata("aws")
+    now = utcnow().replace(microsecond=0)
+    server.mock.values["events/maintenance/scheduled"] = _scheduled(now - dt.timedelta(minutes=10),
+                                                                    now + dt.timedelta(minutes=50))
+    notice = provider(server).poll()
+    assert notice.kind == "maintenance" and notice.deadline == now + dt.timedelta(minutes=50)
+    server.mock.values["events/maintenance/scheduled"] = _scheduled(now - dt.timedelta(minutes=10),
+                                                                    code="instance-retirement")
+    notice = provider(server).poll()
+    assert notice.kind == "maintenance" and 115 < notice.seconds_left() <= 120
+
+
+def test_notices_whose_times_are_restamped_on_every_request_are_one_notice_each(mock_metadata):
+    """The public AWS metadata mock recomputes ``time`` and ``noticeTime`` on every request."""
+    server = mock_metadata("aws")
+    original, served = server.mock.handle, [0]
+
+    def restamping(req):
+        served[0] += 1
+        stamp = (utcnow() + dt.timedelta(seconds=served[0])).strftime("%Y-%m-%dT%H:%M:%SZ")
+        server.mock.values["events/recommendations/rebalance"] = json.dumps({"noticeTime": stamp})
+        if served[0] > 40:  # later, a spot interruption whose time moves as well
+            later = (utcnow() + dt.timedelta(seconds=120 + served[0])).strftime("%Y-%m-%dT%H:%M:%SZ")
+            server.mock.values["spot/instance-action"] = json.dumps({"action": "stop", "time": later})
+        return original(req)
+
+    server.mock.handle = restamping
+    seen = []
+    with Watcher([provider(server)], interval=0.02, on_notice=seen.append) as watcher:
+        assert watcher.preempted.wait(10)
+        time.sleep(0.3)  # more polls, more restamped payloads
+    assert [n.kind for n in seen] == ["rebalance", "stop"]
+    assert len({n.raw["noticeTime"] for n in seen if n.kind == "rebalance"}) == 1
+
+
+def test_token_timeout_behind_a_hop_limit_is_a_clear_error_and_falls_back_to_v1_when_allowed(mock_metadata, caplog):
+    """In a container behind an IMDS hop limit of 1, the token's answer is dropped: the PUT times out."""
+    server = mock_metadata("aws", require_tokens=False)
+    original = server.mock.handle
+
+    def hop_limit(req):
+        if req.method == "PUT":
+            time.sleep(1.0)  # the answer never reaches the container
+        return original(req)
+
+    server.mock.handle = hop_limit
+    with pytest.raises(MetadataHTTPError, match="hop limit"):
+        provider(server, timeout=0.2).poll()
+    server.mock.trigger("spot")
+    p = provider(server, timeout=0.2, allow_imdsv1=True)  # what SPOTGUARD_AWS_ALLOW_IMDSV1=1 builds
+    with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
+        assert p.poll().kind == "terminate"
+        t0 = time.monotonic()
+        assert p.poll().kind == "terminate"
+    assert time.monotonic() - t0 < 0.2  # IMDSv1 from then on: no token timeout on every poll
+    assert "IMDSv2 token request timed out" in caplog.text and "using IMDSv1" in caplog.text
+
+
+def test_a_token_timeout_warns_again_every_few_minutes_and_never_logs_a_token(mock_metadata, caplog):
+    server = mock_metadata("aws")
+    original = server.mock.handle
+    stall = threading.Event()
+
+    def hop_limit(req):
+        if req.method == "PUT" and stall.is_set():
+            time.sleep(0.5)
+        return original(req)
+
+    server.mock.handle = hop_limit
+    p = provider(server, timeout=0.1)
+    assert p.poll() is None and p._token  # a token was issued (it must never show in the logs)
+    issued = list(server.mock.tokens)
+    stall.set()
+    server.mock.expire_tokens()  # the next GET gets a 401, the new token's answer never comes
+    caplog.set_level(logging.DEBUG, logger="spotguard")
+    with Watcher([p], interval=0.05, max_backoff=0.2, warn_every=1.0) as watcher:
+        time.sleep(3.5)
+        assert watcher.running
+    failed = [r for r in caplog.records if r.name == "spotguard.watcher" and "hop limit" in r.getMessage()]
+    warnings = [r for r in failed if r.levelno == logging.WARNING]
+    assert len(failed) >= 6  # polled on, about every 0.3 s
+    assert 2 <= len(warnings) <= 5 < len(failed), (len(warnings), len(failed))  # again each 1 s, not every poll
+    assert not any(token in caplog.text for token in issued)
+
+
+def test_a_garbled_token_is_refused_and_polling_recovers_after_the_storm(mock_metadata):
+    """A storm's random bytes as the token answer: kept, they were sent as a header for hours."""
+    server = mock_metadata("aws")
+    server.mock.trigger("spot")
+    original, state = server.mock.handle, {"garble": True}
+
+    def garbled_token(req):
+        if req.method == "PUT" and state.pop("garble", False):
+            return type(original(req))(200, "\u00e9\u00a7\x85 not a token".encode(), {})
+        return original(req)
+
+    server.mock.handle = garbled_token
+    p = provider(server)
+    with pytest.raises(MetadataHTTPError, match="not a token"):
+        p.poll()
+    assert p.poll().kind == "terminate"
+
+
+def test_a_request_that_cannot_be_sent_leaves_the_connection_usable(mock_metadata):
+    from spotguard.notices._http import MetadataClient
+
+    client = MetadataClient.from_url(mock_metadata("aws").url)
+    with pytest.raises(MetadataHTTPError):
+        client.request("GET", "/latest/meta-data/instance-id", {"X-aws-ec2-metadata-token": "\u0101\u0102"})
+    assert client.request("GET", "/latest/meta-data/instance-id", {}).status == 401  # not "Request-started"

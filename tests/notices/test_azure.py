@@ -29,15 +29,81 @@ def test_preempt_event_for_this_vm_is_a_notice_with_not_before_as_deadline(mock_
     assert p.incarnation == server.mock.incarnation
 
 
-def test_terminate_is_a_notice_other_vms_and_other_event_types_are_not(mock_metadata):
+def test_terminate_is_a_notice_other_vms_and_freeze_are_not(mock_metadata):
     server = mock_metadata("azure")
     p = AzureProvider(server.url)
     server.mock.trigger("preempt", resources=["someone-else"])
-    server.mock.trigger("freeze")
-    server.mock.trigger("reboot")
+    server.mock.trigger("reboot", resources=["someone-else"])
+    server.mock.trigger("freeze")  # a pause of seconds: memory and disks are kept
     assert p.poll() is None
     server.mock.trigger("terminate")
     assert p.poll().kind == "terminate"
+
+
+@pytest.mark.parametrize(("kind", "lead"), [("reboot", 900), ("redeploy", 600)])
+def test_reboot_and_redeploy_of_this_vm_are_stop_notices(mock_metadata, kind, lead):
+    """A reboot loses the VM's memory, a redeploy moves it to another host: both end the run."""
+    server = mock_metadata("azure")
+    event = server.mock.trigger(kind)
+    notice = AzureProvider(server.url).poll()
+    assert notice is not None and notice.kind == kind and not notice.advisory
+    assert notice.deadline == parse_rfc1123(event["NotBefore"]) and lead - 3 < notice.seconds_left() <= lead
+    assert notice.event_id == f"azure-{kind}-{event['EventId']}"
+
+
+def test_which_events_stop_is_configurable(mock_metadata, monkeypatch):
+    server = mock_metadata("azure")
+    server.mock.trigger("reboot")
+    assert AzureProvider(server.url, stop_events=["Preempt", "Terminate"]).poll() is None
+    monkeypatch.setenv("SPOTGUARD_AZURE_METADATA_ENDPOINT", server.url)
+    monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", "preempt,terminate")
+    assert notices.build("azure")[0].poll() is None
+    monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", "Preempt,Freeze")
+    server.mock.trigger("freeze")
+    assert notices.build("azure")[0].poll().kind == "freeze"
+    monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", "Preempt,Reboots")
+    with pytest.raises(spotguard.ConfigError, match="SPOTGUARD_AZURE_STOP_EVENTS.*Reboots"):
+        notices.build("azure")
+
+
+def test_an_event_already_started_or_past_its_not_before_leaves_30s_not_zero(mock_metadata):
+    server = mock_metadata("azure")
+    server.mock.trigger("preempt")
+    event = server.mock.events[-1]
+    event["EventStatus"], event["NotBefore"] = "Started", ""  # as Azure shows an event under way
+    server.mock.incarnation += 1
+    notice = AzureProvider(server.url).poll()
+    assert notice.kind == "preempt" and 28 < notice.seconds_left() <= 30
+    event["EventStatus"], event["NotBefore"] = "Scheduled", "Mon, 19 Sep 2016 18:29:47 GMT"  # the docs' example
+    server.mock.incarnation += 1
+    notice = AzureProvider(server.url).poll()
+    assert notice.kind == "preempt" and 28 < notice.seconds_left() <= 30
+
+
+def test_a_bad_not_before_assumes_the_event_types_documented_notice(mock_metadata):
+    server = mock_metadata("azure")
+    server.mock.trigger("redeploy")
+    server.mock.events[-1]["NotBefore"] = "soon"
+    server.mock.incarnation += 1
+    notice = AzureProvider(server.url).poll()
+    assert notice.kind == "redeploy" and 595 < notice.seconds_left() <= 600
+
+
+def test_a_garbled_vm_name_is_never_kept(mock_metadata):
+    server = mock_metadata("azure")
+    original, state = server.mock.handle, {"garbled": True}
+
+    def once_garbled(req):
+        if "compute/name" in req.path and state.pop("garbled", False):
+            return type(original(req))(200, b"\x8b\x00<html>oops", {})
+        return original(req)
+
+    server.mock.handle = once_garbled
+    p = AzureProvider(server.url)
+    with pytest.raises(ValueError, match="not a VM name"):
+        p.poll()
+    server.mock.trigger("preempt")
+    assert p.poll().kind == "preempt" and p.vm_name == "spot-trainer-1"
 
 
 def test_unchanged_incarnation_keeps_the_same_notice(mock_metadata):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -67,3 +68,24 @@ def test_aws_refusing_the_token_is_found_only_with_the_imdsv1_opt_in(mock_metada
     monkeypatch.setenv("SPOTGUARD_AWS_ALLOW_IMDSV1", "1")
     server.set_faults(status=403, count=1)
     assert notices.detect_clouds(refresh=True) == ["aws"]
+
+
+@pytest.mark.parametrize("tokens_required", [True, False])
+def test_a_token_timeout_behind_a_hop_limit_is_still_aws_with_a_warning(mock_metadata, monkeypatch, caplog,
+                                                                         tokens_required):
+    """A container one hop too far: the IMDSv2 token's answer is dropped, IMDSv1 GETs get through."""
+    server = mock_metadata("aws", require_tokens=tokens_required)
+    original = server.mock.handle
+
+    def hop_limit(req):
+        if req.method == "PUT":
+            time.sleep(1.0)
+        return original(req)
+
+    server.mock.handle = hop_limit
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.url)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, "spotguard.notices"):
+        assert notices.detect_clouds(refresh=True) == ["aws"]  # not a silent "no cloud"
+    assert time.monotonic() - t0 < 1.0
+    assert "hop limit" in caplog.text

@@ -218,3 +218,51 @@ def test_a_server_without_etags_is_polled_once_a_second_not_in_a_busy_loop():
         server.shutdown()
     reads = [h for h in hits if "preempted" in h]
     assert 1 <= len(reads) <= 5, len(reads)  # about one a second; a busy loop makes hundreds
+
+
+# -- issue 17: the 30 s are counted from the flip; errors around it cost no backoff ---------------
+def test_the_deadline_counts_from_the_last_moment_preempted_was_known_false(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=1)
+    assert p.poll() is None
+    known_false = time.monotonic()
+    server.set_faults(status=503, count=1)
+    with pytest.raises(MetadataHTTPError):
+        p.poll()  # the hanging GET fails while the flag flips
+    server.mock.trigger("preempt")
+    time.sleep(1.5)  # more failures, or a long backoff
+    notice = p.poll()
+    assert notice.kind == "preempt"
+    assert notice.seconds_left() <= 30 - (time.monotonic() - known_false) + 0.3  # not 30 s from now
+
+
+def test_a_hanging_get_that_waited_for_the_flip_gives_the_full_30s(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=30)
+    p.poll()
+    time.sleep(1.0)  # long after the last FALSE: the hanging GET below knows FALSE until the flip
+    before = server.mock.requests
+    thread, out = poll_in_thread(p)
+    while server.mock.requests == before:  # the hanging GET is held by the server
+        time.sleep(0.005)
+    time.sleep(0.4)
+    server.mock.trigger("preempt")
+    thread.join(5)
+    assert 29 < out[0][0].seconds_left() <= 30
+
+
+def test_503s_while_preempted_flips_are_retried_fast(mock_metadata):
+    server = mock_metadata("gcp")
+    seen = []
+    with Watcher([GcpProvider(server.url, hang=1)], interval=1.0, on_notice=lambda n: seen.append(
+            (n, time.monotonic()))) as watcher:
+        time.sleep(0.3)  # first read done; a hanging GET is held
+        server.set_faults(status=503, count=6)
+        while server._faults["count"] == 6:  # the held GET returns; the next request gets a 503
+            time.sleep(0.005)
+        flipped = time.monotonic()
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(10)
+    notice, at = seen[0]
+    assert at - flipped < 2.0, at - flipped  # 5 more 503s: fast retries, not 1+2+4+5+5 s of backoff
+    assert notice.seconds_left() <= 30 - (at - flipped) + 0.2
