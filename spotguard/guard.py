@@ -731,11 +731,17 @@ class Guard:
         self._wait_pending()
         step = self._step
         final = save and self.options.save_on_exit and self.stopped_at is None and step != self._durable_step
-        if final and self._dist is not None and not self._dist.usable:
-            final = False  # closed already, or the program destroyed the process group inside the block
-            if self._dist.group is not None:
-                logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard "
-                               "was closed (call dist.destroy_process_group() after the `with guard:` block)", step)
+        if self._dist is not None and self._dist.group is not None and not self._dist.usable:
+            # The program destroyed the process group inside the block: no collective can run, and
+            # a periodic save in flight failed with it (logged when it did). Not the run's failure.
+            logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard was "
+                           "closed (call dist.destroy_process_group() after the `with guard:` block)%s", step,
+                           f"; {len(self._errors)} periodic checkpoint(s) in flight were lost with it"
+                           if self._errors else "")
+            self._errors.clear()
+            final = False
+        elif final and self._dist is not None and not self._dist.usable:
+            final = False  # closed already
         if final and step is not None:
             if self._saved_step == step:
                 self._saved_step = None  # committed only to the local tier: write it durably now

@@ -69,14 +69,17 @@ def test_leaving_the_block_destroys_the_guards_groups_and_joins_their_threads(tm
         guard.save(2)
 
 
-def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp_path, group, caplog):
-    guard = guarded(tmp_path, every_steps=2)
-    with guard:
+@pytest.mark.parametrize("async_save", [False, True])
+def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp_path, group, caplog, async_save):
+    guard = guarded(tmp_path, every_steps=2, async_save=async_save)
+    with guard:  # never raises: a periodic save in flight that the destroy broke is no error of the run
         for step in range(1, 4):
             guard.step(step)
         dist.destroy_process_group()
     assert "no final checkpoint of step 3: the process group was destroyed" in caplog.text
-    assert latest(guard.storage).step == 2
+    # Synchronous: step 2 committed before the destroy. Async: it may have been in flight and lost.
+    info = latest(guard.storage)
+    assert info.step == 2 if not async_save else (info is None or info.step == 2)
     assert threads() <= group  # ours are gone (the default group too, unless something holds it)
 
 
