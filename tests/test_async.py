@@ -54,11 +54,13 @@ def test_step_returns_before_the_write_and_snapshot_is_isolated_from_training(tm
             model.weight.fill_(2.0)  # training moves on while step 1 is written
         storage.gate.set()
         g.wait()
+        assert steps(storage) == [(1, "periodic")]
+        payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
+        assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+    # Leaving the block saves the state as it is now: it changed after step(1), so it replaces step 1.
+    assert steps(storage) == [(1, "final")]
     fresh, fresh_model = model_guard(str(tmp_path))
-    fresh.resume()
-    assert steps(storage)[0] == (1, "periodic")
-    payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
-    assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+    assert fresh.resume() == 1 and torch.all(fresh_model.weight == 2.0)
 
 
 class NiceProbeStorage(LocalStorage):
