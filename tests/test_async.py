@@ -304,6 +304,41 @@ def test_an_async_checkpoint_records_extra_as_it_was_at_its_step(tmp_path, monke
         g.extra["epoch"] = 2
         go.set()
         g.wait()
+        saved = {i.step: i.manifest.extra for i in checkpoint.scan(open_storage(str(tmp_path))) if i.complete}
+        assert saved == {5: {"epoch": 1}}
         g.extra["epoch"] = 3
-    saved = {i.step: i.manifest.extra for i in checkpoint.scan(open_storage(str(tmp_path))) if i.complete}
-    assert saved == {5: {"epoch": 1}}  # and no final save: step 5 is the last step
+    # Leaving the block saves the state after the loop: it changed, so it replaces step 5 (issue 17).
+    saved = {i.step: (i.manifest.reason, i.manifest.extra) for i in checkpoint.scan(open_storage(str(tmp_path)))
+             if i.complete}
+    assert saved == {5: ("final", {"epoch": 3})}
+
+
+class HeldStorage(LocalStorage):
+    """Local storage whose file writes each wait for one ``release`` permit."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.release = threading.Semaphore(0)
+
+    def put_file(self, key, path, *, deadline=None):
+        assert self.release.acquire(timeout=10), "test never released the write"
+        return super().put_file(key, path, deadline=deadline)
+
+
+def test_busy_skip_is_logged_once_then_only_counted(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="spotguard")
+    storage = HeldStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1)
+    with g:
+        g.step(1)  # held in flight
+        g.step(2), g.step(3)  # skipped
+        storage.release.release()
+        g.wait()
+        g.step(4)  # the next slow save
+        g.step(5), g.step(6)  # skipped again
+        for _ in range(3):
+            storage.release.release()  # step 4, and the final save of step 6
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "skipped" in r.getMessage()]
+    assert len(warned) == 1 and "guard.stats().skipped" in warned[0].getMessage(), [r.getMessage() for r in warned]
+    assert g.stats().skipped == 4
+    assert steps(str(tmp_path)) == [(1, "periodic"), (4, "periodic"), (6, "final")]
