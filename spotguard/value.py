@@ -57,7 +57,7 @@ def _like(new: Any, old: Any, in_place: bool) -> Any:
         return {k: _like(v, old.get(k) if isinstance(old, dict) else None, in_place) for k, v in new.items()}
     if isinstance(new, (list, tuple)):
         olds = list(old) if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
-        items = [_like(v, o, in_place) for v, o in zip(new, olds)]
+        items = [_like(v, o, in_place) for v, o in zip(new, olds, strict=True)]
         return items if isinstance(new, list) else tuple(items)
     return new
 
