@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -492,7 +492,7 @@ class Guard:
         self._schedule(step)  # after observe(): the next save is due at the re-picked interval
         return manifest
 
-    def _drop_stale_local(self, step: int) -> Any:
+    def _drop_stale_local(self, step: int) -> Callable[[tuple[checkpoint.FileEntry, ...]], None]:
         """For a final save: delete the local tier's checkpoint of ``step`` when its content differs
         from the final one, before the durable tier is touched (resume prefers the local copy)."""
         def check(entries: tuple[checkpoint.FileEntry, ...]) -> None:
