@@ -71,7 +71,7 @@ def canonical(obj: Any) -> Any:
     on which equal strings happen to be the same object (a key made by the optimizer, or loaded
     from a checkpoint). Canonical, the same state gives the same bytes, and the same SHA-256.
     """
-    if isinstance(obj, str):
+    if type(obj) is str:  # sys.intern refuses subclasses (str enums): those stay as they are
         return sys.intern(obj)
     if isinstance(obj, dict):
         items = [(canonical(k), canonical(v)) for k, v in obj.items()]

@@ -342,3 +342,22 @@ def test_busy_skip_is_logged_once_then_only_counted(tmp_path, caplog):
     assert len(warned) == 1 and "guard.stats().skipped" in warned[0].getMessage(), [r.getMessage() for r in warned]
     assert g.stats().skipped == 4
     assert steps(str(tmp_path)) == [(1, "periodic"), (4, "periodic"), (6, "final")]
+
+
+def test_the_same_state_serialises_to_the_same_bytes_whatever_its_strings_identities():
+    """pickle memoises by identity: equal keys made apart (an optimizer's, or loaded from a checkpoint)
+    would change the bytes, and the final save would rewrite an unchanged checkpoint."""
+    import io
+
+    from spotguard.snapshot import canonical
+
+    def saved(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    key = "exp_avg"
+    shared = {"state": [{key: torch.ones(2)}, {key: torch.zeros(2)}]}
+    apart = {"state": [{"".join(["exp_", "avg"]): torch.ones(2)}, {"".join(["exp_", "avg"]): torch.zeros(2)}]}
+    assert saved(shared) != saved(apart)
+    assert saved(canonical(shared)) == saved(canonical(apart))
