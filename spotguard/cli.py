@@ -105,8 +105,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     if not infos:  # a wrong path or an empty one must not look like a clean bill of health
         root_dir = getattr(storage, "root", None)
-        what = "does not exist" if root_dir is not None and not root_dir.exists() else "holds no checkpoints"
-        return _fail(args, f"{storage.describe()} {what}: nothing to verify", url=storage.describe())
+        missing = " (it does not exist)" if root_dir is not None and not root_dir.exists() else ""
+        return _fail(args, f"no checkpoints in {storage.describe()}{missing}: nothing to verify", url=storage.describe())
     bad = 0
     for info in infos:
         where = storage.describe(info.name)

@@ -697,13 +697,13 @@ class Guard:
         or after ``dist.destroy_process_group()``, is harmless.
         """
         try:
-            self._finish(save)
+            self._stop_and_finish(save)
         finally:
             if self._dist is not None:
                 self._dist.close()
 
-    def _finish(self, save: bool) -> None:
-        self.watcher.stop()
+    def _stop_and_finish(self, save: bool) -> None:
+        self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling
         try:
             self._finish(save)
         finally:

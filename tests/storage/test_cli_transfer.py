@@ -149,10 +149,10 @@ def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
 
 def test_verify_with_nothing_to_verify_exits_1_with_a_message(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "no-such-run")]) == 1
-    assert "does not exist: nothing to verify" in capsys.readouterr().err
+    assert "(it does not exist): nothing to verify" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["verify", str(tmp_path / "empty")]) == 1
-    assert "holds no checkpoints: nothing to verify" in capsys.readouterr().err
+    assert f"no checkpoints in {tmp_path / 'empty'}: nothing to verify" in capsys.readouterr().err
     assert not (tmp_path / "no-such-run").exists()  # looking created nothing
 
 
