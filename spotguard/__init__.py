@@ -14,6 +14,7 @@ from .errors import (
 from .guard import EXIT_PREEMPTED, Guard, GuardOptions
 from .notices.base import Notice, NoticeProvider
 from .storage import Storage, open_storage
+from .value import Value
 from .watcher import Watcher
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "SpotguardError",
     "Storage",
     "StorageError",
+    "Value",
     "Watcher",
     "__version__",
     "open_storage",

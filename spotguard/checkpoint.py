@@ -77,6 +77,16 @@ class Manifest:
     def size(self) -> int:
         return sum(f.size for f in self.files)
 
+    def age_seconds(self) -> float | None:
+        """Seconds since the checkpoint was written (None when its time cannot be read)."""
+        try:
+            written = dt.datetime.fromisoformat(self.time)
+        except ValueError:
+            return None
+        if written.tzinfo is None:
+            written = written.replace(tzinfo=dt.timezone.utc)
+        return (dt.datetime.now(dt.timezone.utc) - written).total_seconds()
+
     def to_bytes(self) -> bytes:
         data = asdict(self)
         data["files"] = [asdict(f) for f in self.files]
@@ -161,7 +171,8 @@ Writer = Callable[[BinaryIO], None]
 
 def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: str,
           extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
-          deadline: float | None = None, cancel: threading.Event | None = None) -> Manifest:
+          deadline: float | None = None, cancel: threading.Event | None = None, replace: bool = False,
+          on_content: Callable[[tuple[FileEntry, ...]], None] | None = None) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
     Files are serialised to a scratch directory the backend chooses (beside the target for local
@@ -170,6 +181,12 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
     upload never waits on a slow stream. A complete checkpoint for ``step`` already there raises
     ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
     ``cancel``, when set, abandons the save before the next file or the manifest.
+
+    ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
+    serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
+    ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
+    to write), one that differs is deleted, manifest first, before the new files are stored. Until
+    the new manifest lands the previous checkpoint is the resume point.
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -180,8 +197,9 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
         _check_file_name(fname)
-    _clear_leftovers(storage, name)
-    entries = []
+    committed = _clear_leftovers(storage, name, replace=replace)
+    entries: list[FileEntry] = []
+    held: list[tuple[str, Path]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
@@ -189,8 +207,23 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
-            storage.put_file(f"{name}/{fname}", path, deadline=deadline)
             entries.append(FileEntry(fname, out.size, out.hexdigest(), out.chunk_size))
+            if replace:
+                held.append((fname, path))
+            else:
+                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+        if replace:
+            if on_content is not None:
+                on_content(tuple(entries))
+            if committed:
+                old = _committed_manifest(storage, name)
+                if old is not None and old.files == tuple(entries) and old.extra == extra_json:
+                    raise CheckpointExistsError(f"{storage.describe(name)} is already committed with this content")
+                logger.info("replacing %s (%s): the state at step %d has changed since", storage.describe(name),
+                            old.reason if old else "unreadable", step)
+                delete(storage, name)
+            for fname, path in held:
+                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
@@ -264,15 +297,25 @@ def _check_file_name(fname: str) -> None:
         raise ConfigError(f"invalid checkpoint file name {fname!r}")
 
 
-def _clear_leftovers(storage: Storage, name: str) -> None:
-    """Refuse a committed ``name``; delete what an interrupted save of it left."""
+def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
+    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save of it left.
+    Returns whether ``name`` is committed."""
     existing = storage.list(name + "/")
-    if f"{name}/{MANIFEST}" in existing:
+    committed = f"{name}/{MANIFEST}" in existing
+    if committed and not replace:
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
-    if existing:
+    if existing and not committed:
         logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
                     storage.describe(name))
         storage.delete(existing)
+    return committed
+
+
+def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
+    try:
+        return Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
+    except (CheckpointCorruptError, StorageError):
+        return None
 
 
 def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,
@@ -342,6 +385,17 @@ def latest(storage: Storage) -> CheckpointInfo | None:
     """The newest checkpoint whose manifest is valid (file contents not yet verified)."""
     complete = [i for i in scan(storage) if i.complete]
     return complete[-1] if complete else None
+
+
+def human_duration(seconds: float | None) -> str:
+    """``42s``, ``3.5 min``, ``2.1 h`` (ages and waits in log lines)."""
+    if seconds is None:
+        return "unknown"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @contextmanager

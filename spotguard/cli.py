@@ -28,12 +28,17 @@ logger = logging.getLogger("spotguard.cli")
 def _cmd_ls(args: argparse.Namespace) -> int:
     storage = open_storage(args.url)
     infos = checkpoint.scan(storage)
+    # The listing checks manifests and sizes only; contents are read and hashed with --verify.
+    verified = {i.name: _verify_one(storage, i) for i in infos if i.complete} if args.verify else {}
     if args.json:
         for info in infos:
             m = info.manifest
-            print(json.dumps({"step": info.step, "name": info.name, "status": info.status,
-                              "problem": info.problem or None, "time": m.time if m else None,
-                              "reason": m.reason if m else None, "size": m.size if m else None}))
+            bad = verified.get(info.name, "")
+            print(json.dumps({"step": info.step, "name": info.name, "status": "corrupt" if bad else info.status,
+                              "problem": bad or info.problem or None,
+                              "verified": (not bad) if info.name in verified else None,
+                              "time": m.time if m else None, "reason": m.reason if m else None,
+                              "size": m.size if m else None}))
         return 0
     if not infos:
         print(f"no checkpoints in {storage.describe()}")
@@ -43,8 +48,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         m = info.manifest
         when = m.time[:19].replace("T", " ") if m else "-"
         size = f"{m.size / 1e6:.1f} MB" if m else "-"
-        status = info.status + (f" ({info.problem})" if info.problem and info.status != "complete" else "")
+        if not info.complete:
+            status = f"{info.status} ({info.problem})" if info.problem else info.status
+        elif not args.verify:
+            status = "complete (unverified)"
+        else:
+            status = f"corrupt ({verified[info.name]})" if verified[info.name] else "complete (verified)"
         print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
+    if not args.verify and any(i.complete for i in infos):
+        print("(unverified: manifest and sizes checked; --verify reads every file and checks its SHA-256)")
     return 0
 
 
@@ -66,6 +78,15 @@ def _verified(args: argparse.Namespace, text: str, url: str, info: checkpoint.Ch
         print(text)
 
 
+def _verify_one(storage, info: checkpoint.CheckpointInfo) -> str:  # type: ignore[no-untyped-def]
+    """The problem found by reading and hashing every file, or "" when it verifies."""
+    try:
+        checkpoint.verify(storage, info)
+    except CheckpointCorruptError as e:
+        return str(e)
+    return ""
+
+
 def _split_step(url: str) -> tuple[str, str | None]:
     head, _, last = url.rstrip("/").rpartition("/")
     if head and checkpoint.parse_step_dir(last) is not None:
@@ -80,10 +101,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if name is not None and not infos:
         if args.json:
             return _fail(args, f"{storage.describe(name)}: no such checkpoint", url=storage.describe(name))
-        print(f"{storage.describe(name)}: no such checkpoint", file=sys.stderr)
+        print(f"spotguard: {storage.describe(name)}: no such checkpoint", file=sys.stderr)
         return 1
-    if args.json and not infos:  # nothing verified is not "all good"
-        return _fail(args, f"no checkpoints in {storage.describe()}", url=storage.describe())
+    if not infos:  # a wrong path or an empty one must not look like a clean bill of health
+        root_dir = getattr(storage, "root", None)
+        missing = " (it does not exist)" if root_dir is not None and not root_dir.exists() else ""
+        return _fail(args, f"no checkpoints in {storage.describe()}{missing}: nothing to verify", url=storage.describe())
     bad = 0
     for info in infos:
         where = storage.describe(info.name)
@@ -378,9 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ls", help="list the checkpoints under a storage URL")
     p.add_argument("url", help="a path, file://, s3://, gs:// or az:// URL")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--verify", action="store_true", help="read every file and check its SHA-256 "
+                   "(default: manifests and sizes only; contents unverified)")
     p.set_defaults(func=_cmd_ls)
 
-    p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 when corrupt)")
+    p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 when corrupt, "
+                       "or when there is nothing to verify)")
     p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
     p.add_argument("--json", action="store_true", help="one JSON object per checkpoint (status ok, corrupt or "
                    "incomplete); an error object and exit 1 when there is nothing to verify")

@@ -28,13 +28,12 @@ def is_stateful_loader(obj: Any) -> bool:
 
 
 def warn_if_plain_loader(name: str, obj: Any) -> bool:
-    """Warn (once per call) about a plain DataLoader; True when ``obj`` is one."""
+    """Warn about a plain DataLoader (a ``UserWarning``, shown once per call site); True when ``obj`` is one."""
     if isinstance(obj, DataLoader) and not is_stateful_loader(obj):
         msg = (f"spotguard: {name!r} is a plain torch DataLoader; its position cannot be saved, so a resumed "
                "run restarts its epoch from the beginning. Use torchdata.stateful_dataloader."
                "StatefulDataLoader (pip install 'spotguard[data]') for an exact resume.")
-        warnings.warn(msg, UserWarning, stacklevel=3)
-        logger.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)  # one channel only: not logged as well
         return True
     return False
 

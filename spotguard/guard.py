@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +31,11 @@ from . import _env, checkpoint, data, distributed, heartbeat, state
 from .checkpoint import CheckpointInfo, Manifest
 from .errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
 from .events import Events
+from .notices import signals
 from .notices.base import Notice, NoticeProvider
 from .pending import PendingSave
 from .planner import AdaptiveInterval
-from .snapshot import Staging
+from .snapshot import Staging, canonical
 from .stats import GuardStats
 from .storage import Storage, open_storage
 from .watcher import Watcher
@@ -99,6 +101,7 @@ class GuardOptions:
     sync_every: int = 1
     poll_on: str = "local-rank-0"
     reshard: str = "refuse"
+    sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -154,6 +157,8 @@ class Guard:
     ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
     checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
     (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
+    While the ``with`` block runs, the first SIGINT (Ctrl-C) is a stop notice like SIGTERM and a
+    second one raises ``KeyboardInterrupt``; ``sigint=False`` keeps Python's default.
     """
 
     def __init__(
@@ -179,13 +184,14 @@ class Guard:
         sync_every: int = 1,
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
+        sigint: bool = True,
     ) -> None:
         if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
                                     mtbf_hours, background_nice, metrics_port, metrics_host, metrics_file,
-                                    sync_every, poll_on, reshard)
+                                    sync_every, poll_on, reshard, sigint)
         # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
         self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
@@ -200,6 +206,8 @@ class Guard:
         providers = distributed.providers_for_rank(providers, poll_on)
         self._dist = distributed.setup(sync_every, async_save=self.options.async_save)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
+        if sigint:  # Ctrl-C, or `spotguard run` forwarding one: stop with a checkpoint, not KeyboardInterrupt
+            signals.cover_sigint(self.watcher.providers)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
@@ -239,12 +247,12 @@ class Guard:
         return self.watcher.notice
 
     def track(self, **objects: Any) -> Guard:
-        """Register objects with ``state_dict()``/``load_state_dict()`` under stable names."""
+        """Register the training state under stable names: objects with ``state_dict()`` and
+        ``load_state_dict()``, tensors, dicts and lists (restored in place), ``spotguard.Value`` holders."""
         for name, obj in objects.items():
             if data.warn_if_plain_loader(name, obj):
                 continue
-            state.check_trackable(name, obj)
-            self._objects[name] = obj
+            self._objects[name] = state.trackable(name, obj)
         return self
 
     def latest(self) -> CheckpointInfo | None:
@@ -287,7 +295,9 @@ class Guard:
                 continue
             self._restore(info, payload)
             self._stats.restore_s = time.monotonic() - t0
-            logger.info("resumed from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?")
+            m = info.manifest
+            logger.info("resumed from step %d (%s, %s old) in %s", info.step, m.reason if m else "?",
+                        checkpoint.human_duration(m.age_seconds() if m else None), where)
             self._drop_killed_saves(tiers, info.step)
             self._resumed(info.step, where)
             return info.step
@@ -368,12 +378,12 @@ class Guard:
 
     def _payload(self, step: int, staged: bool) -> dict[str, Any]:
         objects = state.collect(self._objects)
-        return {
+        return canonical({  # the same state serialises to the same bytes (the final save compares them)
             "step": step,
             "rng": state.capture_rng(),
             "objects": self._staging.snapshot(objects) if staged else objects,
             "generators": {n: g for n, o in self._objects.items() if (g := data.generator_state(o)) is not None},
-        }
+        })
 
     def _save_async(self, step: int, reason: str, busy: bool | None = None) -> None:
         """Snapshot now, write in the background. ``busy``: whether the previous save is still in
@@ -384,12 +394,16 @@ class Guard:
         if busy:
             if self.options.busy is BusyPolicy.SKIP:
                 self._stats.skipped += 1
-                level = logging.DEBUG if pending is not None and pending.skipped else logging.WARNING  # once per slow save
                 if pending is not None:
                     pending.skipped += 1
                 in_flight = pending.step if pending is not None else None  # [distributed] another rank's
-                logger.log(level, "%s checkpoint of step %d skipped: step %s is still being written", reason, step,
-                           in_flight if in_flight is not None else "?")
+                if self._stats.skipped == 1:  # once per guard; later skips are only counted
+                    logger.warning("%s checkpoint of step %d skipped: step %s is still being written (later "
+                                   "skips are counted in guard.stats().skipped, not logged; busy=\"wait\" "
+                                   "waits instead)", reason, step, in_flight if in_flight is not None else "?")
+                else:
+                    logger.debug("%s checkpoint of step %d skipped: step %s is still being written",
+                                 reason, step, in_flight if in_flight is not None else "?")
                 self.events.emit("skipped", step=step, reason=reason, in_flight=in_flight)
                 self._schedule(step)
                 return
@@ -445,14 +459,16 @@ class Guard:
 
     def _write(self, storage: Storage, step: int, reason: str, writer: checkpoint.Writer,
                deadline: float | None = None, cancel: threading.Event | None = None,
-               extra: dict[str, Any] | None = None) -> Manifest | None:
+               extra: dict[str, Any] | None = None, replace: bool = False) -> Manifest | None:
         try:
             manifest = checkpoint.write(storage, step, {STATE_FILE: writer}, reason=reason,
                                         extra=self.extra if extra is None else extra,
                                         world_size=_world_size(), torch_version=torch.__version__,
-                                        deadline=deadline, cancel=cancel)
+                                        deadline=deadline, cancel=cancel, replace=replace,
+                                        on_content=self._drop_stale_local(step) if replace else None)
         except CheckpointExistsError:
-            logger.info("%s is already committed; not writing it twice", storage.describe(checkpoint.step_dir(step)))
+            logger.info("%s is already committed%s; not writing it twice", storage.describe(checkpoint.step_dir(step)),
+                        " with this state" if replace else "")
             return None
         self.last_saved = manifest
         logger.info("%s checkpoint of step %d written to %s (%.1f MB)", reason, step, storage.describe(), manifest.size / 1e6)
@@ -473,13 +489,19 @@ class Guard:
         """
         if self._saved_step == step:
             return None
+        return self._save(step, reason, deadline)
+
+    def _save(self, step: int, reason: str, deadline: float | None = None, replace: bool = False) -> Manifest | None:
         t0 = time.monotonic()
         if self._dist is not None:  # [distributed hook] collective sharded save (spotguard.sharded)
             manifest = self._dist.save(self, step, reason, deadline)  # prunes on rank 0
         else:
             with state.rng_isolated():
-                payload = self._payload(step, staged=False)
-                manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline)
+                # The final save is staged like periodic ones, so that an unchanged state serialises
+                # to the same bytes as the periodic checkpoint of its step (and is not written again).
+                payload = self._payload(step, staged=replace and self._stats.async_save)
+                manifest = self._write(self.storage, step, reason, lambda f: torch.save(payload, f), deadline,
+                                       replace=replace)
             self._saved_step = step
         if manifest is not None:
             took = time.monotonic() - t0
@@ -494,9 +516,23 @@ class Guard:
         self._schedule(step)  # after observe(): the next save is due at the re-picked interval
         return manifest
 
-    def _save_logged(self, step: int, reason: str) -> None:
+    def _drop_stale_local(self, step: int) -> Callable[[tuple[checkpoint.FileEntry, ...]], None]:
+        """For a final save: delete the local tier's checkpoint of ``step`` when its content differs
+        from the final one, before the durable tier is touched (resume prefers the local copy)."""
+        def check(entries: tuple[checkpoint.FileEntry, ...]) -> None:
+            if self.local is None:
+                return
+            found = [i for i in checkpoint.scan(self.local) if i.step == step]
+            for info in found:
+                m = info.manifest
+                if m is None or m.files != entries or m.extra != json.loads(json.dumps(self.extra)):
+                    checkpoint.delete(self.local, info.name)
+                    logger.info("removed %s: the final state of step %d differs", self.local.describe(info.name), step)
+        return check
+
+    def _save_logged(self, step: int, reason: str, replace: bool = False) -> None:
         try:
-            self.save(step, reason)
+            self._save(step, reason, replace=replace) if replace else self.save(step, reason)
         except Exception as e:
             self._stats.failures += 1
             self._errors.append(e)
@@ -706,7 +742,7 @@ class Guard:
         (see ``Agreement.close``), so nothing of spotguard outlives the block; calling it again,
         or after ``dist.destroy_process_group()``, is harmless.
         """
-        self.watcher.stop()
+        self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling
         try:
             self._finish(save)
         finally:
@@ -730,7 +766,12 @@ class Guard:
                     pass  # abandoned: its error is no one's
         self._wait_pending()
         step = self._step
-        final = save and self.options.save_on_exit and self.stopped_at is None and step != self._durable_step
+        # Single process: always, since the loop may have changed the state after its last guard.step()
+        # (a scheduler stepped at the end of an epoch, guard.extra). An unchanged state is not written
+        # twice; a changed one replaces the checkpoint of its step (checkpoint.write(replace=True)).
+        # In a process group sharded saves are never replaced: only a step without one gets it.
+        final = save and self.options.save_on_exit and self.stopped_at is None and (
+            self._dist is None or step != self._durable_step)
         if self._dist is not None and self._dist.group is not None and not self._dist.usable:
             # The program destroyed the process group inside the block: no collective can run, and
             # a periodic save in flight failed with it (logged when it did). Not the run's failure.
@@ -743,9 +784,12 @@ class Guard:
         elif final and self._dist is not None and not self._dist.usable:
             final = False  # closed already
         if final and step is not None:
-            if self._saved_step == step:
-                self._saved_step = None  # committed only to the local tier: write it durably now
-            self._save_logged(step, "final")
+            if self._dist is None:
+                self._save_logged(step, "final", replace=True)
+            else:
+                if self._saved_step == step:
+                    self._saved_step = None  # committed only to the local tier: write it durably now
+                self._save_logged(step, "final")
         if save:
             self.wait()
         elif self._errors:

@@ -394,8 +394,9 @@ def resume(guard: Guard, agreement: Agreement) -> int:
         guard.last_saved = info.manifest
         guard._schedule(info.step)
         if agreement.rank == 0:
-            logger.info("resumed from %s (step %d, %s, %d ranks)", storage.describe(info.name), info.step,
-                        info.manifest.reason, info.manifest.world_size)
+            logger.info("resumed from step %d (%s, %s old, %d ranks) in %s", info.step, info.manifest.reason,
+                        checkpoint.human_duration(info.manifest.age_seconds()), info.manifest.world_size,
+                        storage.describe(info.name))
         return info.step
     if agreement.rank == 0:
         logger.info("no checkpoint in %s: starting from step 0", storage.describe())

@@ -10,6 +10,7 @@ must not take a new snapshot while a previous one is still being written (at mos
 from __future__ import annotations
 
 import copy
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -70,3 +71,21 @@ class Staging:
 def _is_dtensor(t: torch.Tensor) -> bool:
     """A ``torch.distributed.tensor.DTensor`` (checked without importing it where it was never used)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor") and hasattr(t, "_spec")
+
+
+def canonical(obj: Any) -> Any:
+    """``obj`` with fresh containers and interned strings, tensors untouched.
+
+    ``pickle`` memoises by object identity, so one state can serialise to different bytes depending
+    on which equal strings happen to be the same object (a key made by the optimizer, or loaded
+    from a checkpoint). Canonical, the same state gives the same bytes, and the same SHA-256.
+    """
+    if type(obj) is str:  # sys.intern refuses subclasses (str enums): those stay as they are
+        return sys.intern(obj)
+    if isinstance(obj, dict):
+        items = [(canonical(k), canonical(v)) for k, v in obj.items()]
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)):
+        items = [canonical(v) for v in obj]
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    return obj

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointMismatchError, ConfigError
+from .value import adapt
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,12 @@ def rng_isolated() -> Iterator[None]:
         restore_rng(saved)
 
 
-def check_trackable(name: str, obj: Any) -> None:
+def trackable(name: str, obj: Any) -> Any:
+    """What to keep for ``track(name=obj)``: ``obj`` when it has ``state_dict()``/``load_state_dict()``,
+    an in-place adapter for a tensor, dict or list (``spotguard.value``); else a ``ConfigError``."""
     if not name.isidentifier():
         raise ConfigError(f"tracked name {name!r} must be a Python identifier")
-    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        raise ConfigError(f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+    return adapt(name, obj)
 
 
 def collect(objects: Mapping[str, Any]) -> dict[str, Any]:

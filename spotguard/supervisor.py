@@ -23,7 +23,7 @@ platform signals the child directly as well (Slurm preemption), ``forward_as=SIG
 two deliveries distinct, so the child does not read them as "stop now".
 
 A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
-the first one): the child's Python stacks are dumped to the log (faulthandler, on ``SIGUSR2``),
+the first one; either works alone): the child's Python stacks are dumped to the log (faulthandler, on ``SIGUSR2``),
 its process group is killed and it is restarted from the last checkpoint.
 
 Every start and exit is an event (``supervisor.events``, ``supervisor.exits``): an exit has its
@@ -168,9 +168,9 @@ class Supervisor:
                 logger.info("no complete checkpoint in %s: the job starts from step 0", url)
                 return None
             m = info.manifest
-            age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(m.time)
             logger.info("newest checkpoint: step %d (%s), %s old, %.1f MB, in %s", info.step, m.reason,
-                        _human(age.total_seconds()), m.size / 1e6, url.rstrip("/") + "/" + info.name)
+                        checkpoint.human_duration(m.age_seconds()), m.size / 1e6,
+                        url.rstrip("/") + "/" + info.name)
             if self.options.prefetch and self.options.local_dir:
                 self._prefetch(storage, info)
         except StorageError as e:
@@ -356,7 +356,7 @@ class Supervisor:
                     _kill_group(proc)
                     return _Outcome(proc.wait(), heartbeat.read(beat)[1], killed_after_grace=True)
                 continue
-            if opts.hang_timeout is None:
+            if opts.hang_timeout is None and opts.startup_timeout is None:
                 continue
             step, flags = heartbeat.read(beat)
             if step != last_step:
@@ -437,11 +437,3 @@ def _signame(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _human(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"

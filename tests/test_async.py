@@ -54,11 +54,13 @@ def test_step_returns_before_the_write_and_snapshot_is_isolated_from_training(tm
             model.weight.fill_(2.0)  # training moves on while step 1 is written
         storage.gate.set()
         g.wait()
+        assert steps(storage) == [(1, "periodic")]
+        payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
+        assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+    # Leaving the block saves the state as it is now: it changed after step(1), so it replaces step 1.
+    assert steps(storage) == [(1, "final")]
     fresh, fresh_model = model_guard(str(tmp_path))
-    fresh.resume()
-    assert steps(storage)[0] == (1, "periodic")
-    payload = torch.load(tmp_path / "step-00000001" / "state.pt", weights_only=True)
-    assert torch.all(payload["objects"]["model"]["weight"] == 1.0)
+    assert fresh.resume() == 1 and torch.all(fresh_model.weight == 2.0)
 
 
 class NiceProbeStorage(LocalStorage):
@@ -302,6 +304,60 @@ def test_an_async_checkpoint_records_extra_as_it_was_at_its_step(tmp_path, monke
         g.extra["epoch"] = 2
         go.set()
         g.wait()
+        saved = {i.step: i.manifest.extra for i in checkpoint.scan(open_storage(str(tmp_path))) if i.complete}
+        assert saved == {5: {"epoch": 1}}
         g.extra["epoch"] = 3
-    saved = {i.step: i.manifest.extra for i in checkpoint.scan(open_storage(str(tmp_path))) if i.complete}
-    assert saved == {5: {"epoch": 1}}  # and no final save: step 5 is the last step
+    # Leaving the block saves the state after the loop: it changed, so it replaces step 5 (issue 17).
+    saved = {i.step: (i.manifest.reason, i.manifest.extra) for i in checkpoint.scan(open_storage(str(tmp_path)))
+             if i.complete}
+    assert saved == {5: ("final", {"epoch": 3})}
+
+
+class HeldStorage(LocalStorage):
+    """Local storage whose file writes each wait for one ``release`` permit."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.release = threading.Semaphore(0)
+
+    def put_file(self, key, path, *, deadline=None):
+        assert self.release.acquire(timeout=10), "test never released the write"
+        return super().put_file(key, path, deadline=deadline)
+
+
+def test_busy_skip_is_logged_once_then_only_counted(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="spotguard")
+    storage = HeldStorage(str(tmp_path))
+    g, _ = model_guard(storage, every_steps=1)
+    with g:
+        g.step(1)  # held in flight
+        g.step(2), g.step(3)  # skipped
+        storage.release.release()
+        g.wait()
+        g.step(4)  # the next slow save
+        g.step(5), g.step(6)  # skipped again
+        for _ in range(3):
+            storage.release.release()  # step 4, and the final save of step 6
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "skipped" in r.getMessage()]
+    assert len(warned) == 1 and "guard.stats().skipped" in warned[0].getMessage(), [r.getMessage() for r in warned]
+    assert g.stats().skipped == 4
+    assert steps(str(tmp_path)) == [(1, "periodic"), (4, "periodic"), (6, "final")]
+
+
+def test_the_same_state_serialises_to_the_same_bytes_whatever_its_strings_identities():
+    """pickle memoises by identity: equal keys made apart (an optimizer's, or loaded from a checkpoint)
+    would change the bytes, and the final save would rewrite an unchanged checkpoint."""
+    import io
+
+    from spotguard.snapshot import canonical
+
+    def saved(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    key = "exp_avg"
+    shared = {"state": [{key: torch.ones(2)}, {key: torch.zeros(2)}]}
+    apart = {"state": [{"".join(["exp_", "avg"]): torch.ones(2)}, {"".join(["exp_", "avg"]): torch.zeros(2)}]}
+    assert saved(shared) != saved(apart)
+    assert saved(canonical(shared)) == saved(canonical(apart))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
+import re
+import signal
 import time
 import warnings
 
@@ -223,3 +225,106 @@ def test_auto_interval_follows_the_measured_checkpoint_cost(tmp_path):
     assert g._due_time - time.monotonic() == pytest.approx(interval, abs=0.5)
     with pytest.raises(ConfigError, match="mtbf_hours"):
         spotguard.Guard(str(tmp_path), every_seconds="auto")
+
+
+def test_sigint_inside_the_guard_is_a_stop_notice_and_a_second_one_interrupts(tmp_path):
+    """Ctrl-C (or `spotguard run` forwarding one) finishes the step and writes the emergency
+    checkpoint; pressing it again raises KeyboardInterrupt at once; outside the guard nothing changes."""
+    before = signal.getsignal(signal.SIGINT)
+    g = guard_for(tmp_path, every_steps=100)
+    with g:
+        g.step(1)
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: a notice
+        assert g.preempted.wait(5)
+        assert g.step(2) is True
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert g.notice is not None and g.notice.raw == {"signal": "SIGINT"}
+    assert steps_in(tmp_path) == [(2, "emergency")]
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_sigint_false_keeps_keyboardinterrupt(tmp_path):
+    g = spotguard.Guard(str(tmp_path), providers=[], sigint=False).track(model=torch.nn.Linear(1, 1))
+    with pytest.raises(KeyboardInterrupt), g:
+        g.step(1)
+        signal.raise_signal(signal.SIGINT)
+    assert steps_in(tmp_path) == []
+
+
+def test_resume_logs_one_info_line_with_step_reason_and_age(tmp_path, caplog):
+    guard_for(tmp_path).save(5, "periodic")
+    caplog.set_level(logging.INFO, logger="spotguard")
+    assert guard_for(tmp_path).resume() == 5
+    lines = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert len(lines) == 1 and re.match(r"resumed from step 5 \(periodic, \d+s old\) in ", lines[0]), lines
+    assert [r.levelno for r in caplog.records if "resumed" in r.getMessage()] == [logging.INFO]
+
+
+def test_plain_dataloader_warning_is_given_once(tmp_path, caplog):
+    g = spotguard.Guard(str(tmp_path), providers=[])
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        g.track(loader=torch.utils.data.DataLoader(list(range(4))))
+    assert len([w for w in seen if "plain torch DataLoader" in str(w.message)]) == 1
+    assert "plain torch DataLoader" not in caplog.text  # not a second time through logging
+
+
+def manifest_of(root, step):
+    (info,) = [i for i in checkpoint.scan(open_storage(str(root))) if i.step == step]
+    return info.manifest
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_final_checkpoint_replaces_a_periodic_one_of_its_step_when_the_state_changed_after_it(tmp_path, async_save):
+    model = torch.nn.Linear(2, 2)
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=5, busy="wait", async_save=async_save)
+    g.track(model=model)
+    with g:
+        g.step(1)
+        g.step(2)  # periodic, the last step of the loop
+        g.wait()
+        assert steps_in(tmp_path) == [(2, "periodic")]
+        with torch.no_grad():
+            model.weight.fill_(3.0)  # after the last guard.step(): e.g. an end-of-epoch update
+        g.extra["epoch"] = 1
+    assert steps_in(tmp_path) == [(2, "final")]  # one checkpoint of step 2: the state after the loop
+    assert manifest_of(tmp_path, 2).extra == {"epoch": 1}
+    fresh_model = torch.nn.Linear(2, 2)
+    fresh = spotguard.Guard(str(tmp_path), providers=[]).track(model=fresh_model)
+    assert fresh.resume() == 2 and fresh.extra == {"epoch": 1} and torch.all(fresh_model.weight == 3.0)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_final_checkpoint_is_not_written_again_when_nothing_changed(tmp_path, async_save):
+    g = guard_for(tmp_path, every_steps=2, busy="wait", async_save=async_save)
+    with g:
+        g.step(1)
+        g.step(2)
+    written = manifest_of(tmp_path, 2)
+    assert written.reason == "periodic"
+    rerun = guard_for(tmp_path, every_steps=2)  # a finished job started again: resumes, runs no step
+    assert rerun.resume() == 2
+    with rerun:
+        pass
+    assert manifest_of(tmp_path, 2) == written  # the very same commit: not replaced by equal content
+
+
+def test_final_checkpoint_removes_a_stale_local_copy_of_its_step(tmp_path):
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    model = torch.nn.Linear(2, 2)
+    g = spotguard.Guard(str(durable), providers=[], every_steps=2, busy="wait", local_dir=str(local))
+    g.track(model=model)
+    with g:
+        g.step(1)
+        g.step(2)
+        g.wait()
+        assert steps_in(local) == steps_in(durable) == [(2, "periodic")]
+        g.extra["epoch"] = 1
+    assert steps_in(durable) == [(2, "final")]
+    assert steps_in(local) == []  # resume prefers the local tier: a stale copy of step 2 must not stay
+    fresh = spotguard.Guard(str(durable), providers=[], local_dir=str(local)).track(model=torch.nn.Linear(2, 2))
+    assert fresh.resume() == 2 and fresh.extra == {"epoch": 1}

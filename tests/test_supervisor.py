@@ -248,3 +248,24 @@ def test_prefetch_copies_the_newest_checkpoint_into_the_local_tier_and_the_job_r
         del os.environ["SPOTGUARD_LOCAL_DIR"]
     with pytest.raises(spotguard.ConfigError, match="--local-dir"):
         SupervisorOptions(["true"], prefetch=True)
+
+
+def test_startup_timeout_alone_kills_a_job_that_never_reaches_its_first_step(tmp_path):
+    t0 = time.monotonic()
+    proc = supervise(run_cmd(tmp_path / "ckpt", "--startup-timeout", "1", "--max-restarts", "0",
+                             child=[sys.executable, "-c", "import time; time.sleep(30)"]), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "no step completed for" in proc.stderr and "(since the start)" in proc.stderr
+    assert "the job hung and the restart budget is used up" in proc.stderr
+    assert time.monotonic() - t0 < 25
+
+
+def test_startup_timeout_alone_does_not_watch_later_steps(tmp_path):
+    """Without --hang-timeout a job that made its first step may take as long as it likes. The child
+    writes step 1 into the heartbeat as guard.step(1) does (without torch's import time)."""
+    script = ("import os, struct, time\nwith open(os.environ['SPOTGUARD_HEARTBEAT'], 'r+b') as f:\n"
+              "    f.write(struct.pack('=qq', 1, 0))\ntime.sleep(7)\n")
+    proc = supervise(run_cmd(tmp_path / "ckpt", "--startup-timeout", "5", "--max-restarts", "0",
+                             child=[sys.executable, "-c", script]), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "no step completed" not in proc.stderr

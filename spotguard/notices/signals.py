@@ -3,8 +3,8 @@
 The handler only records the signal and wakes the watcher through a ``SimpleQueue`` (safe to use
 from a signal handler), so the training loop is interrupted for microseconds, never killed.
 A second delivery of the same signal means "really stop now": the previous handler is restored
-and the signal re-delivered, so a second SIGTERM terminates as usual and a configured SIGINT gives
-the usual KeyboardInterrupt.
+and the signal re-delivered, so a second SIGTERM terminates as usual and a second SIGINT gives
+the usual KeyboardInterrupt. ``Guard`` adds SIGINT to whatever it watches (``cover_sigint``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class SignalProvider(NoticeProvider):
             return
         self._received.clear()  # a reopened provider starts afresh: its next signal is a first one
         for sig in self.signals:
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                logger.debug("SIGINT is ignored in this process (a background job); leaving it ignored")
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
             if callable(self._previous[sig]) and self._previous[sig] is not signal.default_int_handler:
                 logger.info("%s already had a handler; it will be called after spotguard's", sig.name)
@@ -104,3 +107,10 @@ class SignalProvider(NoticeProvider):
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+def cover_sigint(providers: list[NoticeProvider]) -> None:
+    """Make SIGINT a stop notice too (Ctrl-C, or ``spotguard run`` forwarding one), unless a provider
+    in ``providers`` already watches it. A second SIGINT raises ``KeyboardInterrupt`` as usual."""
+    if not any(isinstance(p, SignalProvider) and signal.SIGINT in p.signals for p in providers):
+        providers.append(SignalProvider(("SIGINT",)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request
     truncate(url, "step-00000020/state.pt")
     assert main(["ls", url]) == 0  # it could list: exit 0, corrupt entries shown
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert lines["10"].endswith("  complete") and "incomplete" in lines["30"]
+    assert lines["10"].endswith("  complete (unverified)") and "incomplete" in lines["30"]
     assert "corrupt (step-00000020/state.pt: 25010 bytes, the manifest says 50020)" in lines["20"]
     assert main(["verify", url]) == 1
     out = capsys.readouterr().out
@@ -144,3 +145,37 @@ def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
                          timeout=60)
     assert out.returncode == 2, out.stderr
     assert f"pip install 'spotguard[{extra}]'" in out.stderr and blocked in out.stderr
+
+
+def test_verify_with_nothing_to_verify_exits_1_with_a_message(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "no-such-run")]) == 1
+    assert "(it does not exist): nothing to verify" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    assert f"no checkpoints in {tmp_path / 'empty'}: nothing to verify" in capsys.readouterr().err
+    assert not (tmp_path / "no-such-run").exists()  # looking created nothing
+
+
+def test_ls_never_calls_unread_contents_complete_and_verifies_with_verify(tmp_path, capsys):
+    url = str(tmp_path / "ckpt")
+    fill(url)
+    path = tmp_path / "ckpt" / "step-00000020" / "state.pt"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF  # same size, other content: only reading it shows
+    path.write_bytes(bytes(data))
+    assert main(["ls", url]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["20"].endswith("  complete (unverified)") and lines["10"].endswith("  complete (unverified)")
+    assert "--verify reads every file" in lines["(unverified:"]
+    assert main(["ls", "--verify", url]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines["10"].endswith("  complete (verified)")
+    assert "corrupt (step-00000020/state.pt: SHA-256 does not match the manifest)" in lines["20"]
+    assert main(["ls", "--verify", "--json", url]) == 0
+    rows = {r["step"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert (rows[10]["status"], rows[10]["verified"]) == ("complete", True)
+    assert (rows[20]["status"], rows[20]["verified"]) == ("corrupt", False) and "SHA-256" in rows[20]["problem"]
+    assert rows[30]["verified"] is None
+    assert main(["ls", "--json", url]) == 0
+    assert {r["step"]: r["verified"] for r in map(json.loads, capsys.readouterr().out.splitlines())} == \
+        {10: None, 20: None, 30: None}

@@ -1,0 +1,111 @@
+"""A script we did not write (tests/thirdparty_charlstm.py: an LSTM language model with a carried hidden
+state, EMA weights in a dict, an epoch loop and a per-epoch LR step) stopped and resumed for real.
+
+SIGINT reaches it through `spotguard run` (a terminal's Ctrl-C), SIGTERM directly (a shutdown); either
+way it stops with an emergency checkpoint and resumes to the same per-step losses and the same
+final weights, EMA and token count as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard import EXIT_PREEMPTED, checkpoint
+from spotguard.storage import open_storage
+
+from .helpers import REPO, read_losses, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "tests" / "thirdparty_charlstm.py"
+EPOCHS, STEPS_PER_EPOCH = 3, 8  # every_steps=4: the last step of every epoch is also a periodic one
+_rng = random.Random()
+
+
+def script(*args: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--epochs", str(EPOCHS), *args]
+
+
+def outputs(d: Path) -> tuple[Path, Path, Path]:
+    d.mkdir(parents=True, exist_ok=True)
+    return d / "ckpt", d / "losses.jsonl", d / "final.pt"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[tuple[int, float]], Path, Path]:
+    storage, losses, final = outputs(tmp_path_factory.mktemp("charlstm-reference"))
+    proc = subprocess.run(script("--storage", str(storage), "--losses", str(losses), "--final", str(final)),
+                          env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return read_losses(losses), final, storage
+
+
+def stop_at(cmd: list[str], losses: Path, at: int, sig: int) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (read_losses(losses) and read_losses(losses)[-1][0] >= at):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=180)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("how", ["sigint-through-spotguard-run", "sigterm"])
+def test_a_third_party_rnn_script_stopped_by_a_signal_resumes_exactly(tmp_path, reference, how):
+    ref_losses, ref_final, _ = reference
+    storage, losses, final = outputs(tmp_path)
+    at = _rng.randint(2, EPOCHS * STEPS_PER_EPOCH - 4)  # the stop lands inside the loop, not in its exit
+    job = script("--losses", str(losses), "--final", str(final))
+    if how == "sigterm":
+        first = stop_at([*job, "--storage", str(storage), "--step-sleep", "0.05"], losses, at, signal.SIGTERM)
+    else:
+        supervised = [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--"]
+        first = stop_at([*supervised, *job, "--step-sleep", "0.05"], losses, at, signal.SIGINT)
+        assert "SIGINT received: forwarding it to the job" in first.stderr, (at, first.stderr)
+    assert first.returncode == EXIT_PREEMPTED, (at, first.stderr)
+    assert "KeyboardInterrupt" not in first.stderr, at
+    stopped = read_losses(losses)[-1][0]
+    assert f"[charlstm] stopped at step {stopped}" in first.stdout, (at, first.stdout)
+    newest = checkpoint.latest(open_storage(str(storage)))
+    assert newest is not None and newest.manifest is not None
+    assert (newest.step, newest.manifest.reason) == (stopped, "emergency"), (at, first.stderr)
+
+    again = [*supervised, *job] if how != "sigterm" else [*job, "--storage", str(storage)]
+    second = subprocess.run(again, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, (at, second.stderr)
+    assert f"resumed from step {stopped} (emergency, " in second.stderr, (at, second.stderr)
+
+    by_step: dict[int, float] = {}
+    for step, loss in read_losses(losses):  # a replayed step, if any, must match too
+        assert loss == dict(ref_losses)[step], (at, step)
+        by_step[step] = loss
+    assert sorted(by_step.items()) == ref_losses, at
+    got, want = torch.load(final, weights_only=True), torch.load(ref_final, weights_only=True)
+    assert got["tokens"] == want["tokens"] == EPOCHS * STEPS_PER_EPOCH * 64
+    for part in ("model", "ema"):
+        assert got[part].keys() == want[part].keys()
+        for k in want[part]:
+            assert torch.equal(got[part][k], want[part][k]), (at, part, k)
+
+
+def test_the_final_checkpoint_holds_the_state_after_the_loop(reference):
+    """The last step of the last epoch was also a periodic checkpoint; the LR step and the epoch
+    counter that follow it are in the final checkpoint of that step, the only one of its step."""
+    _, _, storage = reference
+    infos = [i for i in checkpoint.scan(open_storage(str(storage))) if i.complete]
+    last = infos[-1]
+    assert last.manifest is not None and (last.step, last.manifest.reason) == (EPOCHS * STEPS_PER_EPOCH, "final")
+    assert [i.step for i in infos].count(last.step) == 1
+    assert last.manifest.extra == {"epoch": EPOCHS}
+    state = torch.load(storage / last.name / "state.pt", weights_only=True)
+    assert state["objects"]["scheduler"]["last_epoch"] == EPOCHS
+    assert state["objects"]["hidden"] == {"value": None}  # reset after the epoch, as the script does
