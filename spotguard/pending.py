@@ -47,7 +47,9 @@ class PendingSave:
         try:
             self._work(self._cancel)
         except SaveCancelled as e:
-            self.error = e
+            # Without its traceback: those frames hold the staged tensors and, in a process group, the
+            # writer's gloo group, which would otherwise live (threads and all) until a gc cycle runs.
+            self.error = e.with_traceback(None)
             logger.info("background save of step %d abandoned", self.step)
         except BaseException as e:  # kept and re-raised by wait(); never lost
             self.error = e
