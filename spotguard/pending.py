@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from .errors import SaveCancelled
@@ -47,15 +48,18 @@ class PendingSave:
         try:
             self._work(self._cancel)
         except SaveCancelled as e:
-            # Without its traceback: those frames hold the staged tensors and, in a process group, the
-            # writer's gloo group, which would otherwise live (threads and all) until a gc cycle runs.
-            self.error = e.with_traceback(None)
+            self.error = e
             logger.info("background save of step %d abandoned", self.step)
         except BaseException as e:  # kept and re-raised by wait(); never lost
             self.error = e
             logger.error("background %s checkpoint of step %d failed: %s: %s; training goes on", self.reason,
                          self.step, type(e).__name__, e)
         finally:
+            if self.error is not None:
+                # The kept error keeps its file and line, not the frames' locals: those hold the staged
+                # tensors and, in a process group, the writer's gloo group, whose threads would outlive
+                # Guard.close() (in a reference cycle through this frame) until a gc pass ran.
+                traceback.clear_frames(self.error.__traceback__)
             self.finished = time.monotonic()
 
     def done(self) -> bool:
