@@ -59,7 +59,7 @@ def stalls(model: nn.Module, opt: torch.optim.Optimizer, tmp: str, world: int, r
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    guard = Guard(f"{tmp}/async", providers=None, every_steps=1, busy="wait", keep=1,
+    guard = Guard(f"{tmp}/async", providers=None, every_steps=1, busy="wait", keep=1, async_sharded=True,
                   save_on_exit=False).track(model=model, optimizer=opt)
     sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
     pairs = [(torch.empty_like(t), t) for t in

@@ -52,6 +52,7 @@ LOCAL_DIR_ENV = "SPOTGUARD_LOCAL_DIR"
 STATE_FILE = "state.pt"
 FIT = 0.9  # share of the time left that an estimated save may use (estimates are rough)
 CANCEL_GRACE_S = 1.0  # how long an emergency waits for an abandoned save to notice
+DESTROYED_GRACE_S = 5.0  # how long close() waits for a save whose process group the program destroyed
 #: An emergency save whose deadline has passed (a long step, a user's stale deadline) or is about to
 #: still gets this long, best effort: the machine is still here, and "not started" loses the work.
 #: Short enough not to distort a real short deadline (a pod's grace period); long enough for one
@@ -102,6 +103,9 @@ class GuardOptions:
     poll_on: str = "local-rank-0"
     reshard: str = "refuse"
     sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
+    # [distributed] sharded periodic saves in the background (opt-in: the program must then call
+    # dist.destroy_process_group() after the `with guard:` block, never inside it; see README)
+    async_sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -185,13 +189,14 @@ class Guard:
         poll_on: str = "local-rank-0",
         reshard: str = "refuse",
         sigint: bool = True,
+        async_sharded: bool = False,
     ) -> None:
         if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         self.options = GuardOptions(every_steps, every_seconds, keep, providers, interval, save_on_exit,
                                     stop_on_advisory, checkpoint_on_advisory, local_dir, async_save, busy,
                                     mtbf_hours, background_nice, metrics_port, metrics_host, metrics_file,
-                                    sync_every, poll_on, reshard, sigint)
+                                    sync_every, poll_on, reshard, sigint, async_sharded=async_sharded)
         # every_seconds="auto": Young/Daly from the measured checkpoint cost, re-picked as it changes.
         self._adaptive = AdaptiveInterval(mtbf_hours) if every_seconds == "auto" and mtbf_hours else None
         if storage is None:
@@ -204,7 +209,7 @@ class Guard:
         # [distributed hook] per-rank providers; the agreement collective when in a process group.
         # In a group, saves are collective and sharded (spotguard.sharded).
         providers = distributed.providers_for_rank(providers, poll_on)
-        self._dist = distributed.setup(sync_every, async_save=self.options.async_save)
+        self._dist = distributed.setup(sync_every, async_save=self.options.async_sharded)
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         if sigint:  # Ctrl-C, or `spotguard run` forwarding one: stop with a checkpoint, not KeyboardInterrupt
             signals.cover_sigint(self.watcher.providers)
@@ -215,7 +220,7 @@ class Guard:
         self.stopped_at: int | None = None
         self.last_saved: Manifest | None = None
         self.emergency_error: BaseException | None = None
-        self._stats = GuardStats(async_save=self.options.async_save)
+        self._stats = GuardStats(async_save=self.options.async_save if self._dist is None else self.options.async_sharded)
         self._staging = Staging()
         self._pending: PendingSave | None = None
         self._abandoned: PendingSave | None = None  # [distributed] a save dropped for an emergency one
@@ -608,12 +613,17 @@ class Guard:
 
     def _emergency_estimate(self) -> float | None:
         """Seconds to write the state straight to the durable tier, from its measured throughput."""
-        return self._stats.durable_seconds(two_tiers=self.local is not None)
+        return self._stats.durable_seconds(two_tiers=self._two_tiers)
+
+    @property
+    def _two_tiers(self) -> bool:
+        """Saves go to the local tier, then upload ([distributed] sharded saves go straight to the durable one)."""
+        return self.local is not None and self._dist is None
 
     def _inflight_left(self, pending: PendingSave) -> float | None:
         """Estimated seconds until the in-flight save commits (None: not measured yet)."""
         st = self._stats
-        expected = st.write_s if self.local is None else (
+        expected = st.write_s if not self._two_tiers else (
             None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
         return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
 
@@ -725,7 +735,9 @@ class Guard:
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> Guard:
         if self._dist is not None and self._dist.group is None and distributed.is_distributed():
-            self._dist = distributed.setup(self.options.sync_every)  # entered again after close(): collective too
+            # entered again after close(): collective too
+            self._dist = distributed.setup(self.options.sync_every, async_save=self.options.async_sharded)
+            self._abandoned = None  # a writer of the closed agreement is that agreement's (atexit) business
         self.watcher.start()
         if self._timed:
             self._due_time = time.monotonic() + self._every_seconds()
@@ -764,6 +776,18 @@ class Guard:
                     pending.wait(CANCEL_GRACE_S * 5)
                 except Exception:
                     pass  # abandoned: its error is no one's
+        errors_before = len(self._errors)
+        destroyed = self._dist is not None and self._dist.group is not None and not self._dist.usable
+        if destroyed and self._pending is not None:
+            # The program destroyed the process group inside the block: an async sharded save in flight
+            # may be blocked in a collective that gloo never ends. Never hang the exit for it.
+            self._wait_pending(DESTROYED_GRACE_S)
+            if self._pending is not None:
+                logger.error("the periodic checkpoint of step %d is stuck in a collective of the destroyed process "
+                             "group; abandoned (with async_sharded=True, destroy it after the `with guard:` block)",
+                             self._pending.step)
+                self._pending.cancel()
+                self._abandoned, self._pending = self._pending, None
         self._wait_pending()
         step = self._step
         # Single process: always, since the loop may have changed the state after its last guard.step()
@@ -772,14 +796,14 @@ class Guard:
         # In a process group sharded saves are never replaced: only a step without one gets it.
         final = save and self.options.save_on_exit and self.stopped_at is None and (
             self._dist is None or step != self._durable_step)
-        if self._dist is not None and self._dist.group is not None and not self._dist.usable:
-            # The program destroyed the process group inside the block: no collective can run, and
-            # a periodic save in flight failed with it (logged when it did). Not the run's failure.
+        if destroyed:
+            # No collective can run, and a periodic save in flight failed with the group (logged when
+            # it did): not the run's failure. Errors from before stay and are raised below.
+            lost = len(self._errors) - errors_before
             logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard was "
                            "closed (call dist.destroy_process_group() after the `with guard:` block)%s", step,
-                           f"; {len(self._errors)} periodic checkpoint(s) in flight were lost with it"
-                           if self._errors else "")
-            self._errors.clear()
+                           f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "")
+            del self._errors[errors_before:]
             final = False
         elif final and self._dist is not None and not self._dist.usable:
             final = False  # closed already

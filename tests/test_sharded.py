@@ -175,9 +175,17 @@ class GatedStorage(LocalStorage):
         return super().open_write(key, deadline=deadline)
 
 
+def test_sharded_saves_are_synchronous_unless_async_sharded(tmp_path, group):
+    guard, *_ = make(tmp_path, every_steps=1)
+    assert guard._dist.async_group is None and guard.stats().as_dict()["async"] is False
+    guard.step(1)
+    assert guard._pending is None and latest(guard.storage).step == 1  # committed before step() returned
+    guard.close(save=False)
+
+
 def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp_path, group):
     storage = GatedStorage(str(tmp_path))
-    guard, model, opt, sched = make(storage, every_steps=1, busy="skip", save_on_exit=False)
+    guard, model, opt, sched = make(storage, every_steps=1, busy="skip", save_on_exit=False, async_sharded=True)
     assert guard._dist.async_group is not None
     with guard:
         train(model, opt, sched, 1)
@@ -201,7 +209,7 @@ def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp
 def test_emergency_abandons_an_inflight_async_sharded_save_and_commits_the_newest(tmp_path, group, caplog):
     caplog.set_level(logging.INFO, logger="spotguard")
     storage = GatedStorage(str(tmp_path))
-    guard, model, opt, sched = make(storage, every_steps=1)
+    guard, model, opt, sched = make(storage, every_steps=1, async_sharded=True)
     with guard:
         train(model, opt, sched, 1)
         guard.step(1)
@@ -217,7 +225,7 @@ def test_emergency_abandons_an_inflight_async_sharded_save_and_commits_the_newes
 def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_async_sharded_save(tmp_path, group, caplog):
     import datetime as dt
     storage = GatedStorage(str(tmp_path))
-    guard, model, opt, sched = make(storage, every_steps=1, save_on_exit=False)
+    guard, model, opt, sched = make(storage, every_steps=1, save_on_exit=False, async_sharded=True)
     guard.stats().write_Bps, guard.stats().state_bytes = 1.0, 10_000  # measured: far too slow for the state
     with guard:
         guard.step(1)
