@@ -3,7 +3,7 @@
 Every step is due for a checkpoint; rank 1's storage takes ``SLOW`` seconds per file it writes,
 so most due saves find the previous one still in flight, and rank 0's pruning after a commit
 (a listing) is slow too, so that its writer thread outlives rank 1's: both ranks must still skip
-or start the same saves. Prints one line per rank: the steps it started,
+or start the same saves. Each rank appends to ``results-<rank>.jsonl`` beside the checkpoint root: the steps it started,
 how many it skipped, and its model state at each started step (for the test to compare with
 what was committed), then resumes the newest checkpoint and prints whether it is exact. Last, a
 byte of the newest checkpoint's rank-1 shard file (which rank 1 verifies for both, rank 0 reads
@@ -25,6 +25,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotguard import Guard
 from spotguard.storage import LocalStorage
+
+
+def emit(line: str) -> None:
+    """Append a line to this rank's own results file: ranks share stdout, where long lines interleave."""
+    rank = dist.get_rank()
+    with open(Path(sys.argv[1]).parent / f"results-{rank}.jsonl", "a") as f:
+        f.write(line + "\n")
 
 SLOW = 0.15
 
@@ -73,8 +80,8 @@ def main() -> int:
                 states[step] = flat(model)
             time.sleep(0.01)
     final = guard.last_saved.step if guard.last_saved else None
-    print(json.dumps({"rank": rank, "started": started, "skipped": guard.stats().skipped, "final": final,
-                      "states": states}), flush=True)
+    emit(json.dumps({"rank": rank, "started": started, "skipped": guard.stats().skipped, "final": final,
+                      "states": states}))
 
     model2, opt2 = build()
     with torch.no_grad():
@@ -82,7 +89,7 @@ def main() -> int:
             p.zero_()
     fresh = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
     resumed = fresh.resume()
-    print(json.dumps({"rank": rank, "resumed": resumed, "exact": flat(model2) == flat(model)}), flush=True)
+    emit(json.dumps({"rank": rank, "resumed": resumed, "exact": flat(model2) == flat(model)}))
 
     shard = Path(root) / f"step-{resumed:08d}" / "shards" / "rank-00001.distcp"
     if rank == 0:
@@ -91,7 +98,7 @@ def main() -> int:
         shard.write_bytes(bytes(raw))
     dist.barrier()
     again = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
-    print(json.dumps({"rank": rank, "after_flip": again.resume()}), flush=True)
+    emit(json.dumps({"rank": rank, "after_flip": again.resume()}))
     dist.destroy_process_group()
     return 0
 

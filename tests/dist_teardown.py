@@ -170,8 +170,8 @@ def main() -> int:
     if args.order in ("after", "fsdp2"):
         dist.destroy_process_group()
     if rank == 0:
-        print(f"resumed={resumed} last={step} stopped={stopped}", flush=True)
-    print(f"rank {rank} gloo threads before the guard: {before}, after the block: {after}", flush=True)
+        sys.stdout.write(f"resumed={resumed} last={step} stopped={stopped}\n")
+    sys.stdout.write(f"rank {rank} gloo threads before the guard: {before}, after the block: {after}\n")  # one write
     return 0
 
 
