@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from spotguard import Watcher  # noqa: E402
-from spotguard.mockmeta import MockMetadataServer, endpoint_env, make_mock  # noqa: E402
 from spotguard.notices.aws import AwsProvider  # noqa: E402
 from spotguard.notices.azure import AzureProvider  # noqa: E402
 from spotguard.notices.gcp import GcpProvider  # noqa: E402
+from spotguard.ops.mockmeta import MockMetadataServer, endpoint_env, make_mock  # noqa: E402
 
 _rng = random.Random(1)  # the benchmark's own generator (phases), never the global one
 

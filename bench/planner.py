@@ -1,7 +1,7 @@
 """How much the planner's recommendation is worth, checked by simulation, and how fast it answers.
 
 Scenario: checkpoint 60 s, restart 180 s, MTBF 6 h (a busy spot pool), 90% of preemptions with
-AWS's 120 s notice. Goodputs are simulated (spotguard.simulate, 3000 MTBFs of work, fixed seeds)
+AWS's 120 s notice. Goodputs are simulated (spotguard.ops.goodput, 3000 MTBFs of work, fixed seeds)
 and compared with baselines simulated in the same run: hourly checkpoints, and the
 recommendation without emergency checkpoints.
 """
@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rows import emit, parser, row  # noqa: E402
 
+from spotguard.ops.goodput import SimOptions, simulate  # noqa: E402
 from spotguard.planner import PlanOptions, plan  # noqa: E402
-from spotguard.simulate import SimOptions, simulate  # noqa: E402
 
 COST, RESTART, MTBF, SHARE = 60.0, 180.0, 6.0, 0.9
 

@@ -25,10 +25,10 @@ sys.path.insert(0, str(REPO))
 from _rows import emit, parser, row  # noqa: E402
 
 from spotguard import Watcher  # noqa: E402
-from spotguard.mockmeta import MockMetadataServer, make_mock  # noqa: E402
 from spotguard.notices.aws import AwsProvider  # noqa: E402
 from spotguard.notices.azure import AzureProvider  # noqa: E402
 from spotguard.notices.gcp import GcpProvider  # noqa: E402
+from spotguard.ops.mockmeta import MockMetadataServer, make_mock  # noqa: E402
 
 CASES = {"aws": (AwsProvider, "spot"), "gcp": (GcpProvider, "preempt"), "azure": (AzureProvider, "preempt")}
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from spotguard import EXIT_PREEMPTED  # noqa: E402
 from spotguard.checkpoint import scan  # noqa: E402
-from spotguard.mockmeta import control, endpoint_env  # noqa: E402
+from spotguard.ops.mockmeta import control, endpoint_env  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 
 TRAIN = REPO / "examples" / "train.py"

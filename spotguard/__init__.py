@@ -1,7 +1,9 @@
 """spotguard: keep PyTorch training alive on spot machines (notice -> checkpoint -> exact resume)."""
 
+from spotguard.checkpoint import CheckpointInfo, Manifest
+from spotguard.guard import EXIT_PREEMPTED, Guard, GuardOptions
+
 from ._version import __version__
-from .checkpoint import CheckpointInfo, Manifest
 from .errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -11,7 +13,6 @@ from .errors import (
     SpotguardError,
     StorageError,
 )
-from .guard import EXIT_PREEMPTED, Guard, GuardOptions
 from .notices.base import Notice, NoticeProvider
 from .storage import Storage, open_storage
 from .value import Value

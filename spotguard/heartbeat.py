@@ -24,6 +24,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: Exit code of a job that stopped for a notice (EX_TEMPFAIL): "stopped on purpose, resume elsewhere".
+EXIT_PREEMPTED = 75
 HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
 STACKS_SIGNAL = signal.SIGUSR2
 SIZE = 16  # two native int64 slots: [last completed step, flags]

@@ -33,7 +33,7 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def mock_metadata():
     """Start mock metadata servers over real HTTP on 127.0.0.1: ``mock_metadata("aws", **options)``."""
-    from spotguard.mockmeta import MockMetadataServer, make_mock
+    from spotguard.ops.mockmeta import MockMetadataServer, make_mock
 
     servers = []
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py (run by torchrun): async sharded saves under DDP, one rank slow.
+"""Worker for tests/guard/test_distributed.py (run by torchrun): async sharded saves under DDP, one rank slow.
 
 Every step is due for a checkpoint; rank 1's storage takes ``SLOW`` seconds per file it writes,
 so most due saves find the previous one still in flight, and rank 0's pruning after a commit

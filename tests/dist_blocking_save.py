@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py (run by torchrun): a rank that hangs in the middle of a save.
+"""Worker for tests/guard/test_distributed.py (run by torchrun): a rank that hangs in the middle of a save.
 
 Step 1 is saved normally. During the save of step 2, rank 1's storage writes a marker file with its
 pid and then blocks inside ``open_write`` of its own file, as a rank does while the machine dies

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py (run by torchrun): an FSDP2 model saved by spotguard.
+"""Worker for tests/guard/test_distributed.py (run by torchrun): an FSDP2 model saved by spotguard.
 
 Trains three steps, saves a sharded checkpoint of step 3, and (rank 0) writes the full, gathered
 model and optimizer state next to it for the test to compare with.

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py (run by torchrun, 2 ranks): storage that fails on rank 1 only.
+"""Worker for tests/guard/test_distributed.py (run by torchrun, 2 ranks): storage that fails on rank 1 only.
 
 Steps 1 and 2 are saved normally. Then, case by case, rank 1's storage refuses one key with a
 ``StorageError`` (as a flaky network does on one node) or one of its tracked objects cannot give its

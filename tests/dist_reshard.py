@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py (run by torchrun): examples/train_ddp.py on a checkpoint of
+"""Worker for tests/guard/test_distributed.py (run by torchrun): examples/train_ddp.py on a checkpoint of
 another world size, in one launch: first as is (refused on every rank, each prints ``rank <r> refused:
 <message>``), then with ``--reshard reset-data``. Arguments: the example's, without ``--reshard``.
 """

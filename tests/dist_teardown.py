@@ -1,4 +1,4 @@
-"""Worker for tests/test_teardown.py: a 2-rank training script as a user writes it from the README.
+"""Worker for tests/guard/test_teardown.py: a 2-rank training script as a user writes it from the README.
 
 gloo, DDP (or FSDP2), AdamW, a StatefulDataLoader; a Guard tracks them, resumes, and the loop runs
 inside ``with guard:``. Run by torchrun or as plain processes (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -91,7 +91,7 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
 
-    import spotguard.sharded  # noqa: F401  # torch.distributed.checkpoint
+    import spotguard.checkpoint.sharded  # noqa: F401  # torch.distributed.checkpoint
     storage = root / "ckpt"
     for index in range(first, last + 1):
         work = root / f"run-{index}"

@@ -11,8 +11,8 @@ import pytest
 
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
-from spotguard.cli import main as spotguard_main
-from spotguard.mockmeta import endpoint_env
+from spotguard.ops.cli import main as spotguard_main
+from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
 
 from .helpers import example_cmd, read_losses, run_example, subprocess_env

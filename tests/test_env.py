@@ -9,7 +9,7 @@ import torch
 
 import spotguard
 from spotguard import ConfigError, notices
-from spotguard.mockmeta import endpoint_env
+from spotguard.ops.mockmeta import endpoint_env
 
 
 def test_spotguard_stop_on_advisory_makes_a_guard_stop_for_a_rebalance(mock_metadata, monkeypatch, tmp_path):

@@ -20,7 +20,7 @@ import torch
 import spotguard
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest
-from spotguard.snapshot import Staging
+from spotguard.checkpoint.snapshot import Staging
 from spotguard.storage import open_storage
 
 from .helpers import REPO, read_losses, run_example, subprocess_env

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from spotguard.errors import ConfigError
+from spotguard.guard.stats import DEFAULT_START_S, load_stats
 from spotguard.planner import (
     AdaptiveInterval,
     PlanOptions,
@@ -21,7 +22,6 @@ from spotguard.planner import (
     plan,
     young_interval,
 )
-from spotguard.stats import DEFAULT_START_S, load_stats
 
 H = 3600.0
 

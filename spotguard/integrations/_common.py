@@ -21,22 +21,23 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint, distributed
-from ..checkpoint import Manifest
+from spotguard import _env, checkpoint
+from spotguard.checkpoint.manifest import Manifest
+from spotguard.guard import ranks
+from spotguard.heartbeat import EXIT_PREEMPTED
+
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
-from ..guard import EXIT_PREEMPTED
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage, open_storage
 from ..watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
-STORAGE_ENV = "SPOTGUARD_STORAGE"
 
 
 def refuse_process_group(what: str) -> None:
     """The integrations stop one process; ranks that stop at different steps would hang each other."""
-    if distributed.is_distributed() and distributed.world_size() > 1:
+    if ranks.is_distributed() and ranks.world_size() > 1:
         raise ConfigError(f"{what} supports a single training process for now; in a process group use "
                           "spotguard.Guard, whose ranks agree on the step to stop at")
 
@@ -101,9 +102,9 @@ class FolderCheckpoints:
 
     def __init__(self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None) -> None:
         if storage is None:
-            storage = os.environ.get(STORAGE_ENV)
+            storage = os.environ.get(_env.STORAGE)
             if not storage:
-                raise ConfigError(f"no storage given: pass a URL or set ${STORAGE_ENV}")
+                raise ConfigError(f"no storage given: pass a URL or set ${_env.STORAGE}")
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)

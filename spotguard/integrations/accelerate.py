@@ -28,8 +28,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .. import data
-from ..checkpoint import Manifest
+from spotguard.checkpoint import data
+from spotguard.checkpoint.manifest import Manifest
+
 from ..errors import ConfigError
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage

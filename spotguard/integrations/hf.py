@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint
+from spotguard import checkpoint
+
 from ..errors import MissingDependencyError
 from ..notices.base import NoticeProvider
 from ..storage import Storage

@@ -24,9 +24,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import state
+from spotguard.checkpoint import state
+from spotguard.heartbeat import EXIT_PREEMPTED
+
 from ..errors import MissingDependencyError
-from ..guard import EXIT_PREEMPTED
 from ..notices.base import NoticeProvider
 from ..storage import Storage
 from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .. import distributed
+from spotguard.guard import ranks
+
 from .guard import GuardMetrics
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from spotguard.guard.guard import Guard
 
 __all__ = ["GuardMetrics", "export"]
 
@@ -26,9 +27,9 @@ def export(guard: Guard, *, port: int | None = None, host: str = "127.0.0.1", js
     yourself. Under torchrun (``per_rank``) rank N serves on ``port + LOCAL_RANK`` and ``{rank}`` /
     ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes.
     """
-    if per_rank and distributed.world_size() > 1:
+    if per_rank and ranks.world_size() > 1:
         if port:
-            port += distributed.local_rank()
+            port += ranks.local_rank()
         if jsonl:
-            jsonl = distributed.format_per_rank(jsonl)
+            jsonl = ranks.format_per_rank(jsonl)
     return GuardMetrics(guard, port=port, host=host, jsonl=jsonl, registry=registry, sample_s=sample_s)

@@ -23,12 +23,14 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .. import distributed, planner
-from ..stats import DEFAULT_START_S
+from spotguard import planner
+from spotguard.guard import ranks
+from spotguard.guard.stats import DEFAULT_START_S
+
 from .sink import Endpoint, JsonLines, Worker, prometheus
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from spotguard.guard.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -240,4 +242,4 @@ class GuardMetrics:
         yield from gauge("checkpoint_interval_recommended_seconds", "Planner's recommended interval "
                          "(Young/Daly with the measured costs).", est.get("interval_recommended_s"))
         if g._dist is not None:
-            yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=distributed.rank())
+            yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=ranks.rank())

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from spotguard.ops.supervisor import CAUSES
+
 from .. import heartbeat
-from ..supervisor import CAUSES
 from .sink import Endpoint, JsonLines, Worker
 
 if TYPE_CHECKING:
-    from ..supervisor import Supervisor
+    from spotguard.ops.supervisor import Supervisor
 
 
 class RunMetrics:

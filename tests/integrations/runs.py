@@ -1,6 +1,6 @@
 """Running a trainer example as a real process, stopping it at a chosen moment, comparing with a reference.
 
-Every trainer test follows the same story as tests/test_resume.py: an uninterrupted reference run,
+Every trainer test follows the same story as tests/guard/test_resume.py: an uninterrupted reference run,
 then runs of the same command stopped by a real SIGTERM or a notice from the mock metadata server,
 each resumed by the next, and the per-step losses and final parameters compared bit for bit.
 """
@@ -95,8 +95,8 @@ def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str
 
     Both runs must exit 75 with an emergency checkpoint of their last step; returns that step.
     """
-    from spotguard.cli import main as spotguard_main
-    from spotguard.mockmeta import endpoint_env
+    from spotguard.ops.cli import main as spotguard_main
+    from spotguard.ops.mockmeta import endpoint_env
 
     at = rng.randint(2, steps // 2 - 3)
     first = stop_when(script, run_dir, (*args, *SLOW), after_step(run_dir, at), sigterm)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from spotguard import notices
-from spotguard.mockmeta import endpoint_env
+from spotguard.ops.mockmeta import endpoint_env
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])

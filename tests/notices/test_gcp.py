@@ -12,9 +12,9 @@ import time
 import pytest
 
 from spotguard import Watcher, notices
-from spotguard.mockmeta import endpoint_env
 from spotguard.notices._http import MetadataHTTPError
 from spotguard.notices.gcp import GcpProvider
+from spotguard.ops.mockmeta import endpoint_env
 
 from ..helpers import subprocess_env
 

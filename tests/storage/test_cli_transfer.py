@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from spotguard import checkpoint
-from spotguard.cli import main
+from spotguard.ops.cli import main
 from spotguard.storage import open_storage
 from tests.helpers import subprocess_env
 from tests.storage.test_s3 import corrupt_in_moto
@@ -139,7 +139,7 @@ def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request
                                                         "azure.storage.blob", "azure")])
 def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
     """A fresh interpreter where the SDK cannot be imported (None in sys.modules blocks the import)."""
-    code = (f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.cli import main\n"
+    code = (f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.ops.cli import main\n"
             f"sys.exit(main(['ls', {url!r}]))")
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                          timeout=60)

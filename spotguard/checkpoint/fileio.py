@@ -1,0 +1,152 @@
+"""A write-once checkpoint file that bypasses the page cache and hashes its bytes as they pass.
+
+Why: writing a GiB through the page cache costs the kernel seconds of CPU (it allocates and
+copies every page; ~2.5 s of system time per GiB on our 2-core CI machine, against 0.05 s with
+O_DIRECT), and that CPU is taken from the training loop while a periodic save runs in the
+background. Reading the file back to hash it costs as much again. ``DirectFile`` copies what it is
+given into two page-aligned buffers, writes each full buffer with ``O_DIRECT`` from a helper
+thread while the other one fills (the GIL is released during the write), and hashes each buffer
+on that thread too (one chunk of ``digest.ChunkedSha256`` per buffer; ``hashlib`` releases the
+GIL as well), so the file is written once, never read back, and the serialising thread never
+waits for the hash. Where the filesystem refuses
+``O_DIRECT`` (tmpfs, some FUSE mounts) or the platform has none (macOS), it writes through the page
+cache instead; ``close()`` always fsyncs.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+from spotguard.checkpoint.digest import CHUNK, ChunkedSha256
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
+BUFFER = CHUNK  # a whole number of checksum chunks per buffer
+
+
+class DirectFile:
+    """``open(path, "wb")`` for one large, sequentially written file, with size and SHA-256."""
+
+    def __init__(self, path: str | Path, buffer_size: int = BUFFER, direct: bool = True) -> None:
+        if buffer_size <= 0 or buffer_size % ALIGN:
+            raise ValueError(f"buffer_size must be a positive multiple of {ALIGN}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.direct = bool(direct and O_DIRECT)
+        try:
+            self._fd = os.open(path, flags | (O_DIRECT if self.direct else 0), 0o644)
+        except OSError as e:
+            if not self.direct or e.errno != errno.EINVAL:
+                raise
+            self.direct = False
+            self._fd = os.open(path, flags, 0o644)
+        self.size = 0
+        self._hash = ChunkedSha256()  # updated by the I/O thread only, in file order
+        self.chunk_size = self._hash.chunk_size
+        self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
+        self._views = [memoryview(b) for b in self._buffers]
+        self._current, self._fill = 0, 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="spotguard-write")
+        self._inflight: Future[None] | None = None
+        self.closed = False
+
+    # -- the file-object surface torch.save and shutil use ----------------------------------------
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        mv = memoryview(data).cast("B")
+        n, off = len(mv), 0
+        while off < n:
+            view = self._views[self._current]
+            k = min(n - off, len(view) - self._fill)
+            view[self._fill:self._fill + k] = mv[off:off + k]
+            self._fill += k
+            off += k
+            if self._fill == len(view):
+                self._submit(len(view))
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        """Nothing to do: bytes reach the disk in whole buffers, and all of them on ``close()``."""
+
+    def hexdigest(self) -> str:
+        """The file's ``ChunkedSha256``, once closed."""
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        """Write what is buffered, cut the block padding off, fsync. Raises the first write error."""
+        if self.closed:
+            return
+        try:
+            if self._fill:
+                padded = -(-self._fill // ALIGN) * ALIGN if self.direct else self._fill
+                self._views[self._current][self._fill:padded] = bytes(padded - self._fill)
+                self._submit(padded, self._fill)
+            self._wait()
+            os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
+            os.fsync(self._fd)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Close without flushing (the caller deletes the file)."""
+        if not self.closed:
+            try:
+                self._wait()
+            except OSError:
+                pass
+            finally:
+                self._release()
+
+    def __enter__(self) -> DirectFile:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _submit(self, length: int, data: int | None = None) -> None:
+        """Hash the buffer's first ``data`` bytes (default: all) and write ``length`` of them, on the I/O thread."""
+        self._wait()  # the other buffer's write must be done before it is refilled
+        view = self._views[self._current]
+        self._inflight = self._io.submit(self._hash_and_write, view[:length], view[:length if data is None else data])
+        self._current, self._fill = 1 - self._current, 0
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()
+
+    def _hash_and_write(self, view: memoryview, data: memoryview) -> None:
+        self._hash.update(data)
+        self._write_all(view)
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            try:
+                n = os.write(self._fd, view)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                # The filesystem accepted O_DIRECT at open but refuses these writes: go buffered.
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~O_DIRECT)
+                self.direct = False
+                continue
+            view = view[n:]
+
+    def _release(self) -> None:
+        self.closed = True
+        self._io.shutdown(wait=True)
+        self._views, self._buffers = [], []  # freed with their last reference (an error's traceback may hold one)
+        os.close(self._fd)

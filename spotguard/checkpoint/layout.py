@@ -1,0 +1,316 @@
+"""The layout of one checkpoint, and how it is written, found, verified and pruned.
+
+``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
+last, write-once, and lists every file with its size and checksum (SHA-256 per 16 MiB chunk, see
+``spotguard.checkpoint.digest``; whole-file SHA-256 in older manifests): a directory without a valid
+manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
+other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from spotguard.checkpoint import digest
+from spotguard.checkpoint.fileio import DirectFile
+from spotguard.checkpoint.manifest import (
+    MANIFEST,
+    REASONS,
+    CheckpointInfo,
+    FileEntry,
+    Manifest,
+    check_file_name,
+    parse_step_dir,
+    step_dir,
+)
+from spotguard.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigError,
+    SaveCancelled,
+    StorageError,
+)
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+#: Serialises one file of a checkpoint into the binary file object it is given (``torch.save(obj, f)``).
+Writer = Callable[[BinaryIO], None]
+
+
+def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: str,
+          extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
+          deadline: float | None = None, cancel: threading.Event | None = None, replace: bool = False,
+          on_content: Callable[[tuple[FileEntry, ...]], None] | None = None) -> Manifest:
+    """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
+
+    Files are serialised to a scratch directory the backend chooses (beside the target for local
+    storage, so storing is a hard link) through a ``DirectFile``: written once, past the page cache,
+    hashed on the way, so that a background save takes little CPU from the training loop and an
+    upload never waits on a slow stream. A complete checkpoint for ``step`` already there raises
+    ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
+    ``cancel``, when set, abandons the save before the next file or the manifest.
+
+    ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
+    serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
+    ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
+    to write), one that differs is deleted, manifest first, before the new files are stored. Until
+    the new manifest lands the previous checkpoint is the resume point.
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
+    for fname in files:
+        check_file_name(fname)
+    committed = _clear_leftovers(storage, name, replace=replace)
+    entries: list[FileEntry] = []
+    held: list[tuple[str, Path]] = []  # replace=True: stored only once the content is known
+    with storage.scratch() as scratch:
+        for i, (fname, writer) in enumerate(files.items()):
+            path = scratch / f"{i}-{fname.replace('/', '_')}"
+            with DirectFile(path) as out:
+                writer(out)  # type: ignore[arg-type]  # a binary file object
+            if cancel is not None and cancel.is_set():
+                raise SaveCancelled(f"save of {name} abandoned")
+            entries.append(FileEntry(fname, out.size, out.hexdigest(), out.chunk_size))
+            if replace:
+                held.append((fname, path))
+            else:
+                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+        if replace:
+            if on_content is not None:
+                on_content(tuple(entries))
+            if committed:
+                old = _committed_manifest(storage, name)
+                if old is not None and old.files == tuple(entries) and old.extra == extra_json:
+                    raise CheckpointExistsError(f"{storage.describe(name)} is already committed with this content")
+                logger.info("replacing %s (%s): the state at step %d has changed since", storage.describe(name),
+                            old.reason if old else "unreadable", step)
+                delete(storage, name)
+            for fname, path in held:
+                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"save of {name} abandoned before its commit")
+    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
+                        extra=extra_json, torch_version=torch_version)
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
+
+
+def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
+              extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
+              deadline: float | None = None) -> Manifest:
+    """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
+
+    Trainers write their checkpoint folders file by file, with no commit marker and no checksums:
+    a folder cut short by a kill looks like a checkpoint. Here every regular file below
+    ``directory`` is hashed and stored under ``step-N/`` with its relative path, and the manifest
+    is written last, so the folder obeys the same rules as ``write``. The files must not change
+    afterwards: local storage hard-links them when it can.
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step)
+    root = Path(directory)
+    if not root.is_dir():
+        raise ConfigError(f"cannot commit {root}: not a directory")
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    if not paths:
+        raise ConfigError(f"cannot commit {root}: it holds no files")
+    files = {p.relative_to(root).as_posix(): p for p in paths}
+    for fname in files:
+        check_file_name(fname)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
+    _clear_leftovers(storage, name)
+    entries = []
+    for fname, path in files.items():
+        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
+        storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
+                        extra=extra_json, torch_version=torch_version)
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
+
+
+def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
+    """Every file of a complete checkpoint, verified, in the local folder ``dest`` (created); returns it.
+
+    For libraries that load a checkpoint folder themselves (``Trainer``'s ``resume_from_checkpoint``).
+    A file is hard-linked where it can be (a local checkpoint, a download's temp file), else copied.
+    """
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in info.manifest.files:
+        target = dest / entry.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        with open_verified(storage, info, entry.name) as path:
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copyfile(path, target)
+    return dest
+
+
+def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
+    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save of it left.
+    Returns whether ``name`` is committed."""
+    existing = storage.list(name + "/")
+    committed = f"{name}/{MANIFEST}" in existing
+    if committed and not replace:
+        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
+    if existing and not committed:
+        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
+                    storage.describe(name))
+        storage.delete(existing)
+    return committed
+
+
+def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
+    try:
+        return Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
+    except (CheckpointCorruptError, StorageError):
+        return None
+
+
+def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,
+         cancel: threading.Event | None = None) -> Manifest:
+    """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
+
+    ``cancel``, when set, abandons the copy before the next file or the manifest.
+    """
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    existing = dst.list(info.name + "/")
+    if f"{info.name}/{MANIFEST}" in existing:
+        raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
+    if existing:
+        dst.delete(existing)
+    for entry in info.manifest.files:
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled(f"upload of {info.name} abandoned")
+        with src.local_copy(f"{info.name}/{entry.name}") as path:
+            dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
+    dst.put_bytes(f"{info.name}/{MANIFEST}", info.manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return info.manifest
+
+
+def scan(storage: Storage) -> list[CheckpointInfo]:
+    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored.
+
+    A file missing, or listed with another size than the manifest's, makes the checkpoint corrupt:
+    the listing carries the sizes, so a truncated object is caught without reading it (contents
+    are checked by ``verify``).
+    """
+    groups: dict[str, dict[str, int]] = {}
+    for key, size in storage.list_sizes("").items():
+        top, _, rest = key.partition("/")
+        if rest and parse_step_dir(top) is not None:
+            groups.setdefault(top, {})[rest] = size
+    infos = []
+    for name in sorted(groups, key=lambda n: parse_step_dir(n) or 0):
+        step = parse_step_dir(name) or 0
+        if MANIFEST not in groups[name]:
+            infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
+            continue
+        try:
+            manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
+            if manifest.step != step:
+                raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")
+            missing = [f.name for f in manifest.files if f.name not in groups[name]]
+            if missing:
+                raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
+            for f in manifest.files:
+                if groups[name][f.name] != f.size:
+                    raise CheckpointCorruptError(f"{name}/{f.name}: {groups[name][f.name]} bytes, "
+                                                 f"the manifest says {f.size}")
+        except CheckpointCorruptError as e:
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
+            continue
+        except StorageError as e:
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=f"{name}: unreadable manifest ({e})"))
+            continue
+        infos.append(CheckpointInfo(step, name, "complete", manifest))
+    return infos
+
+
+def latest(storage: Storage) -> CheckpointInfo | None:
+    """The newest checkpoint whose manifest is valid (file contents not yet verified)."""
+    complete = [i for i in scan(storage) if i.complete]
+    return complete[-1] if complete else None
+
+
+@contextmanager
+def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
+    """A local path to one file of a checkpoint, after its size and checksum matched the manifest.
+
+    Verifying reads the whole file (chunks hashed on several threads), which leaves it in the
+    page cache for the caller's load.
+    """
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    entry = next((f for f in info.manifest.files if f.name == fname), None)
+    if entry is None:
+        raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")
+    with storage.local_copy(f"{info.name}/{fname}") as path:
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
+        if digest.file_digest(path, entry.chunk_size) != entry.sha256:
+            raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
+        yield path
+
+
+def verify(storage: Storage, info: CheckpointInfo) -> None:
+    """Check every file of a checkpoint against its manifest; raise ``CheckpointCorruptError``."""
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
+    for entry in info.manifest.files:
+        with open_verified(storage, info, entry.name):
+            pass
+
+
+def delete(storage: Storage, name: str) -> None:
+    """Delete one checkpoint directory, manifest first."""
+    if parse_step_dir(name) is None:
+        raise ConfigError(f"not a checkpoint name: {name!r}")
+    keys = storage.list(name + "/")
+    manifest = f"{name}/{MANIFEST}"
+    if manifest in keys:
+        storage.delete([manifest])
+    storage.delete([k for k in keys if k != manifest])
+
+
+def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
+    """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
+
+    Only directories carrying a valid spotguard manifest are ever deleted: incomplete or corrupt
+    ones are left for ``spotguard rm`` (or replaced when their step is saved again).
+    """
+    if keep < 1:
+        raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
+    complete = [i for i in (scan(storage) if infos is None else infos) if i.complete]
+    doomed = complete[:-keep]
+    for info in doomed:
+        delete(storage, info.name)
+        logger.debug("pruned %s", storage.describe(info.name))
+    return [i.step for i in doomed]

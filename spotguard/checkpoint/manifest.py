@@ -1,0 +1,176 @@
+"""What a checkpoint is on paper: its directory name, its manifest (the commit marker) and file entries.
+
+The manifest is JSON, never pickle: ``Manifest.from_bytes`` validates every field, and a file name
+that could leave its checkpoint directory is refused.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, BinaryIO
+
+from spotguard._version import __version__
+from spotguard.checkpoint import digest
+from spotguard.errors import CheckpointCorruptError, ConfigError
+
+FORMAT = "spotguard/2"  # chunked checksums; readers take "spotguard/1" (whole-file SHA-256) too
+FORMATS = ("spotguard/1", FORMAT)
+MANIFEST = "manifest.json"
+REASONS = ("periodic", "emergency", "final", "advisory", "manual")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+
+
+def step_dir(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    return f"step-{step:08d}"
+
+
+def check_file_name(fname: str) -> None:
+    """Refuse a file name that is not a plain relative path inside its checkpoint (or is the manifest's)."""
+    if not _FILE_NAME.match(fname) or fname == MANIFEST:
+        raise ConfigError(f"invalid checkpoint file name {fname!r}")
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNN`` name, or None for anything else."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint. ``sha256`` is the ``digest.ChunkedSha256`` of the file when
+    ``chunk_size`` > 0, else (manifests of spotguard/1) the SHA-256 of the whole file."""
+
+    name: str
+    size: int
+    sha256: str
+    chunk_size: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    reason: str
+    files: tuple[FileEntry, ...]
+    time: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat())
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+    spotguard_version: str = __version__
+    torch_version: str = ""
+    format: str = FORMAT
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def age_seconds(self) -> float | None:
+        """Seconds since the checkpoint was written (None when its time cannot be read)."""
+        try:
+            written = dt.datetime.fromisoformat(self.time)
+        except ValueError:
+            return None
+        if written.tzinfo is None:
+            written = written.replace(tzinfo=dt.timezone.utc)
+        return (dt.datetime.now(dt.timezone.utc) - written).total_seconds()
+
+    def to_bytes(self) -> bytes:
+        data = asdict(self)
+        data["files"] = [asdict(f) for f in self.files]
+        return json.dumps(data, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        """Parse and validate; anything unexpected is a ``CheckpointCorruptError``."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("format") not in FORMATS:
+                raise ValueError(f"not a {' or '.join(FORMATS)} manifest")
+            files = []
+            for f in data["files"]:
+                name, size, sha, chunk = f["name"], f["size"], f["sha256"], f.get("chunk_size", 0)
+                if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
+                    raise ValueError(f"unsafe file name {name!r}")
+                if not isinstance(size, int) or size < 0 or not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
+                    raise ValueError(f"bad size or sha256 for {name!r}")
+                if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+                    raise ValueError(f"bad chunk_size for {name!r}")
+                files.append(FileEntry(name, size, sha, chunk))
+            if not files:
+                raise ValueError("no files listed")
+            step = data["step"]
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"bad step {step!r}")
+            extra = data.get("extra") or {}
+            if not isinstance(extra, dict):
+                raise ValueError("extra must be an object")
+            return cls(step=step, reason=str(data["reason"]), files=tuple(files), time=str(data["time"]),
+                       world_size=int(data.get("world_size", 1)), extra=extra,
+                       spotguard_version=str(data.get("spotguard_version", "")),
+                       torch_version=str(data.get("torch_version", "")), format=data["format"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(f"{where}: invalid manifest ({e})") from e
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``step-N/`` directory as found in storage."""
+
+    step: int
+    name: str
+    status: str  # "complete" | "incomplete" | "corrupt"
+    manifest: Manifest | None = None
+    problem: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+class HashingWriter:
+    """A write-through wrapper that counts and hashes bytes as they pass (for streamed writes, e.g. DCP)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.size = 0
+        self._hash = digest.ChunkedSha256()
+        self.chunk_size = self._hash.chunk_size
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hash.update(data)
+        n = self.raw.write(data)
+        self.size += len(data) if n is None else n
+        return len(data) if n is None else n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def human_duration(seconds: float | None) -> str:
+    """``42s``, ``3.5 min``, ``2.1 h`` (ages and waits in log lines)."""
+    if seconds is None:
+        return "unknown"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class Reshard(str, enum.Enum):
+    """What to do when a checkpoint was saved by a different number of ranks."""
+
+    REFUSE = "refuse"  # raise: per-rank state (RNG, data positions) cannot be split or merged
+    RESET_DATA = "reset-data"  # reshard model/optimizer, restart per-rank RNG and loader positions

@@ -1,0 +1,95 @@
+"""What a full training state is: the tracked objects' state dicts plus every global RNG stream.
+
+Everything produced here loads with ``torch.load(weights_only=True)``: RNG states are stored as
+tensors, lists and ints, never as NumPy arrays or arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from spotguard.errors import CheckpointMismatchError, ConfigError
+from spotguard.value import adapt
+
+logger = logging.getLogger(__name__)
+
+try:
+    import numpy as np
+except ImportError:  # numpy is a core dependency, but a missing one must not break the guard
+    np = None  # type: ignore[assignment]
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of Python's ``random``, NumPy's legacy global, torch CPU and every CUDA device."""
+    version, internal, gauss = random.getstate()
+    rng: dict[str, Any] = {"python": {"version": version, "state": list(internal), "gauss": gauss},
+                           "torch": torch.get_rng_state()}
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        rng["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    """Put every stream back exactly where ``capture_rng()`` found it."""
+    py = rng["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    torch.set_rng_state(rng["torch"])
+    if np is not None and "numpy" in rng:
+        n = rng["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        else:
+            logger.warning("checkpoint has RNG states for %d CUDA devices, this machine has %d; "
+                           "CUDA random streams are not restored", len(states), torch.cuda.device_count())
+
+
+@contextmanager
+def rng_isolated() -> Iterator[None]:
+    """Run a block without a trace on the global RNG streams (for libraries that draw from them)."""
+    saved = capture_rng()
+    try:
+        yield
+    finally:
+        restore_rng(saved)
+
+
+def trackable(name: str, obj: Any) -> Any:
+    """What to keep for ``track(name=obj)``: ``obj`` when it has ``state_dict()``/``load_state_dict()``,
+    an in-place adapter for a tensor, dict or list (``spotguard.value``); else a ``ConfigError``."""
+    if not name.isidentifier():
+        raise ConfigError(f"tracked name {name!r} must be a Python identifier")
+    return adapt(name, obj)
+
+
+def collect(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """Each object's ``state_dict()``, by name."""
+    return {name: obj.state_dict() for name, obj in objects.items()}
+
+
+def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = "checkpoint") -> None:
+    """Load each object's state; a missing or ill-fitting entry is a ``CheckpointMismatchError``."""
+    missing = sorted(set(objects) - set(states))
+    if missing:
+        raise CheckpointMismatchError(
+            f"{where} has no state for tracked object(s) {', '.join(missing)} "
+            f"(it has: {', '.join(sorted(states)) or 'none'})")
+    for name, obj in objects.items():
+        try:
+            obj.load_state_dict(states[name])
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
+

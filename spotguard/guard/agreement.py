@@ -1,0 +1,220 @@
+"""Process groups: every rank stops after the same step, and the earliest deadline governs.
+
+Each rank watches its own notice sources (signal handlers on every rank, cloud metadata on local
+rank 0 of each node by default). ``guard.step()`` then combines the local flags of all ranks with
+one all-reduce of one integer (MAX) on a dedicated gloo group, every ``sync_every`` steps: a
+separate group never interleaves with the training's NCCL collectives, nor with the save group
+that sharded checkpoints (``spotguard.checkpoint.sharded``) coordinate on. Only when the verdict is "stop" is
+a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
+wall clocks, because monotonic clocks differ between machines).
+
+Without an initialised process group nothing here runs: the single-process ``Guard`` pays for one
+attribute check per step and no collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as dt
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from spotguard.errors import SpotguardError
+from spotguard.guard.ranks import is_distributed
+from spotguard.notices.base import Notice
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint.manifest import Manifest
+    from spotguard.guard.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+#: Verdicts, ordered so that MAX picks the most urgent one.
+NOTHING, PERIODIC, ADVISORY, STOP = 0, 1, 2, 3
+
+
+
+def _epoch(deadline: dt.datetime | None) -> float:
+    return deadline.timestamp() if deadline is not None else math.inf
+
+
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is still a live group of this process (not destroyed, default group up)."""
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):  # "not registered" / "default process group has not been initialized"
+        return False
+    return True
+
+
+class Agreement:
+    """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
+
+    Creating it is itself collective (two ``new_group`` calls, three with ``async_save``): every
+    rank must construct its Guard in the same order. The async group is used only by the
+    background thread that writes periodic saves, so its collectives never interleave with the
+    loop's (the stop agreement, synchronous and emergency saves, resume). ``close()`` destroys
+    the groups (``Guard.close`` calls it; an ``atexit`` hook does it for a Guard never closed).
+    """
+
+    def __init__(self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False) -> None:
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if timeout is not None:
+            kwargs["timeout"] = dt.timedelta(seconds=timeout)
+        self.group: Any = dist.new_group(**kwargs)
+        self.save_group: Any = dist.new_group(**kwargs)
+        self.async_group: Any = dist.new_group(**kwargs) if async_save else None
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.sync_every = sync_every
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._deadline = torch.zeros(1, dtype=torch.float64)
+        _at_exit.add(self)
+
+    @property
+    def usable(self) -> bool:
+        """Both groups can still run collectives: not closed, and not destroyed by the user's
+        ``dist.destroy_process_group()`` (which destroys every group, ours included)."""
+        return self.group is not None and _registered(self.group) and _registered(self.save_group)
+
+    def close(self, keep_async: bool = False) -> None:
+        """Destroy the groups now, while the interpreter is whole. Idempotent, never raises.
+
+        Why: ``dist.destroy_process_group()`` shuts groups down and forgets them, but a gloo group
+        (two worker threads, a socket loop) lives on while anything holds it. Held here until
+        interpreter shutdown, a worker that still had a tensor to release took the GIL while
+        Python was finalizing, and the process aborted ("terminate called without an active
+        exception"). Dropping the last references here joins those threads. Any order works: a
+        group the user already destroyed (with the default group) is only released.
+        ``keep_async``: a background writer thread still runs on the async group (abandoned and
+        not yet ended): that group is left to the ``atexit`` hook, never destroyed under it.
+        """
+        groups, self.group, self.save_group = [self.group, self.save_group], None, None
+        if not keep_async:  # else this agreement stays registered: the atexit hook closes it again
+            _at_exit.discard(self)
+            groups.append(self.async_group)
+            self.async_group = None
+        for group in groups:
+            if group is None or not _registered(group):
+                continue
+            try:
+                dist.destroy_process_group(group)  # local: shuts the gloo backend down, unregisters it
+            except Exception as e:
+                logger.warning("destroying spotguard's process group failed: %s: %s", type(e).__name__, e)
+        groups.clear()  # the last references: the C++ destructors join the groups' threads here
+
+    def _check(self) -> None:
+        if self.group is None:
+            raise SpotguardError("this Guard is closed: its process groups are destroyed (enter it again with "
+                                 "`with guard:` on every rank, or build a new Guard)")
+
+    def reduce(self, code: int, group: Any = None) -> int:
+        """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's.
+
+        Safe from the background writer's thread (on its own group): only the per-step call
+        reuses a preallocated tensor.
+        """
+        if group is None:
+            self._check()
+        flag = self._flag if group is None else torch.zeros(1, dtype=torch.int64)
+        flag[0] = code
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or self.group)
+        return int(flag[0])
+
+    def earliest_deadline(self, deadline: dt.datetime | None) -> dt.datetime | None:
+        """The earliest notice deadline of all ranks (None when no rank has one)."""
+        self._deadline[0] = _epoch(deadline)
+        dist.all_reduce(self._deadline, op=dist.ReduceOp.MIN, group=self.group)
+        earliest = float(self._deadline[0])
+        return None if math.isinf(earliest) else dt.datetime.fromtimestamp(earliest, dt.timezone.utc)
+
+    # -- Guard hooks ---------------------------------------------------------------------------
+    def step(self, guard: Guard, step: int) -> bool:
+        """``Guard.step`` in a process group: the same verdict, hence the same step, on every rank."""
+        guard._step = step
+        if guard.stopped_at is not None:
+            return True
+        if step % self.sync_every:
+            return False  # saves and stops happen on sync steps only, on all ranks alike
+        if guard.preempted.is_set():
+            code = STOP
+        elif guard._due_step == -math.inf:
+            code = ADVISORY
+        elif step >= guard._due_step or (guard._timed and time.monotonic() >= guard._due_time):
+            code = PERIODIC
+        else:
+            code = NOTHING
+        verdict = self.reduce(code)
+        if verdict == NOTHING:
+            return False
+        if verdict == STOP:
+            return self._stop(guard, step)
+        reason = "advisory" if verdict == ADVISORY else "periodic"
+        if self.async_group is None:
+            guard._save_logged(step, reason)
+        else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides for all
+            pending = guard._pending
+            guard._save_async(step, reason, busy=bool(self.reduce(int(pending is not None and not pending.done()))))
+        return False
+
+    def _stop(self, guard: Guard, step: int) -> bool:
+        local = guard.notice
+        deadline = self.earliest_deadline(local.deadline if local else None)
+        if local is None:  # another rank saw it: make this rank's guard say so too
+            guard.watcher.report(Notice("peer", "preempt", deadline=deadline,
+                                        raw={"step": step, "seen_by": "another rank"}))
+        guard.stopped_at = step
+        left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        guard._emergency(step, left=left)
+        return True
+
+    def save(self, guard: Guard, step: int, reason: str, deadline: float | None) -> Manifest | None:
+        from spotguard.checkpoint import sharded
+        self._check()
+        return sharded.save(guard, self, step, reason, deadline)
+
+    def stage(self, guard: Guard, step: int, reason: str) -> Callable[[threading.Event], None]:
+        """Snapshot this rank's state into the guard's staging buffers; return the background write."""
+        from spotguard.checkpoint import sharded
+        staged = sharded.collect(guard, self.rank, self.world_size, step, staging=guard._staging)
+        return lambda cancel: sharded.save_staged(guard, self, step, reason, staged, cancel)
+
+    def agree_inflight(self, decision: int) -> int:
+        """The emergency's decision on an in-flight async save, the same on every rank (MAX: the most
+        cautious). The ranks' parts are one collective save: one rank alone may not drop or keep it."""
+        return self.reduce(decision)
+
+    def resume(self, guard: Guard) -> int:
+        from spotguard.checkpoint import sharded
+        self._check()
+        return sharded.resume(guard, self)
+
+
+#: Agreements not closed yet. At exit (before interpreter shutdown) they are closed, so a Guard
+#: never closed (no ``with`` block, an exception that skipped ``close()``) leaves no gloo group
+#: to the finalizer either. Weak: a Guard dropped by the program is not kept alive.
+_at_exit: weakref.WeakSet[Agreement] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for agreement in list(_at_exit):
+        agreement.close()
+
+
+def setup(sync_every: int, timeout: float | None = None, async_save: bool = False) -> Agreement | None:
+    """An ``Agreement`` when a process group is initialised, else None (single process)."""
+    if not is_distributed():
+        return None
+    agreement = Agreement(sync_every, timeout, async_save)
+    logger.info("rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
+                agreement.rank, agreement.world_size, sync_every)
+    return agreement

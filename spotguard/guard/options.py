@@ -1,0 +1,81 @@
+"""Every option of a ``Guard``, declared once and validated on creation."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from spotguard.checkpoint.manifest import Reshard
+from spotguard.errors import ConfigError
+from spotguard.guard.ranks import PollOn
+from spotguard.notices.base import NoticeProvider
+
+
+class BusyPolicy(str, enum.Enum):
+    """What a due periodic checkpoint does while the previous one is still being written."""
+
+    SKIP = "skip"  # log it and skip this one: the loop never waits
+    WAIT = "wait"  # block until the previous one is committed, then snapshot
+
+
+@dataclass
+class GuardOptions:
+    """When to checkpoint, where, and what to watch. Validated on creation."""
+
+    every_steps: int | None = None
+    every_seconds: float | str | None = None  # seconds, or "auto" (needs mtbf_hours)
+    keep: int = 3
+    providers: str | Iterable[str | NoticeProvider] | None = "auto"
+    interval: float = 1.0
+    save_on_exit: bool = True
+    stop_on_advisory: bool = False
+    checkpoint_on_advisory: bool = True
+    local_dir: str | None = None
+    async_save: bool = True
+    busy: BusyPolicy | str = BusyPolicy.SKIP
+    mtbf_hours: float | None = None
+    background_nice: int | None = 10  # Linux: niceness added to the background writer (None: none)
+    # [metrics] spotguard.metrics: Prometheus endpoint (needs spotguard[metrics]) and JSON lines
+    metrics_port: int | None = None  # 0 picks a free port; + LOCAL_RANK in a process group
+    metrics_host: str = "127.0.0.1"  # "0.0.0.0" to let other machines scrape it
+    metrics_file: str | None = None  # {rank}, {local_rank} are filled in
+    # [distributed] only used in an initialised process group (see spotguard.guard.agreement)
+    sync_every: int = 1
+    poll_on: str = "local-rank-0"
+    reshard: str = "refuse"
+    sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
+    # [distributed] sharded periodic saves in the background (opt-in: the program must then call
+    # dist.destroy_process_group() after the `with guard:` block, never inside it; see README)
+    async_sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
+            raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
+        if self.every_seconds == "auto":
+            if self.mtbf_hours is None:
+                raise ConfigError('every_seconds="auto" needs mtbf_hours (mean hours between preemptions)')
+        elif self.every_seconds is not None and not (
+                isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0):
+            raise ConfigError(f"every_seconds must be positive, \"auto\" or None, got {self.every_seconds!r}")
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
+        if not self.interval > 0:
+            raise ConfigError(f"interval must be positive, got {self.interval!r}")
+        try:
+            self.busy = BusyPolicy(self.busy)
+        except ValueError:
+            raise ConfigError(f"busy must be one of {[p.value for p in BusyPolicy]}, got {self.busy!r}") from None
+        if self.background_nice is not None and not (
+                isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
+            raise ConfigError(f"background_nice must be an int from 0 to 19 or None, got {self.background_nice!r}")
+        if self.metrics_port is not None and not (
+                isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port must be an int from 0 to 65535 or None, got {self.metrics_port!r}")
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
+            raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        for value, enum_cls in ((self.poll_on, PollOn), (self.reshard, Reshard)):
+            try:
+                enum_cls(value)
+            except ValueError:
+                raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None

@@ -1,0 +1,298 @@
+"""Distributed training with real torchrun processes on gloo: same-step stops, exact resume, resharding.
+
+Each torchrun start costs seconds, so each test launches few jobs and checks several things.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotguard import EXIT_PREEMPTED, CheckpointMismatchError, Guard
+from spotguard.checkpoint import latest, scan
+from spotguard.checkpoint.dcp import load_metadata
+from spotguard.storage import open_storage
+from tests.helpers import REPO, free_port, read_losses, subprocess_env
+
+EXAMPLE = REPO / "examples" / "train_ddp.py"
+_rng = random.Random()  # the test's own randomness
+
+
+def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+
+
+def example(nproc: int, storage: Path, *args: str, script: Path = EXAMPLE) -> list[str]:
+    return torchrun(nproc, script, "--storage", str(storage), "--quiet", "--interval", "0.2", *args)
+
+
+def stopped_for_notice(proc: subprocess.CompletedProcess[str]) -> bool:
+    """torchrun exits 1 when a worker exits non-zero; the workers' own code (75) is in its summary."""
+    return proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", proc.stderr) is not None
+
+
+def run(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end; past ``timeout`` fail, and stop torchrun with SIGTERM: its workers run in
+    sessions of their own, and only torchrun stops them (ranks waiting on each other would stay)."""
+    proc = subprocess.Popen(cmd, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"still running after {timeout:.0f}s: {out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_until(cmd: list[str], losses: Path, at_step: int, act, **env: str) -> subprocess.CompletedProcess[str]:
+    """Start ``cmd``; once ``losses`` reaches ``at_step``, call ``act(proc)``; wait for the end."""
+    proc = subprocess.Popen(cmd, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            got = read_losses(losses)
+            if got and got[-1][0] >= at_step:
+                act(proc)
+                break
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def worker_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of one rank among torchrun's children (read from their environment)."""
+    for child in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no rank {rank} among the children of {torchrun_pid}")
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Nested state dicts equal exactly (tensors with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def last_steps(tmp: Path, pattern: str, ranks: int) -> list[int]:
+    return [read_losses(tmp / pattern.format(rank=r))[-1][0] for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(tmp_path):
+    common = ("--steps", "40", "--every-steps", "15")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    done = run(example(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"),
+                       "--final", str(ref / "final.pt")))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    at = _rng.randint(4, 28)
+    notice = tmp_path / "notice-{rank}"
+    losses = str(tmp_path / "loss-{rank}.jsonl")
+    storage = tmp_path / "ckpt"
+    # Polling every 0.2 s at ~18 steps/s: the notice (written at step `at` <= 28) is seen well
+    # before step 40 whatever the moment of the polling cycle (at 1 s it could be missed).
+    first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05", "--interval", "0.2"),
+                      tmp_path / "loss-0.jsonl", at, lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 20}'),
+                      SPOTGUARD_NOTICE_FILE=str(notice))
+    assert stopped_for_notice(first), (at, first.stdout, first.stderr[-3000:])
+    stops = last_steps(tmp_path, "loss-{rank}.jsonl", 2)
+    assert stops[0] == stops[1] and at <= stops[0] < 40, (at, stops)
+    for r in range(2):  # rank 0 saw no notice, yet its emergency save ran against rank 1's deadline
+        left = re.search(rf"\[rank {r}\] spotguard.guard: emergency checkpoint of step {stops[0]} "
+                         rf"committed in [0-9.]+s, T-([0-9.]+)s before the deadline", first.stderr)
+        assert left and 0 < float(left.group(1)) <= 20, (r, first.stderr[-3000:])
+    info = latest(open_storage(str(storage)))
+    assert info and info.step == stops[0] and info.manifest and info.manifest.world_size == 2
+    assert info.manifest.reason == "emergency"
+    names = {f.name for f in info.manifest.files}
+    assert {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp"} <= names
+
+    Path(str(notice).format(rank=1)).unlink()
+    second = run(example(2, storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt")))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming at step {stops[0]}" in second.stdout
+    for r in range(2):
+        got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ref / f"loss-{r}.jsonl"))
+        for step, loss in got:  # steps replayed after the stop equal the reference too
+            assert loss == want[step], (r, step)
+        assert sorted(dict(got)) == sorted(want)
+    assert_same(torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True))
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_group):
+    storage, losses = tmp_path / "ckpt", str(tmp_path / "loss4-{rank}.jsonl")
+    four = run_until(example(4, storage, "--steps", "200", "--every-steps", "0", "--step-sleep", "0.05",
+                             "--losses", losses, "--final", str(tmp_path / "at-stop.pt")),
+                     tmp_path / "loss4-0.jsonl", _rng.randint(3, 8),
+                     lambda proc: os.kill(worker_pid(proc.pid, 2), signal.SIGUSR1))
+    assert stopped_for_notice(four), four.stderr[-3000:]
+    stops = last_steps(tmp_path, "loss4-{rank}.jsonl", 4)
+    assert len(set(stops)) == 1, stops
+    info = latest(open_storage(str(storage)))
+    assert info and info.step == stops[0] and info.manifest.world_size == 4 and info.manifest.reason == "emergency"
+
+    # A different world size is refused for per-rank state (here 1 rank, in this process) ...
+    guard = Guard(str(storage), providers=None).track(model=torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointMismatchError, match="saved by 4 ranks.*reshard='reset-data'"):
+        guard.resume()
+
+    # ... and on 2 ranks too, on every rank, naming the data loader's position; then (same launch)
+    # with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
+    two = run(example(2, storage, "--steps", str(stops[0]), "--final", str(tmp_path / "resharded.pt"),
+                      script=REPO / "tests" / "dist_reshard.py"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    for r in range(2):
+        assert re.search(rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "
+                         r"RNG streams and loader.*reshard='reset-data'", two.stdout, re.M), two.stdout[-3000:]
+    assert f"resuming at step {stops[0]}" in two.stdout
+    assert_same(torch.load(tmp_path / "resharded.pt", weights_only=True),
+                torch.load(tmp_path / "at-stop.pt", weights_only=True))
+
+
+@pytest.mark.slow
+def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
+    root, marker = tmp_path / "ckpt", tmp_path / "hanging.pid"
+    proc = subprocess.Popen(torchrun(2, REPO / "tests" / "dist_blocking_save.py", str(root), str(marker)),
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (marker.exists() and (root / "step-00000002" / "rank-00000.pt").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies mid-save; rank 0 wrote its part
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    infos = {i.step: i for i in scan(open_storage(str(root)))}
+    assert infos[1].complete and infos[1].manifest.world_size == 2
+    assert infos[2].status == "incomplete", infos[2]
+    assert latest(open_storage(str(root))).step == 1
+
+
+@pytest.mark.slow
+def test_storage_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """A save or load that fails on rank 1 alone raises there and on rank 0 together; rank 0 used to wait
+    in the next collective until the gloo timeout (30 minutes; here the run would be stopped at 90 s)."""
+    done = run(torchrun(2, REPO / "tests" / "dist_one_rank_fails.py", str(tmp_path / "ckpt")), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {(case, int(rank)): (kind, float(seconds), message) for case, rank, kind, seconds, message
+           in re.findall(r"^(\S+) rank=(\d) (\w+) ([0-9.]+)s: (.*)$", done.stdout, re.M)}
+    causes = {"save-state": "rank 1: RuntimeError: injected: no state",
+              "save-shard": "rank 1: StorageError: injected: cannot write step-00000004/shards/rank-00001.distcp",
+              "load-rank-file": "rank 1: StorageError: injected: cannot read step-00000002/rank-00001.pt",
+              "load-metadata": "rank 1: StorageError: injected: cannot read step-00000002/shards/metadata.dcp",
+              "load-shard": "rank 1: StorageError: injected: cannot read step-00000002/shards/rank-0000"}
+    for case, cause in causes.items():
+        for rank in (0, 1):
+            kind, seconds, message = got[case, rank]
+            assert kind == "StorageError" and cause in message and seconds < 10, (case, rank, got[case, rank])
+    assert got["load-after-all", 0][::2] == got["load-after-all", 1][::2] == ("ok", "2")  # step 2 not skipped
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_of_two_ranks_loads_exactly_on_one(tmp_path, single_rank_group):
+    """FSDP2 state is saved without gathering (2 ranks) and resharded onto 1 rank (this process)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from dist_fsdp2 import build, full_state
+    finally:
+        sys.path.remove(str(REPO / "tests"))
+    done = run(torchrun(2, REPO / "tests" / "dist_fsdp2.py", str(tmp_path / "ckpt"), str(tmp_path / "full.pt")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = load_metadata(tmp_path / "ckpt" / "step-00000003" / "shards" / "metadata.dcp")
+    weights = {loc.relative_path for idx, loc in meta.storage_data.items() if idx.fqn.startswith("model.")}
+    assert weights == {"rank-00000.distcp", "rank-00001.distcp"}  # each rank wrote its own shards
+    model, opt = build()
+    guard = Guard(str(tmp_path / "ckpt"), providers=None, reshard="reset-data").track(model=model, optimizer=opt)
+    assert guard.resume() == 3
+    assert_same(full_state(model, opt), torch.load(tmp_path / "full.pt", weights_only=True))
+
+
+@pytest.mark.slow
+def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_their_step(tmp_path):
+    """Every step is due, rank 1 writes slowly: both ranks start and skip the same saves (none hangs),
+    and every committed checkpoint holds, shard for shard, the state of its own step."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from spotguard.checkpoint import open_verified
+    from spotguard.checkpoint.dcp import SpotguardReader
+
+    root = tmp_path / "ckpt"
+    done = run(torchrun(2, REPO / "tests" / "dist_async_save.py", str(root), "40"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for r in range(2) for line in (tmp_path / f"results-{r}.jsonl").read_text().splitlines()]
+    runs = {r["rank"]: r for r in lines if "started" in r}
+    resumes = {r["rank"]: r for r in lines if "resumed" in r}
+    assert runs[0]["started"] == runs[1]["started"] and runs[0]["skipped"] == runs[1]["skipped"] > 0, runs
+    assert len(runs[0]["started"]) >= 2, runs[0]["started"]
+    assert resumes[0] == {"rank": 0, "resumed": 40, "exact": True} and resumes[1]["exact"], resumes
+    flips = {r["rank"]: r["after_flip"] for r in lines if "after_flip" in r}
+    assert flips[0] == flips[1] == max(runs[0]["started"]), flips  # corrupt step 40 skipped on both ranks
+    assert "SHA-256 does not match" in done.stderr
+
+    storage = open_storage(str(root))
+    periodic = [i for i in scan(storage) if i.complete and i.manifest.reason == "periodic"]
+    assert {i.step for i in periodic} == set(runs[0]["started"]), (periodic, runs[0]["started"])
+    for info in periodic:
+        for r in range(2):
+            with open_verified(storage, info, f"rank-0000{r}.pt") as path:
+                assert torch.load(path, weights_only=True)["step"] == info.step
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        sd = {"model": model.state_dict()}
+        with SpotguardReader(lambda name, info=info: open_verified(storage, info, name)) as reader:
+            dcp.load(sd, storage_reader=reader)
+        model.load_state_dict(sd["model"])
+        got = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+        assert got == runs[0]["states"][str(info.step)], info.step  # the snapshot, not a later state

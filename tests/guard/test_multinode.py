@@ -1,0 +1,104 @@
+"""Two torchrun "nodes" on this machine (c10d rendezvous on 127.0.0.1), each with its own mock cloud
+metadata server: a spot notice on one node's metadata stops every rank of both after the same step,
+and the resumed job continues exactly as an uninterrupted one.
+
+One worker per node (world size 2): with 2 workers per node (4 ranks) the first step after the
+resume differed from the uninterrupted run in the last bits of the loss (2.07314134 vs 2.07314110).
+The likely cause, not yet confirmed: a fresh DDP buckets its first step's gradients in another
+layout than the one it rebuilt after step 1, so gloo adds 3+ ranks' values in another order
+(2 ranks' sums are the same in any order)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard.checkpoint import latest
+from spotguard.ops.cli import main as spotguard_main
+from spotguard.ops.mockmeta import endpoint_env
+from spotguard.storage import open_storage
+from tests.helpers import free_port, read_losses, subprocess_env
+
+from .test_distributed import EXAMPLE, assert_same, run, stopped_for_notice
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--steps", "40", "--every-steps", "15", "--quiet", "--interval", "0.2", "--providers", "aws")
+_rng = random.Random()
+
+
+def node_cmd(port: int, job: str, *args: str) -> list[str]:
+    """One node's torchrun: 1 worker, joining a 2-node job at the c10d store on 127.0.0.1:port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+            "--local-addr", "127.0.0.1", str(EXAMPLE), *args]
+
+
+def run_nodes(tmp: Path, servers, storage: Path, *args: str, losses: str, act_at: int | None = None,
+              act=None) -> list[subprocess.CompletedProcess[str]]:
+    """Start both nodes (node i reads servers[i]'s metadata); at step ``act_at`` of rank 0 call ``act()``."""
+    port, job = free_port(), f"job-{_rng.randrange(1 << 30)}"
+    cmd = node_cmd(port, job, "--storage", str(storage), *ARGS, "--losses", losses, *args)
+    procs = [subprocess.Popen(cmd, env=subprocess_env(**endpoint_env("aws", server.url)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for server in servers]
+    try:
+        deadline = time.monotonic() + 180
+        if act is not None:
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                got = read_losses(tmp / "loss-0.jsonl")
+                if got and got[-1][0] >= act_at:
+                    act()
+                    break
+                time.sleep(0.01)
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+
+
+def test_spot_notice_on_one_node_stops_both_nodes_on_one_step_and_resume_is_exact(tmp_path, mock_metadata):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    single = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                  "--master-port", str(free_port()), str(EXAMPLE), "--storage", str(ref / "ckpt"), *ARGS,
+                  "--providers", "signal", "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")])
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    servers = [mock_metadata("aws"), mock_metadata("aws")]
+    storage, losses, at = tmp_path / "ckpt", str(tmp_path / "loss-{rank}.jsonl"), _rng.randint(4, 25)
+    first = run_nodes(tmp_path, servers, storage, "--step-sleep", "0.05", losses=losses, act_at=at,
+                      act=lambda: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", servers[1].url]))
+    for node in first:
+        assert stopped_for_notice(node), (at, node.stderr[-3000:])
+    stops = [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)]
+    assert len(set(stops)) == 1 and at <= stops[0] < 40, (at, stops)
+    info = latest(open_storage(str(storage)))
+    assert info and info.step == stops[0] and info.manifest.reason == "emergency" and info.manifest.world_size == 2
+    said = "".join(node.stdout for node in first)
+    assert f"all 2 ranks stopped at step {stops[0]} (" in said, said
+
+    assert spotguard_main(["simulate-preemption", "--clear", "--endpoint", servers[1].url]) == 0
+    second = run_nodes(tmp_path, servers, storage, "--final", str(tmp_path / "final.pt"), losses=losses)
+    for node in second:
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert any(f"resuming at step {stops[0]}" in node.stdout for node in second)
+    for r in range(2):
+        got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ref / f"loss-{r}.jsonl"))
+        for step, loss in got:  # steps replayed after the stop equal the reference too
+            assert loss == want[step], (r, step)
+        assert sorted(dict(got)) == sorted(want)
+    assert_same(torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True))

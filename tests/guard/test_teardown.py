@@ -1,0 +1,217 @@
+"""A job that used Guard must exit 0, whatever order the program tears the process group down in.
+
+Each run is a real pair of processes that end by interpreter shutdown, the moment the abort came
+("terminate called without an active exception", about 1 run in 4): the Guard's gloo groups, held
+past ``dist.destroy_process_group()``, were destroyed only while Python finalized. Most runs start
+plain processes with a TCP store on rank 0 (~4x cheaper than torchrun); the first run of each
+chain uses torchrun itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotguard import Guard, SpotguardError
+from spotguard.checkpoint import latest
+from spotguard.guard import agreement
+from tests.dist_teardown import KINDS, gloo_threads, job_args, newest_step
+from tests.helpers import REPO, free_port, subprocess_env
+
+WORKER = REPO / "tests" / "dist_teardown.py"
+ORDERS = ("after", "inside", "none", "fsdp2")
+RUNS_PER_ORDER = 10  # 40 runs in all
+
+
+def threads() -> int:
+    """gloo threads of live groups: groups earlier tests left to the garbage collector go first."""
+    gc.collect()
+    return gloo_threads()
+
+
+@pytest.fixture
+def group():
+    """A one-rank gloo group whose threads all exist already; yields the number of gloo threads."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.barrier()
+    yield threads()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def guarded(tmp_path, **kw) -> Guard:
+    return Guard(str(tmp_path), providers=None, **kw).track(model=torch.nn.Linear(2, 2))
+
+
+def test_leaving_the_block_destroys_the_guards_groups_and_joins_their_threads(tmp_path, group):
+    guard = guarded(tmp_path)
+    assert threads() > group
+    with guard:
+        guard.step(1)
+    assert threads() == group
+    assert latest(guard.storage).step == 1  # the final checkpoint came first
+    guard.close()  # again: harmless
+    dist.destroy_process_group()  # after the block, as PyTorch recommends
+    guard.close()
+    with pytest.raises(SpotguardError, match="closed"):
+        guard.save(2)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp_path, group, caplog, async_save):
+    guard = guarded(tmp_path, every_steps=2, async_save=async_save)
+    with guard:  # never raises: a periodic save in flight that the destroy broke is no error of the run
+        for step in range(1, 4):
+            guard.step(step)
+        dist.destroy_process_group()
+    assert "no final checkpoint of step 3: the process group was destroyed" in caplog.text
+    # Synchronous: step 2 committed before the destroy. Async: it may have been in flight and lost.
+    info = latest(guard.storage)
+    assert info.step == 2 if not async_save else (info is None or info.step == 2)
+    assert threads() <= group  # ours are gone (the default group too, unless something holds it)
+
+
+def test_a_guard_never_closed_has_its_groups_destroyed_at_exit(tmp_path, group):
+    guard = guarded(tmp_path)
+    guard.save(1)
+    assert threads() > group
+    agreement._close_at_exit()  # what atexit runs before interpreter shutdown
+    assert threads() == group
+
+
+def test_a_closed_guard_entered_again_agrees_on_new_groups(tmp_path, group):
+    guard = guarded(tmp_path)
+    with guard:
+        guard.step(1)
+    with guard:
+        guard.step(2)
+    assert latest(guard.storage).step == 2 and threads() == group
+
+
+@dataclass
+class Run:
+    launcher: str
+    codes: list[int]
+    out: str
+
+    @property
+    def clean(self) -> bool:
+        return all(code == 0 for code in self.codes) and "terminate called" not in self.out
+
+    def field(self, name: str) -> str:
+        found = re.search(rf"\b{name}=(\S+)", self.out)
+        assert found, f"no {name}= in the output ({self.launcher}, exit codes {self.codes}):\n{self.out[-3000:]}"
+        return found.group(1)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process; past ``timeout``, kill their sessions (ranks waiting on each other)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        raise AssertionError(f"still running after {timeout:.0f}s") from None
+    return [proc.returncode for proc in procs]
+
+
+def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 120) -> Run:
+    """One 2-rank job (output in ``work``): torchrun, or two plain processes (rank 0 hosts the TCP store)."""
+    port = str(free_port())
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(WORKER), *args]
+        envs = [subprocess_env()]
+    else:
+        cmd = [sys.executable, str(WORKER), *args]
+        envs = [subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=port) for r in range(2)]
+    logs = [work / f"out-{i}.log" for i in range(len(envs))]
+    procs = []
+    for env, log in zip(envs, logs, strict=True):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+    codes = _finish(procs, timeout)
+    return Run("torchrun" if torchrun else "processes", codes, "".join(log.read_text() for log in logs))
+
+
+def forked(tmp: Path, order: str, first: int, last: int, timeout: float = 600) -> list[Run]:
+    """Jobs ``first``..``last`` of a chain, each rank a forked process (``dist_teardown.py --fork-chain``)."""
+    log = tmp / "launcher.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(WORKER), "--fork-chain", order, str(tmp), str(first), str(last)],
+                                env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    assert _finish([proc], timeout) == [0], f"the launcher failed ({order}): {log.read_text()[-3000:]}"
+    runs = []
+    for index in range(first, last + 1):
+        work = tmp / f"run-{index}"
+        codes = [int(c) for c in (work / "codes").read_text().split()] if (work / "codes").exists() else [-1]
+        logs = sorted(work.glob("out-*.log"))
+        runs.append(Run("forked", codes, "".join(log.read_text() for log in logs)))
+    return runs
+
+
+def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
+    """``runs`` jobs on one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
+
+    Job 0 runs under torchrun, job 1 as two plain processes, the others forked from one launcher
+    that imported torch once (a torchrun start costs ~6 s; most of a plain start is ``import torch``).
+    """
+    storage = tmp / "ckpt"
+    done = []
+    for i in range(2):
+        (tmp / f"run-{i}").mkdir()
+        run = run_pair(tmp / f"run-{i}", job_args(storage, order, i, newest_step(storage)), torchrun=i == 0)
+        done.append((run, newest_step(storage)))
+    for run in forked(tmp, order, 2, runs - 1):
+        done.append((run, int((tmp / f"run-{len(done)}" / "newest").read_text())))
+
+    resume_at = 0
+    for i, (run, newest) in enumerate(done):
+        kind = KINDS[i % 3]
+        where = f"{order} run {i} ({kind}, {run.launcher})"
+        assert run.clean, f"{where}: exit codes {run.codes}\n{run.out[-4000:]}"
+        assert int(run.field("resumed")) == resume_at, (where, run.out[-2000:])
+        last, stopped = int(run.field("last")), run.field("stopped")
+        if kind == "sigterm":  # every rank stopped at the same step, soon after the signal
+            assert stopped == str(last) and resume_at + 2 <= last < resume_at + 5, (where, run.out[-2000:])
+        else:
+            assert stopped == "None" and last == resume_at + 5, (where, run.out[-2000:])
+        for before, after in re.findall(r"gloo threads before the guard: (\d+), after the block: (\d+)", run.out):
+            assert before == after, f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
+        # Destroyed inside the block, the group cannot write the final checkpoint: the last periodic
+        # one stays (sharded saves are synchronous unless async_sharded=True, see the README).
+        assert newest == (last - 1 if order == "inside" and kind != "sigterm" else last), (where, newest)
+        resume_at = newest
+    return [(KINDS[i % 3], run) for i, (run, _) in enumerate(done)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_forty_jobs_exit_0_in_every_teardown_order(tmp_path):
+    """10 jobs per teardown order (uninterrupted, SIGTERM on one rank, resumed); two chains at a time."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {}
+        for order in ORDERS:
+            (tmp_path / order).mkdir()
+            futures[order] = pool.submit(chain, tmp_path / order, order, RUNS_PER_ORDER)
+    runs = [run for future in futures.values() for _, run in future.result()]
+    assert len(runs) == 40 and [run.launcher for run in runs].count("torchrun") == len(ORDERS)
