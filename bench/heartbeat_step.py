@@ -19,15 +19,19 @@ from _rows import emit, parser, row  # noqa: E402
 
 import spotguard  # noqa: E402
 from spotguard import heartbeat  # noqa: E402
+from spotguard.guard.agreement import ADVISORY, PERIODIC, STOP  # noqa: E402
 
 N, REPEAT = 1_000_000, 7
 
 
 class _BeforeHeartbeat(spotguard.Guard):
-    def step(self, step: int) -> bool:  # Guard.step() as it was, without `self._beat[0] = step`
-        if self.preempted.is_set() or step >= self._due_step or (self._timed and time.monotonic() >= self._due_time):
-            return self._step_slow(step)
+    def step(self, step: int) -> bool:  # Guard.step() without `self._beat[0] = step`
         self._step = step
+        if self.agreement is not None:
+            return self._vote(step)
+        s = self.schedule
+        if self.preempted.is_set() or step >= s.due_step or (s.timed and time.monotonic() >= s.due_time):
+            return self._act(STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC, step)
         return False
 
 

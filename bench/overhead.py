@@ -71,13 +71,13 @@ def main() -> int:
         with guard:
             # The first snapshot page-faults its staging buffers in (once per job: ~1.4 s per GiB
             # here); take it before measuring, as checkpoint_stall.py leaves the first one out.
-            guard._due_time = 0.0
+            guard.schedule.due_time = 0.0
             t0 = time.perf_counter()
             loop.block(0.0, guard)
             cold = time.perf_counter() - t0
             base, ours, writes = [loop.block(args.interval / 2)], [], []
             for _ in range(args.blocks):
-                guard._due_time = 0.0  # due at this block's first step; not again within the block
+                guard.schedule.due_time = 0.0  # due at this block's first step; not again within the block
                 ours.append(loop.block(args.interval, guard))
                 writes.append(guard.stats().write_s or 0.0)
                 base.append(loop.block(args.interval / 2))

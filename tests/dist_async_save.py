@@ -73,9 +73,9 @@ def main() -> int:
             model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            before = guard._saved_step
+            before = guard.saves.saved_step
             guard.step(step)
-            if guard._saved_step == step and before != step:
+            if guard.saves.saved_step == step and before != step:
                 started.append(step)
                 states[step] = flat(model)
             time.sleep(0.01)

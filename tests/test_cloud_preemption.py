@@ -16,7 +16,7 @@ from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
 
 from .helpers import example_cmd, read_losses, run_example, subprocess_env
-from .test_resume import assert_same_run
+from tests.guard.test_resume import assert_same_run
 
 pytestmark = pytest.mark.slow
 

@@ -18,22 +18,14 @@ import atexit
 import datetime as dt
 import logging
 import math
-import threading
-import time
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from spotguard.errors import SpotguardError
 from spotguard.guard.ranks import is_distributed
-from spotguard.notices.base import Notice
-
-if TYPE_CHECKING:
-    from spotguard.checkpoint.manifest import Manifest
-    from spotguard.guard.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +103,7 @@ class Agreement:
                 logger.warning("destroying spotguard's process group failed: %s: %s", type(e).__name__, e)
         groups.clear()  # the last references: the C++ destructors join the groups' threads here
 
-    def _check(self) -> None:
+    def check(self) -> None:
         if self.group is None:
             raise SpotguardError("this Guard is closed: its process groups are destroyed (enter it again with "
                                  "`with guard:` on every rank, or build a new Guard)")
@@ -123,7 +115,7 @@ class Agreement:
         reuses a preallocated tensor.
         """
         if group is None:
-            self._check()
+            self.check()
         flag = self._flag if group is None else torch.zeros(1, dtype=torch.int64)
         flag[0] = code
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or self.group)
@@ -136,66 +128,19 @@ class Agreement:
         earliest = float(self._deadline[0])
         return None if math.isinf(earliest) else dt.datetime.fromtimestamp(earliest, dt.timezone.utc)
 
-    # -- Guard hooks ---------------------------------------------------------------------------
-    def step(self, guard: Guard, step: int) -> bool:
-        """``Guard.step`` in a process group: the same verdict, hence the same step, on every rank."""
-        guard._step = step
-        if guard.stopped_at is not None:
-            return True
-        if step % self.sync_every:
-            return False  # saves and stops happen on sync steps only, on all ranks alike
-        if guard.preempted.is_set():
-            code = STOP
-        elif guard._due_step == -math.inf:
-            code = ADVISORY
-        elif step >= guard._due_step or (guard._timed and time.monotonic() >= guard._due_time):
-            code = PERIODIC
-        else:
-            code = NOTHING
-        verdict = self.reduce(code)
-        if verdict == NOTHING:
-            return False
-        if verdict == STOP:
-            return self._stop(guard, step)
-        reason = "advisory" if verdict == ADVISORY else "periodic"
-        if self.async_group is None:
-            guard._save_logged(step, reason)
-        else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides for all
-            pending = guard._pending
-            guard._save_async(step, reason, busy=bool(self.reduce(int(pending is not None and not pending.done()))))
-        return False
+    def vote(self, code: int) -> int:
+        """The verdict of this sync step: MAX of every rank's code (``NOTHING`` .. ``STOP``)."""
+        return self.reduce(code)
 
-    def _stop(self, guard: Guard, step: int) -> bool:
-        local = guard.notice
-        deadline = self.earliest_deadline(local.deadline if local else None)
-        if local is None:  # another rank saw it: make this rank's guard say so too
-            guard.watcher.report(Notice("peer", "preempt", deadline=deadline,
-                                        raw={"step": step, "seen_by": "another rank"}))
-        guard.stopped_at = step
-        left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
-        guard._emergency(step, left=left)
-        return True
-
-    def save(self, guard: Guard, step: int, reason: str, deadline: float | None) -> Manifest | None:
-        from spotguard.checkpoint import sharded
-        self._check()
-        return sharded.save(guard, self, step, reason, deadline)
-
-    def stage(self, guard: Guard, step: int, reason: str) -> Callable[[threading.Event], None]:
-        """Snapshot this rank's state into the guard's staging buffers; return the background write."""
-        from spotguard.checkpoint import sharded
-        staged = sharded.collect(guard, self.rank, self.world_size, step, staging=guard._staging)
-        return lambda cancel: sharded.save_staged(guard, self, step, reason, staged, cancel)
+    def busy(self, in_flight: bool) -> bool:
+        """Whether any rank's previous async save is still in flight: one rank decides for all."""
+        return bool(self.reduce(int(in_flight)))
 
     def agree_inflight(self, decision: int) -> int:
         """The emergency's decision on an in-flight async save, the same on every rank (MAX: the most
         cautious). The ranks' parts are one collective save: one rank alone may not drop or keep it."""
         return self.reduce(decision)
 
-    def resume(self, guard: Guard) -> int:
-        from spotguard.checkpoint import sharded
-        self._check()
-        return sharded.resume(guard, self)
 
 
 #: Agreements not closed yet. At exit (before interpreter shutdown) they are closed, so a Guard

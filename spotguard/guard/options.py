@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from spotguard import _env
 from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
@@ -21,7 +25,16 @@ class BusyPolicy(str, enum.Enum):
 
 @dataclass
 class GuardOptions:
-    """When to checkpoint, where, and what to watch. Validated on creation."""
+    """When to checkpoint, where, and what to watch: ``Guard(storage, **options)``. Validated on creation.
+
+    ``local_dir`` (default ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's
+    NVMe) from which periodic checkpoints are uploaded in the background. ``stop_on_advisory``
+    (default ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
+    checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
+    (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
+    ``sigint``: while the ``with`` block runs, the first SIGINT (Ctrl-C) is a stop notice like
+    SIGTERM and a second one raises ``KeyboardInterrupt``; False keeps Python's default.
+    """
 
     every_steps: int | None = None
     every_seconds: float | str | None = None  # seconds, or "auto" (needs mtbf_hours)
@@ -29,7 +42,7 @@ class GuardOptions:
     providers: str | Iterable[str | NoticeProvider] | None = "auto"
     interval: float = 1.0
     save_on_exit: bool = True
-    stop_on_advisory: bool = False
+    stop_on_advisory: bool | None = None  # None: $SPOTGUARD_STOP_ON_ADVISORY, else False
     checkpoint_on_advisory: bool = True
     local_dir: str | None = None
     async_save: bool = True
@@ -49,7 +62,20 @@ class GuardOptions:
     # dist.destroy_process_group() after the `with guard:` block, never inside it; see README)
     async_sharded: bool = False
 
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> GuardOptions:
+        """``GuardOptions(**options)``, an unknown name a ``ConfigError`` that names the close ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in options:
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=2)
+                raise ConfigError(f"Guard has no option {name!r}" + (f" (did you mean {' or '.join(near)}?)" if near
+                                                                      else f"; options: {', '.join(sorted(known))}"))
+        return cls(**options)
+
     def __post_init__(self) -> None:
+        if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
+            self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
         if self.every_seconds == "auto":

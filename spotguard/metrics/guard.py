@@ -145,7 +145,7 @@ class GuardMetrics:
         """The periodic interval in use, in seconds (``every_steps`` through the measured step rate)."""
         g, found = self.guard, []
         if g.options.every_seconds is not None:
-            found.append(g._every_seconds())
+            found.append(g.schedule.every_seconds())
         rate = self.steps_per_second()
         if g.options.every_steps and rate:
             found.append(g.options.every_steps / rate)
@@ -241,5 +241,5 @@ class GuardMetrics:
                          est.get("goodput_recommended"))
         yield from gauge("checkpoint_interval_recommended_seconds", "Planner's recommended interval "
                          "(Young/Daly with the measured costs).", est.get("interval_recommended_s"))
-        if g._dist is not None:
+        if g.agreement is not None:
             yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=ranks.rank())

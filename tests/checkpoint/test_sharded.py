@@ -101,7 +101,7 @@ def test_dcp_metadata_refuses_anything_but_its_own_classes(tmp_path):
 
 def test_notice_stops_with_emergency_checkpoint_on_the_next_sync_step(tmp_path, group):
     guard, model, opt, sched = make(tmp_path, sync_every=3)
-    assert guard._dist is not None
+    assert guard.agreement is not None
     with guard:
         train(model, opt, sched, 1)
         guard.watcher.report(Notice("test", "terminate"))
@@ -154,7 +154,7 @@ def test_single_process_refuses_a_sharded_checkpoint_instead_of_skipping_it(tmp_
     dist.destroy_process_group()
     try:
         alone, *_ = make(tmp_path)
-        assert alone._dist is None
+        assert alone.agreement is None
         with pytest.raises(CheckpointMismatchError, match="sharded checkpoint of 1 rank.*torchrun"):
             alone.resume()
     finally:
@@ -177,16 +177,16 @@ class GatedStorage(LocalStorage):
 
 def test_sharded_saves_are_synchronous_unless_async_sharded(tmp_path, group):
     guard, *_ = make(tmp_path, every_steps=1)
-    assert guard._dist.async_group is None and guard.stats().as_dict()["async"] is False
+    assert guard.agreement.async_group is None and guard.stats().as_dict()["async"] is False
     guard.step(1)
-    assert guard._pending is None and latest(guard.storage).step == 1  # committed before step() returned
+    assert guard.saves.pending is None and latest(guard.storage).step == 1  # committed before step() returned
     guard.close(save=False)
 
 
 def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp_path, group):
     storage = GatedStorage(str(tmp_path))
     guard, model, opt, sched = make(storage, every_steps=1, busy="skip", save_on_exit=False, async_sharded=True)
-    assert guard._dist.async_group is not None
+    assert guard.agreement.async_group is not None
     with guard:
         train(model, opt, sched, 1)
         want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -198,7 +198,7 @@ def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp
         guard.wait()
         assert guard.stats().as_dict()["async"] is True and guard.stats().snapshot_s is not None
     assert [i.step for i in scan(guard.storage)] == [1]
-    assert guard._dist.async_group is None  # the background writer's group went with the Guard
+    assert guard.agreement.async_group is None  # the background writer's group went with the Guard
     assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-save")]
     fresh, model2, *_ = make(tmp_path)
     assert fresh.resume() == 1

@@ -13,6 +13,7 @@ import torch
 
 import spotguard
 from spotguard import Notice, checkpoint
+from spotguard.checkpoint import layout
 from spotguard.checkpoint.snapshot import Staging
 from spotguard.storage import LocalStorage, open_storage
 
@@ -288,14 +289,14 @@ def test_an_async_checkpoint_records_extra_as_it_was_at_its_step(tmp_path, monke
     """The loop may change ``guard.extra`` before the background save gets going; the manifest keeps
     the values of the step saved (here the writer is held before it starts)."""
     started, go = threading.Event(), threading.Event()
-    real_write = checkpoint.write
+    real_write = layout.write
 
     def held_write(*args, **kwargs):
         started.set()
         assert go.wait(10), "test never let the save go"
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write", held_write)
+    monkeypatch.setattr(layout, "write", held_write)
     g, _ = model_guard(str(tmp_path), every_steps=5)
     with g:
         g.extra["epoch"] = 1

@@ -216,13 +216,13 @@ def test_auto_interval_follows_the_measured_checkpoint_cost(tmp_path):
     g = spotguard.Guard(SlowStorage(str(tmp_path)), providers=[], every_seconds="auto", mtbf_hours=1.0,
                         async_save=False, keep=1)
     g.track(model=torch.nn.Linear(2, 2))
-    assert g._every_seconds() == 600.0  # before any measurement: the planner's starting guess
+    assert g.schedule.every_seconds() == 600.0  # before any measurement: the planner's starting guess
     for step in range(1, 6):
         g.save(step, "periodic")
-    interval = g._every_seconds()
+    interval = g.schedule.every_seconds()
     # Measured cost >= the storage delay (plus a little serialisation): Young/Daly on 1 h MTBF.
     assert daly_interval(SlowStorage.delay, 3600) <= interval <= daly_interval(SlowStorage.delay * 4, 3600)
-    assert g._due_time - time.monotonic() == pytest.approx(interval, abs=0.5)
+    assert g.schedule.due_time - time.monotonic() == pytest.approx(interval, abs=0.5)
     with pytest.raises(ConfigError, match="mtbf_hours"):
         spotguard.Guard(str(tmp_path), every_seconds="auto")
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..helpers import REPO, free_port, subprocess_env
-from ..test_distributed import torchrun
+from tests.guard.test_distributed import torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
 from tests.helpers import REPO, example_cmd, read_losses, run_example, subprocess_env
 from tests.storage.conftest import AWS_ENV, azurite_connection
-from tests.test_distributed import assert_same, run, torchrun
-from tests.test_resume import COMMON, assert_same_run
+from tests.guard.test_distributed import assert_same, run, torchrun
+from tests.guard.test_resume import COMMON, assert_same_run
 
 pytestmark = pytest.mark.slow
 _rng = random.Random()

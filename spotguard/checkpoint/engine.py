@@ -1,0 +1,82 @@
+"""The interface between the Guard and a way of writing checkpoints: one process, or sharded.
+
+An engine gets the tracked state and returns values; it never sees the Guard. Call order, from
+the training loop's thread: ``resume(tracked)`` once, then per checkpoint either ``save()``
+(synchronous) or ``stage()`` (snapshot now; the returned ``Work`` runs on one background thread,
+one at a time). Each commit, to each tier, is reported to the ``on_commit`` callback the engine
+was built with, from whichever thread wrote it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from spotguard.checkpoint.manifest import Manifest
+
+
+@dataclass
+class Tracked:
+    """What a Guard tracks: the objects under their names, and ``guard.extra`` (JSON values)."""
+
+    objects: dict[str, Any]
+    extra: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One checkpoint committed to one tier."""
+
+    manifest: Manifest
+    tier: str  # "local" (the fast first tier) or "durable"
+    seconds: float
+    uploaded: bool = False  # copied from the local tier (else serialised straight to this tier)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a resume restored, and the newest step already in durable storage."""
+
+    step: int
+    manifest: Manifest
+    where: str
+    seconds: float
+    durable_step: int | None
+
+
+#: The background part of a staged save; it stops early when the event is set (``SaveCancelled``).
+Work = Callable[[threading.Event], None]
+OnCommit = Callable[[Commit], None]
+
+
+class Engine(Protocol):
+    """Writes and reads checkpoints of the tracked state (``SingleEngine``, ``ShardedEngine``)."""
+
+    #: Periodic saves go to a local tier first, then upload (the emergency estimate adds both).
+    two_tiers: bool
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes held in the reused host buffers of staged saves."""
+
+    def resume(self, tracked: Tracked) -> Resumed | None:
+        """Restore the newest checkpoint that verifies into ``tracked`` (None: there is none)."""
+
+    def save(self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None,
+             final: bool = False) -> Manifest | None:
+        """Write ``step`` now, to the durable tier. None when it is committed already. ``final``: the
+        state may have changed since a periodic save of the same step, which it then replaces."""
+
+    def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
+        """Snapshot ``step`` into host buffers now; return the work that writes it."""
+
+
+def copy_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """``guard.extra`` as it is now, whatever the loop sets while the checkpoint is written."""
+    try:
+        return copy.deepcopy(extra)
+    except Exception:  # not JSON anyway: the manifest writer reports it from the save
+        return dict(extra)

@@ -1,0 +1,209 @@
+"""The checkpoints of one Guard: which save is in flight, what is committed, what failed.
+
+``Saves`` drives a checkpoint engine (``spotguard.checkpoint.single`` or ``sharded``) for the
+Guard: a periodic save is staged (the only part the loop waits for) and written by a
+``PendingSave`` thread, or written at once; a due save that finds the previous one still in flight
+is skipped or waits (``BusyPolicy``). Every commit is measured into ``GuardStats`` and announced
+as a ``checkpoint`` event; failures are kept and raised by ``wait()``, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from spotguard.checkpoint.engine import Commit, Engine, Tracked
+from spotguard.checkpoint.manifest import Manifest
+from spotguard.events import Events
+from spotguard.guard.emergency import CANCEL_GRACE_S
+from spotguard.guard.options import BusyPolicy
+from spotguard.guard.pending import PendingSave
+from spotguard.guard.schedule import Schedule
+from spotguard.guard.stats import GuardStats
+
+logger = logging.getLogger(__name__)
+
+DESTROYED_GRACE_S = 5.0  # how long close() waits for a save whose process group the program destroyed
+
+
+class Saves:
+    """The save in flight and the newest committed steps of one Guard (its loop's thread drives it)."""
+
+    def __init__(self, engine: Engine, tracked: Tracked, stats: GuardStats, events: Events, schedule: Schedule,
+                 busy: BusyPolicy, nice: int | None) -> None:
+        self.engine, self.tracked, self.stats, self.events, self.schedule = engine, tracked, stats, events, schedule
+        self.busy, self.nice = busy, nice
+        self.pending: PendingSave | None = None
+        #: [distributed] a save dropped for an emergency one, whose thread may still be ending
+        self.abandoned: PendingSave | None = None
+        self.errors: list[BaseException] = []
+        self.saved_step: int | None = None  # newest step committed or being written
+        self.durable_step: int | None = None  # newest step committed to the durable storage
+        self.last_saved: Manifest | None = None
+
+    def committed(self, c: Commit) -> None:
+        """The engine's ``on_commit``: from the loop's thread or the background writer's."""
+        st = self.stats
+        (st.record_upload if c.uploaded else st.record_write)(c.seconds, c.manifest.size)
+        self.last_saved = c.manifest
+        if c.tier == "durable":
+            self.durable_step = max(c.manifest.step, self.durable_step or 0)
+            st.checkpoints += 1
+        if self.events:  # the record carries the stats, so the JSON lines are a `plan --stats` file too
+            m = c.manifest
+            self.events.emit("checkpoint", step=m.step, reason=m.reason, tier=c.tier, durable=c.tier == "durable",
+                             size=m.size, seconds=c.seconds, checkpoint_time=m.time, **st.as_dict())
+
+    # -- synchronous ---------------------------------------------------------------------------
+    def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:
+        """Write ``step`` now to the durable storage (None: committed already). Raises on failure."""
+        t0 = time.monotonic()
+        manifest = self.engine.save(self.tracked, step, reason, deadline=deadline, final=final)
+        self.saved_step = step
+        if manifest is not None and reason in ("periodic", "advisory"):
+            self.schedule.observe(time.monotonic() - t0)  # a synchronous save stalls the loop for all of it
+        self.schedule.after(step)  # after observe(): the next save is due at the re-picked interval
+        return manifest
+
+    def save_logged(self, step: int, reason: str, final: bool = False) -> None:
+        """``save()``, a failure logged and kept (raised by ``wait()``): training goes on."""
+        try:
+            if final or self.saved_step != step:
+                self.save(step, reason, final=final)
+        except Exception as e:
+            self.failed(step, reason, e)
+            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
+            self.schedule.after(step)
+
+    def failed(self, step: int, reason: str, error: BaseException, keep: bool = True) -> None:
+        self.stats.failures += 1
+        if keep:
+            self.errors.append(error)
+        self.events.emit("failed", step=step, reason=reason, error=f"{type(error).__name__}: {error}")
+
+    # -- in the background ---------------------------------------------------------------------
+    def start(self, step: int, reason: str, busy: bool | None = None) -> None:
+        """Snapshot now, write in the background. ``busy``: whether the previous save is still in
+        flight ([distributed] agreed by all ranks; by default this process's own view)."""
+        pending = self.pending
+        if busy is None:
+            busy = pending is not None and not pending.done()
+        if busy:
+            if self.busy is BusyPolicy.SKIP:
+                self._skip(step, reason, pending)
+                return
+            self.wait_pending()
+        self.reap()
+        t0 = time.perf_counter()
+        work = self.engine.stage(self.tracked, step, reason)
+        stall = time.perf_counter() - t0
+        self.stats.record_snapshot(stall, self.engine.staged_bytes)
+        self.schedule.observe(stall)  # with async saves the loop only loses the snapshot
+        self.saved_step = step
+        self.pending = PendingSave(step, reason, work, nice=self.nice)
+        self.schedule.after(step)
+
+    def _skip(self, step: int, reason: str, pending: PendingSave | None) -> None:
+        self.stats.skipped += 1
+        if pending is not None:
+            pending.skipped += 1
+        in_flight = pending.step if pending is not None else None  # [distributed] None: another rank's
+        what = in_flight if in_flight is not None else "?"
+        if self.stats.skipped == 1:  # once per guard; later skips are only counted
+            logger.warning("%s checkpoint of step %d skipped: step %s is still being written (later skips are "
+                           "counted in guard.stats().skipped, not logged; busy=\"wait\" waits instead)", reason, step, what)
+        else:
+            logger.debug("%s checkpoint of step %d skipped: step %s is still being written", reason, step, what)
+        self.events.emit("skipped", step=step, reason=reason, in_flight=in_flight)
+        self.schedule.after(step)
+
+    def in_flight(self) -> PendingSave | None:
+        pending = self.pending
+        return pending if pending is not None and not pending.done() else None
+
+    def wait_pending(self, timeout: float | None = None) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        try:
+            pending.wait(timeout)
+        except Exception:
+            pass  # already logged by the worker; kept by reap()
+        self.reap()
+
+    def reap(self) -> None:
+        """Take the finished save in flight, keeping its error (an abandoned one's is only logged)."""
+        pending = self.pending
+        if pending is None or not pending.done():
+            return
+        self.pending = None
+        if pending.error is not None:
+            if pending.cancelled:
+                logger.info("save of step %d was abandoned", pending.step)
+            else:
+                self.failed(pending.step, pending.reason, pending.error)
+            if self.saved_step == pending.step:
+                self.saved_step = None
+
+    def abandon(self, grace: float) -> None:
+        """Drop the save in flight (an emergency save took over); wait ``grace`` seconds for its thread."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.cancel()
+        self.abandoned = pending
+        try:
+            pending.wait(grace)
+        except Exception:
+            pass  # abandoned: its error is no one's
+
+    def finish(self, step: int | None, save: bool, final: bool, destroyed: bool, collective: bool) -> None:
+        """The end of the run (``Guard.close``): settle the saves, write the final checkpoint of ``step``.
+
+        ``final``: a final checkpoint is wanted (in a process group, only of a step without one).
+        ``destroyed``: the program destroyed the process
+        group inside the block (no collective can run). ``collective``: saves are sharded; they are
+        never replaced, and a save in flight that was abandoned is given time to end on all ranks.
+        """
+        pending = self.pending
+        if pending is not None and pending.cancelled:  # abandoned for an emergency save: never hold the exit
+            if collective:
+                self.abandon(CANCEL_GRACE_S * 5)  # its ranks drop it together, soon: let its thread end
+            else:
+                self.pending = None
+        errors_before = len(self.errors)
+        if destroyed and self.pending is not None:
+            # An async sharded save in flight may be blocked in a collective that gloo never ends.
+            self.wait_pending(DESTROYED_GRACE_S)
+            if self.pending is not None:
+                logger.error("the periodic checkpoint of step %d is stuck in a collective of the destroyed process "
+                             "group; abandoned (with async_sharded=True, destroy it after the `with guard:` block)",
+                             self.pending.step)
+                self.abandon(0)
+        self.wait_pending()
+        if destroyed:
+            # A periodic save in flight failed with the group (logged when it did): not the run's failure.
+            # Errors from before stay and are raised below.
+            lost = len(self.errors) - errors_before
+            logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard was "
+                           "closed (call dist.destroy_process_group() after the `with guard:` block)%s", step,
+                           f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "")
+            del self.errors[errors_before:]
+        elif final and step is not None and not (collective and step == self.durable_step):
+            # Single process: always, since the loop may have changed the state after its last guard.step()
+            # (a scheduler stepped at the end of an epoch, guard.extra). An unchanged state is not written
+            # twice; a changed one replaces the checkpoint of its step. Sharded saves are never replaced.
+            if collective and self.saved_step == step:
+                self.saved_step = None  # committed only to the local tier: write it durably now
+            self.save_logged(step, "final", final=not collective)
+        if save:
+            self.wait()
+        elif self.errors:
+            logger.error("%d checkpoint error(s) during this run; the first: %s", len(self.errors), self.errors[0])
+
+    def wait(self) -> None:
+        """Block until every pending save is committed; raise the first background error, if any."""
+        self.wait_pending()
+        if self.errors:
+            first, self.errors = self.errors[0], []
+            raise first

@@ -1,0 +1,137 @@
+"""What a stop does: settle the save in flight, then write the emergency checkpoint before the deadline.
+
+``emergency.decide`` says what to do with a periodic save still being written (in a process
+group all ranks take the most cautious decision, since their parts are one collective save);
+this module carries it out with the guard's ``Saves`` and reports the outcome. Failures are
+logged and kept on the guard (``emergency_error``), never raised into the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
+from spotguard.guard.pending import PendingSave
+from spotguard.guard.saves import Saves
+from spotguard.notices.base import Notice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Emergency:
+    """One stop at ``step``: ``run()`` once. ``agree`` ([distributed]) makes a decision every rank's."""
+
+    saves: Saves
+    step: int
+    notice: Notice | None
+    acknowledge: Callable[[Notice], None]
+    agree: Callable[[int], int] | None = None
+    error: BaseException | None = None
+
+    def estimate(self) -> float | None:
+        """Seconds to write the state straight to the durable tier, from its measured throughput."""
+        return self.saves.stats.durable_seconds(two_tiers=self.saves.engine.two_tiers)
+
+    def rest(self, pending: PendingSave) -> float | None:
+        """Estimated seconds until the in-flight save commits (None: not measured yet)."""
+        st = self.saves.stats
+        expected = st.write_s if not self.saves.engine.two_tiers else (
+            None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
+        return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
+
+    def run(self, left: float | None) -> None:
+        """``left``: seconds to the deadline ([distributed] the earliest of all ranks; None: the notice's)."""
+        saves, step = self.saves, self.step
+        if left is None and self.notice is not None:
+            left = self.notice.seconds_left()
+        if left is not None and left < EMERGENCY_FLOOR_S:
+            logger.warning("the notice leaves %.1fs; the emergency checkpoint gets %.0fs, best effort",
+                           left, EMERGENCY_FLOOR_S)
+        left = time_given(left)
+        t0 = time.monotonic()
+        deadline = None if left is None else t0 + left
+        pending = saves.in_flight()
+        decision = Inflight.NONE if pending is None else decide(
+            pending.step, step, left, self.estimate(), self.rest(pending))
+        if self.agree is not None:  # one collective save in flight: one decision for all ranks
+            decision = Inflight(self.agree(decision))
+        if decision is Inflight.SAME:
+            logger.warning("stop at step %d: its checkpoint is already being written; waiting for it", step)
+            saves.wait_pending(left)
+            if pending is not None and pending.committed:
+                self._report(t0, left)
+                return
+        elif decision is Inflight.KEEP and pending is None:
+            return  # [distributed] this rank's part is done, another's is finishing: it is the resume point
+        elif decision is not Inflight.NONE and pending is not None and not self._settle(pending, deadline, decision):
+            return  # the in-flight save is the resume point: the emergency one cannot make it
+        saves.reap()
+        if saves.saved_step == step and saves.durable_step == step:
+            logger.warning("stop at step %d: already checkpointed", step)
+            if self.notice:
+                self.acknowledge(self.notice)
+            return
+        self._write(t0, left, deadline)
+
+    def _write(self, t0: float, left: float | None, deadline: float | None) -> None:
+        saves, step = self.saves, self.step
+        estimate, size = self.estimate(), saves.stats.state_bytes
+        left_now = None if deadline is None else deadline - time.monotonic()
+        logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
+                       f"{size / 1e6:.0f} MB" if size else "size unknown",
+                       f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
+                       f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known")
+        if saves.saved_step == step:
+            saves.saved_step = None  # committed to the local tier only: write it durably now
+        try:
+            saves.save(step, "emergency", deadline=deadline)
+        except Exception as e:
+            self.error = e
+            saves.failed(step, "emergency", e, keep=False)
+            resume_at = saves.durable_step
+            logger.error("emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, "
+                         "%d step(s) lost", step, type(e).__name__, e,
+                         f"step {resume_at}" if resume_at is not None else "the start", step - (resume_at or 0))
+            return
+        saves.stats.emergency_s = time.monotonic() - t0
+        self._report(t0, left)
+
+    def _settle(self, pending: PendingSave, deadline: float | None, decision: Inflight) -> bool:
+        """Carry out ``decision`` on the in-flight save; False when it stays the resume point instead
+        of an emergency checkpoint. A save still running at the deadline is abandoned."""
+        def left() -> float:
+            return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        saves, step = self.saves, self.step
+        fresh, rest = self.estimate() or 0.0, self.rest(pending)
+        if decision is Inflight.WAIT:
+            logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
+                           step, pending.step, rest or 0.0)
+            saves.wait_pending(max(left() * FIT - fresh, 0.0))  # never into the emergency save's share
+            if saves.pending is None:
+                return True
+        elif decision is Inflight.KEEP:
+            logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
+                         "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left(),
+                         pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
+            saves.wait_pending(left())
+            if saves.pending is not None:
+                pending.cancel()  # missed the deadline too: never hold the exit for it
+            return False
+        # The worker stops at its next file or before its manifest; never wait long for that,
+        # its leftovers are swept by a later run.
+        logger.warning("stop at step %d: abandoning the save of step %d for the newer state", step, pending.step)
+        pending.cancel()
+        saves.wait_pending(CANCEL_GRACE_S if deadline is None else min(CANCEL_GRACE_S, left() / 10))
+        return True
+
+    def _report(self, t0: float, left: float | None) -> None:
+        took = time.monotonic() - t0
+        tail = "" if left is None else f", T-{left - took:.1f}s before the deadline"
+        logger.warning("emergency checkpoint of step %d committed in %.2fs%s", self.step, took, tail)
+        if self.notice:
+            self.acknowledge(self.notice)  # e.g. Azure: approve the eviction, our state is safe
