@@ -4,8 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_MACHINE ?=
 ONLY ?=
+# What ruff checks and formats; mypy checks the package.
+PYSRC := spotguard tests examples bench
 
-.PHONY: demo test bench gpu-check lint clean checkov-venv
+.PHONY: demo test bench gpu-check lint fmt clean checkov-venv
 
 $(VENV)/.installed: pyproject.toml tests/azurite/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +40,14 @@ checkov-venv: .venv-checkov/bin/checkov
 	$(PYTHON) -m venv .venv-checkov
 	SKIP_PACKAGE_UPDATE_CHECK=true .venv-checkov/bin/pip install -q 'checkov>=3.2,<4'
 
+# lint: what .ci/run checks before the tests. fmt: fixes what ruff can (import order ...) and formats.
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check spotguard tests examples bench
+	$(VENV)/bin/ruff check $(PYSRC)
 	$(VENV)/bin/mypy spotguard
+
+fmt: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix $(PYSRC)
+	$(VENV)/bin/ruff format $(PYSRC)
 
 clean:
 	rm -rf $(VENV) .venv-checkov demo-run .pytest_cache tests/azurite/node_modules
