@@ -7,9 +7,9 @@ Convention for a benchmark script: it prints its own table for people, and when 
      "ratio": 1.03, "target": "ratio >= 1", "pass": true}
 
 ``baseline``, ``ratio``, ``target`` and ``pass`` may be null (a figure without a baseline or target).
-Every figure the README quotes comes from this report: the rows are kept in bench/report.json
-(re-running some scripts replaces only their rows), and the README's benchmark table between the
-``bench:begin`` / ``bench:end`` markers is rewritten from them along with bench/REPORT.md.
+The rows are kept in bench/report.json (re-running some scripts replaces only their rows), and
+bench/REPORT.md, the project's one table of figures, is rewritten from all of them. The README and
+docs/ link to the report instead of copying figures, so no copy goes stale.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 ROWS = HERE / "report.json"
-README = REPO / "README.md"
-BEGIN, END = "<!-- bench:begin", "<!-- bench:end -->"
 
 
 def scripts(only: list[str]) -> list[Path]:
@@ -83,22 +81,16 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def report(rows: list[dict], status: list[str], machine: str) -> str:
-    return "\n".join(["# Benchmark report", "", f"Written by `make bench` (bench/run_all.py): {machine}. Each figure "
-                      "and its baseline are measured in the same run.", "", *table(rows), "", *[f"- {s}" for s in status],
-                      ""])
-
-
-def update_readme(rows: list[dict], machine: str) -> bool:
-    """Rewrite the README's table between the markers; False when the README has no markers."""
-    text = README.read_text()
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        return False
-    head = text[:text.index("\n", start) + 1]  # keep the begin marker line as it is
-    block = [f"Measured {machine}; written by `make bench` from [bench/REPORT.md](bench/REPORT.md).", "",
-             *table(rows), ""]
-    README.write_text(head + "\n".join(block) + text[end:])
-    return True
+    intro = [
+        "# Benchmark report", "",
+        "Written by `make bench` (bench/run_all.py) from bench/report.json: edit the scripts, not this file. "
+        "`make bench` runs every script in `bench/`; `make bench ONLY=\"storage emergency\"` re-runs some "
+        "and keeps the other rows. Each row gives our figure, a baseline measured in the same run, the "
+        "ratio, the target, and pass or MISS when the figure misses its target.", "",
+        f"Measured {machine}. A shared or loaded machine makes the figures noisy: re-run `make bench` on "
+        "your hardware (`make bench BENCH_MACHINE=\"...\"` records words about it here).", "",
+    ]
+    return "\n".join([*intro, *table(rows), "", *[f"- {s}" for s in status], ""])
 
 
 def main() -> int:
@@ -126,8 +118,6 @@ def main() -> int:
                f"{', ' + args.machine if args.machine else ''}")
     ROWS.write_text(json.dumps({"rows": rows, "status": status}, indent=1) + "\n")
     Path(args.out).write_text(report(rows, [status[k] for k in sorted(status)], machine))
-    if not update_readme(rows, machine):
-        print(f"warning: no {BEGIN} ... {END} markers in {README}", file=sys.stderr)
     missed = [r["figure"] for r in rows if r.get("pass") is False]
     print(f"\nwrote {args.out}: {len(rows)} figure(s), {len(missed)} missed")
     for figure in missed:
