@@ -14,9 +14,9 @@ from spotguard.checkpoint import scan
 from spotguard.ops.cli import main as spotguard_main
 from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
+from tests.guard.test_resume import assert_same_run
 
 from .helpers import example_cmd, read_losses, run_example, subprocess_env
-from tests.guard.test_resume import assert_same_run
 
 pytestmark = pytest.mark.slow
 

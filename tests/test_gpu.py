@@ -22,10 +22,10 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest
 from spotguard.checkpoint.snapshot import Staging
 from spotguard.storage import open_storage
-
-from .helpers import REPO, read_losses, run_example, subprocess_env
 from tests.guard.test_distributed import assert_same, example, run, run_until, stopped_for_notice
 from tests.guard.test_resume import assert_same_run, stop_at
+
+from .helpers import REPO, read_losses, run_example, subprocess_env
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `make gpu-check` on a GPU machine")]

@@ -59,7 +59,7 @@ class GuardOptions:
     reshard: str = "refuse"
     sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
     # [distributed] sharded periodic saves in the background (opt-in: the program must then call
-    # dist.destroy_process_group() after the `with guard:` block, never inside it; see README)
+    # dist.destroy_process_group() after the `with guard:` block, never inside it; see docs/distributed.md)
     async_sharded: bool = False
 
     @classmethod

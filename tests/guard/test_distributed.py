@@ -134,7 +134,7 @@ def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(
     stops = last_steps(tmp_path, "loss-{rank}.jsonl", 2)
     assert stops[0] == stops[1] and at <= stops[0] < 40, (at, stops)
     for r in range(2):  # rank 0 saw no notice, yet its emergency save ran against rank 1's deadline
-        left = re.search(rf"\[rank {r}\] spotguard.guard: emergency checkpoint of step {stops[0]} "
+        left = re.search(rf"\[rank {r}\] spotguard.guard.stop: emergency checkpoint of step {stops[0]} "
                          rf"committed in [0-9.]+s, T-([0-9.]+)s before the deadline", first.stderr)
         assert left and 0 < float(left.group(1)) <= 20, (r, first.stderr[-3000:])
     info = latest(open_storage(str(storage)))

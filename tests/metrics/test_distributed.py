@@ -8,8 +8,9 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..helpers import REPO, free_port, subprocess_env
 from tests.guard.test_distributed import torchrun
+
+from ..helpers import REPO, free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 

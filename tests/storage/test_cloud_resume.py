@@ -16,10 +16,10 @@ import torch
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
-from tests.helpers import REPO, example_cmd, read_losses, run_example, subprocess_env
-from tests.storage.conftest import AWS_ENV, azurite_connection
 from tests.guard.test_distributed import assert_same, run, torchrun
 from tests.guard.test_resume import COMMON, assert_same_run
+from tests.helpers import REPO, example_cmd, read_losses, run_example, subprocess_env
+from tests.storage.conftest import AWS_ENV, azurite_connection
 
 pytestmark = pytest.mark.slow
 _rng = random.Random()
