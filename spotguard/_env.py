@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .storage.base import Storage
 
 AWS_ALLOW_IMDSV1 = "SPOTGUARD_AWS_ALLOW_IMDSV1"
 AZURE_ACK = "SPOTGUARD_AZURE_ACK"
@@ -26,6 +29,16 @@ T = TypeVar("T")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+
+def storage_or_env(given: str | Storage | None) -> str | Storage:
+    """The storage a job was given, else ``$SPOTGUARD_STORAGE`` (set by `spotguard run`, terraform)."""
+    if given is not None:
+        return given
+    url = os.environ.get(STORAGE, "").strip()
+    if not url:
+        raise ConfigError(f"no storage given: pass a URL or set ${STORAGE}")
+    return url
 
 
 def flag(name: str, default: bool) -> bool:

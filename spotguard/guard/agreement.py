@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from spotguard.errors import SpotguardError
 from spotguard.guard.ranks import is_distributed
+from spotguard.notices.base import Notice
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,15 @@ class Agreement:
         dist.all_reduce(self._deadline, op=dist.ReduceOp.MIN, group=self.group)
         earliest = float(self._deadline[0])
         return None if math.isinf(earliest) else dt.datetime.fromtimestamp(earliest, dt.timezone.utc)
+
+    def agree_stop(self, step: int, notice: Notice | None) -> tuple[float | None, Notice | None]:
+        """Collective, at the stop step: the seconds left before the earliest deadline of all ranks, and
+        the notice this rank reports when only another rank saw one (None when it saw one itself)."""
+        deadline = self.earliest_deadline(notice.deadline if notice else None)
+        peer = None if notice else Notice("peer", "preempt", deadline=deadline,
+                                          raw={"step": step, "seen_by": "another rank"})
+        left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        return left, peer
 
     def vote(self, code: int) -> int:
         """The verdict of this sync step: MAX of every rank's code (``NOTHING`` .. ``STOP``)."""

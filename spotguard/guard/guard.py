@@ -13,7 +13,6 @@ writes the emergency checkpoint before the deadline.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 import time
@@ -21,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
-from spotguard.checkpoint.engine import Engine, Tracked
-from spotguard.errors import ConfigError
+from spotguard.checkpoint.engine import Tracked, make_engine
 from spotguard.events import Events
 from spotguard.guard import agreement, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
@@ -54,11 +52,7 @@ class Guard:
 
     def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
         self.options = o = GuardOptions.from_kwargs(options)
-        if storage is None:
-            storage = os.environ.get(_env.STORAGE)
-            if not storage:
-                raise ConfigError(f"no storage given: pass a URL or set ${_env.STORAGE}")
-        self.storage: Storage = open_storage(storage)
+        self.storage: Storage = open_storage(_env.storage_or_env(storage))
         local_dir = o.local_dir or os.environ.get(_env.LOCAL_DIR)  # set by `spotguard run --local-dir`
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
@@ -79,8 +73,10 @@ class Guard:
         self._tracked = Tracked({}, self.extra)
         self._stats = GuardStats(async_save=o.async_save if self.agreement is None else o.async_sharded)
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
-        self.saves = Saves(self._engine(), self._tracked, self._stats, self.events, self.schedule,
-                           o.busy, o.background_nice)  # type: ignore[arg-type]  # BusyPolicy after __post_init__
+        engine = make_engine(self.storage, self.local, self.agreement, keep=o.keep, staged_final=o.async_save,
+                             reshard=o.reshard, on_commit=lambda c: self.saves.committed(c))
+        self.saves = Saves(engine, self._tracked, self._stats, self.events, self.schedule, o.busy,  # type: ignore[arg-type]
+                           o.background_nice)
         self._step: int | None = None
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
@@ -90,20 +86,6 @@ class Guard:
             self.metrics = metrics.export(self, port=o.metrics_port, host=o.metrics_host, jsonl=o.metrics_file,
                                           per_rank=True)
 
-    def _engine(self) -> Engine:
-        def on_commit(c: checkpoint.engine.Commit) -> None:
-            self.saves.committed(c)
-
-        if self.agreement is None:
-            from spotguard.checkpoint.single import SingleEngine
-            return SingleEngine(self.storage, self.local, self.options.keep, on_commit,
-                                staged_final=self.options.async_save)
-        from spotguard.checkpoint.sharded import (
-            ShardedEngine,  # torch.distributed.checkpoint: only when needed
-        )
-        return ShardedEngine(self.storage, self.agreement, self.options.keep, on_commit, reshard=self.options.reshard)
-
-    # -- setup -------------------------------------------------------------------------------
     @property
     def notice(self) -> Notice | None:
         """The notice that caused the stop, or None."""
@@ -149,10 +131,8 @@ class Guard:
         if done is not None and m is not None:
             self.extra.clear()
             self.extra.update(m.extra)
-            self._step = self.saves.saved_step = done.step
-            self.saves.durable_step, self.saves.last_saved = done.durable_step, m
-            self._stats.restore_s = done.seconds
-            self.schedule.after(done.step)
+            self._step = done.step
+            self.saves.resumed(done)
         self.events.emit("resume", step=done.step if done else 0, checkpoint=done.where if done else None,
                          reason=m.reason if m else None, checkpoint_time=m.time if m else None,
                          restore_s=done.seconds if done else None)
@@ -202,24 +182,16 @@ class Guard:
         self.stopped_at = step
         left = None
         if self.agreement is not None:
-            local = self.notice
-            deadline = self.agreement.earliest_deadline(local.deadline if local else None)
-            if local is None:  # another rank saw it: make this rank's guard say so too
-                self.watcher.report(Notice("peer", "preempt", deadline=deadline,
-                                           raw={"step": step, "seen_by": "another rank"}))
-            left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
+            left, peer = self.agreement.agree_stop(step, self.notice)
+            if peer is not None:  # another rank saw it: make this rank's guard say so too
+                self.watcher.report(peer)
         self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
-        t0 = time.monotonic()
         stop = Emergency(self.saves, step, self.notice, self.watcher.acknowledge,
                          self.agreement.agree_inflight if self.agreement is not None else None)
         try:
             stop.run(left)
         finally:
             self.emergency_error = stop.error
-            notice, resume_at = self.notice, self.saves.durable_step
-            self.events.emit("stop", step=step, committed=resume_at == step, resume_step=resume_at,
-                             lost_steps=step - (resume_at or 0), seconds=time.monotonic() - t0,
-                             kind=notice.kind if notice else None, provider=notice.provider if notice else None)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from spotguard.checkpoint.engine import Commit, Engine, Tracked
+from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
@@ -53,6 +53,12 @@ class Saves:
             m = c.manifest
             self.events.emit("checkpoint", step=m.step, reason=m.reason, tier=c.tier, durable=c.tier == "durable",
                              size=m.size, seconds=c.seconds, checkpoint_time=m.time, **st.as_dict())
+
+    def resumed(self, done: Resumed) -> None:
+        """The engine restored ``done``: the next save is planned from its step."""
+        self.saved_step, self.durable_step, self.last_saved = done.step, done.durable_step, done.manifest
+        self.stats.restore_s = done.seconds
+        self.schedule.after(done.step)
 
     # -- synchronous ---------------------------------------------------------------------------
     def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:

@@ -44,7 +44,18 @@ class Emergency:
         return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
 
     def run(self, left: float | None) -> None:
-        """``left``: seconds to the deadline ([distributed] the earliest of all ranks; None: the notice's)."""
+        """``left``: seconds to the deadline ([distributed] the earliest of all ranks; None: the notice's).
+        Ends with a ``stop`` event saying what was committed, whatever happened."""
+        t0 = time.monotonic()
+        try:
+            self._run(left)
+        finally:
+            n, resume_at = self.notice, self.saves.durable_step
+            self.saves.events.emit("stop", step=self.step, committed=resume_at == self.step, resume_step=resume_at,
+                                   lost_steps=self.step - (resume_at or 0), seconds=time.monotonic() - t0,
+                                   kind=n.kind if n else None, provider=n.provider if n else None)
+
+    def _run(self, left: float | None) -> None:
         saves, step = self.saves, self.step
         if left is None and self.notice is not None:
             left = self.notice.seconds_left()

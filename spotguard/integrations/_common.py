@@ -11,7 +11,6 @@ reads one attribute per step (``due``) and does everything else only when it is 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -101,10 +100,7 @@ class FolderCheckpoints:
     """
 
     def __init__(self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None) -> None:
-        if storage is None:
-            storage = os.environ.get(_env.STORAGE)
-            if not storage:
-                raise ConfigError(f"no storage given: pass a URL or set ${_env.STORAGE}")
+        storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
