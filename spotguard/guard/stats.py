@@ -56,9 +56,12 @@ class GuardStats:
     notices: dict[str, int] = field(default_factory=dict)  # distinct notices seen, by kind
 
     def record_snapshot(self, seconds: float, nbytes: int) -> None:
+        """``nbytes``: this process's snapshot. A guess of the state's size until a write measures it:
+        in a process group a write counts every rank's files, as its rate does (see ``durable_seconds``)."""
         self.last_stall_s = seconds
         self.snapshot_s = _ema(self.snapshot_s, seconds)
-        self.state_bytes = nbytes
+        if self.write_s is None:
+            self.state_bytes = nbytes
 
     def record_write(self, seconds: float, nbytes: int) -> None:
         self.write_s = _ema(self.write_s, seconds)
