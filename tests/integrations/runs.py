@@ -142,7 +142,7 @@ def stop_during_evaluation_then_warmup(script: str, run_dir: Path, args: tuple[s
 
 def finish_identically(script: str, run_dir: Path, args: tuple[str, ...], reference) -> subprocess.CompletedProcess[str]:
     """The last, uninterrupted resume: losses of every step and the final parameters equal the reference."""
-    from ..test_resume import assert_same_run
+    from tests.guard.test_resume import assert_same_run
 
     last = run(script, run_dir, *args, "--final", str(run_dir / "final.pt"))
     assert last.returncode == 0, last.stderr[-4000:]
