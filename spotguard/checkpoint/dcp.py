@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from spotguard.checkpoint.manifest import FileEntry, HashingWriter
-from spotguard.errors import CheckpointCorruptError
+from spotguard.errors import CheckpointCorruptError, SaveCancelled
 from spotguard.storage.base import Storage
 
 METADATA_FILE = "metadata.dcp"
@@ -77,16 +78,24 @@ class SpotguardWriter(StorageWriter):
     """Writes one rank's shard file (and, on the coordinator, the metadata) through ``storage``.
 
     ``entries`` collects the ``FileEntry`` (name relative to the step dir, size, SHA-256) of each
-    file this rank wrote, for the manifest.
+    file this rank wrote, for the manifest. ``cancel``, when set, abandons the write before the
+    next item or file with ``SaveCancelled`` (the partial file is removed by ``open_write``): an
+    abandoned background save stops streaming instead of competing with the emergency save.
     """
 
-    def __init__(self, storage: Storage, step_dir: str, rank: int, *, deadline: float | None = None) -> None:
+    def __init__(self, storage: Storage, step_dir: str, rank: int, *, deadline: float | None = None,
+                 cancel: threading.Event | None = None) -> None:
         super().__init__()
         self.storage = storage
         self.prefix = f"{step_dir}/shards"
         self.rank = rank
         self.deadline = deadline
+        self.cancel = cancel
         self.entries: list[FileEntry] = []
+
+    def _check_cancel(self, what: str) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelled(f"sharded save to {self.prefix} abandoned before {what} (rank {self.rank})")
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.entries = []
@@ -104,9 +113,11 @@ class SpotguardWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fname = plan.storage_data if isinstance(plan.storage_data, str) else shard_file(self.rank)
         results = []
+        self._check_cancel(fname)
         with self.storage.open_write(f"{self.prefix}/{fname}", deadline=self.deadline) as raw:
             out = HashingWriter(raw)
             for item in plan.items:
+                self._check_cancel(f"{item.index.fqn} in {fname}")
                 data = planner.resolve_data(item)
                 offset = out.size
                 if item.type == WriteItemType.BYTE_IO:
@@ -121,6 +132,7 @@ class SpotguardWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for per_rank in results for r in per_rank}
+        self._check_cancel(METADATA_FILE)
         with self.storage.open_write(f"{self.prefix}/{METADATA_FILE}", deadline=self.deadline) as raw:
             out = HashingWriter(raw)
             pickle.dump(metadata, out, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]

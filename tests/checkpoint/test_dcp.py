@@ -1,0 +1,85 @@
+"""SpotguardWriter, the DCP writer over spotguard storage: an abandoned save stops streaming."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardWriter, shard_file
+from spotguard.errors import SaveCancelled
+from spotguard.storage import LocalStorage
+
+STEP = "step-00000001"
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class CancelMidStream(LocalStorage):
+    """Local storage on which an emergency 'arrives' once the shard file has received ``after`` bytes."""
+
+    def __init__(self, url: str, cancel: threading.Event, after: int) -> None:
+        super().__init__(url)
+        self.cancel, self.after, self.written = cancel, after, 0
+
+    @contextmanager
+    def open_write(self, key, *, deadline=None):
+        with super().open_write(key, deadline=deadline) as f:
+            outer = self
+
+            class Counting:
+                def write(self, data):
+                    n = f.write(data)
+                    outer.written += n
+                    if outer.written >= outer.after:
+                        outer.cancel.set()
+                    return n
+
+                def __getattr__(self, name):
+                    return getattr(f, name)
+
+            yield Counting()
+
+
+def state(n: int = 6) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((256, 256), float(i)) for i in range(n)}  # 256 KiB each
+
+
+def errors_of(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, CheckpointException):
+        return [e for e, _ in exc.failures.values()]
+    return [exc]
+
+
+def test_writer_without_cancel_writes_every_item(tmp_path):
+    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40)
+    writer = SpotguardWriter(storage, STEP, 0)
+    dcp.save(state(), storage_writer=writer, no_dist=True)
+    assert {e.name for e in writer.entries} == {f"shards/{shard_file(0)}", f"shards/{METADATA_FILE}"}
+    assert storage.written > 6 * 256 * 1024
+
+
+def test_cancel_set_mid_stream_stops_before_the_next_item_and_leaves_no_file(tmp_path):
+    cancel = threading.Event()
+    storage = CancelMidStream(str(tmp_path), cancel, after=1)  # set by the first item's bytes
+    writer = SpotguardWriter(storage, STEP, 0, cancel=cancel)
+    with pytest.raises((SaveCancelled, CheckpointException)) as info:
+        dcp.save(state(), storage_writer=writer, no_dist=True)
+    assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
+    assert storage.written < 2 * 256 * 1024 + 4096  # at most the item being written when it was set
+    assert writer.entries == []
+    assert storage.list_sizes("") == {}  # the partial shard's temp file is gone, no metadata written
+
+
+def test_cancel_set_before_the_save_opens_no_file(tmp_path):
+    cancel = threading.Event()
+    cancel.set()
+    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40)
+    with pytest.raises((SaveCancelled, CheckpointException)) as info:
+        dcp.save(state(), storage_writer=SpotguardWriter(storage, STEP, 0, cancel=cancel), no_dist=True)
+    assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
+    assert storage.written == 0
+    assert not (tmp_path / STEP).exists()
