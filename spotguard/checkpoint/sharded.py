@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spotguard.checkpoint import data, layout, sharded_load, state
-from spotguard.checkpoint.collective import Groups, broadcast, dcp_state, explain, split
+from spotguard.checkpoint.collective import Groups, broadcast, dcp_state, explain, failures, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import MANIFEST, FileEntry, HashingWriter, Manifest, Reshard, step_dir
@@ -165,12 +165,13 @@ class ShardedEngine:
                 error = explain(e, rank)
         # dcp.save is collective: every rank enters it, or (after a failure or cancel on any rank) none does
         if not self.groups.reduce(2 if error else int(cancelled()), group):
-            writer = SpotguardWriter(storage, name, rank, deadline=deadline)
+            writer = SpotguardWriter(storage, name, rank, deadline=deadline, cancel=cancel)
             try:
                 dcp.save(staged.sd, storage_writer=writer, process_group=group)
                 entries.extend(writer.entries)
             except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
-                error = explain(e, rank)
+                if not all(isinstance(exc, SaveCancelled) for _, exc in failures(e, rank)):
+                    error = explain(e, rank)  # else: cancelled, reported as such by the rank that was
         reports: list[Any] = [None] * world
         dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries], cancelled()), group=group)
 
