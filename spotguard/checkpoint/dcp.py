@@ -183,6 +183,34 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
 Opener = Callable[[str], AbstractContextManager[Path]]
 
 
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, seen as a file of their own (one saved item)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:max(0, self._length - self._pos)]
+        n = os.preadv(self._fd, [view], self._offset + self._pos) if len(view) else 0
+        self._pos += n
+        return n
+
+
 class SpotguardReader(StorageReader):
     """Reads a sharded checkpoint; ``open_verified(name)`` yields a local, checksum-verified copy.
 
@@ -232,24 +260,24 @@ class SpotguardReader(StorageReader):
                 raise CheckpointCorruptError(f"DCP metadata has no location for {item.storage_index.fqn}")
             by_file.setdefault(loc.relative_path, []).append((loc, item))
         for name, items in by_file.items():
-            with open(self._path(name), "rb") as f:
+            with open(self._path(name), "rb", buffering=0) as f:
                 for loc, item in sorted(items, key=lambda p: p[0].offset):
-                    f.seek(loc.offset)
-                    blob = f.read(loc.length)
-                    self.bytes_read += len(blob)
-                    self._load_item(name, blob, item, planner)
+                    self.bytes_read += loc.length
+                    self._load_item(name, _Slice(f.fileno(), loc.offset, loc.length), item, planner)
         return _done(None)
 
     @staticmethod
-    def _load_item(name: str, blob: bytes, item: Any, planner: LoadPlanner) -> None:
+    def _load_item(name: str, part: _Slice, item: Any, planner: LoadPlanner) -> None:
         try:
             # weights_only first: DCP's default planner unpickles byte items freely; we only
-            # hand it content that already loads safely.
-            value = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            # hand it content that already loads safely. Read from the file itself, torch.load
+            # copies each tensor's bytes once, straight into its storage.
+            value = torch.load(part, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
         except Exception as e:
             raise CheckpointCorruptError(f"shards/{name}: {item.storage_index.fqn} cannot be loaded safely ({e})") from e
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(blob))
+            part.seek(0)
+            planner.load_bytes(item, io.BytesIO(part.read()))
             return
         tensor = _narrow(value, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
