@@ -20,26 +20,28 @@ _ATOMS = (int, float, bool, str, bytes, type(None))  # immutable: shared, not de
 
 
 class Staging:
-    """Reusable host buffers, keyed by each tensor's position in the state.
+    """Reusable host buffers, one per tensor in the order a walk of the state meets them.
 
-    A snapshot walks the state once, pairing each tensor with its buffer, then copies every pair
-    in one ``torch._foreach_copy_`` call: a model has thousands of small tensors (norms, biases, their
-    optimizer moments), and a Python ``copy_`` per tensor cost ~5 us each on top of the copy itself.
+    A snapshot walks the state once, pairing the n-th tensor with the n-th buffer (reallocated when
+    its shape or dtype differs: a state whose structure changed stays correct, it only allocates),
+    then copies every pair in one ``torch._foreach_copy_`` call. Why: a model has thousands of small
+    tensors (norms, biases, their optimizer moments), and a Python ``copy_`` and a path key per
+    tensor cost several microseconds each, more than copying a small tensor.
     """
 
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: list[torch.Tensor] = []
         self.allocations = 0  # how many buffers were ever (re)allocated: stays flat once warm
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def snapshot(self, state: Any) -> Any:
         """A copy of ``state`` whose tensors live in this staging area (CPU, possibly pinned)."""
         walk = _Walk(self._buffers, self.pin)
-        out = walk.copy(state, "")
+        out = walk.copy(state)
         self._buffers = walk.buffers  # tensors that disappeared from the state lose their buffers
         self.allocations += walk.allocations
         with torch.no_grad():  # the buffers never join an autograd graph
@@ -54,40 +56,41 @@ class Staging:
 class _Walk:
     """One snapshot's pass over the state: the copied structure, and the (buffer, tensor) pairs to fill."""
 
-    def __init__(self, old: dict[str, torch.Tensor], pin: bool) -> None:
+    def __init__(self, old: list[torch.Tensor], pin: bool) -> None:
         self.old, self.pin = old, pin
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor] = []
         self.allocations = 0
         self.plain: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.pinned: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
-    def copy(self, obj: Any, path: str) -> Any:
+    def copy(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self.stage(obj, path)
+            return self.stage(obj)
         if type(obj) in _ATOMS:
             return obj
         if isinstance(obj, dict):
-            items = [(k, self.copy(v, f"{path}/{k}")) for k, v in obj.items()]
+            items = [(k, self.copy(v)) for k, v in obj.items()]
             return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
         if isinstance(obj, (list, tuple)):
-            items = [self.copy(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            items = [self.copy(v) for v in obj]
             return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
         return copy.deepcopy(obj)
 
-    def stage(self, t: torch.Tensor, path: str) -> torch.Tensor:
-        if type(t) is not torch.Tensor and _is_dtensor(t):  # FSDP2/TP shards: stage this rank's local part, keep its placement
-            local = self.stage(t._local_tensor, path)  # type: ignore[attr-defined]
+    def stage(self, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor and _is_dtensor(t):  # FSDP2/TP shards: stage the local part, keep the placement
+            local = self.stage(t._local_tensor)  # type: ignore[attr-defined]
             dtensor: Any = type(t)
             return dtensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
         if t.layout is not torch.strided or t.is_quantized:
             return t.detach().to("cpu", copy=True)  # rare layouts: a plain copy, not pooled
-        buf = self.old.get(path)
+        n = len(self.buffers)
+        buf = self.old[n] if n < len(self.old) else None
         pin = self.pin and t.is_cuda
         if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
                 or (self.pin and buf.is_pinned() != pin)):
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self.allocations += 1
-        self.buffers[path] = buf
+        self.buffers.append(buf)
         dst, src = self.pinned if pin else self.plain
         dst.append(buf)
         src.append(t)
