@@ -15,7 +15,7 @@ it falls towards the ratio of CPU times. A resume runs on a freshly started, idl
 measure that on a shared one, run it in its own autogroup at a higher priority, e.g. as root:
 ``setsid -w sh -c 'echo -10 > /proc/self/autogroup; exec python bench/restore.py'``.
 
-    python bench/restore.py [--size-mb 1024] [--ranks 2] [--repeat 2]
+    python bench/restore.py [--size-mb 1024] [--ranks 2] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR"), prefix="sg-restore-") as d:
