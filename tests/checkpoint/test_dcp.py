@@ -19,15 +19,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class CancelMidStream(LocalStorage):
-    """Local storage on which an emergency 'arrives' once the shard file has received ``after`` bytes."""
+    """Local storage on which an emergency 'arrives' once files whose key contains ``only`` have
+    received ``after`` bytes."""
 
-    def __init__(self, url: str, cancel: threading.Event, after: int) -> None:
+    def __init__(self, url: str, cancel: threading.Event, after: int, only: str = "") -> None:
         super().__init__(url)
-        self.cancel, self.after, self.written = cancel, after, 0
+        self.cancel, self.after, self.only, self.written = cancel, after, only, 0
 
     @contextmanager
     def open_write(self, key, *, deadline=None):
         with super().open_write(key, deadline=deadline) as f:
+            if self.only not in key:
+                yield f
+                return
             outer = self
 
             class Counting:
