@@ -18,6 +18,7 @@ from spotguard.errors import CheckpointExistsError, ConfigError
 from spotguard.storage import ObjectNotFoundError, Storage, open_storage
 from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
+from spotguard.storage.retry import RetryOptions
 from spotguard.storage.s3 import S3Options, S3Storage
 
 MiB = 1 << 20
@@ -131,6 +132,24 @@ def test_bad_urls_are_config_errors(url: str, monkeypatch):
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(ConfigError):
         open_storage(url)
+
+
+@pytest.mark.parametrize("url", ["s3://[bucket/x", "gs://my bucket/x"])
+def test_malformed_urls_are_config_errors(url: str):
+    with pytest.raises(ConfigError, match="invalid storage URL"):
+        open_storage(url)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: S3Options(part_size="16MiB"), lambda: S3Options(concurrency=2.5), lambda: S3Options(read_timeout="60"),
+    lambda: S3Options(endpoint_url=""), lambda: S3Options(retry={"attempts": 3}), lambda: GCSOptions(timeout=None),
+    lambda: GCSOptions(page_size=True), lambda: GCSOptions(chunk_size=MiB + 1), lambda: AzureOptions(block_size=1.5),
+    lambda: AzureOptions(account_url="blob.example.com"), lambda: AzureOptions(urgent_timeout=float("nan")),
+    lambda: RetryOptions(initial="0.2"), lambda: RetryOptions(attempts=2.0)])
+def test_bad_option_values_are_config_errors(make):
+    """Wrong types too: a TypeError deep inside an upload would name neither the option nor the fix."""
+    with pytest.raises(ConfigError):
+        make()
 
 
 @pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
