@@ -10,6 +10,8 @@ MiB objects.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,6 +22,7 @@ from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
 from spotguard.storage.retry import RetryOptions
 from spotguard.storage.s3 import S3Options, S3Storage
+from tests.helpers import subprocess_env
 
 MiB = 1 << 20
 
@@ -132,6 +135,15 @@ def test_bad_urls_are_config_errors(url: str, monkeypatch):
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(ConfigError):
         open_storage(url)
+
+
+def test_the_storage_package_imports_no_cloud_sdk():
+    """The SDKs are optional extras: only opening an s3://, gs:// or az:// URL imports one."""
+    code = ("import sys\nimport spotguard.storage, spotguard.storage.cloud\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'google', 'azure'}))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 @pytest.mark.parametrize("url", ["s3://[bucket/x", "gs://my bucket/x"])
