@@ -38,11 +38,12 @@ def split_url(url: str, scheme: str) -> tuple[str, str]:
 
 
 def check_fields(options: Any, *, ints: dict[str, int | tuple[int, int]] | None = None,
-                 positive: tuple[str, ...] = (), strings: tuple[str, ...] = ()) -> None:
+                 positive: tuple[str, ...] = (), strings: tuple[str, ...] = (), urls: tuple[str, ...] = ()) -> None:
     """Raise ConfigError for a field of an options dataclass that is out of range or of the wrong type.
 
     ``ints``: field -> least value, or (least, most); ``positive``: finite numbers > 0;
-    ``strings``: None or a non-empty string. A ``retry`` field must hold a ``RetryOptions``.
+    ``strings``: None or a non-empty string; ``urls``: None or an http(s):// URL with a host.
+    A ``retry`` field must hold a ``RetryOptions``.
     """
     from .retry import RetryOptions
 
@@ -61,8 +62,20 @@ def check_fields(options: Any, *, ints: dict[str, int | tuple[int, int]] | None 
         value = getattr(options, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"{owner}.{name} must be None or a non-empty string, got {value!r}")
+    for name in urls:
+        value = getattr(options, name)
+        if value is not None and not (isinstance(value, str) and _is_http_url(value)):
+            raise ConfigError(f"{owner}.{name} must be None or an http(s)://HOST[:PORT] URL, got {value!r}")
     if hasattr(options, "retry") and not isinstance(options.retry, RetryOptions):
         raise ConfigError(f"{owner}.retry must be a RetryOptions, got {options.retry!r}")
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parsed = urlparse(url)
+        return parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 1) > 0
+    except ValueError:  # a bad port or an unbalanced "["
+        return False
 
 
 class Crc32File:

@@ -27,7 +27,6 @@ timeouts, as on S3. Random streams: see ``azure_client.py``.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import zlib
@@ -35,7 +34,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import azure.core.exceptions as aze
 import requests
@@ -49,8 +47,6 @@ from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
 
 __all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
-
-logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 META_CRC = "spotguard_crc32"  # metadata names must be C# identifiers: no dashes
@@ -78,9 +74,7 @@ class AzureOptions:
     def __post_init__(self) -> None:
         check_fields(self, ints={"block_size": (64 * 1024, 4000 * MiB), "single_put_threshold": 1, "concurrency": 1,
                                  "page_size": (1, 5000), "request_attempts": 1},
-                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), strings=("account_url",))
-        if self.account_url is not None and urlparse(self.account_url).scheme not in ("http", "https"):
-            raise ConfigError(f"AzureOptions.account_url must be an http(s):// URL, got {self.account_url!r}")
+                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), urls=("account_url",))
 
 
 class AzureStorage(CloudStorage):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -36,8 +35,6 @@ from . import retry
 from ._common import check_fields, split_url
 from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
-
-logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
@@ -63,14 +60,14 @@ class S3Options:
     request_attempts: int = 4  # tries of one HTTP request (one part) before the operation fails
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
-    urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves): see _make_client
+    urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves): see cloud.urgent_timeout
     endpoint_url: str | None = None  # None: boto3's chain (AWS_ENDPOINT_URL, config files)
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
         check_fields(self, ints={"part_size": 5 * MiB, "multipart_threshold": 1, "concurrency": 1,
                                  "page_size": (1, 1000), "request_attempts": 1},
-                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), strings=("endpoint_url",))
+                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), urls=("endpoint_url",))
 
 
 class S3Storage(CloudStorage):

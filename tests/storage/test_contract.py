@@ -154,7 +154,7 @@ def test_malformed_urls_are_config_errors(url: str):
 
 @pytest.mark.parametrize("make", [
     lambda: S3Options(part_size="16MiB"), lambda: S3Options(concurrency=2.5), lambda: S3Options(read_timeout="60"),
-    lambda: S3Options(endpoint_url=""), lambda: S3Options(retry={"attempts": 3}), lambda: GCSOptions(timeout=None),
+    lambda: S3Options(endpoint_url="127.0.0.1:9000"), lambda: S3Options(endpoint_url="http://h:port"), lambda: S3Options(retry={"attempts": 3}), lambda: GCSOptions(timeout=None),
     lambda: GCSOptions(page_size=True), lambda: GCSOptions(chunk_size=MiB + 1), lambda: AzureOptions(block_size=1.5),
     lambda: AzureOptions(account_url="blob.example.com"), lambda: AzureOptions(urgent_timeout=float("nan")),
     lambda: RetryOptions(initial="0.2"), lambda: RetryOptions(attempts=2.0)])
