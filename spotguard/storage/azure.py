@@ -79,10 +79,10 @@ class AzureOptions:
 
 class AzureStorage(CloudStorage):
     scheme = "az"
-    holder = "the blob's metadata"
-    sdk_errors = (aze.AzureError, requests.RequestException, OSError, ValueError)
-    deadline_clients = True
     options: AzureOptions
+    deadline_clients = True  # under a deadline, an operation gets a client with short timeouts
+    sdk_errors = (aze.AzureError, requests.RequestException, OSError, ValueError)
+    holder = "the blob's metadata"
 
     def __init__(self, url: str, options: AzureOptions | None = None, *, credential: Any = None) -> None:
         options = options or AzureOptions()
