@@ -40,11 +40,9 @@ class RetryOptions:
 
     def __post_init__(self) -> None:
         check_fields(self, ints={"attempts": 1}, positive=("maximum", "multiplier"))
-        if isinstance(self.initial, bool) or not isinstance(self.initial, (int, float)) or not isinstance(
-                self.max_elapsed, (int, float)):
-            raise ConfigError(f"invalid retry timing {self!r}")
-        if not 0 <= self.initial <= self.maximum or self.multiplier < 1 or not self.max_elapsed > 0:
-            raise ConfigError(f"invalid retry timing {self!r}")
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (self.initial, self.max_elapsed))
+        if not numbers or not 0 <= self.initial <= self.maximum or self.multiplier < 1 or not self.max_elapsed > 0:
+            raise ConfigError(f"invalid retry timing {self!r}")  # max_elapsed may be inf: no time cap
 
 
 class JitteredBackoff(wait_base):
