@@ -38,7 +38,10 @@ def open_storage(url: str | Storage) -> Storage:
         return url
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"storage URL must be a non-empty string, got {url!r}")
-    scheme = urlparse(url).scheme if "://" in url else "file"
+    try:
+        scheme = urlparse(url).scheme if "://" in url else "file"
+    except ValueError as e:  # e.g. an unbalanced "[" in the host part
+        raise ConfigError(f"invalid storage URL {url!r}: {e}") from None
     try:
         target, extra = _BACKENDS[scheme]
     except KeyError:

@@ -1,8 +1,9 @@
-"""Pieces shared by the cloud backends: URL parsing, a checksumming spool file, temp directories."""
+"""Pieces shared by the cloud backends: URL and option checks, a checksumming spool file, temp directories."""
 
 from __future__ import annotations
 
 import base64
+import math
 import os
 import shutil
 import tempfile
@@ -21,8 +22,11 @@ Progress = Callable[[int], None]
 
 def split_url(url: str, scheme: str) -> tuple[str, str]:
     """``scheme://bucket/some/prefix`` -> ``("bucket", "some/prefix/")`` (prefix "" or ending in /)."""
-    parsed = urlparse(url)
-    if parsed.scheme != scheme or not parsed.netloc:
+    try:
+        parsed = urlparse(url)
+    except ValueError as e:  # e.g. an unbalanced "[" in the host part
+        raise ConfigError(f"invalid storage URL {url!r}: {e}") from None
+    if parsed.scheme != scheme or not parsed.netloc or any(c.isspace() for c in parsed.netloc):
         raise ConfigError(f"invalid storage URL {url!r}: expected {scheme}://BUCKET[/PREFIX]")
     if parsed.query or parsed.fragment:
         raise ConfigError(f"invalid storage URL {url!r}: no ?query or #fragment allowed")
@@ -31,6 +35,47 @@ def split_url(url: str, scheme: str) -> tuple[str, str]:
         check_key(prefix)
         prefix += "/"
     return parsed.netloc, prefix
+
+
+def check_fields(options: Any, *, ints: dict[str, int | tuple[int, int]] | None = None,
+                 positive: tuple[str, ...] = (), strings: tuple[str, ...] = (), urls: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError for a field of an options dataclass that is out of range or of the wrong type.
+
+    ``ints``: field -> least value, or (least, most); ``positive``: finite numbers > 0;
+    ``strings``: None or a non-empty string; ``urls``: None or an http(s):// URL with a host.
+    A ``retry`` field must hold a ``RetryOptions``.
+    """
+    from .retry import RetryOptions
+
+    owner = type(options).__name__
+    for name, bounds in (ints or {}).items():
+        lo, hi = bounds if isinstance(bounds, tuple) else (bounds, None)
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+            span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{owner}.{name} must be an int {span}, got {value!r}")
+    for name in positive:
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"{owner}.{name} must be a positive number, got {value!r}")
+    for name in strings:
+        value = getattr(options, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{owner}.{name} must be None or a non-empty string, got {value!r}")
+    for name in urls:
+        value = getattr(options, name)
+        if value is not None and not (isinstance(value, str) and _is_http_url(value)):
+            raise ConfigError(f"{owner}.{name} must be None or an http(s)://HOST[:PORT] URL, got {value!r}")
+    if hasattr(options, "retry") and not isinstance(options.retry, RetryOptions):
+        raise ConfigError(f"{owner}.retry must be a RetryOptions, got {options.retry!r}")
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parsed = urlparse(url)
+        return parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 1) > 0
+    except ValueError:  # a bad port or an unbalanced "["
+        return False
 
 
 class Crc32File:

@@ -10,7 +10,7 @@ URLs (the account comes from the URL when it names one, else from the environmen
 
 Credentials: the connection string when it is set and names the same account, else azure-identity's
 ``DefaultAzureCredential`` (managed identity on a VM, ``az login``, ``AZURE_CLIENT_ID``/... service
-principals, workload identity).
+principals, workload identity). ``azure_client.py`` resolves both and builds the clients.
 
 Transfers: large objects go up as blocks in parallel (``concurrency``), each with a Content-MD5
 that the service checks, committed by one Put Block List; small ones in one Put Blob with a
@@ -22,73 +22,38 @@ checkpoint layer then checks the manifest's SHA-256). The manifest is written wi
 Retries: each HTTP request (one block) is retried by the SDK's pipeline with our retry policy
 (private-RNG backoff, stops at the caller's deadline; the SDK's own jitter is private too), each
 whole operation with tenacity. Under a deadline an operation gets a client of its own with short
-timeouts, as on S3. Random streams: azure-core draws a token-refresh jitter from the global
-``random``; ``_install_private_jitter`` gives that one module a private generator.
+timeouts, as on S3. Random streams: see ``azure_client.py``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import threading
-import time
 import zlib
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-from urllib.parse import urlparse
+from typing import Any
 
 import azure.core.exceptions as aze
 import requests
 from azure.core import MatchConditions
-from azure.storage.blob import BlobServiceClient
-from azure.storage.blob._shared.authentication import AzureSigningError
-from azure.storage.blob._shared.policies import StorageRetryPolicy, is_retry
 
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointExistsError,
-    ConfigError,
-    MissingDependencyError,
-    StorageError,
-)
+from ..errors import ConfigError, StorageError
 from . import retry
-from ._common import Crc32File, Progress, crc_b64, file_crc, split_url, temp_dir, tmp_parent
-from .base import ObjectNotFoundError, Storage, check_key
+from ._common import check_fields, crc_b64
+from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolicy, error_code, parse_url
+from .base import ObjectNotFoundError
+from .cloud import CloudStorage, _Conflict, urgent_timeout
 
-logger = logging.getLogger(__name__)
+__all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
 
 MiB = 1 << 20
 META_CRC = "spotguard_crc32"  # metadata names must be C# identifiers: no dashes
-CONNECTION_STRING = "AZURE_STORAGE_CONNECTION_STRING"
-ACCOUNT_NAME = "AZURE_STORAGE_ACCOUNT_NAME"
-_CONTAINER = re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$")
-_ACCOUNT = re.compile(r"^[a-z0-9]{3,24}$")
-_CHECKSUM_CODES = {"Md5Mismatch", "Crc64Mismatch"}  # a body damaged on the way: send it again
-_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", *_CHECKSUM_CODES}
+_TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", *CHECKSUM_CODES}
 _NETWORK = (aze.ServiceRequestError, aze.ServiceResponseError, aze.IncompleteReadError, aze.DecodeError,
             requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
             ConnectionError, TimeoutError)
-
-
-def _install_private_jitter() -> None:
-    """azure-core's bearer-token policy draws its refresh jitter from the global ``random``: give it its own."""
-    import random
-
-    from azure.core.pipeline.policies import _authentication
-
-    if getattr(_authentication, "random", None) is random:
-        _authentication.random = random.Random()  # type: ignore[assignment]
-
-
-_install_private_jitter()
-
-
-class _ChecksumMismatch(StorageError):
-    """A downloaded object does not match the CRC32 stored with it (retried, then corrupt)."""
 
 
 @dataclass
@@ -107,181 +72,35 @@ class AzureOptions:
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
-        if not 64 * 1024 <= self.block_size <= 4000 * MiB or self.single_put_threshold < 1:
-            raise ConfigError(f"block_size must be 64 KiB..4000 MiB, got {self.block_size}")
-        if self.concurrency < 1 or self.request_attempts < 1 or not 1 <= self.page_size <= 5000:
-            raise ConfigError(f"invalid Azure options {self!r}")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0 or self.urgent_timeout <= 0:
-            raise ConfigError("timeouts must be positive")
+        check_fields(self, ints={"block_size": (64 * 1024, 4000 * MiB), "single_put_threshold": 1, "concurrency": 1,
+                                 "page_size": (1, 5000), "request_attempts": 1},
+                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), urls=("account_url",))
 
 
-def _code(e: BaseException) -> str:
-    code = getattr(e, "error_code", None) or ""
-    return str(getattr(code, "value", code))  # the SDK gives a str enum or a plain str
-
-
-class _RetryPolicy(StorageRetryPolicy):
-    """The SDK's per-request retry with our backoff, never sleeping past ``deadline``.
-
-    Beyond the SDK's rules (connection errors, 5xx, 408) it re-sends a request whose body the
-    service refused for a checksum mismatch (one block damaged on the way is sent again, not the
-    whole object), and never retries a failed credential (no token will come on a retry).
-    """
-
-    def __init__(self, attempts: int, wait: retry.JitteredBackoff, deadline: float | None) -> None:
-        n = attempts - 1
-        super().__init__(retry_total=n, retry_connect=n, retry_read=n, retry_status=n)
-        self.wait, self.deadline = wait, deadline
-
-    def send(self, request: Any) -> Any:
-        settings = self.configure_retries(request)
-        while True:
-            try:
-                response = self.next.send(request)
-            except aze.AzureError as err:
-                if isinstance(err, AzureSigningError) or not self.increment(settings, request.http_request, error=err):
-                    raise
-                self.sleep(settings, request.context.transport)
-                continue
-            http = response.http_response
-            refused = http.status_code == 400 and http.headers.get("x-ms-error-code") in _CHECKSUM_CODES
-            if (is_retry(response, settings["mode"]) or refused) and \
-                    self.increment(settings, request.http_request, response=http):
-                self.sleep(settings, request.context.transport)
-                continue
-            http.location_mode = settings["mode"]
-            return response
-
-    def increment(self, settings: dict[str, Any], request: Any, response: Any = None, error: Any = None) -> bool:
-        if isinstance(error, aze.ClientAuthenticationError):
-            return False
-        if not super().increment(settings, request, response, error):
-            return False
-        settings["sleep"] = self.wait.delay(settings["count"])
-        return self.deadline is None or time.monotonic() + settings["sleep"] < self.deadline
-
-    def sleep(self, settings: dict[str, Any], transport: Any) -> None:
-        transport.sleep(settings.get("sleep", 0.0))
-
-
-def parse_url(url: str) -> tuple[str, str | None, str | None, str]:
-    """``(container, account or None, blob host or None, prefix)`` of an ``az://``/``abfs[s]://`` URL."""
-    scheme = urlparse(url).scheme
-    if scheme not in ("az", "abfs", "abfss"):
-        raise ConfigError(f"invalid storage URL {url!r}: expected az://CONTAINER/PREFIX")
-    netloc, prefix = split_url(url, scheme)
-    container, at, host = netloc.partition("@")
-    account = None
-    if at:
-        account, _, suffix = host.partition(".")
-        if suffix.startswith("dfs."):
-            suffix = "blob." + suffix[len("dfs."):]
-        if not _ACCOUNT.match(account) or not suffix.startswith("blob.") or ":" in suffix:
-            raise ConfigError(f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.blob.core.windows.net"
-                              "/PREFIX (or ACCOUNT.dfs.core.windows.net)")
-        host = f"{account}.{suffix}"
-    elif scheme != "az":
-        raise ConfigError(f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
-    if not _CONTAINER.match(container):
-        raise ConfigError(f"invalid storage URL {url!r}: container {container!r} must be 3-63 lowercase letters, "
-                          "digits or single dashes")
-    return container, account, host or None, prefix
-
-
-def _connection_account(conn: str) -> str | None:
-    fields = dict(part.split("=", 1) for part in conn.strip().rstrip(";").split(";") if "=" in part)
-    if fields.get("UseDevelopmentStorage", "").lower() == "true":
-        return "devstoreaccount1"
-    return fields.get("AccountName")
-
-
-class AzureStorage(Storage):
+class AzureStorage(CloudStorage):
     scheme = "az"
+    options: AzureOptions
+    deadline_clients = True  # under a deadline, an operation gets a client with short timeouts
+    sdk_errors = (aze.AzureError, requests.RequestException, OSError, ValueError)
+    holder = "the blob's metadata"
 
     def __init__(self, url: str, options: AzureOptions | None = None, *, credential: Any = None) -> None:
-        super().__init__(url)
-        self.container_name, account, host, self.prefix = parse_url(url)
-        self.options = options or AzureOptions()
-        #: Optional byte-count callback for transfers (the CLI's progress bars).
-        self.progress: Progress | None = None
-        self._wait = retry.JitteredBackoff(self.options.retry)
-        conn = os.environ.get(CONNECTION_STRING, "").strip()
-        self._conn: str | None = None
-        self._account_url = self.options.account_url
-        if conn and credential is None and (account is None or account == _connection_account(conn)):
-            self._conn, self.account = conn, _connection_account(conn) or account
-        else:
-            self.account = account or os.environ.get(ACCOUNT_NAME, "").strip() or None
-            if self.account is not None and not _ACCOUNT.match(self.account):
-                raise ConfigError(f"{ACCOUNT_NAME}={self.account!r} is not a storage account name (3-24 lowercase "
-                                  "letters or digits)")
-            if self._account_url is None:
-                if self.account is None:
-                    raise ConfigError(f"{url!r} names no storage account: use az://{self.container_name}@ACCOUNT"
-                                      f".blob.core.windows.net/..., or set {ACCOUNT_NAME} (or {CONNECTION_STRING})")
-                self._account_url = f"https://{host or self.account + '.blob.core.windows.net'}"
-        self._credential = credential
-        self._lock = threading.Lock()
+        options = options or AzureOptions()
+        self._account = Account(url, options.account_url, credential)
+        self.container_name, self.prefix, self.account = self._account.container, self._account.prefix, self._account.name
+        super().__init__(url, options)
         self.container = self._make_client(None)
-
-    # -- clients -------------------------------------------------------------------------------
-    def _default_credential(self) -> Any:
-        with self._lock:
-            if self._credential is None:
-                try:
-                    from azure.identity import DefaultAzureCredential
-                except ImportError as e:
-                    raise MissingDependencyError(f"{self.url!r} needs azure-identity for its credentials ({e.name}): "
-                                                 "pip install 'spotguard[azure]'") from e
-                self._credential = DefaultAzureCredential()
-            return self._credential
 
     def _make_client(self, deadline: float | None) -> Any:
         """A container client; under a deadline, with short timeouts and the deadline in its retry policy."""
-        o = self.options
-        timeout = None if deadline is None else min(o.read_timeout, max(o.urgent_timeout, (deadline - time.monotonic()) / 3))
-        session = requests.Session()  # a pool large enough for every block in flight
-        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max(10, 2 * o.concurrency))
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
-        from azure.core.pipeline.transport import RequestsTransport
+        policy = RetryPolicy(self.options.request_attempts, self._wait, deadline)
+        return self._account.container_client(self.options, policy, urgent_timeout(self.options, deadline))
 
-        kwargs: dict[str, Any] = dict(
-            transport=RequestsTransport(session=session, session_owner=True,
-                                        connection_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
-                                        read_timeout=timeout or o.read_timeout),
-            retry_policy=_RetryPolicy(o.request_attempts, self._wait, deadline),
-            max_single_put_size=o.single_put_threshold, max_block_size=o.block_size,
-            max_single_get_size=o.block_size, max_chunk_get_size=o.block_size)
-        if self._conn:
-            try:
-                if o.account_url:  # the connection string's key, another endpoint
-                    with BlobServiceClient.from_connection_string(self._conn) as parsed:
-                        service = BlobServiceClient(o.account_url, credential=parsed.credential, **kwargs)
-                else:
-                    service = BlobServiceClient.from_connection_string(self._conn, **kwargs)
-            except ValueError as e:
-                raise ConfigError(f"{CONNECTION_STRING} cannot be read: {e}") from e
-        else:
-            assert self._account_url is not None  # set in __init__ whenever there is no connection string
-            service = BlobServiceClient(self._account_url, credential=self._credential or self._default_credential(),
-                                        **kwargs)
-        return service.get_container_client(self.container_name)
-
-    @contextmanager
-    def _client_for(self, deadline: float | None) -> Iterator[Any]:
-        if deadline is None:
-            yield self.container
-            return
-        client = self._make_client(deadline)
-        try:
-            yield client
-        finally:
-            client.close()
+    def _shared_client(self) -> Any:
+        return self.container
 
     # -- retries and errors --------------------------------------------------------------------
-    @staticmethod
-    def _transient(e: BaseException) -> bool:
+    def _transient(self, e: BaseException) -> bool:
         if isinstance(e, aze.ClientAuthenticationError):
             return False
         if isinstance(e, _NETWORK):
@@ -289,26 +108,13 @@ class AzureStorage(Storage):
         if isinstance(e, aze.HttpResponseError):
             status = e.status_code or 0
             return (status >= 500 and status not in (501, 505)) or status in (408, 429) \
-                or _code(e) in _TRANSIENT_CODES
+                or error_code(e) in _TRANSIENT_CODES
         return False
-
-    def _call(self, what: str, key: str, fn: Any, deadline: float | None = None) -> Any:
-        try:
-            return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
-                              what=f"{what} {self.describe(key)}", wait=self._wait)
-        except (CheckpointExistsError, ConfigError, MissingDependencyError):
-            raise
-        except (aze.AzureError, requests.RequestException, OSError, ValueError) as e:
-            if isinstance(e, StorageError) and not isinstance(e, _ChecksumMismatch):
-                raise
-            raise self._error(what, key, e) from e
 
     def _error(self, what: str, key: str, e: BaseException) -> Exception:
         where = self.describe(key)
-        code = _code(e)
+        code = error_code(e)
         status = getattr(e, "status_code", None) or 0
-        if isinstance(e, _ChecksumMismatch):
-            return CheckpointCorruptError(f"{where}: {e}")
         if code == "ContainerNotFound":
             return StorageError(f"cannot {what} {where}: container {self.container_name!r} does not exist in account "
                                 f"{self.account!r}; create it or fix the URL ({CONNECTION_STRING} for an emulator)")
@@ -330,9 +136,6 @@ class AzureStorage(Storage):
                                 f"resolve ({e}); check the account name {self.account!r} and the network")
         return StorageError(f"cannot {what} {where} (gave up after retries): {code or type(e).__name__}: {e}")
 
-    def _key(self, key: str) -> str:
-        return self.prefix + check_key(key)
-
     def _hook(self) -> Any:
         """The SDK reports bytes done so far, from several threads; ``progress`` wants increments."""
         if self.progress is None:
@@ -347,124 +150,53 @@ class AzureStorage(Storage):
 
         return hook
 
-    # -- writes --------------------------------------------------------------------------------
-    @contextmanager
-    def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
-        """Spool to a local temp file (with a running CRC32), then upload it in parallel blocks."""
-        with temp_dir(tmp_parent()) as d:
-            spool = d / "spool"
-            with open(spool, "wb") as raw:
-                crc = Crc32File(raw)
-                yield crc  # type: ignore[misc]
-            self._upload(key, spool, crc.b64(), deadline)
-
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
-        """Upload a local file in parallel blocks, straight from where it lies (no spool copy)."""
-        self._upload(key, path, crc_b64(file_crc(path, zlib.crc32)), deadline)
-
-    def _upload(self, key: str, spool: Path, crc: str, deadline: float | None) -> None:
-        full = self._key(key)
-
-        def upload(client: Any) -> None:
-            with open(spool, "rb") as f:
-                # validate_content: a Content-MD5 with every block (and a single Put Blob), checked by the service.
-                client.get_blob_client(full).upload_blob(
-                    f, overwrite=True, max_concurrency=self.options.concurrency, validate_content=True,
-                    metadata={META_CRC: crc}, progress_hook=self._hook())
-
-        with self._client_for(deadline) as client:
-            self._call("upload", key, lambda: upload(client), deadline)
+    # -- the SDK's calls -------------------------------------------------------------------------
+    def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+        """Blocks in parallel; validate_content: a Content-MD5 with every block (and a single Put Blob)."""
+        with open(path, "rb") as f:
+            client.get_blob_client(self._key(key)).upload_blob(
+                f, overwrite=True, max_concurrency=self.options.concurrency, validate_content=True,
+                metadata={META_CRC: crc}, progress_hook=self._hook())
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
                   deadline: float | None = None) -> None:
-        full = self._key(key)
+        self._key(key)
         if len(data) > self.options.single_put_threshold:
             raise ConfigError("put_bytes is for small objects; use open_write")
+        super().put_bytes(key, data, exclusive=exclusive, deadline=deadline)
 
-        def put(client: Any) -> None:
-            blob = client.get_blob_client(full)
-            try:
-                # overwrite=False sends If-None-Match: * (write-once); the service answers 409 when the blob exists.
-                blob.upload_blob(data, overwrite=not exclusive, validate_content=True,
-                                 metadata={META_CRC: crc_b64(zlib.crc32(data))})
-            except (aze.ResourceExistsError, aze.ResourceModifiedError) as e:
-                # An earlier attempt may have landed although its reply was lost: same bytes = ours.
-                if blob.download_blob().readall() == data:
-                    logger.info("%s was already written by an earlier attempt", self.describe(key))
-                    return
-                raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
+    def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
+        try:
+            # overwrite=False sends If-None-Match: * (write-once); the service answers 409 when the blob exists.
+            client.get_blob_client(full).upload_blob(data, overwrite=not exclusive, validate_content=True,
+                                                     metadata={META_CRC: crc_b64(zlib.crc32(data))})
+        except (aze.ResourceExistsError, aze.ResourceModifiedError) as e:
+            raise _Conflict from e
 
-        with self._client_for(deadline) as client:
-            self._call("write", key, lambda: put(client), deadline)
+    def _read(self, full: str, client: Any = None) -> bytes:
+        return bytes((client or self.container).get_blob_client(full).download_blob().readall())
 
-    # -- reads ---------------------------------------------------------------------------------
-    def get_bytes(self, key: str) -> bytes:
-        full = self._key(key)
-        return bytes(self._call("read", key, lambda: self.container.get_blob_client(full).download_blob().readall()))
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+        """Concurrent ranged GETs of one version (ETag), checked against the CRC32 in the blob's metadata."""
+        blob = self.container.get_blob_client(full)
+        props = blob.get_blob_properties()
+        with open(path, "wb") as f:
+            # Pinned to the ETag: a blob replaced mid-download fails instead of mixing versions.
+            blob.download_blob(max_concurrency=self.options.concurrency, etag=props.etag,
+                               match_condition=MatchConditions.IfNotModified,
+                               progress_hook=self._hook()).readinto(f)
+        return props.size, (props.metadata or {}).get(META_CRC)
 
-    @contextmanager
-    def local_copy(self, key: str) -> Iterator[Path]:
-        """Download with concurrent ranged GETs of one version (ETag), then check the stored CRC32."""
-        full = self._key(key)
-        with temp_dir(tmp_parent()) as d:
-            path = d / Path(key).name
+    def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
+        blobs = self.container.list_blobs(name_starts_with=full_prefix, results_per_page=self.options.page_size)
+        return ((b.name, b.size) for b in blobs)
 
-            def fetch() -> None:
-                blob = self.container.get_blob_client(full)
-                props = blob.get_blob_properties()
-                with open(path, "wb") as f:
-                    # Pinned to the ETag: a blob replaced mid-download fails instead of mixing versions.
-                    blob.download_blob(max_concurrency=self.options.concurrency, etag=props.etag,
-                                       match_condition=MatchConditions.IfNotModified,
-                                       progress_hook=self._hook()).readinto(f)
-                size = path.stat().st_size
-                if size != props.size:
-                    raise _ChecksumMismatch(f"downloaded {size} bytes, the blob has {props.size}")
-                want = (props.metadata or {}).get(META_CRC)
-                if want is None:
-                    logger.debug("%s has no stored CRC32; relying on the manifest's SHA-256", self.describe(key))
-                    return
-                got = crc_b64(file_crc(path))
-                if got != want:
-                    raise _ChecksumMismatch(f"CRC32 of the downloaded blob is {got}, the blob's metadata says {want}")
+    def _delete_one(self, full: str) -> None:
+        try:
+            self.container.delete_blob(full)
+        except aze.ResourceNotFoundError as e:
+            if error_code(e) == "ContainerNotFound":
+                raise
 
-            for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
-                try:
-                    self._call("download", key, fetch)
-                    break
-                except CheckpointCorruptError as e:
-                    if attempt == 2:
-                        raise
-                    logger.warning("%s; downloading it again", e)
-            yield path
-
-    def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        if prefix:
-            check_key(prefix.rstrip("/"))
-
-        def run() -> dict[str, int]:
-            blobs = self.container.list_blobs(name_starts_with=self.prefix + prefix,
-                                              results_per_page=self.options.page_size)
-            return {b.name[len(self.prefix):]: b.size for b in blobs}
-
-        return dict(self._call("list", prefix, run))
-
-    def delete(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            full = self._key(key)
-
-            def run(name: str = full) -> None:
-                try:
-                    self.container.delete_blob(name)
-                except aze.ResourceNotFoundError as e:
-                    if _code(e) == "ContainerNotFound":
-                        raise
-
-            self._call("delete", key, run)
-
-    def exists(self, key: str) -> bool:
-        full = self._key(key)
-        return bool(self._call("check", key, lambda: self.container.get_blob_client(full).exists()))
-
-    def close(self) -> None:
-        self.container.close()
+    def _exists(self, full: str) -> bool:
+        return bool(self.container.get_blob_client(full).exists())

@@ -112,8 +112,3 @@ class Storage(abc.ABC):
 def _scratch_dir(parent: Path | None, tag: str = "") -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix=".spotguard.tmp-" + tag, dir=parent) as d:
         yield Path(d)
-
-
-def iter_chunks(f: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:
-    while chunk := f.read(size):
-        yield chunk

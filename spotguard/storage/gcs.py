@@ -10,20 +10,21 @@ written with ``if_generation_match=0``: write-once, so two writers can never bot
 Random streams: the library's own retries (api-core and resumable-media) draw jitter from the
 global ``random``, so they are switched off (``retry=None``) and tenacity with a private RNG
 retries instead; the client's background bucket-metadata fetches (which retry the same way) are
-switched off too. Its multipart uploads draw the MIME boundary from the global ``random`` too;
-``_private_boundary`` replaces that one function with one that reads ``os.urandom``.
+switched off too. Its multipart uploads draw the MIME boundary from the global ``random`` too, and
+no public option changes that: the first upload (never the import) replaces that one private function
+with one that reads ``os.urandom`` (``_private_boundaries``).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import google.api_core.exceptions as gexc
 import google.auth.exceptions as aexc
@@ -32,10 +33,11 @@ import requests
 from google.cloud import storage as gcs
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from ..errors import CheckpointCorruptError, ConfigError, StorageError
 from . import retry
-from ._common import Crc32File, Progress, crc_b64, file_crc, split_url, temp_dir, tmp_parent
-from .base import ObjectNotFoundError, Storage, check_key
+from ._common import check_fields, crc_b64, split_url
+from .base import ObjectNotFoundError
+from .cloud import CloudStorage, _Conflict
 
 logger = logging.getLogger(__name__)
 
@@ -53,26 +55,34 @@ def _crc32c(data: bytes, crc: int) -> int:
     return crc
 
 
-def _install_private_boundary() -> None:
-    """Make multipart uploads take their MIME boundary from os.urandom, not the global ``random``."""
-    try:
-        from google.cloud.storage._media import _upload
-    except ImportError:  # pragma: no cover - layout of older releases
+_patch_lock = threading.Lock()
+_patched = False
+
+
+def _private_boundaries() -> None:
+    """Make multipart uploads take their MIME boundary from os.urandom, not the global ``random``.
+
+    Applied by the first upload, not at import: importing spotguard changes nothing in the library.
+    Idempotent and thread-safe (uploads start from several threads).
+    """
+    global _patched
+    if _patched:
         return
-    fmt = getattr(_upload, "_BOUNDARY_FORMAT", "==============={:019d}==")
+    with _patch_lock:
+        if _patched:
+            return
+        _patched = True
+        try:
+            from google.cloud.storage._media import _upload
+        except ImportError:  # pragma: no cover - layout of older releases
+            return
+        if callable(getattr(_upload, "get_boundary", None)):
+            fmt = getattr(_upload, "_BOUNDARY_FORMAT", "==============={:019d}==")
 
-    def _private_boundary() -> bytes:
-        return fmt.format(secrets.randbelow(2**63 - 1)).encode("utf-8")
+            def get_boundary() -> bytes:
+                return fmt.format(secrets.randbelow(2**63 - 1)).encode("utf-8")
 
-    if callable(getattr(_upload, "get_boundary", None)):
-        _upload.get_boundary = _private_boundary
-
-
-_install_private_boundary()
-
-
-class _ChecksumMismatch(StorageError):
-    """A downloaded object does not match the CRC32C GCS holds (retried, then corrupt)."""
+            _upload.get_boundary = get_boundary
 
 
 @dataclass
@@ -89,11 +99,11 @@ class GCSOptions:
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
-        if self.chunk_size < _CHUNK_UNIT or self.chunk_size % _CHUNK_UNIT:
+        check_fields(self, ints={"chunk_size": _CHUNK_UNIT, "resumable_threshold": 1, "composite_threshold": 0,
+                                 "concurrency": 1, "page_size": (1, 5000)}, positive=("timeout",),
+                     strings=("project",))
+        if self.chunk_size % _CHUNK_UNIT:
             raise ConfigError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
-        if self.resumable_threshold < 1 or not 1 <= self.page_size <= 5000 or self.timeout <= 0 \
-                or self.concurrency < 1 or self.composite_threshold < 0:
-            raise ConfigError(f"invalid GCS options {self!r}")
 
 
 _TRANSIENT = (gexc.TooManyRequests, gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
@@ -102,16 +112,18 @@ _TRANSIENT = (gexc.TooManyRequests, gexc.InternalServerError, gexc.BadGateway, g
               aexc.TransportError, ConnectionError, TimeoutError)
 
 
-class GCSStorage(Storage):
+class GCSStorage(CloudStorage):
     scheme = "gs"
+    checksum_name = "CRC32C"
+    checksum_update = staticmethod(_crc32c)
+    holder = "GCS"
+    sdk_errors = (gexc.GoogleAPIError, aexc.GoogleAuthError, requests.RequestException, InvalidResponse,
+                  DataCorruption, OSError, ValueError)
+    options: GCSOptions
 
     def __init__(self, url: str, options: GCSOptions | None = None, *, client: Any = None) -> None:
-        super().__init__(url)
         self.bucket_name, self.prefix = split_url(url, "gs")
-        self.options = options or GCSOptions()
-        #: Optional byte-count callback for transfers (the CLI's progress bars).
-        self.progress: Progress | None = None
-        self._wait = retry.JitteredBackoff(self.options.retry)
+        super().__init__(url, options or GCSOptions())
         self._client = client
         self._bucket: Any = None
 
@@ -135,9 +147,11 @@ class GCSStorage(Storage):
             self._bucket = self._client.bucket(self.bucket_name)
         return self._bucket
 
-    # -- retries -------------------------------------------------------------------------------
-    @staticmethod
-    def _transient(e: BaseException) -> bool:
+    def _shared_client(self) -> Any:
+        return self.bucket
+
+    # -- retries and errors --------------------------------------------------------------------
+    def _transient(self, e: BaseException) -> bool:
         if isinstance(e, _TRANSIENT):
             return True
         if isinstance(e, InvalidResponse):  # resumable-media: unexpected status code
@@ -145,35 +159,20 @@ class GCSStorage(Storage):
             return status >= 500 or status in (408, 429)
         return False
 
-    def _call(self, what: str, key: str, fn: Any, deadline: float | None = None) -> Any:
-        try:
-            return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
-                              what=f"{what} {self.describe(key)}", wait=self._wait)
-        except (CheckpointExistsError, ConfigError):
-            raise
-        except (gexc.GoogleAPIError, aexc.GoogleAuthError, requests.RequestException, InvalidResponse,
-                DataCorruption, OSError, ValueError) as e:
-            if isinstance(e, StorageError) and not isinstance(e, _ChecksumMismatch):
-                raise
-            raise self._error(what, key, e) from e
-
     def _error(self, what: str, key: str, e: BaseException) -> Exception:
         where = f"gs://{self.bucket_name}/{self.prefix}{key}"
-        if isinstance(e, (_ChecksumMismatch, DataCorruption)):
+        if isinstance(e, DataCorruption):
             return CheckpointCorruptError(f"{where}: {e}")
         if isinstance(e, gexc.NotFound):
             if "bucket" in str(e).lower() and "object" not in str(e).lower():
                 return StorageError(f"cannot {what} {where}: bucket {self.bucket_name!r} does not exist; "
                                     "create it or fix the URL (and STORAGE_EMULATOR_HOST)")
-            return ObjectNotFoundError(f"gs://{self.bucket_name}/{self.prefix}{key} does not exist")
+            return ObjectNotFoundError(f"{where} does not exist")
         if isinstance(e, (gexc.Forbidden, gexc.Unauthorized, aexc.RefreshError)):
             return StorageError(f"cannot {what} {where}: access denied ({e}); check the credentials "
                                 "(GOOGLE_APPLICATION_CREDENTIALS, the VM's service account) and that it has "
                                 f"roles/storage.objectAdmin on bucket {self.bucket_name!r}")
         return StorageError(f"cannot {what} {where} (gave up after retries): {type(e).__name__}: {e}")
-
-    def _key(self, key: str) -> str:
-        return self.prefix + check_key(key)
 
     def _timeout(self, deadline: float | None) -> float:
         """Per-request timeout; under a deadline, short enough that one hung request cannot outlast it."""
@@ -181,43 +180,29 @@ class GCSStorage(Storage):
         return self.options.timeout if left is None else max(1.0, min(self.options.timeout, left))
 
     # -- writes --------------------------------------------------------------------------------
-    @contextmanager
-    def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
-        """Spool to a local temp file (with a running CRC32C), then upload it, resumable when large."""
-        with temp_dir(tmp_parent()) as d:
-            spool = d / "spool"
-            with open(spool, "wb") as raw:
-                crc = Crc32File(raw, _crc32c)
-                yield crc  # type: ignore[misc]
-            self._upload(key, spool, crc.b64(), crc.size, deadline)
-
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
-        """Upload a local file (composite, resumable or simple by size), with no spool copy."""
-        self._upload(key, path, crc_b64(file_crc(path, _crc32c)), path.stat().st_size, deadline)
-
-    def _upload(self, key: str, spool: Path, crc: str, size: int, deadline: float | None) -> None:
-        full = self._key(key)
-        large = size >= self.options.resumable_threshold
+    def _upload(self, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+        """Composite from ``composite_threshold`` up, else resumable or multipart by size."""
+        _private_boundaries()
         if self.options.composite_threshold and size >= self.options.composite_threshold:
-            self._composite_upload(key, full, spool, size, crc, deadline)
-            return
+            self._composite_upload(key, path, size, crc, deadline)
+        else:
+            super()._upload(key, path, crc, size, deadline)
 
-        def upload() -> None:
-            blob = self.bucket.blob(full, chunk_size=self.options.chunk_size if large else None)
-            blob.crc32c = crc  # sent with the upload: GCS rejects a mismatch
-            blob.upload_from_filename(str(spool), checksum="crc32c", retry=None, timeout=self._timeout(deadline))
-            if self.progress:
-                self.progress(size)
+    def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+        large = size >= self.options.resumable_threshold
+        blob = client.blob(self._key(key), chunk_size=self.options.chunk_size if large else None)
+        blob.crc32c = crc  # sent with the upload: GCS rejects a mismatch
+        blob.upload_from_filename(str(path), checksum="crc32c", retry=None, timeout=self._timeout(deadline))
+        if self.progress:
+            self.progress(size)
 
-        self._call("upload", key, upload, deadline)
-
-    def _composite_upload(self, key: str, full: str, spool: Path, size: int, crc: str,
-                          deadline: float | None) -> None:
+    def _composite_upload(self, key: str, spool: Path, size: int, crc: str, deadline: float | None) -> None:
         """Upload parts as temporary objects in parallel, compose them (at most 32), delete the parts.
 
         Each part carries its own CRC32C; the composed object's CRC32C (computed by GCS) must equal
         the CRC32C of the whole file, so a part mixed up or damaged cannot go unnoticed.
         """
+        full = self._key(key)
         part = max(self.options.chunk_size, -(-size // (32 * _CHUNK_UNIT)) * _CHUNK_UNIT)
         token = secrets.token_hex(6)
         names = [f"{full}{PART_MARK}{token}-{i:02d}" for i in range(-(-size // part))]
@@ -258,93 +243,50 @@ class GCSStorage(Storage):
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
                   deadline: float | None = None) -> None:
-        full = self._key(key)
-
-        def put() -> None:
-            blob = self.bucket.blob(full)
-            blob.crc32c = crc_b64(_crc32c(data, 0))
-            try:
-                # Below the library's resumable threshold: one multipart request, where GCS and
-                # the emulators apply ifGenerationMatch=0.
-                blob.upload_from_string(data, if_generation_match=0 if exclusive else None, checksum="crc32c",
-                                        retry=None, timeout=self._timeout(deadline))
-            except gexc.PreconditionFailed as e:
-                # An earlier attempt may have landed although its reply was lost: same bytes = ours.
-                if self.bucket.blob(full).download_as_bytes(retry=None, timeout=self._timeout(deadline)) == data:
-                    logger.info("%s was already written by an earlier attempt", self.describe(key))
-                    return
-                raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
-
         if len(data) >= 100 * MiB:
             raise ConfigError("put_bytes is for small objects; use open_write")
-        self._call("write", key, put, deadline)
+        super().put_bytes(key, data, exclusive=exclusive, deadline=deadline)
+
+    def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
+        _private_boundaries()
+        blob = client.blob(full)
+        blob.crc32c = crc_b64(_crc32c(data, 0))
+        try:
+            # Below the library's resumable threshold: one multipart request, where GCS and the
+            # emulators apply ifGenerationMatch=0.
+            blob.upload_from_string(data, if_generation_match=0 if exclusive else None, checksum="crc32c",
+                                    retry=None, timeout=self._timeout(deadline))
+        except gexc.PreconditionFailed as e:
+            raise _Conflict from e
 
     # -- reads ---------------------------------------------------------------------------------
-    def get_bytes(self, key: str) -> bytes:
-        full = self._key(key)
-        return self._call("read", key, lambda: self.bucket.blob(full).download_as_bytes(  # type: ignore[no-any-return]
-            checksum="crc32c", retry=None, timeout=self.options.timeout))
+    def _read(self, full: str, client: Any = None) -> bytes:
+        return (client or self.bucket).blob(full).download_as_bytes(  # type: ignore[no-any-return]
+            checksum="crc32c", retry=None, timeout=self.options.timeout)
 
-    @contextmanager
-    def local_copy(self, key: str) -> Iterator[Path]:
-        """Download the object, then check its CRC32C against the one GCS holds."""
-        full = self._key(key)
-        with temp_dir(tmp_parent()) as d:
-            path = d / Path(key).name
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+        blob = self.bucket.get_blob(full, retry=None, timeout=self.options.timeout)
+        if blob is None:
+            raise gexc.NotFound(f"No such object: {self.bucket_name}/{full}")
+        blob.download_to_filename(str(path), checksum="crc32c", retry=None, timeout=self.options.timeout,
+                                  if_generation_match=blob.generation)
+        if self.progress:
+            self.progress(path.stat().st_size)
+        return blob.size, blob.crc32c
 
-            def fetch() -> None:
-                blob = self.bucket.get_blob(full, retry=None, timeout=self.options.timeout)
-                if blob is None:
-                    raise gexc.NotFound(f"No such object: {self.bucket_name}/{full}")
-                blob.download_to_filename(str(path), checksum="crc32c", retry=None, timeout=self.options.timeout,
-                                          if_generation_match=blob.generation)
-                size = path.stat().st_size
-                if blob.size is not None and size != blob.size:
-                    raise _ChecksumMismatch(f"downloaded {size} bytes, the object has {blob.size}")
-                if blob.crc32c:
-                    got = crc_b64(file_crc(path, _crc32c))
-                    if got != blob.crc32c:
-                        raise _ChecksumMismatch(f"CRC32C of the downloaded object is {got}, GCS holds {blob.crc32c}")
-                if self.progress:
-                    self.progress(size)
+    def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
+        blobs = self.bucket.list_blobs(prefix=full_prefix, page_size=self.options.page_size, retry=None,
+                                       timeout=self.options.timeout)
+        return ((b.name, b.size) for b in blobs if PART_MARK not in b.name)
 
-            for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
-                try:
-                    self._call("download", key, fetch)
-                    break
-                except CheckpointCorruptError as e:
-                    if attempt == 2:
-                        raise
-                    logger.warning("%s; downloading it again", e)
-            yield path
+    def _delete_one(self, full: str) -> None:
+        try:
+            self.bucket.delete_blob(full, retry=None, timeout=self.options.timeout)
+        except gexc.NotFound:
+            pass
 
-    def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        if prefix:
-            check_key(prefix.rstrip("/"))
-
-        def run() -> dict[str, int]:
-            blobs = self.bucket.list_blobs(prefix=self.prefix + prefix, page_size=self.options.page_size,
-                                           retry=None, timeout=self.options.timeout)
-            return {b.name[len(self.prefix):]: b.size for b in blobs if PART_MARK not in b.name}
-
-        return dict(self._call("list", prefix, run))
-
-    def delete(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            blob_name = self._key(key)
-
-            def run(name: str = blob_name) -> None:
-                try:
-                    self.bucket.delete_blob(name, retry=None, timeout=self.options.timeout)
-                except gexc.NotFound:
-                    pass
-
-            self._call("delete", key, run)
-
-    def exists(self, key: str) -> bool:
-        full = self._key(key)
-        return bool(self._call("check", key, lambda: self.bucket.blob(full).exists(
-            retry=None, timeout=self.options.timeout)))
+    def _exists(self, full: str) -> bool:
+        return bool(self.bucket.blob(full).exists(retry=None, timeout=self.options.timeout))
 
     def close(self) -> None:
         if self._client is not None:

@@ -21,6 +21,7 @@ from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 from ..errors import ConfigError, StorageError
+from ._common import check_fields
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,10 @@ class RetryOptions:
     max_elapsed: float = 300.0  # give up after this long even without a deadline
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ConfigError(f"retry attempts must be an int >= 1, got {self.attempts!r}")
-        if self.initial < 0 or self.maximum < self.initial or self.multiplier < 1 or self.max_elapsed <= 0:
-            raise ConfigError(f"invalid retry timing {self!r}")
+        check_fields(self, ints={"attempts": 1}, positive=("maximum", "multiplier"))
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (self.initial, self.max_elapsed))
+        if not numbers or not 0 <= self.initial <= self.maximum or self.multiplier < 1 or not self.max_elapsed > 0:
+            raise ConfigError(f"invalid retry timing {self!r}")  # max_elapsed may be inf: no time cap
 
 
 class JitteredBackoff(wait_base):

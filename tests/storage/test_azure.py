@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +21,7 @@ from spotguard.storage import open_storage
 from spotguard.storage.azure import META_CRC, AzureOptions, AzureStorage
 from spotguard.storage.retry import RetryOptions
 from tests.faultproxy import FaultProxy
+from tests.helpers import subprocess_env
 from tests.storage.conftest import azurite_connection, make_container
 
 MiB = 1 << 20
@@ -207,21 +210,29 @@ def test_transient_faults_are_retried_without_touching_global_random(az_url: str
 
 def test_token_refresh_jitter_does_not_draw_from_global_random():
     """azure-core's bearer-token policy draws a refresh jitter with each token (managed identity,
-    az login ...): importing the backend gives that module a private generator."""
+    az login ...): a backend with a token credential gives that module a private generator."""
     from azure.core.credentials import AccessToken
     from azure.core.pipeline.policies import BearerTokenCredentialPolicy
-
-    import spotguard.storage.azure  # noqa: F401
 
     class Credential:
         def get_token(self, *scopes, **kwargs):
             return AccessToken("token", int(time.time()) + 3600)
 
+    AzureStorage("az://ckpt@someacct.blob.core.windows.net/run", credential=Credential()).close()
     policy = BearerTokenCredentialPolicy(Credential(), "https://storage.azure.com/.default")
     random.seed(7)
     before = random.getstate()
     policy._request_token("https://storage.azure.com/.default")
     assert random.getstate() == before
+
+
+def test_importing_the_backend_leaves_azure_core_untouched():
+    """The private generator is installed when a client with a token credential is built, not at import."""
+    code = ("import random\nfrom azure.core.pipeline.policies import _authentication\n"
+            "import spotguard.storage.azure\nprint(_authentication.random is random)")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)  # a fresh process: nothing imported or patched yet
+    assert out.stdout.strip() == "True", out.stderr
 
 
 def test_an_account_that_does_not_resolve_is_named():

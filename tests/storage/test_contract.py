@@ -10,6 +10,8 @@ MiB objects.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,9 @@ from spotguard.errors import CheckpointExistsError, ConfigError
 from spotguard.storage import ObjectNotFoundError, Storage, open_storage
 from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
+from spotguard.storage.retry import RetryOptions
 from spotguard.storage.s3 import S3Options, S3Storage
+from tests.helpers import subprocess_env
 
 MiB = 1 << 20
 
@@ -131,6 +135,33 @@ def test_bad_urls_are_config_errors(url: str, monkeypatch):
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
     with pytest.raises(ConfigError):
         open_storage(url)
+
+
+def test_the_storage_package_imports_no_cloud_sdk():
+    """The SDKs are optional extras: only opening an s3://, gs:// or az:// URL imports one."""
+    code = ("import sys\nimport spotguard.storage, spotguard.storage.cloud\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'google', 'azure'}))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.mark.parametrize("url", ["s3://[bucket/x", "gs://my bucket/x"])
+def test_malformed_urls_are_config_errors(url: str):
+    with pytest.raises(ConfigError, match="invalid storage URL"):
+        open_storage(url)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: S3Options(part_size="16MiB"), lambda: S3Options(concurrency=2.5), lambda: S3Options(read_timeout="60"),
+    lambda: S3Options(endpoint_url="127.0.0.1:9000"), lambda: S3Options(endpoint_url="http://h:port"), lambda: S3Options(retry={"attempts": 3}), lambda: GCSOptions(timeout=None),
+    lambda: GCSOptions(page_size=True), lambda: GCSOptions(chunk_size=MiB + 1), lambda: AzureOptions(block_size=1.5),
+    lambda: AzureOptions(account_url="blob.example.com"), lambda: AzureOptions(urgent_timeout=float("nan")),
+    lambda: RetryOptions(initial="0.2"), lambda: RetryOptions(attempts=2.0)])
+def test_bad_option_values_are_config_errors(make):
+    """Wrong types too: a TypeError deep inside an upload would name neither the option nor the fix."""
+    with pytest.raises(ConfigError):
+        make()
 
 
 @pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])

@@ -40,6 +40,23 @@ def test_library_alone_draws_from_global_random(fake_gcs_url: str):
     assert out.stdout.strip() == "True", out.stderr
 
 
+def test_importing_the_backend_leaves_the_google_library_untouched(fake_gcs_url: str):
+    """Only an upload installs the private MIME boundary, once, however many threads upload at once.
+
+    fake-gcs-server: the uploads are plain multipart ones.
+    """
+    code = ("import threading\nfrom google.cloud.storage._media import _upload\noriginal = _upload.get_boundary\n"
+            "import spotguard.storage.gcs as g\nprint(_upload.get_boundary is original)\n"
+            f"st = g.GCSStorage({fake_gcs_url!r})\n"
+            "ts = [threading.Thread(target=st.put_bytes, args=(f'k{i}', b'x')) for i in range(4)]\n"
+            "[t.start() for t in ts]\n[t.join() for t in ts]\nfirst = _upload.get_boundary\n"
+            "st.put_bytes('again', b'y')\n"
+            "print(first is not original, _upload.get_boundary is first, sorted(st.list()))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=60)  # a fresh process: nothing imported or patched yet
+    assert out.stdout.splitlines() == ["True", "True True ['again', 'k0', 'k1', 'k2', 'k3']"], out.stderr
+
+
 @pytest.mark.parametrize("fault_rate", [0.0, 0.3])
 def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs, fake_gcs_url: str,
                                                                           monkeypatch, fault_rate: float):

@@ -1,0 +1,255 @@
+"""What the cloud backends (S3, GCS, Azure) share; each backend adds only its SDK's calls.
+
+The base owns the flow, the backend the wire:
+
+- writes: ``open_write`` spools to a local temp file while a running checksum (CRC32, or CRC32C
+  for GCS) is kept, then ``_send`` uploads that file (``put_file`` skips the spool). The
+  checksum travels with the upload so the server can check it.
+- write-once: ``put_bytes(exclusive=True)`` calls ``_put``, which raises ``_Conflict`` when the
+  key exists; the base reads the object back, since an earlier attempt may have landed although
+  its reply was lost (same bytes: ours), else raises ``CheckpointExistsError``.
+- reads: ``local_copy`` has ``_fetch`` download into a temp file and report what the server holds
+  (size, checksum); a mismatch is retried once as a new download, then the object is corrupt.
+- every SDK call runs through ``_call``: tenacity retries (``retry.py``) of what ``_transient``
+  accepts, never past the caller's deadline, then ``_error`` names the failure and its fix.
+
+Under a deadline (an emergency save) a backend may give each operation a client of its own with
+short timeouts (``_client_for``), so one hung request cannot outlast the deadline.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigError,
+    MissingDependencyError,
+    StorageError,
+)
+from . import retry
+from ._common import Crc32File, Progress, crc_b64, file_crc, temp_dir, tmp_parent
+from .base import Storage, check_key
+
+logger = logging.getLogger(__name__)
+
+
+class _ChecksumMismatch(StorageError):
+    """A downloaded object does not match the size or checksum the server holds (retried, then corrupt)."""
+
+
+class _Conflict(Exception):
+    """Raised by a backend's ``_put``: a write-once key already exists."""
+
+
+def urgent_timeout(options: Any, deadline: float | None) -> float | None:
+    """Per-request timeout under a deadline: a third of the time left, within [urgent_timeout, read_timeout].
+
+    Long enough for a large part on a slow server, short enough that a hung request is retried.
+    """
+    if deadline is None:
+        return None
+    return float(min(options.read_timeout, max(options.urgent_timeout, (deadline - time.monotonic()) / 3)))
+
+
+class CloudStorage(Storage):
+    """A bucket (or container) and a key prefix, reached through a cloud SDK."""
+
+    #: The checksum uploads carry and downloads are checked against: its name and running update.
+    checksum_name = "CRC32"
+    checksum_update: Callable[[Any, int], int] = staticmethod(zlib.crc32)
+    #: The SDK's exceptions that ``_call`` turns into ``StorageError`` (through ``_error``).
+    sdk_errors: tuple[type[BaseException], ...] = ()
+    #: What the server holding the checksum is called in messages ("S3 holds ...").
+    holder = "the server"
+    #: Whether an operation under a deadline gets a client of its own (``_make_client``).
+    deadline_clients = False
+
+    prefix: str  # "" or ending in "/": set by the backend from its URL
+
+    def __init__(self, url: str, options: Any) -> None:
+        super().__init__(url)
+        self.options = options
+        #: Optional byte-count callback for transfers (the CLI's progress bars).
+        self.progress: Progress | None = None
+        self._wait = retry.JitteredBackoff(options.retry)
+
+    # -- what a backend provides -----------------------------------------------------------------
+    @abc.abstractmethod
+    def _transient(self, e: BaseException) -> bool:
+        """Whether ``e`` may pass on a retry (5xx, throttling, a reset connection)."""
+
+    @abc.abstractmethod
+    def _error(self, what: str, key: str, e: BaseException) -> Exception:
+        """The error to raise for an SDK failure that retries did not cure, naming the likely fix."""
+
+    @abc.abstractmethod
+    def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+        """Upload the local file ``path`` as ``key`` (one attempt), carrying checksum ``crc`` (base64)."""
+
+    @abc.abstractmethod
+    def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
+        """Write a small object at once (one attempt); with ``exclusive``, raise ``_Conflict`` if it exists."""
+
+    @abc.abstractmethod
+    def _read(self, full: str, client: Any = None) -> bytes:
+        """A small object's bytes."""
+
+    @abc.abstractmethod
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+        """Download ``full`` into ``path``; return the size and base64 checksum the server holds (None: unknown)."""
+
+    @abc.abstractmethod
+    def _list(self, full_prefix: str) -> Iterable[tuple[str, int]]:
+        """(full name, size) of every object below ``full_prefix``, in-progress parts excluded."""
+
+    @abc.abstractmethod
+    def _delete_one(self, full: str) -> None:
+        """Delete one object; a missing one is no error."""
+
+    @abc.abstractmethod
+    def _exists(self, full: str) -> bool:
+        """Whether the object exists."""
+
+    def _shared_client(self) -> Any:
+        """The client every operation uses, except those that get their own under a deadline."""
+        return None
+
+    def _make_client(self, deadline: float | None) -> Any:
+        """A new client whose timeouts and request retries respect ``deadline`` (see ``_client_for``)."""
+        raise NotImplementedError
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    @contextmanager
+    def _client_for(self, deadline: float | None) -> Iterator[Any]:
+        """The shared client; under a deadline, a client of this operation's own, closed after it.
+
+        Its short timeouts keep one hung request from outlasting the deadline, and its retry hook
+        holds the deadline: SDK hooks run in the transfer's worker threads, so the deadline must
+        travel with the client, never through state shared with concurrent operations.
+        """
+        if deadline is None or not self.deadline_clients:
+            yield self._shared_client()
+            return
+        client = self._make_client(deadline)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def _call(self, what: str, key: str, fn: Callable[[], Any], deadline: float | None = None) -> Any:
+        """Run ``fn`` with retries; SDK errors come out as StorageError (or a subclass)."""
+        try:
+            return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
+                              what=f"{what} {self.describe(key)}", wait=self._wait)
+        except _ChecksumMismatch as e:
+            raise CheckpointCorruptError(f"{self.describe(key)}: {e}") from e
+        except (StorageError, ConfigError, MissingDependencyError):
+            raise
+        except self.sdk_errors as e:
+            raise self._error(what, key, e) from e
+
+    # -- writes --------------------------------------------------------------------------------
+    @contextmanager
+    def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
+        """Spool to a local temp file (with a running checksum), then upload it."""
+        check_key(key)
+        with temp_dir(tmp_parent()) as d:
+            spool = d / "spool"
+            with open(spool, "wb") as raw:
+                crc = Crc32File(raw, self.checksum_update)
+                yield crc  # type: ignore[misc]
+            self._upload(key, spool, crc.b64(), crc.size, deadline)
+
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
+        """Upload a local file straight from where it lies (no spool copy)."""
+        check_key(key)
+        self._upload(key, path, crc_b64(file_crc(path, self.checksum_update)), path.stat().st_size, deadline)
+
+    def _upload(self, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+        with self._client_for(deadline) as client:
+            self._call("upload", key, lambda: self._send(client, key, path, crc, size, deadline), deadline)
+
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
+                  deadline: float | None = None) -> None:
+        full = self._key(key)
+
+        def put(client: Any) -> None:
+            try:
+                self._put(client, full, data, exclusive, deadline)
+            except _Conflict as e:
+                # An earlier attempt may have landed although its reply was lost: same bytes = ours.
+                if self._read(full, client) == data:
+                    logger.info("%s was already written by an earlier attempt", self.describe(key))
+                    return
+                raise CheckpointExistsError(f"{self.describe(key)} already exists") from e
+
+        with self._client_for(deadline) as client:
+            self._call("write", key, lambda: put(client), deadline)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_bytes(self, key: str) -> bytes:
+        full = self._key(key)
+        return bytes(self._call("read", key, lambda: self._read(full)))
+
+    @contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        """Download the object, then check its size and checksum against what the server holds."""
+        full = self._key(key)
+        with temp_dir(tmp_parent()) as d:
+            path = d / Path(key).name
+            for attempt in (1, 2):  # a mismatch may come from the transfer: download once more
+                try:
+                    self._call("download", key, lambda: self._verify(full, path, *self._fetch(full, path)))
+                    break
+                except CheckpointCorruptError as e:
+                    if attempt == 2:
+                        raise
+                    logger.warning("%s; downloading it again", e)
+            yield path
+
+    def _verify(self, full: str, path: Path, size: int | None, want: str | None) -> None:
+        got_size = path.stat().st_size
+        if size is not None and got_size != size:
+            raise _ChecksumMismatch(f"downloaded {got_size} bytes, the object has {size}")
+        if not want:
+            logger.debug("%s has no stored %s; relying on the manifest's SHA-256", full, self.checksum_name)
+            return
+        got = crc_b64(file_crc(path, self.checksum_update))
+        if got != want:
+            raise _ChecksumMismatch(f"{self.checksum_name} of the downloaded object is {got}, {self.holder} holds {want}")
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        if prefix:
+            check_key(prefix.rstrip("/"))
+        cut = len(self.prefix)
+        return dict(self._call("list", prefix, lambda: {name[cut:]: size for name, size in self._list(self.prefix + prefix)}))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            full = self._key(key)
+
+            def run(name: str = full) -> None:
+                self._delete_one(name)
+
+            self._call("delete", key, run)
+
+    def exists(self, key: str) -> bool:
+        full = self._key(key)
+        return bool(self._call("check", key, lambda: self._exists(full)))
+
+    def close(self) -> None:
+        client = self._shared_client()
+        if client is not None:
+            client.close()
