@@ -21,6 +21,7 @@ import secrets
 import time
 from typing import Any
 
+from spotguard.errors import ConfigError
 from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
 
 MAX_TTL = 21600
@@ -90,7 +91,7 @@ class AwsMock(CloudMock):
         if kind == "spot":
             action = options.get("action") or "terminate"
             if action not in ("terminate", "stop", "hibernate"):
-                raise ValueError(f"spot action must be terminate, stop or hibernate, got {action!r}")
+                raise ConfigError(f"spot action must be terminate, stop or hibernate, got {action!r}")
             when = _utc(float(options.get("warning", self.warning))).strftime("%Y-%m-%dT%H:%M:%SZ")
             self.values["spot/instance-action"] = json.dumps({"action": action, "time": when})
             self.values["spot/termination-time"] = when
@@ -102,7 +103,7 @@ class AwsMock(CloudMock):
         if kind == "maintenance":
             code = options.get("action") or "instance-stop"
             if code not in EVENT_CODES:
-                raise ValueError(f"scheduled event code must be one of {', '.join(EVENT_CODES)}, got {code!r}")
+                raise ConfigError(f"scheduled event code must be one of {', '.join(EVENT_CODES)}, got {code!r}")
             start = _utc(float(options.get("warning", 300)))
             event = {"NotBefore": start.strftime("%d %b %Y %H:%M:%S GMT"),
                      "Code": code, "Description": EVENT_CODES[code],

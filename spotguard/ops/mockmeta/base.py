@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from spotguard.errors import ConfigError
+
 
 @dataclass
 class Request:
@@ -77,7 +79,7 @@ class CloudMock(abc.ABC):
     def trigger(self, kind: str | None = None, delay: float = 0.0, **options: Any) -> dict[str, Any]:
         kind = kind or self.kinds[0]
         if kind not in self.kinds:
-            raise ValueError(f"{self.cloud} mock: unknown kind {kind!r}; known: {', '.join(self.kinds)}")
+            raise ConfigError(f"{self.cloud} mock: unknown kind {kind!r}; known: {', '.join(self.kinds)}")
         if delay > 0:
             timer = threading.Timer(delay, self._fire, (kind, options))
             timer.daemon = True
