@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from spotguard.ops.supervisor import CAUSES
+from spotguard.ops.supervisor import CAUSES, RESTARTED
 
 from .. import heartbeat
 from .sink import Endpoint, JsonLines, Worker
@@ -59,14 +59,14 @@ class RunMetrics:
                                        labels=["cause"])
         ended = CounterMetricFamily("spotguard_run_exits", "Job exits, by cause.", labels=["cause"])
         for cause in CAUSES:
-            if cause in ("exit_code", "signal", "hang", "startup_timeout"):
+            if cause in RESTARTED:
                 restarts.add_metric([cause], sup.restart_causes.get(cause, 0))
             ended.add_metric([cause], sum(1 for e in exits if e["cause"] == cause))
         yield restarts
         yield ended
         beat = sup.beat
         yield GaugeMetricFamily("spotguard_run_job_running", "1 while the job is running.",
-                                value=1 if beat is not None and sup._proc is not None else 0)
+                                value=1 if beat is not None and sup.running is not None else 0)
         if beat is not None:
             yield GaugeMetricFamily("spotguard_run_job_step", "The job's last completed step (its heartbeat).",
                                     value=heartbeat.read(beat)[0])
