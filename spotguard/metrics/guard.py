@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from spotguard import planner
+from spotguard.costs import DEFAULT_START_S
 from spotguard.guard import ranks
-from spotguard.guard.stats import DEFAULT_START_S
 
 from .sink import Exporter
 
