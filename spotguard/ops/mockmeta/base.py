@@ -72,6 +72,11 @@ class CloudMock(abc.ABC):
     def reset(self) -> None:
         """Withdraw every notice (under ``self.cond``)."""
 
+    def check(self, kind: str, **options: Any) -> None:
+        """Raise ``ConfigError`` for options ``apply()`` cannot use: called when a notice is asked
+        for, so a delayed one fails at once rather than later in a timer thread."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {}
 
@@ -80,6 +85,7 @@ class CloudMock(abc.ABC):
         kind = kind or self.kinds[0]
         if kind not in self.kinds:
             raise ConfigError(f"{self.cloud} mock: unknown kind {kind!r}; known: {', '.join(self.kinds)}")
+        self.check(kind, **options)
         if delay > 0:
             timer = threading.Timer(delay, self._fire, (kind, options))
             timer.daemon = True
