@@ -77,6 +77,14 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is None:
+        # ``import spotguard; spotguard.checkpoint.scan(...)`` worked when every subpackage was
+        # imported eagerly: a subpackage is still an attribute, imported on first use.
+        if not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
         raise AttributeError(f"module 'spotguard' has no attribute {name!r}")
     value = getattr(importlib.import_module(where), name)
     globals()[name] = value  # later reads skip this function

@@ -84,3 +84,18 @@ def test_checkpoint_listing_does_not_import_torch(tmp_path, args):
     root: Path = tmp_path / "ckpt"
     root.mkdir()
     spotguard(*args, str(root), code=0 if args == ["ls"] else 1)
+
+
+def test_the_lazy_package_still_offers_every_public_name_and_subpackage():
+    code = ("import sys, spotguard\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert spotguard.checkpoint.scan and spotguard.notices.base.Notice and spotguard.ConfigError\n"
+            "assert 'torch' not in sys.modules, 'a light attribute imported torch'\n"
+            "missing = [n for n in spotguard.__all__ if getattr(spotguard, n, None) is None]\n"
+            "assert not missing, missing\n"
+            "from spotguard import EXIT_PREEMPTED, Guard, GuardOptions, Value\n"
+            "assert Guard.__module__ == 'spotguard.guard.guard' and EXIT_PREEMPTED == 75\n"
+            "assert not hasattr(spotguard, 'nothing_of_that_name')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
