@@ -1,22 +1,55 @@
-"""spotguard: keep PyTorch training alive on spot machines (notice -> checkpoint -> exact resume)."""
+"""spotguard: keep PyTorch training alive on spot machines (notice -> checkpoint -> exact resume).
 
-from spotguard.checkpoint import CheckpointInfo, Manifest
-from spotguard.guard import EXIT_PREEMPTED, Guard, GuardOptions
+The public names are loaded on first use (PEP 562 ``__getattr__``): ``import spotguard.notices.aws``
+or ``spotguard run`` must not pay for torch, which only the Guard, ``Value`` and the checkpoint
+engines need. ``from spotguard import Guard`` works as before; type checkers read the imports below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (
-    CheckpointCorruptError,
-    CheckpointExistsError,
-    CheckpointMismatchError,
-    ConfigError,
-    MissingDependencyError,
-    SpotguardError,
-    StorageError,
-)
-from .notices.base import Notice, NoticeProvider
-from .storage import Storage, open_storage
-from .value import Value
-from .watcher import Watcher
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointInfo, Manifest
+    from .errors import (
+        CheckpointCorruptError,
+        CheckpointExistsError,
+        CheckpointMismatchError,
+        ConfigError,
+        MissingDependencyError,
+        SpotguardError,
+        StorageError,
+    )
+    from .guard import EXIT_PREEMPTED, Guard, GuardOptions
+    from .notices.base import Notice, NoticeProvider
+    from .storage import Storage, open_storage
+    from .value import Value
+    from .watcher import Watcher
+
+#: Public name -> the module that defines it (imported when the name is first read).
+_WHERE = {
+    "EXIT_PREEMPTED": "spotguard.guard",
+    "Guard": "spotguard.guard",
+    "GuardOptions": "spotguard.guard",
+    "CheckpointInfo": "spotguard.checkpoint",
+    "Manifest": "spotguard.checkpoint",
+    "CheckpointCorruptError": "spotguard.errors",
+    "CheckpointExistsError": "spotguard.errors",
+    "CheckpointMismatchError": "spotguard.errors",
+    "ConfigError": "spotguard.errors",
+    "MissingDependencyError": "spotguard.errors",
+    "SpotguardError": "spotguard.errors",
+    "StorageError": "spotguard.errors",
+    "Notice": "spotguard.notices.base",
+    "NoticeProvider": "spotguard.notices.base",
+    "Storage": "spotguard.storage",
+    "open_storage": "spotguard.storage",
+    "Value": "spotguard.value",
+    "Watcher": "spotguard.watcher",
+}
 
 __all__ = [
     "EXIT_PREEMPTED",
@@ -39,3 +72,24 @@ __all__ = [
     "__version__",
     "open_storage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        # ``import spotguard; spotguard.checkpoint.scan(...)`` worked when every subpackage was
+        # imported eagerly: a subpackage is still an attribute, imported on first use.
+        if not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
+        raise AttributeError(f"module 'spotguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

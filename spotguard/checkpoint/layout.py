@@ -191,10 +191,12 @@ def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
 
 
 def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,
-         cancel: threading.Event | None = None) -> Manifest:
+         cancel: threading.Event | None = None, verify: bool = False) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
 
-    ``cancel``, when set, abandons the copy before the next file or the manifest.
+    ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
+    each file against the manifest on its way (``open_verified``: one read, not a verify then a
+    copy) and raises ``CheckpointCorruptError`` before a bad file is stored.
     """
     if info.manifest is None:
         raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
@@ -206,7 +208,8 @@ def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | 
     for entry in info.manifest.files:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
-        with src.local_copy(f"{info.name}/{entry.name}") as path:
+        with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") \
+                as path:
             dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")

@@ -1,35 +1,21 @@
-"""Measured checkpoint costs: what the guard records, and the stats file the planner reads.
+"""Measured checkpoint costs: what the guard records.
 
 ``GuardStats`` is filled by the guard as it works (``guard.stats()``); the deadline logic of the
 emergency save reasons with it. ``GuardStats.as_dict()`` is one record of the stats file that
-``spotguard plan --stats`` reads. Its format: one JSON object, a JSON list of objects, or JSON lines
-(one object per checkpoint); values are averaged. Keys, all optional, numbers or lists of numbers
-(null: not measured; other keys are ignored)::
-
-    {"snapshot_s": 1.2, "write_s": 8.5, "restart_s": 95.0, "restore_s": 4.0, "state_bytes": 4.2e9,
-     "async": false}
-
-``snapshot_s``: the loop is blocked while the state is copied; ``write_s``: the storage write;
-``async``: true when the write runs in the background, so only the snapshot blocks the loop
-(otherwise the write does). ``restart_s``: preemption to training again; without it,
-``restore_s`` (what ``guard.resume()`` took) plus ``DEFAULT_START_S`` for the rest of a start.
+``spotguard plan --stats`` reads (``spotguard.costs``, which has no torch, reads it; its names are
+re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from spotguard.errors import ConfigError
-from spotguard.planner import checked_number
+from spotguard.costs import DEFAULT_START_S, MeasuredCosts, load_stats
+
+__all__ = ["DEFAULT_START_S", "GuardStats", "MeasuredCosts", "load_stats"]
 
 _ALPHA = 0.5  # weight of the newest measurement in the moving averages
-#: Restart cost besides the restore when a record has only ``restore_s``: starting Python, torch,
-#: CUDA and the data loaders. Waiting for a replacement machine is not in it: measure the whole
-#: restart and give ``restart_s`` (or ``--restart-cost``) where that matters.
-DEFAULT_START_S = 60.0
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -89,54 +75,3 @@ class GuardStats:
         figures["async"] = figures.pop("async_save")
         return figures
 
-
-@dataclass
-class MeasuredCosts:
-    """Costs read from a stats file (``load_stats``); None where the file does not say."""
-
-    checkpoint_s: float | None
-    restart_s: float | None
-    state_gb: float | None
-
-
-def load_stats(path: str | Path) -> MeasuredCosts:
-    """Average the records: the checkpoint cost is ``snapshot_s`` when async, else ``snapshot_s +
-    write_s``; the restart cost ``restart_s``, else ``restore_s + DEFAULT_START_S``."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read stats file {p}: {e}") from e
-    try:
-        doc = json.loads(text)
-        records = doc if isinstance(doc, list) else [doc]
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not JSON or JSON lines ({e})") from e
-    values: dict[str, list[float]] = {"checkpoint": [], "restart_s": [], "state_bytes": []}
-    for i, rec in enumerate(records):
-        if not isinstance(rec, dict):
-            raise ConfigError(f"{p}: record {i + 1} is not a JSON object")
-        got = {k: _mean(p, k, rec[k]) for k in ("snapshot_s", "write_s", "restart_s", "restore_s", "state_bytes")
-               if rec.get(k) is not None}
-        blocking = ["snapshot_s"] if rec.get("async") else ["snapshot_s", "write_s"]
-        if any(k in got for k in blocking):
-            values["checkpoint"].append(sum(got.get(k, 0.0) for k in blocking))
-        if "restart_s" in got or "restore_s" in got:
-            values["restart_s"].append(got.get("restart_s", got.get("restore_s", 0.0) + DEFAULT_START_S))
-        if "state_bytes" in got:
-            values["state_bytes"].append(got["state_bytes"])
-    avg = {k: (sum(v) / len(v) if v else None) for k, v in values.items()}
-    if all(v is None for v in avg.values()):
-        raise ConfigError(f"{p}: no snapshot_s, write_s, restart_s, restore_s or state_bytes in it")
-    gb = None if avg["state_bytes"] is None else avg["state_bytes"] / 1e9
-    return MeasuredCosts(avg["checkpoint"], avg["restart_s"], gb)
-
-
-def _mean(path: Path, key: str, value: object) -> float:
-    items = value if isinstance(value, list) else [value]
-    if not items or any(isinstance(v, bool) or not isinstance(v, int | float) for v in items):
-        raise ConfigError(f"{path}: {key} must be a number or a non-empty list of numbers, got {value!r}")
-    return checked_number(f"{path}: {key}", sum(items) / len(items), zero=True)

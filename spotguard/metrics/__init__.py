@@ -10,14 +10,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spotguard.guard import ranks
-
-from .guard import GuardMetrics
-
 if TYPE_CHECKING:
     from spotguard.guard.guard import Guard
 
+    from .guard import GuardMetrics
+
 __all__ = ["GuardMetrics", "export"]
+
+
+def __getattr__(name: str) -> Any:
+    # GuardMetrics reads the Guard's ranks (torch.distributed): loaded on first use, so that
+    # ``spotguard run --metrics-port`` (``spotguard.metrics.run``) starts without torch.
+    if name == "GuardMetrics":
+        from .guard import GuardMetrics
+
+        return GuardMetrics
+    raise AttributeError(f"module 'spotguard.metrics' has no attribute {name!r}")
 
 
 def export(guard: Guard, *, port: int | None = None, host: str = "127.0.0.1", jsonl: str | None = None,
@@ -27,6 +35,10 @@ def export(guard: Guard, *, port: int | None = None, host: str = "127.0.0.1", js
     yourself. Under torchrun (``per_rank``) rank N serves on ``port + LOCAL_RANK`` and ``{rank}`` /
     ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes.
     """
+    from spotguard.guard import ranks
+
+    from .guard import GuardMetrics
+
     if per_rank and ranks.world_size() > 1:
         if port:
             port += ranks.local_rank()

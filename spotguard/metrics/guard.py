@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from spotguard import planner
+from spotguard.costs import DEFAULT_START_S
 from spotguard.guard import ranks
-from spotguard.guard.stats import DEFAULT_START_S
 
-from .sink import Endpoint, JsonLines, Worker, prometheus
+from .sink import Exporter
 
 if TYPE_CHECKING:
     from spotguard.guard.guard import Guard
@@ -44,7 +44,7 @@ def _unix(iso: str | None) -> float | None:
         return None
 
 
-class GuardMetrics:
+class GuardMetrics(Exporter):
     """Exports one Guard: a Prometheus collector (``collect()`` on scrape) and a JSON lines file.
 
     Made by ``spotguard.metrics.export()`` (or ``Guard(metrics_port=..., metrics_file=...)``); stops
@@ -60,48 +60,17 @@ class GuardMetrics:
         self._samples: deque[tuple[float, int]] = deque()
         self._durable: tuple[int, float] | None = None  # (step, unix commit time) of the resume point
         self._stops: list[float] = []  # seconds lost per stop for a notice
-        self._file = JsonLines(jsonl) if jsonl else None
-        self.endpoint: Endpoint | None = None
-        self._registry = registry
-        self._closed = False
-        self._worker = Worker(self._handle, self._sample, sample_s)
-        guard.events.add(self._on_event)
-        try:
-            if registry is not None:
-                prometheus()
-                registry.register(self)
-            if port is not None:
-                self.endpoint = Endpoint(self, host, port)
-        except Exception:
-            self.close()
-            raise
+        super().__init__(guard.events, port=port, host=host, jsonl=jsonl, registry=registry, tick_s=sample_s)
 
-    @property
-    def port(self) -> int | None:
-        return self.endpoint.port if self.endpoint else None
-
-    def close(self) -> None:
-        """Write what is queued, stop the endpoint and the thread. Calling it twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
-        self.guard.events.remove(self._on_event)
-        self._worker.close()
-        if self.endpoint is not None:
-            self.endpoint.close()
-        if self._registry is not None:
-            self._registry.unregister(self)
-        if self._file is not None:
-            self._file.close()
-
-    def _on_event(self, record: dict[str, Any]) -> None:
+    def on_event(self, record: dict[str, Any]) -> None:
         """The listener: queue the record (the guard's thread goes on at once); stop with the guard."""
-        self._worker.put(record)
+        super().on_event(record)
         if record["event"] == "close":
             self.close()
 
     # -- the background thread --------------------------------------------------------------
-    def _sample(self) -> None:
+    def tick(self) -> None:
+        """Note when a new step is first seen (``step()`` reads no clock): every ``sample_s`` and on scrape."""
         step, now = self.guard.last_step, time.time()
         with self._lock:
             if step is not None and step != self._seen[0]:
@@ -110,7 +79,7 @@ class GuardMetrics:
                 while len(self._samples) > 2 and self._samples[1][0] <= time.monotonic() - RATE_WINDOW_S:
                     self._samples.popleft()
 
-    def _handle(self, rec: dict[str, Any]) -> None:
+    def handle(self, rec: dict[str, Any]) -> None:
         event = rec["event"]
         with self._lock:
             if event == "resume" and rec.get("checkpoint_time"):
@@ -127,8 +96,7 @@ class GuardMetrics:
                 self._stops.append(lost)
         if event == "close":  # the last line sums the run up: stats and the planner's estimate
             rec = {**rec, **self.guard.stats().as_dict(), **(self.estimate() or {})}
-        if self._file is not None:
-            self._file.write(rec)
+        super().handle(rec)
 
     # -- figures ---------------------------------------------------------------------------------
     def steps_per_second(self) -> float | None:
@@ -138,7 +106,7 @@ class GuardMetrics:
             samples = list(self._samples)
         if len(samples) < 2:
             return None
-        t0, s0 = samples[0]  # _sample() keeps the newest sample before the window as the anchor
+        t0, s0 = samples[0]  # tick() keeps the newest sample before the window as the anchor
         return max(samples[-1][1] - s0, 0) / (now - t0) if now > t0 else None
 
     def interval_seconds(self) -> float | None:
@@ -186,7 +154,7 @@ class GuardMetrics:
         """Called by prometheus_client on each scrape: the figures as they are now."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-        self._sample()
+        self.tick()
         st, g = self.guard.stats(), self.guard
         step, seen = self._seen
 

@@ -11,43 +11,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from spotguard.ops.supervisor import CAUSES
+from spotguard.ops.supervisor import CAUSES, RESTARTED
 
 from .. import heartbeat
-from .sink import Endpoint, JsonLines, Worker
+from .sink import Exporter
 
 if TYPE_CHECKING:
     from spotguard.ops.supervisor import Supervisor
 
 
-class RunMetrics:
+class RunMetrics(Exporter):
     """Exports one Supervisor: an endpoint on ``host:port`` and/or JSON lines in ``jsonl``."""
 
     def __init__(self, supervisor: Supervisor, *, port: int | None = None, host: str = "127.0.0.1",
                  jsonl: str | None = None) -> None:
         self.supervisor = supervisor
-        self._file = JsonLines(jsonl) if jsonl else None
-        self._worker = Worker(self._file.write if self._file else lambda rec: None, name="spotguard-run-metrics")
-        supervisor.events.add(self._worker.put)
-        try:
-            self.endpoint = Endpoint(self, host, port) if port is not None else None
-        except Exception:
-            self.close()
-            raise
-
-    @property
-    def port(self) -> int | None:
-        return self.endpoint.port if self.endpoint else None
-
-    def close(self) -> None:
-        self.supervisor.events.remove(self._worker.put)
-        self._worker.close()
-        if getattr(self, "endpoint", None) is not None:
-            self.endpoint.close()  # type: ignore[union-attr]
-            self.endpoint = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        super().__init__(supervisor.events, port=port, host=host, jsonl=jsonl, name="spotguard-run-metrics")
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -59,14 +38,14 @@ class RunMetrics:
                                        labels=["cause"])
         ended = CounterMetricFamily("spotguard_run_exits", "Job exits, by cause.", labels=["cause"])
         for cause in CAUSES:
-            if cause in ("exit_code", "signal", "hang", "startup_timeout"):
+            if cause in RESTARTED:
                 restarts.add_metric([cause], sup.restart_causes.get(cause, 0))
             ended.add_metric([cause], sum(1 for e in exits if e["cause"] == cause))
         yield restarts
         yield ended
         beat = sup.beat
         yield GaugeMetricFamily("spotguard_run_job_running", "1 while the job is running.",
-                                value=1 if beat is not None and sup._proc is not None else 0)
+                                value=1 if beat is not None and sup.running is not None else 0)
         if beat is not None:
             yield GaugeMetricFamily("spotguard_run_job_step", "The job's last completed step (its heartbeat).",
                                     value=heartbeat.read(beat)[0])

@@ -1,5 +1,8 @@
 """Where metrics go: a Prometheus endpoint (collected on scrape) and a JSON lines file (one record per event).
 
+``Exporter`` is the life both exporters share (a Guard's, ``spotguard run``'s): it listens to an
+``Events``, hands the records to a ``Worker`` thread, serves an ``Endpoint`` and closes all of it once.
+
 Both are fed off the training loop's path: the endpoint calls the collector only when scraped, and
 records are written by one background thread from a queue, so a slow disk never stalls a listener.
 prometheus_client is imported only when an endpoint or a registry is asked for (``spotguard[metrics]``).
@@ -12,11 +15,12 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MissingDependencyError
+from ..events import Events, Record
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +128,67 @@ class JsonLines:
             self._file.close()
         except OSError as e:
             logger.warning("closing the metrics file %s failed: %s", self.path, e)
+
+
+class Exporter:
+    """Exports one source of ``events``: JSON lines in ``jsonl`` (written by ``handle()`` in a worker
+    thread, which also calls ``tick()`` every ``tick_s`` seconds), an endpoint on ``host:port`` (0: a
+    free port) and/or a collector registered in ``registry``. Subclasses give ``collect()``.
+
+    Set the state ``handle``, ``tick`` and ``collect`` read before calling ``__init__``: the worker
+    thread starts in it. A failure to serve closes what was opened and raises.
+    """
+
+    def __init__(self, events: Events, *, port: int | None = None, host: str = "127.0.0.1",
+                 jsonl: str | Path | None = None, registry: Any = None, tick_s: float = 1.0,
+                 name: str = "spotguard-metrics") -> None:
+        self._events = events
+        self._file = JsonLines(jsonl) if jsonl else None
+        self._registry = registry
+        self.endpoint: Endpoint | None = None
+        self._closed = False
+        self._worker = Worker(self.handle, self.tick, tick_s, name=name)
+        events.add(self.on_event)
+        try:
+            if registry is not None:
+                prometheus()
+                registry.register(self)
+            if port is not None:
+                self.endpoint = Endpoint(self, host, port)
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def port(self) -> int | None:
+        return self.endpoint.port if self.endpoint else None
+
+    def on_event(self, record: Record) -> None:
+        """The listener: queue the record; the emitting thread goes on at once."""
+        self._worker.put(record)
+
+    def handle(self, record: Record) -> None:
+        """In the worker thread: one record to the JSON lines file."""
+        if self._file is not None:
+            self._file.write(record)
+
+    def tick(self) -> None:
+        """In the worker thread, every ``tick_s`` seconds."""
+
+    def collect(self) -> Iterator[Any]:
+        """Called by prometheus_client on each scrape: the figures as they are now."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Write what is queued, stop the endpoint and the thread. Calling it twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._events.remove(self.on_event)
+        self._worker.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self._registry is not None:
+            self._registry.unregister(self)
+        if self._file is not None:
+            self._file.close()

@@ -11,7 +11,6 @@ private ``numpy.random.Generator``: the global streams are never touched.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spotguard.costs import read_records
 from spotguard.errors import ConfigError
 from spotguard.planner import NOTICE_LEAD_S, checked_number
 
@@ -76,19 +76,16 @@ class SimResult:
 
 def load_trace(path: str | Path) -> list[float]:
     """Preemption times in seconds: a JSON list, or one number per line ('#' starts a comment)."""
-    p = Path(path)
+    values = read_records(path, "trace", "a preemption trace", _trace_line)
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read trace {p}: {e}") from e
-    try:
-        if text.lstrip().startswith("["):
-            values = json.loads(text)
-        else:
-            values = [float(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
         return [checked_number("preemption time (s)", v, zero=True) for v in values]
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{p}: not a preemption trace ({e})") from e
+    except ValueError as e:
+        raise ConfigError(f"{path}: not a preemption trace ({e})") from e
+
+
+def _trace_line(line: str) -> float | None:
+    code = line.split("#")[0]
+    return float(code) if code.strip() else None
 
 
 def _preemptions(o: SimOptions, rng: np.random.Generator) -> Iterator[tuple[float, bool]]:

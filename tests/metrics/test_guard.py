@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import spotguard
 from spotguard import planner
-from spotguard.guard.stats import DEFAULT_START_S, load_stats
+from spotguard.costs import DEFAULT_START_S, load_stats
 from spotguard.notices.aws import AwsProvider
 
 from ..helpers import subprocess_env

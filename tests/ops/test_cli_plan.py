@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spotguard.guard.stats import DEFAULT_START_S
+from spotguard.costs import DEFAULT_START_S
 from spotguard.ops.cli import main
 from spotguard.planner import daly_interval, goodput
 from tests.helpers import subprocess_env

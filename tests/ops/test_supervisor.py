@@ -268,3 +268,18 @@ def test_startup_timeout_alone_does_not_watch_later_steps(tmp_path):
                              child=[sys.executable, "-c", script]), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "no step completed" not in proc.stderr
+
+
+def test_prefetch_refuses_a_corrupt_checkpoint_and_the_job_starts_anyway(tmp_path):
+    from spotguard import checkpoint
+    from spotguard.ops.supervisor import Supervisor, SupervisorOptions
+    from spotguard.storage import open_storage
+
+    durable, local = tmp_path / "bucket", tmp_path / "nvme"
+    checkpoint.write(open_storage(str(durable)), 7, {"state.pt": lambda f: f.write(b"x" * 4096)}, reason="periodic")
+    with open(durable / "step-00000007" / "state.pt", "r+b") as f:
+        f.write(b"y")  # same size: only the checksum tells
+    code = Supervisor(SupervisorOptions([sys.executable, "-c", "pass"], storage=str(durable), local_dir=str(local),
+                                        prefetch=True)).run()
+    assert code == 0
+    assert not any(i.complete for i in checkpoint.scan(open_storage(str(local))))

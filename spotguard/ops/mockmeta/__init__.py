@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spotguard.errors import ConfigError
 from spotguard.ops.mockmeta.aws import AwsMock
 from spotguard.ops.mockmeta.azure import AzureMock
 from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
@@ -25,7 +26,7 @@ def make_mock(cloud: str, **options: Any) -> CloudMock:
     try:
         return CLOUDS[cloud](**options)
     except KeyError:
-        raise ValueError(f"unknown cloud {cloud!r}; choose one of {', '.join(CLOUDS)}") from None
+        raise ConfigError(f"unknown cloud {cloud!r}; choose one of {', '.join(CLOUDS)}") from None
 
 
 def endpoint_env(cloud: str, url: str) -> dict[str, str]:
@@ -37,4 +38,4 @@ def endpoint_env(cloud: str, url: str) -> dict[str, str]:
         return {"GCE_METADATA_HOST": hostport, "GCE_METADATA_IP": hostport}
     if cloud == "azure":
         return {"SPOTGUARD_AZURE_METADATA_ENDPOINT": url}
-    raise ValueError(f"unknown cloud {cloud!r}")
+    raise ConfigError(f"unknown cloud {cloud!r}")

@@ -21,10 +21,12 @@ import secrets
 import time
 from typing import Any
 
+from spotguard.errors import ConfigError
 from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
 
 MAX_TTL = 21600
 ROLE = "spotguard-mock-role"
+SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 #: Every documented scheduled-event code, with the description EC2 gives it.
 EVENT_CODES = {"instance-stop": "The instance is scheduled for stop",
                "instance-retirement": "The instance is running on degraded hardware",
@@ -86,11 +88,16 @@ class AwsMock(CloudMock):
     def reset(self) -> None:
         self.values = {"events/maintenance/scheduled": "[]"}
 
+    def check(self, kind: str, **options: Any) -> None:
+        action = options.get("action")
+        if kind == "spot" and action and action not in SPOT_ACTIONS:
+            raise ConfigError(f"spot action must be terminate, stop or hibernate, got {action!r}")
+        if kind == "maintenance" and action and action not in EVENT_CODES:
+            raise ConfigError(f"scheduled event code must be one of {', '.join(EVENT_CODES)}, got {action!r}")
+
     def apply(self, kind: str, **options: Any) -> dict[str, Any]:
         if kind == "spot":
             action = options.get("action") or "terminate"
-            if action not in ("terminate", "stop", "hibernate"):
-                raise ValueError(f"spot action must be terminate, stop or hibernate, got {action!r}")
             when = _utc(float(options.get("warning", self.warning))).strftime("%Y-%m-%dT%H:%M:%SZ")
             self.values["spot/instance-action"] = json.dumps({"action": action, "time": when})
             self.values["spot/termination-time"] = when
@@ -101,8 +108,6 @@ class AwsMock(CloudMock):
             return {"noticeTime": when}
         if kind == "maintenance":
             code = options.get("action") or "instance-stop"
-            if code not in EVENT_CODES:
-                raise ValueError(f"scheduled event code must be one of {', '.join(EVENT_CODES)}, got {code!r}")
             start = _utc(float(options.get("warning", 300)))
             event = {"NotBefore": start.strftime("%d %b %Y %H:%M:%S GMT"),
                      "Code": code, "Description": EVENT_CODES[code],

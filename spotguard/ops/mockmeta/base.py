@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from spotguard.errors import ConfigError
+
 
 @dataclass
 class Request:
@@ -70,6 +72,11 @@ class CloudMock(abc.ABC):
     def reset(self) -> None:
         """Withdraw every notice (under ``self.cond``)."""
 
+    def check(self, kind: str, **options: Any) -> None:
+        """Raise ``ConfigError`` for options ``apply()`` cannot use: called when a notice is asked
+        for, so a delayed one fails at once rather than later in a timer thread."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {}
 
@@ -77,7 +84,8 @@ class CloudMock(abc.ABC):
     def trigger(self, kind: str | None = None, delay: float = 0.0, **options: Any) -> dict[str, Any]:
         kind = kind or self.kinds[0]
         if kind not in self.kinds:
-            raise ValueError(f"{self.cloud} mock: unknown kind {kind!r}; known: {', '.join(self.kinds)}")
+            raise ConfigError(f"{self.cloud} mock: unknown kind {kind!r}; known: {', '.join(self.kinds)}")
+        self.check(kind, **options)
         if delay > 0:
             timer = threading.Timer(delay, self._fire, (kind, options))
             timer.daemon = True

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from spotguard.errors import SpotguardError
+from spotguard.errors import ConfigError, SpotguardError
 from spotguard.notices._http import MetadataClient, MetadataHTTPError
 from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
 
@@ -100,7 +100,7 @@ class MockMetadataServer:
     def __init__(self, mock: CloudMock, host: str = "127.0.0.1", port: int = 0, *,
                  error_rate: float = 0.0, seed: int | None = None) -> None:
         if not 0.0 <= error_rate <= 1.0:
-            raise ValueError(f"error_rate must be within 0..1, got {error_rate}")
+            raise ConfigError(f"error_rate must be within 0..1, got {error_rate}")
         self.mock = mock
         self.error_rate = error_rate
         self._rng = random.Random(seed)  # private: the mock may share a process with training

@@ -1,0 +1,30 @@
+"""``spotguard run``: start a training command, restart it after a crash or a hang, never after a preemption.
+
+Order of one run: report the newest complete checkpoint -> start the child in its own process
+group with ``$SPOTGUARD_STORAGE`` and ``$SPOTGUARD_HEARTBEAT`` set (``child``) -> watch its exit,
+its heartbeat and our stop signals (``child``, ``signals``) -> decide (``loop``):
+
+=====================================================  ============================================
+child outcome                                          supervisor
+=====================================================  ============================================
+exit 0                                                 exit 0 (finished)
+exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the machine can go
+for a notice (heartbeat flag), whatever the code
+any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
+                                                       then ``RestartBudgetExhausted`` (CLI: exit 2)
+we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits (128+N if signal
+child, which writes its emergency checkpoint)          N killed it); after ``grace`` seconds its group
+                                                       is killed, exit 128+signal
+=====================================================  ============================================
+
+``spotguard.metrics.run`` exports the starts and exits; ``Supervisor.summary()`` is the document
+``spotguard run --json`` prints. Nothing here imports torch.
+"""
+
+from .child import Outcome
+from .loop import CAUSES, RESTARTED, RestartBudgetExhausted, Supervisor
+from .options import SupervisorOptions, signame, to_signal
+from .signals import DUPLICATE_WINDOW, FORWARDED
+
+__all__ = ["CAUSES", "DUPLICATE_WINDOW", "FORWARDED", "RESTARTED", "Outcome", "RestartBudgetExhausted",
+           "Supervisor", "SupervisorOptions", "signame", "to_signal"]

@@ -1,0 +1,120 @@
+"""One attempt: start the job in its own process group and watch it until it exits, hangs or overstays.
+
+A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
+the first one; either works alone): the child's Python stacks are dumped to the log (faulthandler,
+on ``SIGUSR2``), then its process group is killed. After a stop signal the child gets ``grace``
+seconds to checkpoint and exit; a job writing its emergency checkpoint (heartbeat flag) makes no
+steps and gets the same grace instead of the hang timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from spotguard import heartbeat
+from spotguard._env import LOCAL_DIR as LOCAL_DIR_ENV
+from spotguard._env import STORAGE as STORAGE_ENV
+from spotguard.errors import ConfigError
+
+from .options import SupervisorOptions, signame
+from .signals import Forwarder
+
+logger = logging.getLogger("spotguard.ops.supervisor")
+
+
+@dataclass
+class Outcome:
+    """How one attempt ended."""
+
+    code: int  # Popen.returncode: -N when the child died of signal N
+    flags: int = 0  # the heartbeat's flags at the end (STOPPED_FOR_NOTICE)
+    hung: bool = False
+    killed_after_grace: bool = False
+    stepped: bool = True  # a hang after the first step (else a startup timeout)
+
+    @property
+    def exit_code(self) -> int:
+        """The exit as a shell reports it: 128+N for death by signal N (Popen gives -N, and
+        ``sys.exit(-N)`` would wrap to 256-N)."""
+        return 128 - self.code if self.code < 0 else self.code
+
+
+def run_once(opts: SupervisorOptions, beat: Path, stops: Forwarder) -> Outcome:
+    """Start ``opts.command`` with the heartbeat and storage variables set; watch it to its end."""
+    env = {**os.environ, **opts.env, heartbeat.HEARTBEAT_ENV: str(beat)}
+    if opts.storage:
+        env[STORAGE_ENV] = opts.storage
+    if opts.local_dir:
+        env[LOCAL_DIR_ENV] = opts.local_dir
+    logger.info("starting: %s", " ".join(opts.command))
+    # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
+    # job is killed together with its data-loader workers.
+    try:
+        proc = subprocess.Popen(opts.command, env=env, start_new_session=True,
+                                stdout=2 if opts.stdout_to_stderr else None)
+    except OSError as e:
+        raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
+    stops.attach(proc)  # forwards a stop signal that came while Popen ran
+    try:
+        return _watch(proc, beat, opts, stops)
+    finally:
+        stops.detach()
+
+
+def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, stops: Forwarder) -> Outcome:
+    last_step, last_change, seen_step = 0, time.monotonic(), False
+    while True:
+        try:
+            code = proc.wait(timeout=opts.poll)
+            return Outcome(code, heartbeat.read(beat)[1])
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if stops.stopping.is_set():
+            if now - stops.at > opts.grace:
+                logger.error("the job did not exit within %.0fs of %s: killing it", opts.grace,
+                             signame(stops.signal or 0))
+                _kill_group(proc)
+                return Outcome(proc.wait(), heartbeat.read(beat)[1], killed_after_grace=True)
+            continue
+        if opts.hang_timeout is None and opts.startup_timeout is None:
+            continue
+        step, flags = heartbeat.read(beat)
+        if step != last_step:
+            last_step, last_change, seen_step = step, now, True
+            continue
+        # A job writing its emergency checkpoint makes no steps: give it the grace period.
+        limit = opts.grace if flags & heartbeat.STOPPED_FOR_NOTICE else \
+            opts.hang_timeout if seen_step else opts.startup_timeout
+        if limit is not None and now - last_change > limit:
+            where = f"after step {last_step}" if seen_step else "since the start"
+            logger.error("no step completed for %.1fs (%s): dumping the job's Python stacks, then killing it",
+                         now - last_change, where)
+            _dump_stacks(proc, opts.stack_wait)
+            _kill_group(proc)
+            return Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True, stepped=seen_step)
+
+
+def _dump_stacks(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """faulthandler in the child (registered by its Guard) writes every thread's stack to stderr."""
+    try:
+        os.kill(proc.pid, heartbeat.STACKS_SIGNAL)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=wait)  # a child without the handler dies of the signal
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()

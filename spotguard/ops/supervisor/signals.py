@@ -1,0 +1,94 @@
+"""Our stop signals, forwarded to the job once: the job writes its emergency checkpoint, we wait.
+
+A repeat of the same signal within ``DUPLICATE_WINDOW`` is the same broadcast (Slurm and systemd's
+control-group mode signal every process, a wrapper shell may forward too) and is not forwarded
+again; a later one is (the child's Guard then stops at once). ``forward_as`` (e.g. SIGUSR1) keeps
+our delivery distinct from the platform's own where it signals the child directly as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from types import FrameType
+
+from .options import signame
+
+logger = logging.getLogger("spotguard.ops.supervisor")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: A repeat of the first stop signal this soon is the same broadcast, not a user insisting.
+DUPLICATE_WINDOW = 2.0
+
+
+class Forwarder:
+    """Catches SIGTERM/SIGINT/SIGUSR1 while installed and forwards them to the running child.
+
+    Handlers run in the main thread between bytecodes, so ``attach()`` (after ``Popen`` returns)
+    and ``on_signal()`` never race: a signal that came while the child was being started is
+    forwarded by ``attach()``, once.
+    """
+
+    def __init__(self, grace: float, forward_as: int | None = None) -> None:
+        self.grace, self.forward_as = grace, forward_as
+        self.stopping = threading.Event()
+        self.signal: int | None = None  # the first stop signal
+        self.at = 0.0  # its monotonic time
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._unforwarded: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The child being watched, None between attempts."""
+        return self._proc
+
+    def attach(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        sig, self._unforwarded = self._unforwarded, None
+        if sig is not None:
+            send(proc, sig)
+
+    def detach(self) -> None:
+        self._proc = None
+
+    def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
+        if self.stopping.is_set() and signum == self.signal and time.monotonic() - self.at < DUPLICATE_WINDOW:
+            logger.info("%s again within %.0fs: the same stop, not forwarded twice", signame(signum), DUPLICATE_WINDOW)
+            return
+        if not self.stopping.is_set():
+            self.signal, self.at = signum, time.monotonic()
+            logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
+                           signame(signum), self.grace)
+            self.stopping.set()
+        proc, sig = self._proc, self.forward_as or signum
+        if proc is None:
+            self._unforwarded = sig  # a child being started gets it from attach()
+        elif proc.returncode is None:
+            send(proc, sig)  # a second delivery means "now" to the child's Guard too
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: stop signals are not forwarded")
+            return
+        self._previous = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def stop_code(self, default: int = 0) -> int:
+        """128 + the stop signal: what we exit with when a stop ends the run."""
+        return 128 + (self.signal or default)
+
+
+def send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
