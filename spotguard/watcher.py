@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from spotguard.errors import ConfigError
+
 from . import notices
 from .notices.base import Notice, NoticeProvider
 
@@ -51,9 +53,9 @@ class Watcher:
         warn_every: float = 300.0,
     ) -> None:
         if interval <= 0:
-            raise ValueError("interval must be positive")
+            raise ConfigError("interval must be positive")
         if warn_every <= 0:
-            raise ValueError("warn_every must be positive")
+            raise ConfigError("warn_every must be positive")
         self.providers: list[NoticeProvider] = notices.build(providers)
         self.interval = interval
         self.on_notice = on_notice

@@ -19,6 +19,8 @@ import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from spotguard.errors import ConfigError
+
 CHUNK = 16 << 20  # also fileio.BUFFER: DirectFile hashes each full buffer as one chunk
 # Threads hashing one file: SHA-256 runs at ~1.5 GB/s per core (SHA-NI), so keeping up with an NVMe
 # disk takes several. One more than the cores: the reading thread mostly waits for the disk.
@@ -30,7 +32,7 @@ class ChunkedSha256:
 
     def __init__(self, chunk_size: int = CHUNK) -> None:
         if chunk_size <= 0:
-            raise ValueError("chunk_size must be positive")
+            raise ConfigError("chunk_size must be positive")
         self.chunk_size = chunk_size
         self._digests: list[bytes] = []
         self._hash = hashlib.sha256()

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from spotguard.checkpoint.digest import CHUNK, ChunkedSha256
+from spotguard.errors import ConfigError
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
@@ -35,7 +36,7 @@ class DirectFile:
 
     def __init__(self, path: str | Path, buffer_size: int = BUFFER, direct: bool = True) -> None:
         if buffer_size <= 0 or buffer_size % ALIGN:
-            raise ValueError(f"buffer_size must be a positive multiple of {ALIGN}")
+            raise ConfigError(f"buffer_size must be a positive multiple of {ALIGN}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and O_DIRECT)
         try:

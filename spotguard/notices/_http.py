@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from spotguard.errors import ConfigError
+from spotguard.notices.base import NoticeProvider
+
 __all__ = ["MetadataClient", "MetadataHTTPError", "Response", "WarnOnce", "check_status", "parse_base_url"]
 
 
@@ -83,7 +86,7 @@ def parse_base_url(value: str, default_port: int = 80) -> tuple[str, int]:
         value = "http://" + value
     parts = urlsplit(value)
     if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"metadata endpoint must look like http://host:port, got {value!r}")
+        raise ConfigError(f"metadata endpoint must look like http://host:port, got {value!r}")
     return parts.hostname, parts.port or default_port
 
 
@@ -163,3 +166,12 @@ class MetadataClient:
             self._interrupted = False
         if conn is not None:
             conn.close()
+
+
+class MetadataProvider(NoticeProvider):
+    """A provider that polls its cloud's metadata server: one keep-alive client, and warnings that
+    repeat at most every few minutes however often the server misbehaves."""
+
+    def __init__(self, url: str, timeout: float, logger: logging.Logger) -> None:
+        self.client = MetadataClient.from_url(url, timeout)
+        self._warn = WarnOnce(logger)

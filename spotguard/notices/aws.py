@@ -20,9 +20,11 @@ import re
 import time
 from typing import Any
 
+from spotguard.errors import ConfigError
+
 from .. import _env
-from ._http import MetadataClient, MetadataHTTPError, WarnOnce, check_status
-from .base import Notice, NoticeProvider, deadline_ahead, utcnow
+from ._http import MetadataHTTPError, MetadataProvider, check_status
+from .base import Notice, deadline_ahead, utcnow
 from .file import parse_time
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def parse_maintenance_time(value: str) -> dt.datetime:
     return dt.datetime.strptime(value.strip(), "%d %b %Y %H:%M:%S GMT").replace(tzinfo=dt.timezone.utc)
 
 
-class AwsProvider(NoticeProvider):
+class AwsProvider(MetadataProvider):
     """Watches the EC2 metadata service.
 
     ``allow_imdsv1``: fall back to token-less requests when the token endpoint refuses (off by
@@ -79,9 +81,8 @@ class AwsProvider(NoticeProvider):
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, allow_imdsv1: bool = False,
                  token_ttl: int = TOKEN_TTL, maintenance_horizon: float = 600.0) -> None:
         if not 1 <= token_ttl <= TOKEN_TTL:
-            raise ValueError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
-        self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
-        self._warn = WarnOnce(logger)
+            raise ConfigError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
+        super().__init__(endpoint_url or endpoint(), timeout, logger)
         self.allow_imdsv1 = allow_imdsv1
         self.token_ttl = token_ttl
         self.maintenance_horizon = maintenance_horizon

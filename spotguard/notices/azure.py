@@ -25,9 +25,11 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from spotguard.errors import ConfigError
+
 from .. import _env
-from ._http import MetadataClient, WarnOnce, check_status
-from .base import Notice, NoticeProvider, deadline_ahead, utcnow
+from ._http import MetadataProvider, check_status
+from .base import Notice, deadline_ahead, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def parse_stop_events(value: str | Iterable[str]) -> frozenset[str]:
     by_lower = {k.lower(): k for k in KINDS}
     unknown = [n for n in names if n.lower() not in by_lower]
     if unknown:
-        raise ValueError(f"unknown Azure event type(s) {unknown}; known: {', '.join(KINDS)}")
+        raise ConfigError(f"unknown Azure event type(s) {unknown}; known: {', '.join(KINDS)}")
     return frozenset(by_lower[n.lower()] for n in names)
 
 
@@ -78,7 +80,7 @@ def parse_rfc1123(value: str) -> dt.datetime:
     return parsed.astimezone(dt.timezone.utc)
 
 
-class AzureProvider(NoticeProvider):
+class AzureProvider(MetadataProvider):
     """Watches Azure Scheduled Events. ``ack=False`` opts out of approving events after a checkpoint;
     ``stop_events`` names the event types that stop training (default: all but ``Freeze``)."""
 
@@ -94,8 +96,7 @@ class AzureProvider(NoticeProvider):
 
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, ack: bool = True,
                  vm_name: str | None = None, stop_events: Iterable[str] = DEFAULT_STOP_EVENTS) -> None:
-        self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
-        self._warn = WarnOnce(logger)
+        super().__init__(endpoint_url or endpoint(), timeout, logger)
         self.ack = ack
         self.stop_events = parse_stop_events(stop_events)
         self.vm_name = vm_name

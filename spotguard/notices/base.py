@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotguard.errors import ConfigError
+
 #: Notice kinds that announce the machine goes away. Anything else is advisory.
 STOP_KINDS = frozenset({"terminate", "stop", "hibernate", "preempt", "maintenance", "reboot", "redeploy",
                         "signal", "file"})
@@ -45,7 +47,7 @@ class Notice:
 
     def __post_init__(self) -> None:
         if self.deadline is not None and self.deadline.tzinfo is None:
-            raise ValueError("Notice.deadline must be timezone-aware (UTC)")
+            raise ConfigError("Notice.deadline must be timezone-aware (UTC)")
         if not self.event_id:
             object.__setattr__(self, "event_id", stable_id(self.provider, self.kind, self.raw))
 

@@ -22,9 +22,11 @@ import os
 import threading
 import time
 
+from spotguard.errors import ConfigError
+
 from .. import _env
-from ._http import MetadataClient, WarnOnce, check_status
-from .base import Notice, NoticeProvider, Report, utcnow
+from ._http import MetadataProvider, check_status
+from .base import Notice, Report, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def endpoint() -> str:
     return "http://" + (os.environ.get(ENV_HOST) or DEFAULT_HOST)
 
 
-class GcpProvider(NoticeProvider):
+class GcpProvider(MetadataProvider):
     """Watches ``instance/preempted`` (hanging GET) and ``instance/maintenance-event``.
 
     ``deadline_seconds``: the time a preempted VM has after the flag flips (30 s for Spot and
@@ -63,9 +65,8 @@ class GcpProvider(NoticeProvider):
     def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, hang: int = 5,
                  deadline_seconds: float = PREEMPT_WARNING) -> None:
         if hang < 1:
-            raise ValueError(f"hang must be at least 1 second, got {hang}")
-        self.client = MetadataClient.from_url(endpoint_url or endpoint(), timeout)
-        self._warn = WarnOnce(logger)
+            raise ConfigError(f"hang must be at least 1 second, got {hang}")
+        super().__init__(endpoint_url or endpoint(), timeout, logger)
         self.timeout = timeout
         self.hang = hang
         self.deadline_seconds = deadline_seconds
