@@ -5,19 +5,7 @@ The names below are the public face of checkpoints in a storage (``spotguard ls`
 use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here.
 """
 
-from spotguard.checkpoint.layout import (
-    Writer,
-    copy,
-    delete,
-    fetch,
-    latest,
-    open_verified,
-    prune,
-    scan,
-    verify,
-    write,
-    write_dir,
-)
+from spotguard.checkpoint.layout import Writer, copy, delete, prune, write, write_dir
 from spotguard.checkpoint.manifest import (
     FORMAT,
     FORMATS,
@@ -31,6 +19,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
+from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, verify
 
 __all__ = [
     "FORMAT", "FORMATS", "MANIFEST", "REASONS", "CheckpointInfo", "FileEntry", "HashingWriter", "Manifest",

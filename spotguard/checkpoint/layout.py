@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,6 +28,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
+from spotguard.checkpoint.reader import open_verified, scan
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -147,28 +145,6 @@ def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
     return manifest
 
 
-def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
-    """Every file of a complete checkpoint, verified, in the local folder ``dest`` (created); returns it.
-
-    For libraries that load a checkpoint folder themselves (``Trainer``'s ``resume_from_checkpoint``).
-    A file is hard-linked where it can be (a local checkpoint, a download's temp file), else copied.
-    """
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for entry in info.manifest.files:
-        target = dest / entry.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        with open_verified(storage, info, entry.name) as path:
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copyfile(path, target)
-    return dest
-
-
 def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
     """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save of it left.
     Returns whether ``name`` is committed."""
@@ -215,81 +191,6 @@ def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | 
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     dst.put_bytes(f"{info.name}/{MANIFEST}", info.manifest.to_bytes(), exclusive=True, deadline=deadline)
     return info.manifest
-
-
-def scan(storage: Storage) -> list[CheckpointInfo]:
-    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored.
-
-    A file missing, or listed with another size than the manifest's, makes the checkpoint corrupt:
-    the listing carries the sizes, so a truncated object is caught without reading it (contents
-    are checked by ``verify``).
-    """
-    groups: dict[str, dict[str, int]] = {}
-    for key, size in storage.list_sizes("").items():
-        top, _, rest = key.partition("/")
-        if rest and parse_step_dir(top) is not None:
-            groups.setdefault(top, {})[rest] = size
-    infos = []
-    for name in sorted(groups, key=lambda n: parse_step_dir(n) or 0):
-        step = parse_step_dir(name) or 0
-        if MANIFEST not in groups[name]:
-            infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
-            continue
-        try:
-            manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
-            if manifest.step != step:
-                raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")
-            missing = [f.name for f in manifest.files if f.name not in groups[name]]
-            if missing:
-                raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
-            for f in manifest.files:
-                if groups[name][f.name] != f.size:
-                    raise CheckpointCorruptError(f"{name}/{f.name}: {groups[name][f.name]} bytes, "
-                                                 f"the manifest says {f.size}")
-        except CheckpointCorruptError as e:
-            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
-            continue
-        except StorageError as e:
-            infos.append(CheckpointInfo(step, name, "corrupt", problem=f"{name}: unreadable manifest ({e})"))
-            continue
-        infos.append(CheckpointInfo(step, name, "complete", manifest))
-    return infos
-
-
-def latest(storage: Storage) -> CheckpointInfo | None:
-    """The newest checkpoint whose manifest is valid (file contents not yet verified)."""
-    complete = [i for i in scan(storage) if i.complete]
-    return complete[-1] if complete else None
-
-
-@contextmanager
-def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[Path]:
-    """A local path to one file of a checkpoint, after its size and checksum matched the manifest.
-
-    Verifying reads the whole file (chunks hashed on several threads), which leaves it in the
-    page cache for the caller's load.
-    """
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
-    entry = next((f for f in info.manifest.files if f.name == fname), None)
-    if entry is None:
-        raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")
-    with storage.local_copy(f"{info.name}/{fname}") as path:
-        size = path.stat().st_size
-        if size != entry.size:
-            raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
-        if digest.file_digest(path, entry.chunk_size) != entry.sha256:
-            raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
-        yield path
-
-
-def verify(storage: Storage, info: CheckpointInfo) -> None:
-    """Check every file of a checkpoint against its manifest; raise ``CheckpointCorruptError``."""
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
-    for entry in info.manifest.files:
-        with open_verified(storage, info, entry.name):
-            pass
 
 
 def delete(storage: Storage, name: str) -> None:

@@ -19,11 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, state
+from spotguard.checkpoint import data, state
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, set_dcp_state, split
 from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardReader
 from spotguard.checkpoint.engine import Resumed, Tracked
 from spotguard.checkpoint.manifest import CheckpointInfo, Reshard, human_duration
+from spotguard.checkpoint.reader import open_verified, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from spotguard.storage.base import Storage
 
@@ -72,13 +73,13 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
     def opener(fname: str) -> Any:
         if fname in shards and storage.scheme == "file":
             return _open_sized(storage, info, fname)  # verified by its rank before the agreement
-        return layout.open_verified(storage, info, fname)
+        return open_verified(storage, info, fname)
 
     error: BaseException | None = None
     with SpotguardReader(opener) as reader:
         try:
             for fname in mine:
-                with layout.open_verified(storage, info, fname):
+                with open_verified(storage, info, fname):
                     pass
             # Fetched here, where an error keeps its type (DCP turns it into an AssertionError);
             # dcp.load then reads the verified local copy.
@@ -123,7 +124,7 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
     listing: list[CheckpointInfo] | str = ""
     if agreement.rank == 0:
         try:
-            listing = layout.scan(storage)
+            listing = scan(storage)
         except Exception as e:
             listing = f"rank 0 cannot list {storage.describe()}: {type(e).__name__}: {e}"
     infos = broadcast(listing, agreement.save_group)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, state
+from spotguard.checkpoint import data, layout, reader, state
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
@@ -142,7 +142,7 @@ class SingleEngine:
         def check(entries: tuple[FileEntry, ...]) -> None:
             if self.local is None:
                 return
-            for info in [i for i in layout.scan(self.local) if i.step == step]:
+            for info in [i for i in reader.scan(self.local) if i.step == step]:
                 m = info.manifest
                 if m is None or m.files != entries or m.extra != json.loads(json.dumps(extra)):
                     layout.delete(self.local, info.name)
@@ -151,7 +151,7 @@ class SingleEngine:
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, tracked: Tracked) -> Resumed | None:
-        tiers = [(s, layout.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
+        tiers = [(s, reader.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
         candidates = sorted(((i, s) for s, infos in tiers for i in infos), key=lambda c: c[0].step, reverse=True)
         for info, storage in candidates:  # same step: the local tier comes first (stable sort)
@@ -176,7 +176,7 @@ class SingleEngine:
 
     def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
         refuse_sharded(info)
-        with layout.open_verified(storage, info, STATE_FILE) as path:
+        with reader.open_verified(storage, info, STATE_FILE) as path:
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # weights_only refuses anything but tensors and plain containers
