@@ -4,8 +4,6 @@ drive the real example to an emergency checkpoint, and the restarted run resumes
 from __future__ import annotations
 
 import random
-import subprocess
-import time
 
 import pytest
 
@@ -14,9 +12,16 @@ from spotguard.checkpoint import scan
 from spotguard.ops.cli import main as spotguard_main
 from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
-from tests.guard.test_resume import assert_same_run
 
-from .helpers import example_cmd, read_losses, run_example, subprocess_env
+from .helpers import (
+    after_step,
+    assert_same_run,
+    example_cmd,
+    read_losses,
+    run_example,
+    stop_when,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +37,13 @@ def test_simulated_cloud_preemption_checkpoints_and_resumes_identically(tmp_path
     env = subprocess_env(**endpoint_env(cloud, server.url))
     storage, losses, final = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "final.pt"
     at = _rng.randint(3, 35)
-    proc = subprocess.Popen(example_cmd(storage, *ARGS, "--providers", cloud, "--interval", "0.2",
-                                        "--losses", str(losses), "--step-sleep", "0.03"),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (read_losses(losses) and read_losses(losses)[-1][0] >= at):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.005)
+    def preempt(_) -> None:
         assert spotguard_main(["simulate-preemption", "--cloud", cloud, "--endpoint", server.url]) == 0
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED, (at, out, err)
-    assert f"notice from {cloud}" in out
+
+    first = stop_when(example_cmd(storage, *ARGS, "--providers", cloud, "--interval", "0.2", "--losses", str(losses),
+                                  "--step-sleep", "0.03"), after_step(losses, at), preempt, env=env)
+    assert first.returncode == EXIT_PREEMPTED, (at, first.stdout, first.stderr)
+    assert f"notice from {cloud}" in first.stdout
     stopped = read_losses(losses)[-1][0]
     assert at <= stopped < 60
     (info,) = [i for i in scan(open_storage(str(storage))) if i.step == stopped]

@@ -22,10 +22,21 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest
 from spotguard.checkpoint.snapshot import Staging
 from spotguard.storage import open_storage
-from tests.guard.test_distributed import assert_same, example, run, run_until, stopped_for_notice
-from tests.guard.test_resume import assert_same_run, stop_at
 
-from .helpers import REPO, read_losses, run_example, subprocess_env
+from .guard.test_resume import stop_at
+from .helpers import (
+    REPO,
+    after_step,
+    assert_same,
+    assert_same_run,
+    ddp_example_cmd,
+    read_losses,
+    run,
+    run_example,
+    stop_when,
+    stopped_for_notice,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `make gpu-check` on a GPU machine")]
@@ -81,21 +92,21 @@ def test_two_ranks_on_gpus_stop_together_and_resume_identically(tmp_path):
     common = ("--steps", "40", "--every-steps", "15")
     ref = tmp_path / "ref"
     ref.mkdir()
-    done = run(example(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"), "--final",
-                       str(ref / "final.pt")))
+    done = run(ddp_example_cmd(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"), "--final",
+                               str(ref / "final.pt")))
     assert done.returncode == 0, done.stderr[-3000:]
     notice, losses, storage = tmp_path / "notice-{rank}", str(tmp_path / "loss-{rank}.jsonl"), tmp_path / "ckpt"
-    first = run_until(example(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
-                      tmp_path / "loss-0.jsonl", _rng.randint(4, 28),
+    first = stop_when(ddp_example_cmd(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
+                      after_step(tmp_path / "loss-0.jsonl", _rng.randint(4, 28)),
                       lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 30}'),
-                      SPOTGUARD_NOTICE_FILE=str(notice))
+                      env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)))
     assert stopped_for_notice(first), first.stderr[-3000:]
     stops = [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)]
     assert stops[0] == stops[1], stops
     info = latest(open_storage(str(storage)))
     assert info and info.step == stops[0] and info.manifest.reason == "emergency"
     Path(str(notice).format(rank=1)).unlink()
-    second = run(example(2, storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt")))
+    second = run(ddp_example_cmd(2, storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt")))
     assert second.returncode == 0, second.stderr[-3000:]
     for r in range(2):
         got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ref / f"loss-{r}.jsonl"))

@@ -1,4 +1,4 @@
-"""A script we did not write (tests/thirdparty_charlstm.py: an LSTM language model with a carried hidden
+"""A script we did not write (tests/workers/thirdparty_charlstm.py: an LSTM language model with a carried hidden
 state, EMA weights in a dict, an epoch loop and a per-epoch LR step) stopped and resumed for real.
 
 SIGINT reaches it through `spotguard run` (a terminal's Ctrl-C), SIGTERM directly (a shutdown); either
@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,11 @@ import torch
 from spotguard import EXIT_PREEMPTED, checkpoint
 from spotguard.storage import open_storage
 
-from .helpers import REPO, read_losses, subprocess_env
+from .helpers import WORKERS, after_step, read_losses, run, signal_to, stop_when
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = REPO / "tests" / "thirdparty_charlstm.py"
+SCRIPT = WORKERS / "thirdparty_charlstm.py"
 EPOCHS, STEPS_PER_EPOCH = 3, 8  # every_steps=4: the last step of every epoch is also a periodic one
 _rng = random.Random()
 
@@ -42,21 +41,13 @@ def outputs(d: Path) -> tuple[Path, Path, Path]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[tuple[int, float]], Path, Path]:
     storage, losses, final = outputs(tmp_path_factory.mktemp("charlstm-reference"))
-    proc = subprocess.run(script("--storage", str(storage), "--losses", str(losses), "--final", str(final)),
-                          env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    proc = run(script("--storage", str(storage), "--losses", str(losses), "--final", str(final)))
     assert proc.returncode == 0, proc.stderr
     return read_losses(losses), final, storage
 
 
 def stop_at(cmd: list[str], losses: Path, at: int, sig: int) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not (read_losses(losses) and read_losses(losses)[-1][0] >= at):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.005)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=180)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return stop_when(cmd, after_step(losses, at), signal_to(sig))
 
 
 @pytest.mark.parametrize("how", ["sigint-through-spotguard-run", "sigterm"])
@@ -80,7 +71,7 @@ def test_a_third_party_rnn_script_stopped_by_a_signal_resumes_exactly(tmp_path, 
     assert (newest.step, newest.manifest.reason) == (stopped, "emergency"), (at, first.stderr)
 
     again = [*supervised, *job] if how != "sigterm" else [*job, "--storage", str(storage)]
-    second = subprocess.run(again, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    second = run(again)
     assert second.returncode == 0, (at, second.stderr)
     assert f"resumed from step {stopped} (emergency, " in second.stderr, (at, second.stderr)
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +11,7 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
 
-from .helpers import REPO, subprocess_env
+from .helpers import REPO, read_jsonl, run, signal_to, stop_when
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +19,16 @@ EXAMPLE = REPO / "examples" / "tracker_run_id.py"
 
 
 def tracked(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def test_the_run_id_is_kept_across_a_preemption_and_the_run_continues(tmp_path):
     storage, log = tmp_path / "ckpt", tmp_path / "tracker.jsonl"
     cmd = [sys.executable, str(EXAMPLE), "--storage", str(storage), "--tracker-log", str(log), "--steps", "80",
            "--every-steps", "20", "--providers", "signal"]
-    proc = subprocess.Popen([*cmd, "--step-sleep", "0.02"], env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not any(r.get("step", 0) >= 30 for r in tracked(log)):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    proc = stop_when([*cmd, "--step-sleep", "0.02"], lambda: any(r.get("step", 0) >= 30 for r in tracked(log)),
+                     signal_to(signal.SIGTERM))
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == EXIT_PREEMPTED, err
     first = tracked(log)
     run_id = first[0]["run_id"]
@@ -45,7 +37,7 @@ def test_the_run_id_is_kept_across_a_preemption_and_the_run_continues(tmp_path):
     (emergency,) = [i for i in scan(open_storage(str(storage))) if i.manifest.reason == "emergency"]
     assert emergency.step == stopped and emergency.manifest.extra == {"tracker_run_id": run_id}
 
-    second = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    second = run(cmd)
     assert second.returncode == 0, second.stderr
     assert f"continuing tracker run {run_id} at step {stopped}" in second.stdout
     records = tracked(log)

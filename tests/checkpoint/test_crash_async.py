@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import read_losses, subprocess_env
+from tests.helpers import WORKERS, read_losses, run
 
 pytestmark = pytest.mark.slow
-DRIVER = Path(__file__).resolve().parent.parent / "crash_driver.py"
+DRIVER = WORKERS / "crash_driver.py"
 
 
 def test_fifty_kills_during_async_saves_never_corrupt_a_resume(tmp_path):
     ref_log = tmp_path / "ref.jsonl"
-    subprocess.run([sys.executable, str(DRIVER), "--reference", str(tmp_path / "ref"), str(ref_log)],
-                   env=subprocess_env(), check=True, timeout=120)
+    ref = run([sys.executable, str(DRIVER), "--reference", str(tmp_path / "ref"), str(ref_log)])
+    assert ref.returncode == 0, ref.stderr[-3000:]
     reference = dict(read_losses(ref_log))
     seed = random.randrange(2**32)
     log = tmp_path / "log.jsonl"
-    proc = subprocess.run([sys.executable, str(DRIVER), str(tmp_path / "ckpt"), str(log), "50", str(seed)],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=400)
+    proc = run([sys.executable, str(DRIVER), str(tmp_path / "ckpt"), str(log), "50", str(seed)], timeout=400)
     assert proc.returncode == 0, (seed, proc.stderr[-3000:])
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["corrupt"] == 0 and summary["final_status"] == 0, (seed, summary)

@@ -10,12 +10,10 @@ layout than the one it rebuilt after step 1, so gloo adds 3+ ranks' values in an
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,18 @@ from spotguard.checkpoint import latest
 from spotguard.ops.cli import main as spotguard_main
 from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
-from tests.helpers import free_port, read_losses, subprocess_env
-
-from .test_distributed import EXAMPLE, assert_same, run, stopped_for_notice
+from tests.helpers import (
+    EXAMPLE_DDP,
+    after_step,
+    assert_same,
+    ddp_example_cmd,
+    free_port,
+    read_losses,
+    run,
+    stop_when,
+    stopped_for_notice,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +46,7 @@ def node_cmd(port: int, job: str, *args: str) -> list[str]:
     """One node's torchrun: 1 worker, joining a 2-node job at the c10d store on 127.0.0.1:port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-            "--local-addr", "127.0.0.1", str(EXAMPLE), *args]
+            "--local-addr", "127.0.0.1", str(EXAMPLE_DDP), *args]
 
 
 def run_nodes(tmp: Path, servers, storage: Path, *args: str, losses: str, act_at: int | None = None,
@@ -47,35 +54,22 @@ def run_nodes(tmp: Path, servers, storage: Path, *args: str, losses: str, act_at
     """Start both nodes (node i reads servers[i]'s metadata); at step ``act_at`` of rank 0 call ``act()``."""
     port, job = free_port(), f"job-{_rng.randrange(1 << 30)}"
     cmd = node_cmd(port, job, "--storage", str(storage), *ARGS, "--losses", losses, *args)
-    procs = [subprocess.Popen(cmd, env=subprocess_env(**endpoint_env("aws", server.url)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for server in servers]
-    try:
-        deadline = time.monotonic() + 180
-        if act is not None:
-            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-                got = read_losses(tmp / "loss-0.jsonl")
-                if got and got[-1][0] >= act_at:
-                    act()
-                    break
-                time.sleep(0.01)
-        done = []
-        for p in procs:
-            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        return done
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+    envs = [subprocess_env(**endpoint_env("aws", server.url)) for server in servers]
+    if act is None:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda env: run(cmd, env=env), envs))
+    # Node 1 starts first (in a thread, run to its end); node 0 is the one watched and acted upon.
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(run, cmd, env=envs[1])
+        first = stop_when(cmd, after_step(tmp / "loss-0.jsonl", act_at), lambda _: act(), env=envs[0])
+        return [first, other.result()]
 
 
 def test_spot_notice_on_one_node_stops_both_nodes_on_one_step_and_resume_is_exact(tmp_path, mock_metadata):
     ref = tmp_path / "ref"
     ref.mkdir()
-    single = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                  "--master-port", str(free_port()), str(EXAMPLE), "--storage", str(ref / "ckpt"), *ARGS,
-                  "--providers", "signal", "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")])
+    single = run(ddp_example_cmd(2, ref / "ckpt", *ARGS, "--providers", "signal", "--losses", str(ref / "loss-{rank}.jsonl"),
+                                 "--final", str(ref / "final.pt")))
     assert single.returncode == 0, single.stderr[-3000:]
 
     servers = [mock_metadata("aws"), mock_metadata("aws")]

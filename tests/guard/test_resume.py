@@ -6,55 +6,36 @@ again, and its per-step losses and final parameters are compared with an uninter
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
-from tests.helpers import example_cmd, read_losses, run_example, subprocess_env
+from tests.helpers import (
+    EXAMPLE_ARGS,
+    after_step,
+    assert_same_run,
+    example_cmd,
+    read_losses,
+    run_example,
+    signal_to,
+    stop_when,
+)
 
-pytestmark = pytest.mark.slow
-
-STEPS = "90"
-# ~38 batches per epoch: 90 steps cover two epoch boundaries.
-COMMON = ("--steps", STEPS, "--every-steps", "20", "--batch-size", "16")
+STEPS = EXAMPLE_ARGS[1]
+COMMON = EXAMPLE_ARGS
 _rng = random.Random()  # the test's own randomness, reported so a failure can be replayed
 
 
 def stop_at(storage: Path, losses: Path, args: tuple[str, ...], at_step: int, sig: int) -> subprocess.CompletedProcess[str]:
     """Run the example and send ``sig`` once it has logged ``at_step``; return the finished process."""
-    proc = subprocess.Popen(example_cmd(storage, *args, "--losses", str(losses), "--step-sleep", "0.03"),
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if read_losses(losses) and read_losses(losses)[-1][0] >= at_step:
-            proc.send_signal(sig)
-            break
-        time.sleep(0.005)
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def assert_same_run(losses_path: Path, final: Path, reference) -> None:
-    ref_losses, ref_final = reference
-    got = read_losses(losses_path)
-    by_step: dict[int, float] = {}
-    for step, loss in got:  # replayed steps must equal the uninterrupted run too
-        assert loss == dict(ref_losses)[step], f"step {step}: {loss!r} != {dict(ref_losses)[step]!r}"
-        by_step[step] = loss
-    assert sorted(by_step.items()) == ref_losses
-    a, b = torch.load(final, weights_only=True), torch.load(ref_final, weights_only=True)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    return stop_when(example_cmd(storage, *args, "--losses", str(losses), "--step-sleep", "0.03"),
+                     after_step(losses, at_step), signal_to(sig))
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
@@ -93,17 +74,11 @@ def test_stop_mid_epoch_and_at_epoch_boundary_with_sigusr1(tmp_path, reference_r
 def test_second_sigterm_terminates_at_once(tmp_path):
     """A second SIGTERM means 'now': the process dies by the signal, no hanging."""
     losses = tmp_path / "losses.jsonl"
-    proc = subprocess.Popen(example_cmd(tmp_path / "ckpt", "--steps", "100000", "--every-steps", "0",
-                                        "--num-workers", "0", "--losses", str(losses), "--step-sleep", "0.05"),
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        while not read_losses(losses):
-            time.sleep(0.01)
-            assert proc.poll() is None, proc.communicate()
-        os.kill(proc.pid, signal.SIGTERM)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode in (-signal.SIGTERM, EXIT_PREEMPTED)
+
+    def twice(proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+
+    done = stop_when(example_cmd(tmp_path / "ckpt", "--steps", "100000", "--every-steps", "0", "--num-workers", "0",
+                                 "--losses", str(losses), "--step-sleep", "0.05"), after_step(losses, 1), twice)
+    assert done.returncode in (-signal.SIGTERM, EXIT_PREEMPTED), done.stderr[-3000:]

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from spotguard import Guard, SpotguardError
 from spotguard.checkpoint import latest
 from spotguard.guard import agreement
-from tests.dist_teardown import KINDS, gloo_threads, job_args, newest_step
-from tests.helpers import REPO, free_port, subprocess_env
+from tests.helpers import WORKERS, free_port, subprocess_env
+from tests.workers.dist_teardown import KINDS, gloo_threads, job_args, newest_step
 
-WORKER = REPO / "tests" / "dist_teardown.py"
+WORKER = WORKERS / "dist_teardown.py"
 ORDERS = ("after", "inside", "none", "fsdp2")
 RUNS_PER_ORDER = 10  # 40 runs in all
 

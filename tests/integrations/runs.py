@@ -7,11 +7,9 @@ each resumed by the next, and the per-step losses and final parameters compared 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,9 +17,9 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import CheckpointInfo, scan
 from spotguard.storage import open_storage
 
-from ..helpers import REPO, read_losses, subprocess_env
+from .. import helpers
+from ..helpers import REPO, after_step, assert_same_run, read_jsonl, read_losses, signal_to, subprocess_env
 
-WAIT_S = 240  # a loaded 2-core machine imports a trainer in tens of seconds
 SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step N + 2
 
 
@@ -31,43 +29,21 @@ def command(script: str, run_dir: Path, *args: str) -> list[str]:
 
 
 def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "trace.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_jsonl(run_dir / "trace.jsonl")
 
 
 def run(script: str, run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command(script, run_dir, *args), env=env or subprocess_env(), capture_output=True,
-                          text=True, timeout=WAIT_S, cwd=run_dir)
+    return helpers.run(command(script, run_dir, *args), env=env, cwd=run_dir)
 
 
 def stop_when(script: str, run_dir: Path, args: tuple[str, ...], ready: Callable[[], bool],
-              stop: Callable[[subprocess.Popen], None], env: dict[str, str] | None = None
+              stop: Callable[[subprocess.Popen], object], env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess[str]:
     """Start the example, call ``stop(proc)`` once ``ready()`` holds, and return the finished process."""
-    proc = subprocess.Popen(command(script, run_dir, *args), env=env or subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=run_dir)
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while not ready():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out, err = proc.communicate()
-                raise AssertionError(f"the run ended (or hung) before the moment to stop it: {proc.returncode}\n"
-                                     f"{out}\n{err[-4000:]}")
-            time.sleep(0.005)
-        stop(proc)
-        out, err = proc.communicate(timeout=WAIT_S)
-    finally:
-        proc.kill()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return helpers.stop_when(command(script, run_dir, *args), ready, stop, env=env, cwd=run_dir)
 
 
-def after_step(run_dir: Path, step: int) -> Callable[[], bool]:
-    losses = run_dir / "losses.jsonl"
-    return lambda: bool(read_losses(losses)) and read_losses(losses)[-1][0] >= step
-
-
-def sigterm(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+sigterm = signal_to(signal.SIGTERM)
 
 
 def checkpoints(run_dir: Path) -> list[CheckpointInfo]:
@@ -99,7 +75,7 @@ def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str
     from spotguard.ops.mockmeta import endpoint_env
 
     at = rng.randint(2, steps // 2 - 3)
-    first = stop_when(script, run_dir, (*args, *SLOW), after_step(run_dir, at), sigterm)
+    first = stop_when(script, run_dir, (*args, *SLOW), after_step(run_dir / "losses.jsonl", at), sigterm)
     stopped = assert_stopped(first, run_dir)
     assert at <= stopped < steps
 
@@ -107,7 +83,7 @@ def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str
     env = subprocess_env(**endpoint_env("aws", server.url))
     at = rng.randint(stopped + 2, steps - 5)
     second = stop_when(
-        script, run_dir, (*args, *SLOW, "--providers", "signal,aws"), after_step(run_dir, at),
+        script, run_dir, (*args, *SLOW, "--providers", "signal,aws"), after_step(run_dir / "losses.jsonl", at),
         lambda proc: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", server.url]), env=env)
     assert "notice from aws" in second.stdout, second.stdout
     stopped = assert_stopped(second, run_dir)
@@ -142,8 +118,6 @@ def stop_during_evaluation_then_warmup(script: str, run_dir: Path, args: tuple[s
 
 def finish_identically(script: str, run_dir: Path, args: tuple[str, ...], reference) -> subprocess.CompletedProcess[str]:
     """The last, uninterrupted resume: losses of every step and the final parameters equal the reference."""
-    from tests.guard.test_resume import assert_same_run
-
     last = run(script, run_dir, *args, "--final", str(run_dir / "final.pt"))
     assert last.returncode == 0, last.stderr[-4000:]
     assert_same_run(run_dir / "losses.jsonl", run_dir / "final.pt", reference)

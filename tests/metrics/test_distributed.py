@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.guard.test_distributed import torchrun
-
-from ..helpers import REPO, free_port, subprocess_env
+from tests.helpers import WORKERS, free_port_run, run, torchrun
 
 pytestmark = pytest.mark.slow
 
 
 def test_each_rank_serves_its_own_endpoint_and_writes_its_own_file(tmp_path):
-    port = free_port()  # rank 1 takes the next one: free on an idle test machine
-    proc = subprocess.run(torchrun(2, REPO / "tests" / "dist_metrics.py", str(tmp_path / "ckpt"), str(port),
-                                   str(tmp_path)), env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    port = free_port_run(2)  # rank 1 takes the next one
+    proc = run(torchrun(2, WORKERS / "dist_metrics.py", str(tmp_path / "ckpt"), str(port), str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         served_on, text = (tmp_path / f"out-{rank}.txt").read_text().split("\n", 1)

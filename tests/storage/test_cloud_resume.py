@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -16,9 +14,21 @@ import torch
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
-from tests.guard.test_distributed import assert_same, run, torchrun
-from tests.guard.test_resume import COMMON, assert_same_run
-from tests.helpers import REPO, example_cmd, read_losses, run_example, subprocess_env
+from tests.helpers import (
+    EXAMPLE_ARGS,
+    WORKERS,
+    after_step,
+    assert_same,
+    assert_same_run,
+    example_cmd,
+    read_losses,
+    run,
+    run_example,
+    signal_to,
+    stop_when,
+    subprocess_env,
+    torchrun,
+)
 from tests.storage.conftest import AWS_ENV, azurite_connection
 
 pytestmark = pytest.mark.slow
@@ -40,20 +50,13 @@ def cloud(request):
 
 def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_runs, cloud):
     url, env = cloud
-    args = (*COMMON, "--num-workers", "0")
+    args = (*EXAMPLE_ARGS, "--num-workers", "0")
     reference = reference_runs(*args)
     at = _rng.randint(3, 80)
     losses, final = tmp_path / "losses.jsonl", tmp_path / "final.pt"
-    proc = subprocess.Popen(example_cmd(url, *args, "--losses", str(losses), "--step-sleep", "0.03"), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if read_losses(losses) and read_losses(losses)[-1][0] >= at:
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.005)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_PREEMPTED, (at, out, err)
+    first = stop_when(example_cmd(url, *args, "--losses", str(losses), "--step-sleep", "0.03"), after_step(losses, at),
+                      signal_to(signal.SIGTERM), env=env)
+    assert first.returncode == EXIT_PREEMPTED, (at, first.stdout, first.stderr)
     stopped = read_losses(losses)[-1][0]
     assert [i.step for i in scan(open_storage(url)) if i.complete][-1] == stopped
 
@@ -65,7 +68,7 @@ def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_run
 
 def test_sharded_checkpoint_of_two_ranks_resumes_exactly_from_cloud_storage(tmp_path, cloud):
     url, env = cloud
-    done = run(torchrun(2, REPO / "tests" / "dist_cloud_roundtrip.py", url, str(tmp_path)), **env)
+    done = run(torchrun(2, WORKERS / "dist_cloud_roundtrip.py", url, str(tmp_path)), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     info = latest(open_storage(url))
     assert info and info.step == 3 and info.manifest and info.manifest.world_size == 2

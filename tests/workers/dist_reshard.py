@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_ddp  # noqa: E402
 
 from spotguard import CheckpointMismatchError  # noqa: E402

@@ -2,8 +2,9 @@
 
 Steps 1 and 2 are saved normally. Then, case by case, rank 1's storage refuses one key with a
 ``StorageError`` (as a flaky network does on one node) or one of its tracked objects cannot give its
-state; rank 0's storage works. At last, with nothing failing, step 2 resumes. Each rank prints ``<case> rank=<r> <error type> <seconds>s: <message>``
-(or ``ok`` and the result): every rank must fail together and at once, none may wait in a collective for the others.
+state; rank 0's storage works. At last, with nothing failing, step 2 resumes. Each rank reports ``{case, kind, seconds, message}`` per case (``kind`` the error type, or ``ok`` and the result)
+to ``results-<rank>.jsonl`` beside the checkpoint root: every rank must fail together and at once, none may
+wait in a collective for the others.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from spotguard import Guard
 from spotguard.errors import StorageError
 from spotguard.storage import LocalStorage
+from tests.workers.results import emit
 
 
 class FlakyStorage(LocalStorage):
@@ -84,9 +86,7 @@ def main() -> int:
             kind, result = "ok", fn()
         except (Exception, CheckpointException) as e:
             kind, result = type(e).__name__, str(e).replace("\n", " ")
-        # one write per line: both ranks share torchrun's stdout
-        sys.stdout.write(f"{case} rank={rank} {kind} {time.monotonic() - t0:.1f}s: {result}\n")
-        sys.stdout.flush()
+        emit(Path(sys.argv[1]).parent, case=case, kind=kind, seconds=time.monotonic() - t0, message=str(result))
 
     attempt("save-state", lambda: guard.save(3), broken=True)
     attempt("save-shard", lambda: guard.save(4), "step-00000004/shards/rank-00001.distcp")

@@ -12,7 +12,6 @@ too) is flipped, and both ranks must resume the checkpoint before it.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -25,13 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotguard import Guard
 from spotguard.storage import LocalStorage
-
-
-def emit(line: str) -> None:
-    """Append a line to this rank's own results file: ranks share stdout, where long lines interleave."""
-    rank = dist.get_rank()
-    with open(Path(sys.argv[1]).parent / f"results-{rank}.jsonl", "a") as f:
-        f.write(line + "\n")
+from tests.workers.results import emit
 
 SLOW = 0.15
 
@@ -73,15 +66,15 @@ def main() -> int:
             model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            before = guard.saves.saved_step
+            skipped = guard.stats().skipped
             guard.step(step)
-            if guard.saves.saved_step == step and before != step:
+            if guard.stats().skipped == skipped:  # every step is due: a save not skipped was started
                 started.append(step)
                 states[step] = flat(model)
             time.sleep(0.01)
     final = guard.last_saved.step if guard.last_saved else None
-    emit(json.dumps({"rank": rank, "started": started, "skipped": guard.stats().skipped, "final": final,
-                      "states": states}))
+    out = Path(root).parent
+    emit(out, started=started, skipped=guard.stats().skipped, final=final, states=states)
 
     model2, opt2 = build()
     with torch.no_grad():
@@ -89,7 +82,7 @@ def main() -> int:
             p.zero_()
     fresh = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
     resumed = fresh.resume()
-    emit(json.dumps({"rank": rank, "resumed": resumed, "exact": flat(model2) == flat(model)}))
+    emit(out, resumed=resumed, exact=flat(model2) == flat(model))
 
     shard = Path(root) / f"step-{resumed:08d}" / "shards" / "rank-00001.distcp"
     if rank == 0:
@@ -98,7 +91,7 @@ def main() -> int:
         shard.write_bytes(bytes(raw))
     dist.barrier()
     again = Guard(LocalStorage(root), providers=None).track(model=model2, optimizer=opt2)
-    emit(json.dumps({"rank": rank, "after_flip": again.resume()}))
+    emit(out, after_flip=again.resume())
     dist.destroy_process_group()
     return 0
 

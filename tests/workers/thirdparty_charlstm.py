@@ -7,7 +7,7 @@ steps once per epoch after the batch loop, and the epoch counter lives in ``guar
 tests/test_thirdparty.py: stopped with SIGINT (through ``spotguard run``) or SIGTERM at a random
 step, it must resume to the same per-step losses and the same final weights as an uninterrupted run.
 
-    python tests/thirdparty_charlstm.py --storage ckpt --epochs 3 --losses losses.jsonl --final final.pt
+    python tests/workers/thirdparty_charlstm.py --storage ckpt --epochs 3 --losses losses.jsonl --final final.pt
 """
 
 from __future__ import annotations
