@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import block_cloud_metadata, read_losses, run_example
+from .helpers import DDP_ARGS, block_cloud_metadata, ddp_example_cmd, read_losses, run, run_example
 
 # Never let cloud detection (providers="auto", here or in child processes) reach a real metadata
 # address: every endpoint variable points at a 127.0.0.1 port that refuses connections.
@@ -28,6 +28,17 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
         return cache[args]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted examples/train_ddp.py run of 2 ranks with DDP_ARGS, computed once: a folder with
+    ``loss-{rank}.jsonl`` and ``final.pt`` (2 ranks on one node or 2 nodes of 1 rank train alike)."""
+    ref = tmp_path_factory.mktemp("ddp-reference")
+    done = run(ddp_example_cmd(2, ref / "ckpt", *DDP_ARGS, "--providers", "signal",
+                               "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ref
 
 
 @pytest.fixture

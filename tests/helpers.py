@@ -25,6 +25,8 @@ WORKERS = REPO / "tests" / "workers"  # scripts the tests run as processes (torc
 #: examples/train.py's run in the resume tests (tests/guard, tests/ops, tests/storage share its reference run):
 #: ~38 batches per epoch, so 90 steps cover two epoch boundaries.
 EXAMPLE_ARGS = ("--steps", "90", "--every-steps", "20", "--batch-size", "16")
+#: examples/train_ddp.py's run in the distributed tests (tests/guard/test_distributed.py, test_multinode.py).
+DDP_ARGS = ("--steps", "40", "--every-steps", "15")
 #: SPOTGUARD_* variables children keep (the metadata endpoint tests point at a closed port or a mock).
 KEEP_ENV = ("SPOTGUARD_AZURE_METADATA_ENDPOINT",)
 #: How long a child may take to reach a moment or to finish: a loaded 2-core machine imports torch slowly.

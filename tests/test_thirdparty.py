@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,46 +45,49 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[tuple[int,
     return read_losses(losses), final, storage
 
 
-def stop_at(cmd: list[str], losses: Path, at: int, sig: int) -> subprocess.CompletedProcess[str]:
-    return stop_when(cmd, after_step(losses, at), signal_to(sig))
-
-
-@pytest.mark.parametrize("how", ["sigint-through-spotguard-run", "sigterm"])
-def test_a_third_party_rnn_script_stopped_by_a_signal_resumes_exactly(tmp_path, reference, how):
-    ref_losses, ref_final, _ = reference
-    storage, losses, final = outputs(tmp_path)
-    at = _rng.randint(2, EPOCHS * STEPS_PER_EPOCH - 4)  # the stop lands inside the loop, not in its exit
-    job = script("--losses", str(losses), "--final", str(final))
-    if how == "sigterm":
-        first = stop_at([*job, "--storage", str(storage), "--step-sleep", "0.05"], losses, at, signal.SIGTERM)
-    else:
-        supervised = [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--"]
-        first = stop_at([*supervised, *job, "--step-sleep", "0.05"], losses, at, signal.SIGINT)
-        assert "SIGINT received: forwarding it to the job" in first.stderr, (at, first.stderr)
+def stop_at(cmd: list[str], losses: Path, at: int, sig: int, storage: Path, resumed: int | None = None) -> int:
+    """Run until step ``at``, send ``sig``: exit 75 with an emergency checkpoint of the last step; returns that step."""
+    first = stop_when([*cmd, "--step-sleep", "0.05"], after_step(losses, at), signal_to(sig))
     assert first.returncode == EXIT_PREEMPTED, (at, first.stderr)
+    if resumed is not None:
+        assert f"resumed from step {resumed} (emergency, " in first.stderr, (at, first.stderr)
     assert "KeyboardInterrupt" not in first.stderr, at
     stopped = read_losses(losses)[-1][0]
     assert f"[charlstm] stopped at step {stopped}" in first.stdout, (at, first.stdout)
     newest = checkpoint.latest(open_storage(str(storage)))
     assert newest is not None and newest.manifest is not None
     assert (newest.step, newest.manifest.reason) == (stopped, "emergency"), (at, first.stderr)
+    if cmd[1:4] == ["-m", "spotguard", "run"]:
+        assert "SIGINT received: forwarding it to the job" in first.stderr, (at, first.stderr)
+    return stopped
 
-    again = [*supervised, *job] if how != "sigterm" else [*job, "--storage", str(storage)]
-    second = run(again)
-    assert second.returncode == 0, (at, second.stderr)
-    assert f"resumed from step {stopped} (emergency, " in second.stderr, (at, second.stderr)
 
+def test_a_third_party_rnn_script_stopped_by_sigint_and_sigterm_resumes_exactly(tmp_path, reference):
+    """SIGINT through `spotguard run` (a terminal's Ctrl-C), then, resumed directly, SIGTERM (a shutdown),
+    then resumed through `spotguard run` to the end: one chain of runs, as a user's job lives."""
+    ref_losses, ref_final, _ = reference
+    storage, losses, final = outputs(tmp_path)
+    job = script("--losses", str(losses), "--final", str(final))
+    supervised = [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--", *job]
+    direct = [*job, "--storage", str(storage)]
+    last = EPOCHS * STEPS_PER_EPOCH - 4  # each stop lands inside the loop, not in its exit
+    first = stop_at(supervised, losses, _rng.randint(2, last - 8), signal.SIGINT, storage)
+    second = stop_at(direct, losses, _rng.randint(first + 2, last), signal.SIGTERM, storage, resumed=first)
+
+    done = run(supervised)
+    assert done.returncode == 0, (first, second, done.stderr)
+    assert f"resumed from step {second} (emergency, " in done.stderr, (first, second, done.stderr)
     by_step: dict[int, float] = {}
     for step, loss in read_losses(losses):  # a replayed step, if any, must match too
-        assert loss == dict(ref_losses)[step], (at, step)
+        assert loss == dict(ref_losses)[step], (first, second, step)
         by_step[step] = loss
-    assert sorted(by_step.items()) == ref_losses, at
+    assert sorted(by_step.items()) == ref_losses
     got, want = torch.load(final, weights_only=True), torch.load(ref_final, weights_only=True)
     assert got["tokens"] == want["tokens"] == EPOCHS * STEPS_PER_EPOCH * 64
     for part in ("model", "ema"):
         assert got[part].keys() == want[part].keys()
         for k in want[part]:
-            assert torch.equal(got[part][k], want[part][k]), (at, part, k)
+            assert torch.equal(got[part][k], want[part][k]), (first, second, part, k)
 
 
 def test_the_final_checkpoint_holds_the_state_after_the_loop(reference):

@@ -22,6 +22,7 @@ from spotguard.checkpoint import latest, scan
 from spotguard.checkpoint.dcp import load_metadata
 from spotguard.storage import open_storage
 from tests.helpers import (
+    DDP_ARGS,
     WORKERS,
     after_step,
     assert_same,
@@ -55,13 +56,8 @@ def last_steps(tmp: Path, pattern: str, ranks: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(tmp_path):
-    common = ("--steps", "40", "--every-steps", "15")
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    done = run(ddp_example_cmd(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"),
-                               "--final", str(ref / "final.pt")))
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(tmp_path, ddp_reference):
+    common, ref = DDP_ARGS, ddp_reference
 
     at = _rng.randint(4, 28)
     notice = tmp_path / "notice-{rank}"

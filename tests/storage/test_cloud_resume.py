@@ -35,17 +35,24 @@ pytestmark = pytest.mark.slow
 _rng = random.Random()
 
 
-@pytest.fixture(params=["s3", "gs", "az"])
+CLOUDS = ("s3", "gs", "az")
+
+
+def cloud_url(request: pytest.FixtureRequest, name: str) -> tuple[str, dict[str, str]]:
+    """A fresh bucket's URL on one emulated cloud, and what child processes need in their environment for it."""
+    if name == "s3":
+        return request.getfixturevalue("s3_url"), {**AWS_ENV, "AWS_ENDPOINT_URL": request.getfixturevalue("moto").url}
+    if name == "az":
+        port = request.getfixturevalue("azurite").port
+        return request.getfixturevalue("az_url"), {"AZURE_STORAGE_CONNECTION_STRING": azurite_connection(port)}
+    return request.getfixturevalue("fake_gcs_url"), {"STORAGE_EMULATOR_HOST": request.getfixturevalue("fake_gcs").url}
+
+
+@pytest.fixture(params=CLOUDS)
 def cloud(request):
     """(url, environment for the child processes) for each cloud backend."""
-    if request.param == "s3":
-        url = request.getfixturevalue("s3_url")
-        return url, subprocess_env(**AWS_ENV, AWS_ENDPOINT_URL=request.getfixturevalue("moto").url)
-    if request.param == "az":
-        url = request.getfixturevalue("az_url")
-        return url, subprocess_env(AZURE_STORAGE_CONNECTION_STRING=azurite_connection(request.getfixturevalue("azurite").port))
-    url = request.getfixturevalue("fake_gcs_url")
-    return url, subprocess_env(STORAGE_EMULATOR_HOST=request.getfixturevalue("fake_gcs").url)
+    url, env = cloud_url(request, request.param)
+    return url, subprocess_env(**env)
 
 
 def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_runs, cloud):
@@ -66,14 +73,20 @@ def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_run
     assert_same_run(losses, final, reference)
 
 
-def test_sharded_checkpoint_of_two_ranks_resumes_exactly_from_cloud_storage(tmp_path, cloud):
-    url, env = cloud
-    done = run(torchrun(2, WORKERS / "dist_cloud_roundtrip.py", url, str(tmp_path)), env=env)
+def test_sharded_checkpoint_of_two_ranks_resumes_exactly_from_each_cloud(tmp_path, request):
+    """One torchrun launch (seconds each) for the three clouds, one after the other."""
+    urls, env = [], {}
+    for name in CLOUDS:
+        url, cloud_env = cloud_url(request, name)
+        urls.append(url)
+        env.update(cloud_env)
+    done = run(torchrun(2, WORKERS / "dist_cloud_roundtrip.py", str(tmp_path), *urls), env=subprocess_env(**env))
     assert done.returncode == 0, done.stderr[-3000:]
-    info = latest(open_storage(url))
-    assert info and info.step == 3 and info.manifest and info.manifest.world_size == 2
-    assert {f.name for f in info.manifest.files} == {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp",
-                                                     "shards/rank-00000.distcp", "shards/rank-00001.distcp"}
-    for rank in (0, 1):
-        assert_same(torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=True),
-                    torch.load(tmp_path / f"saved-{rank}.pt", weights_only=True), f"rank {rank}")
+    for i, url in enumerate(urls):
+        info = latest(open_storage(url))
+        assert info and info.step == 3 and info.manifest and info.manifest.world_size == 2, url
+        assert {f.name for f in info.manifest.files} == {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp",
+                                                         "shards/rank-00000.distcp", "shards/rank-00001.distcp"}, url
+        for rank in (0, 1):
+            assert_same(torch.load(tmp_path / f"resumed-{i}-{rank}.pt", weights_only=True),
+                        torch.load(tmp_path / f"saved-{i}-{rank}.pt", weights_only=True), f"{url} rank {rank}")

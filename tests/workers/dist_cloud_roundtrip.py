@@ -1,8 +1,9 @@
-"""Worker for tests/storage/test_cloud_resume.py (run by torchrun, 2 ranks): a sharded checkpoint in the cloud.
+"""Worker for tests/storage/test_cloud_resume.py (run by torchrun, 2 ranks): sharded checkpoints in the cloud.
 
-A DDP model with dropout and AdamW train 3 steps, step 3 is saved to the URL (s3:// or gs://), then
-fresh objects, seeded differently, resume it from there. Each rank writes its model, optimizer and
-next random numbers right after the save and right after the resume to ``OUT/{saved,resumed}-<rank>.pt``.
+``dist_cloud_roundtrip.py OUT URL...``: for each URL (s3://, gs://, az://; one launch for all of them),
+a DDP model with dropout and AdamW train 3 steps, step 3 is saved to the URL, then fresh objects, seeded
+differently, resume it from there. Each rank writes its model, optimizer and next random numbers right
+after the save and right after the resume to ``OUT/{saved,resumed}-<i>-<rank>.pt`` (i: the URL's index).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from spotguard import Guard
 
 
-def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Guard]:
+def build(url: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Guard]:
     torch.manual_seed(seed)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return model, opt, Guard(sys.argv[1], providers=None).track(model=model, optimizer=opt)
+    return model, opt, Guard(url, providers=None).track(model=model, optimizer=opt)
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -33,20 +34,21 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def main() -> int:
-    out = Path(sys.argv[2])
+    out, urls = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, opt, guard = build(seed=rank)  # DDP broadcasts rank 0's weights; dropout differs per rank
-    for _ in range(3):
-        model(torch.randn(4, 6)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    guard.save(3)
-    torch.save(snapshot(model, opt), out / f"saved-{rank}.pt")
+    for i, url in enumerate(urls):
+        model, opt, guard = build(url, seed=rank)  # DDP broadcasts rank 0's weights; dropout differs per rank
+        for _ in range(3):
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        guard.save(3)
+        torch.save(snapshot(model, opt), out / f"saved-{i}-{rank}.pt")
 
-    model, opt, guard = build(seed=100 + rank)
-    assert guard.resume() == 3
-    torch.save(snapshot(model, opt), out / f"resumed-{rank}.pt")
+        model, opt, guard = build(url, seed=100 + rank)
+        assert guard.resume() == 3
+        torch.save(snapshot(model, opt), out / f"resumed-{i}-{rank}.pt")
     dist.destroy_process_group()
     return 0
 

@@ -88,6 +88,7 @@ def newest_step(storage: Path) -> int:
 
 
 def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 120) -> None:
+    import torch._dynamo  # noqa: F401  # DDP's constructor imports it: seconds per rank, paid once here
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
 
