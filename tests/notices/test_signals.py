@@ -102,8 +102,8 @@ def test_second_sigterm_terminates_and_ctrl_c_still_raises_keyboardinterrupt():
 
 
 def test_signal_notice_reaches_watcher_quickly():
-    with Watcher([SignalProvider()], interval=1.0) as w:
+    with Watcher([SignalProvider()], interval=10.0) as w:
         t0 = time.monotonic()
         os.kill(os.getpid(), signal.SIGTERM)
         assert wait_for(w.preempted)
-        assert time.monotonic() - t0 < 0.5  # pushed through a queue, not found on the next poll
+        assert time.monotonic() - t0 < 4  # pushed through a queue, not found on the next poll 10 s away
