@@ -170,4 +170,4 @@ def test_a_token_the_account_refuses_fails_fast_as_access_denied(vm_env, imds):
     with pytest.raises(StorageError, match=r"access denied \(AuthenticationFailed: Invalid token audience\.\).*"
                                            "Storage Blob Data Contributor"):
         st.put_bytes("step-00000001/manifest.json", b"{}")
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # not retried with backoff

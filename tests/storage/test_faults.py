@@ -163,4 +163,4 @@ def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backen
         took = time.monotonic() - t0
     finally:
         proxy.stop()
-    assert took < 3.5, took
+    assert took < 6, took  # the 2 s deadline, not the 60 s timeouts (slack for a busy 2-core box)
