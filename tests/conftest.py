@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,19 +18,36 @@ from .helpers import DDP_ARGS, block_cloud_metadata, ddp_example_cmd, read_losse
 block_cloud_metadata()
 
 
+def _computed_once(factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], None]) -> Path:
+    """A folder that ``compute`` fills once per test run, shared by pytest-xdist's workers (a file lock
+    between them; a folder marked done is reused): reference runs cost seconds of CPU each."""
+    from filelock import FileLock
+
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a run that failed half way
+            folder.mkdir()
+            compute(folder)
+            (folder / ".done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory: pytest.TempPathFactory):
-    """Uninterrupted example runs, computed once per configuration: {key: (losses, final_path)}."""
-    cache: dict[tuple[str, ...], tuple[list[tuple[int, float]], Path]] = {}
+    """Uninterrupted example runs, computed once per configuration: ``get(*args) -> (losses, final path)``."""
+
+    def compute(args: tuple[str, ...], d: Path) -> None:
+        proc = run_example(d / "ckpt", *args, "--losses", str(d / "losses.jsonl"), "--final", str(d / "final.pt"))
+        assert proc.returncode == 0, proc.stderr
 
     def get(*args: str) -> tuple[list[tuple[int, float]], Path]:
-        if args not in cache:
-            d = tmp_path_factory.mktemp("reference")
-            losses, final = d / "losses.jsonl", d / "final.pt"
-            proc = run_example(d / "ckpt", *args, "--losses", str(losses), "--final", str(final))
-            assert proc.returncode == 0, proc.stderr
-            cache[args] = (read_losses(losses), final)
-        return cache[args]
+        key = hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
+        d = _computed_once(tmp_path_factory, f"reference-{key}", lambda folder: compute(args, folder))
+        return read_losses(d / "losses.jsonl"), d / "final.pt"
 
     return get
 
@@ -34,11 +56,13 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted examples/train_ddp.py run of 2 ranks with DDP_ARGS, computed once: a folder with
     ``loss-{rank}.jsonl`` and ``final.pt`` (2 ranks on one node or 2 nodes of 1 rank train alike)."""
-    ref = tmp_path_factory.mktemp("ddp-reference")
-    done = run(ddp_example_cmd(2, ref / "ckpt", *DDP_ARGS, "--providers", "signal",
-                               "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ref
+
+    def compute(ref: Path) -> None:
+        done = run(ddp_example_cmd(2, ref / "ckpt", *DDP_ARGS, "--providers", "signal",
+                                   "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")))
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return _computed_once(tmp_path_factory, "ddp-reference", compute)
 
 
 @pytest.fixture
