@@ -22,7 +22,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # 2 workers: most tests wait on child processes; a file stays on one worker
 
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py $(ONLY) --machine "$(BENCH_MACHINE)"
