@@ -50,6 +50,14 @@ def lines(path: str) -> int:
         return 0
 
 
+def scratch(storage: str) -> list[str]:
+    """Scratch files of unfinished writes (none yet when the first trainee died before its first save)."""
+    try:
+        return [n for n in os.listdir(storage) if n.startswith(".spotguard.tmp-")]
+    except FileNotFoundError:
+        return []
+
+
 def run_child(storage: str, log: str, kill: tuple[int, float] | None) -> int:
     """Fork a trainee; with ``kill=(k, t)``, SIGKILL it ``t`` seconds after it logged ``k`` steps.
 
@@ -97,16 +105,16 @@ def main() -> int:
         infos = checkpoint.scan(store)
         corrupt += sum(i.status == "corrupt" for i in infos)
         # Each save sweeps the scratch of killed writers, so what is here now is this kill's.
-        scratch = [n for n in os.listdir(storage) if n.startswith(".spotguard.tmp-")]
-        most_scratch = max(most_scratch, len(scratch))
-        partial += bool(scratch) or any(i.status == "incomplete" for i in infos)
+        left = scratch(storage)
+        most_scratch = max(most_scratch, len(left))
+        partial += bool(left) or any(i.status == "incomplete" for i in infos)
         for info in infos:
             if info.complete:
                 checkpoint.verify(store, info)  # raises on a bad checksum
     status = run_child(storage, log, None)
     infos = checkpoint.scan(store)
     print(json.dumps({"partial": partial, "corrupt": corrupt, "final_status": status, "most_scratch": most_scratch,
-                      "scratch_left": sum(n.startswith(".spotguard.tmp-") for n in os.listdir(storage)),
+                      "scratch_left": len(scratch(storage)),
                       "incomplete_left": sum(not i.complete for i in infos)}))
     return 0
 
