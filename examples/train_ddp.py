@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
         backend = "gloo" if shared else "nccl"
     if dist.is_initialized():
-        pass  # by a caller that runs main() more than once (tests/dist_reshard.py)
+        pass  # by a caller that runs main() more than once (tests/workers/dist_reshard.py)
     elif "RANK" in os.environ:
         dist.init_process_group(backend)
     else:  # plain `python train_ddp.py`: a group of one

