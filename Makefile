@@ -43,6 +43,7 @@ checkov-venv: .venv-checkov/bin/checkov
 # lint: what .ci/run checks before the tests. fmt: fixes what ruff can (import order ...) and formats.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(PYSRC)
+	$(VENV)/bin/ruff format --check $(PYSRC)
 	$(VENV)/bin/mypy spotguard
 
 fmt: $(VENV)/.installed

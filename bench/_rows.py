@@ -8,12 +8,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def row(figure: str, value: float, unit: str = "", *, baseline: float | None = None, baseline_label: str = "",
-        target: str | None = None, passed: Callable[[float, float | None], bool] | None = None) -> dict:
+def row(
+    figure: str,
+    value: float,
+    unit: str = "",
+    *,
+    baseline: float | None = None,
+    baseline_label: str = "",
+    target: str | None = None,
+    passed: Callable[[float, float | None], bool] | None = None,
+) -> dict:
     """One figure; ``passed(value, ratio)`` decides pass/miss against ``target``."""
     ratio = value / baseline if baseline not in (None, 0) else None
-    return {"figure": figure, "value": value, "unit": unit, "baseline": baseline, "baseline_label": baseline_label,
-            "ratio": ratio, "target": target, "pass": None if passed is None else bool(passed(value, ratio))}
+    return {
+        "figure": figure,
+        "value": value,
+        "unit": unit,
+        "baseline": baseline,
+        "baseline_label": baseline_label,
+        "ratio": ratio,
+        "target": target,
+        "pass": None if passed is None else bool(passed(value, ratio)),
+    }
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -67,16 +67,33 @@ def worker(rank: int, world: int, port: int, steps: int, tmp: str, json_path: st
     if rank == 0:
         print(f"ranks: {world} (gloo, 127.0.0.1, 1 thread each)")
         print(f"guard.step(), single process (baseline, no collective): {base * 1e6:9.3f} us")
-        print(f"guard.step(), agreement every step:                      {agreed * 1e6:9.1f} us"
-              f"  ({agreed / base:,.0f}x the baseline)")
+        print(
+            f"guard.step(), agreement every step:                      {agreed * 1e6:9.1f} us"
+            f"  ({agreed / base:,.0f}x the baseline)"
+        )
         print(f"guard.step(), sync_every=8:                              {agreed8 * 1e6:9.1f} us per step")
         print(f"one DDP training step of the example model:             {step_time * 1e3:9.2f} ms")
         print(f"agreement / training step: {agreed / step_time:.2%} (sync_every=8: {agreed8 / step_time:.2%})")
         label = "one DDP step of the example model"
-        emit([row(f"agreement all-reduce per step, {world} gloo ranks", agreed * 1e3, "ms",
-                  baseline=step_time * 1e3, baseline_label=label),
-              row(f"agreement with sync_every=8, {world} gloo ranks", agreed8 * 1e3, "ms",
-                  baseline=step_time * 1e3, baseline_label=label)], json_path)
+        emit(
+            [
+                row(
+                    f"agreement all-reduce per step, {world} gloo ranks",
+                    agreed * 1e3,
+                    "ms",
+                    baseline=step_time * 1e3,
+                    baseline_label=label,
+                ),
+                row(
+                    f"agreement with sync_every=8, {world} gloo ranks",
+                    agreed8 * 1e3,
+                    "ms",
+                    baseline=step_time * 1e3,
+                    baseline_label=label,
+                ),
+            ],
+            json_path,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -88,6 +105,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -39,8 +39,9 @@ def make_state(size_mb: int) -> torch.nn.Module:
 def small_tensors_stall(base: Path, repeat: int) -> tuple[float, float, int]:
     """(guard.step stall, host copy) for a state of ~4000 small tensors (250 Linear(64)+LayerNorm
     blocks with AdamW): where the per-tensor cost of a snapshot shows, not the memcpy."""
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
-                                  for _ in range(250)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)) for _ in range(250)]
+    )
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 64)).sum().backward()
     opt.step()
@@ -48,8 +49,11 @@ def small_tensors_stall(base: Path, repeat: int) -> tuple[float, float, int]:
     bufs = [torch.empty_like(t) for t in tensors]
 
     def host_copy() -> None:
-        for b, t in zip(bufs, [*model.state_dict().values(),
-                               *(v for s in opt.state_dict()["state"].values() for v in s.values())], strict=True):
+        for b, t in zip(
+            bufs,
+            [*model.state_dict().values(), *(v for s in opt.state_dict()["state"].values() for v in s.values())],
+            strict=True,
+        ):
             b.copy_(t)
 
     guard = spotguard.Guard(str(base / "small"), providers=[], every_steps=1, keep=1, busy="wait")
@@ -106,6 +110,7 @@ def main() -> int:
         dcp_stall = None
         try:
             import torch.distributed.checkpoint as dcp
+
             futures = []
 
             def dcp_async() -> None:
@@ -156,23 +161,42 @@ def main() -> int:
         ("stall per checkpoint vs torch.save", stall, save, "<= 0.2x", stall / save <= 0.2),
         ("stall per checkpoint vs torch.save+fsync", stall, save_durable, "<= 0.2x", stall / save_durable <= 0.2),
     ]
-    rows.append((f"stall per checkpoint vs host copy, {small_count} small tensors", small_stall, small_copy,
-                 "<= 1.5x", small_stall / small_copy <= 1.5))
+    rows.append(
+        (
+            f"stall per checkpoint vs host copy, {small_count} small tensors",
+            small_stall,
+            small_copy,
+            "<= 1.5x",
+            small_stall / small_copy <= 1.5,
+        )
+    )
     if dcp_stall is not None:
         rows.append(("stall per checkpoint vs dcp.async_save", stall, dcp_stall, "(info)", stall <= dcp_stall))
     print(f"state: {gb:.2f} GiB; host copy {gb / memcpy:.1f} GiB/s; torch.save {gb / save:.2f} GiB/s")
     print(f"{'figure':<40} {'spotguard':>10} {'baseline':>10} {'ratio':>7}  target")
     for name, ours, baseline, target, ok in rows:
-        print(f"{name:<40} {ours * 1e3:8.0f}ms {baseline * 1e3:8.0f}ms {ours / baseline:7.2f}  {target} {'pass' if ok else 'MISS'}")
-    print(f"first (cold) stall: {first_stall * 1e3:.0f} ms (allocates staging); "
-          f"background write hidden from the loop: {statistics.median([w for w in writes if w]) * 1e3:.0f} ms")
+        print(
+            f"{name:<40} {ours * 1e3:8.0f}ms {baseline * 1e3:8.0f}ms {ours / baseline:7.2f}  {target} {'pass' if ok else 'MISS'}"
+        )
+    print(
+        f"first (cold) stall: {first_stall * 1e3:.0f} ms (allocates staging); "
+        f"background write hidden from the loop: {statistics.median([w for w in writes if w]) * 1e3:.0f} ms"
+    )
     if args.json:
         out = []
         for name, ours, baseline, target, ok in rows:
             suffix = "" if "small tensors" in name else f" ({gb:.1f} GiB)"
-            out.append({"figure": name + suffix, "value": round(ours * 1e3, 1), "unit": "ms",
-                                "baseline": round(baseline * 1e3, 1), "ratio": round(ours / baseline, 3),
-                                "target": target, "pass": bool(ok)})
+            out.append(
+                {
+                    "figure": name + suffix,
+                    "value": round(ours * 1e3, 1),
+                    "unit": "ms",
+                    "baseline": round(baseline * 1e3, 1),
+                    "ratio": round(ours / baseline, 3),
+                    "target": target,
+                    "pass": bool(ok),
+                }
+            )
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -62,6 +62,7 @@ def latency(cloud: str, trials: int, interval: float) -> list[float]:
             mock.clear()
             seen = threading.Event()
             stamp: list[float] = []
+
             def record(_notice: object, stamp: list[float] = stamp, seen: threading.Event = seen) -> None:
                 stamp.append(time.monotonic())
                 seen.set()
@@ -98,10 +99,16 @@ def idle_cpu(seconds: float, warmup: float = 3.0) -> dict[str, float]:
         for cloud, server in servers.items():
             procs[cloud] = subprocess.Popen(
                 [sys.executable, "-m", "spotguard", "watch", "--providers", cloud, "--interval", "1"],
-                env=dict(env_base, **endpoint_env(cloud, server.url)), stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
-        procs["naive"] = subprocess.Popen([sys.executable, "-c", NAIVE_POLLER, servers["aws"].url], env=env_base,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                env=dict(env_base, **endpoint_env(cloud, server.url)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        procs["naive"] = subprocess.Popen(
+            [sys.executable, "-c", NAIVE_POLLER, servers["aws"].url],
+            env=env_base,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 120
         while not all(server.mock.requests for server in servers.values()):  # every watcher has started
             if time.monotonic() > deadline:
@@ -136,36 +143,65 @@ def main() -> int:
         values = latency(cloud, args.trials, args.interval)
         rows.append((cloud, how, statistics.median(values), percentile(values, 99), max(values)))
         print(f"  {cloud}: {len(values)} trials done", file=sys.stderr, flush=True)
-    print(f"\nNotice -> preempted latency ({args.trials} trials per cloud, random phase; "
-          f"baseline = the polling interval, {args.interval:.3f} s)")
-    print(f"{'cloud':<6} {'mechanism':<24} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'baseline s':>10} "
-          f"{'p99/baseline':>12}")
+    print(
+        f"\nNotice -> preempted latency ({args.trials} trials per cloud, random phase; "
+        f"baseline = the polling interval, {args.interval:.3f} s)"
+    )
+    print(
+        f"{'cloud':<6} {'mechanism':<24} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'baseline s':>10} {'p99/baseline':>12}"
+    )
     for cloud, how, p50, p99, worst in rows:
-        print(f"{cloud:<6} {how:<24} {p50:7.3f} {p99:7.3f} {worst:7.3f} {args.interval:10.3f} "
-              f"{p99 / args.interval:12.2f}")
+        print(
+            f"{cloud:<6} {how:<24} {p50:7.3f} {p99:7.3f} {worst:7.3f} {args.interval:10.3f} {p99 / args.interval:12.2f}"
+        )
         limit = 0.1 if cloud == "gcp" else args.interval + 0.1
         out.append(_row(f"notice->preempted p50, {cloud} ({how})", p50, "s", args.interval))
-        out.append(_row(f"notice->preempted p99, {cloud} ({how})", p99, "s", args.interval,
-                        f"<= {limit:g} s", p99 <= limit))
+        out.append(
+            _row(f"notice->preempted p99, {cloud} ({how})", p99, "s", args.interval, f"<= {limit:g} s", p99 <= limit)
+        )
 
     cpu = idle_cpu(args.idle_seconds)
-    print(f"\nIdle watcher CPU (seconds per hour of watching, measured over {args.idle_seconds:.0f} s; "
-          f"baseline = a naive requests poller, new token + connection each second)")
+    print(
+        f"\nIdle watcher CPU (seconds per hour of watching, measured over {args.idle_seconds:.0f} s; "
+        f"baseline = a naive requests poller, new token + connection each second)"
+    )
     print(f"{'watcher':<22} {'CPU s/hour':>10} {'baseline':>9} {'ratio':>6}")
     for cloud in ("aws", "azure", "gcp"):
         print(f"{'spotguard ' + cloud:<22} {cpu[cloud]:10.1f} {cpu['naive']:9.1f} {cpu[cloud] / cpu['naive']:6.2f}")
-        out.append(_row(f"idle watcher CPU, {cloud} (1 s interval)", cpu[cloud], "CPU s/hour", cpu["naive"],
-                        baseline_label="naive requests poller"))
+        out.append(
+            _row(
+                f"idle watcher CPU, {cloud} (1 s interval)",
+                cpu[cloud],
+                "CPU s/hour",
+                cpu["naive"],
+                baseline_label="naive requests poller",
+            )
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
-def _row(figure: str, value: float, unit: str, baseline: float, target: str | None = None,
-         passed: bool | None = None, baseline_label: str = "polling interval") -> dict:
+def _row(
+    figure: str,
+    value: float,
+    unit: str,
+    baseline: float,
+    target: str | None = None,
+    passed: bool | None = None,
+    baseline_label: str = "polling interval",
+) -> dict:
     """One row in bench/run_all.py's JSON convention."""
-    return {"figure": figure, "value": value, "unit": unit, "baseline": baseline, "baseline_label": baseline_label,
-            "ratio": value / baseline if baseline else None, "target": target, "pass": passed}
+    return {
+        "figure": figure,
+        "value": value,
+        "unit": unit,
+        "baseline": baseline,
+        "baseline_label": baseline_label,
+        "ratio": value / baseline if baseline else None,
+        "target": target,
+        "pass": passed,
+    }
 
 
 if __name__ == "__main__":

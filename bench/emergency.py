@@ -36,8 +36,9 @@ from spotguard import Notice  # noqa: E402
 
 def state_of(size_mb: int) -> torch.nn.Module:
     n = 2048
-    return torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False)
-                                 for _ in range(max(1, round(size_mb * 2**20 / (n * n * 4))))])
+    return torch.nn.Sequential(
+        *[torch.nn.Linear(n, n, bias=False) for _ in range(max(1, round(size_mb * 2**20 / (n * n * 4))))]
+    )
 
 
 def one(url: str, model: torch.nn.Module, budget: float) -> tuple[float, BaseException | None]:
@@ -60,7 +61,7 @@ def baseline(url: str, state: dict[str, torch.Tensor], tmp: Path) -> float:
 
         buf = io.BytesIO()
         torch.save(state, buf)
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         client = boto3.client("s3")
         client.put_object(Bucket=bucket, Key=f"{prefix}/plain.pt".lstrip("/"), Body=io.BytesIO(buf.getbuffer()))
         took = time.perf_counter() - t0
@@ -112,10 +113,21 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"emergency checkpoint, notice -> committed; budget {args.budget:.0f}s")
-    emit([row(f"emergency notice->commit {size} MB ({where})", round(ours, 2), "s", baseline=round(base, 2),
-              baseline_label=label, target=f"committed, < {args.budget:.0f} s",
-              passed=lambda v, r, ok=ok: ok and v < args.budget)
-          for where, label, size, ours, base, ok in results], args.json)
+    emit(
+        [
+            row(
+                f"emergency notice->commit {size} MB ({where})",
+                round(ours, 2),
+                "s",
+                baseline=round(base, 2),
+                baseline_label=label,
+                target=f"committed, < {args.budget:.0f} s",
+                passed=lambda v, r, ok=ok: ok and v < args.budget,
+            )
+            for where, label, size, ours, base, ok in results
+        ],
+        args.json,
+    )
     return 0
 
 

@@ -52,9 +52,20 @@ def main() -> None:
     print(f"guard.step() without supervisor:       {plain * 1e9:7.1f} ns")
     print(f"baseline: step() before the heartbeat: {baseline * 1e9:7.1f} ns")
     print(f"ratio (ours / baseline):               {ours / baseline:7.2f}x")
-    emit([row("guard.step() under `spotguard run` (heartbeat write)", ours * 1e9, "ns", baseline=baseline * 1e9,
-              baseline_label="step() before the heartbeat", target="< 1 us", passed=lambda v, r: v < 1000)],
-         args.json)
+    emit(
+        [
+            row(
+                "guard.step() under `spotguard run` (heartbeat write)",
+                ours * 1e9,
+                "ns",
+                baseline=baseline * 1e9,
+                baseline_label="step() before the heartbeat",
+                target="< 1 us",
+                passed=lambda v, r: v < 1000,
+            )
+        ],
+        args.json,
+    )
 
 
 if __name__ == "__main__":

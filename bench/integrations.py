@@ -37,13 +37,17 @@ def hf(root: str, n: int) -> dict:
 
     cb, empty = SpotguardCallback(root, providers=[]), TrainerCallback()
     state, control = TrainerState(global_step=10), TrainerControl()
-    ours = per_call_ns(lambda: (cb.on_step_begin(None, state, control),
-                                cb.on_step_end(None, state, control)), n)
-    base = per_call_ns(lambda: (empty.on_step_begin(None, state, control),
-                                empty.on_step_end(None, state, control)), n)
-    return row("HF SpotguardCallback per step, nothing due (on_step_begin + on_step_end)", ours, "ns",
-               baseline=base, baseline_label="empty TrainerCallback",
-               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
+    ours = per_call_ns(lambda: (cb.on_step_begin(None, state, control), cb.on_step_end(None, state, control)), n)
+    base = per_call_ns(lambda: (empty.on_step_begin(None, state, control), empty.on_step_end(None, state, control)), n)
+    return row(
+        "HF SpotguardCallback per step, nothing due (on_step_begin + on_step_end)",
+        ours,
+        "ns",
+        baseline=base,
+        baseline_label="empty TrainerCallback",
+        target=TARGET,
+        passed=lambda v, r: v - base < TARGET_NS,
+    )
 
 
 def accelerate(root: str, n: int) -> dict:
@@ -55,9 +59,15 @@ def accelerate(root: str, n: int) -> dict:
     guard, empty = AcceleratorGuard(_Accelerator(), root, every_steps=10**9, providers=[]), _Empty()
     ours = per_call_ns(lambda: guard.step(10), n)
     base = per_call_ns(lambda: empty.step(10), n)
-    return row("Accelerate AcceleratorGuard.step(), nothing due (every_steps)", ours, "ns", baseline=base,
-               baseline_label="empty method call",
-               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
+    return row(
+        "Accelerate AcceleratorGuard.step(), nothing due (every_steps)",
+        ours,
+        "ns",
+        baseline=base,
+        baseline_label="empty method call",
+        target=TARGET,
+        passed=lambda v, r: v - base < TARGET_NS,
+    )
 
 
 def lightning(root: str, n: int) -> dict:
@@ -66,8 +76,14 @@ def lightning(root: str, n: int) -> dict:
 
     from spotguard.integrations.lightning import SpotguardCallback
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     cb, empty = SpotguardCallback(root, every_steps=10**9, providers=[]), Callback()
 
     def ours_step() -> None:
@@ -81,9 +97,15 @@ def lightning(root: str, n: int) -> dict:
         empty.on_train_batch_end(trainer, None, None, None, 0)
 
     ours, base = per_call_ns(ours_step, n), per_call_ns(empty_step, n)
-    return row("Lightning SpotguardCallback per step, nothing due (3 hooks)", ours, "ns",
-               baseline=base, baseline_label="empty Callback",
-               target=TARGET, passed=lambda v, r: v - base < TARGET_NS)
+    return row(
+        "Lightning SpotguardCallback per step, nothing due (3 hooks)",
+        ours,
+        "ns",
+        baseline=base,
+        baseline_label="empty Callback",
+        target=TARGET,
+        passed=lambda v, r: v - base < TARGET_NS,
+    )
 
 
 def main() -> int:

@@ -56,18 +56,24 @@ def main() -> int:
     ap.add_argument("--state-mb", type=int, default=1024)
     ap.add_argument("--interval", type=float, default=60.0)
     ap.add_argument("--blocks", type=int, default=4, help="blocks with a checkpoint")
-    ap.add_argument("--nice", type=int, default=GuardOptions.background_nice,
-                    help="background_nice of the guard (default: the library's)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=GuardOptions.background_nice,
+        help="background_nice of the guard (default: the library's)",
+    )
     ap.add_argument("--json", help="write the result rows (JSON) to this file")
     args = ap.parse_args()
     n = 2048
-    state = torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False)
-                                  for _ in range(max(1, round(args.state_mb * 2**20 / (n * n * 4))))])
+    state = torch.nn.Sequential(
+        *[torch.nn.Linear(n, n, bias=False) for _ in range(max(1, round(args.state_mb * 2**20 / (n * n * 4))))]
+    )
     loop = Loop(state)
     tmp = tempfile.mkdtemp(prefix="sg-overhead-")
     try:
-        guard = spotguard.Guard(tmp, providers=[], every_seconds=args.interval, keep=1, save_on_exit=False,
-                                background_nice=args.nice).track(model=state)
+        guard = spotguard.Guard(
+            tmp, providers=[], every_seconds=args.interval, keep=1, save_on_exit=False, background_nice=args.nice
+        ).track(model=state)
         with guard:
             # The first snapshot page-faults its staging buffers in (once per job: ~1.4 s per GiB
             # here); take it before measuring, as checkpoint_stall.py leaves the first one out.
@@ -89,21 +95,38 @@ def main() -> int:
     overhead = 1 - o / b
     # Standard error of the overhead from the spread of the blocks: on a shared machine the speed
     # of the baseline blocks alone varies by several percent.
-    se = (statistics.variance(base) / len(base) + statistics.variance(ours) / len(ours)) ** 0.5 / b \
-        if len(ours) > 1 else float("nan")
-    print(f"state {args.state_mb} MB, one checkpoint per {args.interval:.0f}s block, {args.blocks} block(s), "
-          f"{saved} checkpoint(s) written, {skipped} skipped, background_nice={args.nice}")
-    print(f"steps/s without checkpoints {b:.2f} ({', '.join(f'{x:.1f}' for x in base)}), "
-          f"with {o:.2f} ({', '.join(f'{x:.1f}' for x in ours)}): overhead {overhead:.1%} "
-          f"+- {se:.1%} (standard error; target < 3%)")
-    print(f"background write per checkpoint {statistics.median(writes):.1f}s (hidden from the loop); "
-          f"first, cold checkpoint (staging allocation): {cold:.2f}s once per job")
+    se = (
+        (statistics.variance(base) / len(base) + statistics.variance(ours) / len(ours)) ** 0.5 / b
+        if len(ours) > 1
+        else float("nan")
+    )
+    print(
+        f"state {args.state_mb} MB, one checkpoint per {args.interval:.0f}s block, {args.blocks} block(s), "
+        f"{saved} checkpoint(s) written, {skipped} skipped, background_nice={args.nice}"
+    )
+    print(
+        f"steps/s without checkpoints {b:.2f} ({', '.join(f'{x:.1f}' for x in base)}), "
+        f"with {o:.2f} ({', '.join(f'{x:.1f}' for x in ours)}): overhead {overhead:.1%} "
+        f"+- {se:.1%} (standard error; target < 3%)"
+    )
+    print(
+        f"background write per checkpoint {statistics.median(writes):.1f}s (hidden from the loop); "
+        f"first, cold checkpoint (staging allocation): {cold:.2f}s once per job"
+    )
     if args.json:
-        out = [{"figure": f"training throughput, async {args.state_mb} MB checkpoint every {args.interval:.0f}s "
-                          f"(overhead {overhead:.1%} +- {se:.1%})",
-                "value": round(o, 2), "unit": "steps/s", "baseline": round(b, 2),
-                "baseline_label": "without checkpoints", "ratio": round(o / b, 4),
-                "target": "overhead < 3%", "pass": overhead < 0.03 and skipped == 0}]
+        out = [
+            {
+                "figure": f"training throughput, async {args.state_mb} MB checkpoint every {args.interval:.0f}s "
+                f"(overhead {overhead:.1%} +- {se:.1%})",
+                "value": round(o, 2),
+                "unit": "steps/s",
+                "baseline": round(b, 2),
+                "baseline_label": "without checkpoints",
+                "ratio": round(o / b, 4),
+                "target": "overhead < 3%",
+                "pass": overhead < 0.03 and skipped == 0,
+            }
+        ]
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 

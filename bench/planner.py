@@ -23,8 +23,18 @@ COST, RESTART, MTBF, SHARE = 60.0, 180.0, 6.0, 0.9
 
 
 def sim(interval: float, *, notice: bool = False, seed: int = 1) -> float:
-    return simulate(SimOptions(COST, RESTART, interval, job_hours=3000 * MTBF, mtbf_hours=MTBF,
-                               notice_share=SHARE if notice else 0.0, cloud="aws", seed=seed)).goodput
+    return simulate(
+        SimOptions(
+            COST,
+            RESTART,
+            interval,
+            job_hours=3000 * MTBF,
+            mtbf_hours=MTBF,
+            notice_share=SHARE if notice else 0.0,
+            cloud="aws",
+            seed=seed,
+        )
+    ).goodput
 
 
 def best_of(fn, repeat: int = 20) -> float:
@@ -47,18 +57,43 @@ def main() -> None:
     r = simulate(SimOptions(COST, RESTART, plain.interval_s, job_hours=3000 * MTBF, mtbf_hours=MTBF, seed=2))
     sim_s = time.perf_counter() - t0
     rows = [
-        row(f"goodput, Young/Daly interval ({plain.interval_s / 60:.0f} min), simulated", g_plain, "",
-            baseline=g_hourly, baseline_label="hourly checkpoints", target="ratio >= 1",
-            passed=lambda v, ratio: ratio is not None and ratio >= 1.0),
-        row(f"goodput, notice (90%, 120 s) + interval ({noticed.interval_s / 60:.0f} min), simulated", g_noticed, "",
-            baseline=g_plain, baseline_label="Young/Daly without notice", target="ratio >= 1",
-            passed=lambda v, ratio: ratio is not None and ratio >= 1.0),
-        row("analytic vs simulated goodput, largest difference", 100 * diff, "pp", target="<= 0.5 pp",
-            passed=lambda v, _: v <= 0.5),
-        row("plan() time", 1000 * best_of(lambda: plan(PlanOptions(COST, RESTART, MTBF, notice_s=120.0))), "ms",
-            target="<= 50 ms", passed=lambda v, _: v <= 50.0),
-        row(f"simulator speed ({r.preemptions} preemptions, {r.checkpoints} checkpoints)",
-            (r.preemptions + r.checkpoints) / sim_s, "events/s"),
+        row(
+            f"goodput, Young/Daly interval ({plain.interval_s / 60:.0f} min), simulated",
+            g_plain,
+            "",
+            baseline=g_hourly,
+            baseline_label="hourly checkpoints",
+            target="ratio >= 1",
+            passed=lambda v, ratio: ratio is not None and ratio >= 1.0,
+        ),
+        row(
+            f"goodput, notice (90%, 120 s) + interval ({noticed.interval_s / 60:.0f} min), simulated",
+            g_noticed,
+            "",
+            baseline=g_plain,
+            baseline_label="Young/Daly without notice",
+            target="ratio >= 1",
+            passed=lambda v, ratio: ratio is not None and ratio >= 1.0,
+        ),
+        row(
+            "analytic vs simulated goodput, largest difference",
+            100 * diff,
+            "pp",
+            target="<= 0.5 pp",
+            passed=lambda v, _: v <= 0.5,
+        ),
+        row(
+            "plan() time",
+            1000 * best_of(lambda: plan(PlanOptions(COST, RESTART, MTBF, notice_s=120.0))),
+            "ms",
+            target="<= 50 ms",
+            passed=lambda v, _: v <= 50.0,
+        ),
+        row(
+            f"simulator speed ({r.preemptions} preemptions, {r.checkpoints} checkpoints)",
+            (r.preemptions + r.checkpoints) / sim_s,
+            "events/s",
+        ),
     ]
     emit(rows, args.json)
 

@@ -79,11 +79,19 @@ def single(size_mb: int, tmp: Path, repeat: int) -> tuple[int, tuple[float, floa
     target = build(size_mb, seed=1)
     plain, ours = [], []
     for _ in range(repeat):
-        plain.append(cold(tmp / "plain.pt", lambda: target.load_state_dict(
-            torch.load(tmp / "plain.pt", weights_only=True, mmap=True))))
+        plain.append(
+            cold(
+                tmp / "plain.pt",
+                lambda: target.load_state_dict(torch.load(tmp / "plain.pt", weights_only=True, mmap=True)),
+            )
+        )
         guard = Guard(str(tmp / "single"), providers=None).track(model=target)
         ours.append(cold(tmp / "single", guard.resume))
-    return nbytes, tuple(map(statistics.median, zip(*plain, strict=True))), tuple(map(statistics.median, zip(*ours, strict=True)))
+    return (
+        nbytes,
+        tuple(map(statistics.median, zip(*plain, strict=True))),
+        tuple(map(statistics.median, zip(*ours, strict=True))),
+    )
 
 
 def worker(rank: int, world: int, port: int, size_mb: int, tmp: str, repeat: int, out: str) -> None:
@@ -131,16 +139,41 @@ def main() -> int:
         mp.spawn(worker, args=(args.ranks, port, args.size_mb, str(tmp), args.repeat, str(out)), nprocs=args.ranks)
         sharded = float(out.read_text())
     mb = nbytes / 1e6
-    print(f"state: {mb:.0f} MB; cold page cache before every resume; medians of {args.repeat}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    emit([row(f"resume (cold cache), {mb:.0f} MB, 1 process", mb / ours, "MB/s", baseline=mb / plain,
-              baseline_label="load_state_dict(torch.load(mmap)) of a plain file", target=">= 0.8x",
-              passed=lambda v, r: r >= 0.8),
-          row(f"resume CPU time (cold cache), {mb:.0f} MB, 1 process", ours_cpu, "CPU s", baseline=plain_cpu,
-              baseline_label="the plain torch.load resume", target="info (checksums cost CPU)"),
-          row(f"resume (cold cache), {mb:.0f} MB per rank, {args.ranks} ranks sharded", mb / sharded, "MB/s",
-              baseline=mb / ours, baseline_label="single-process Guard.resume", target=">= 1x per byte",
-              passed=lambda v, r: r >= 1.0)], args.json)
+    print(
+        f"state: {mb:.0f} MB; cold page cache before every resume; medians of {args.repeat}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    emit(
+        [
+            row(
+                f"resume (cold cache), {mb:.0f} MB, 1 process",
+                mb / ours,
+                "MB/s",
+                baseline=mb / plain,
+                baseline_label="load_state_dict(torch.load(mmap)) of a plain file",
+                target=">= 0.8x",
+                passed=lambda v, r: r >= 0.8,
+            ),
+            row(
+                f"resume CPU time (cold cache), {mb:.0f} MB, 1 process",
+                ours_cpu,
+                "CPU s",
+                baseline=plain_cpu,
+                baseline_label="the plain torch.load resume",
+                target="info (checksums cost CPU)",
+            ),
+            row(
+                f"resume (cold cache), {mb:.0f} MB per rank, {args.ranks} ranks sharded",
+                mb / sharded,
+                "MB/s",
+                baseline=mb / ours,
+                baseline_label="single-process Guard.resume",
+                target=">= 1x per byte",
+                passed=lambda v, r: r >= 1.0,
+            ),
+        ],
+        args.json,
+    )
     return 0
 
 

@@ -42,8 +42,7 @@ def run(script: Path, timeout: float) -> tuple[list[dict], str]:
         out = Path(tmp) / "rows.json"
         t0 = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, str(script), "--json", str(out)], cwd=REPO, env=env,
-                                  timeout=timeout)
+            proc = subprocess.run([sys.executable, str(script), "--json", str(out)], cwd=REPO, env=env, timeout=timeout)
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {timeout:.0f}s"
@@ -75,20 +74,25 @@ def table(rows: list[dict]) -> list[str]:
         if r.get("baseline_label") and r.get("baseline") is not None:
             base += f" ({r['baseline_label']})"
         result = {True: "pass", False: "MISS", None: "-"}[r.get("pass")]
-        lines.append(f"| {r['figure']} | {fmt(r.get('value'), r.get('unit', ''))} | {base} | "
-                     f"{fmt(r.get('ratio'))} | {r.get('target') or '-'} | {result} | {r['script']} |")
+        lines.append(
+            f"| {r['figure']} | {fmt(r.get('value'), r.get('unit', ''))} | {base} | "
+            f"{fmt(r.get('ratio'))} | {r.get('target') or '-'} | {result} | {r['script']} |"
+        )
     return lines
 
 
 def report(rows: list[dict], status: list[str], machine: str) -> str:
     intro = [
-        "# Benchmark report", "",
+        "# Benchmark report",
+        "",
         "Written by `make bench` (bench/run_all.py) from bench/report.json: edit the scripts, not this file. "
-        "`make bench` runs every script in `bench/`; `make bench ONLY=\"storage emergency\"` re-runs some "
+        '`make bench` runs every script in `bench/`; `make bench ONLY="storage emergency"` re-runs some '
         "and keeps the other rows. Each row gives our figure, a baseline measured in the same run, the "
-        "ratio, the target, and pass or MISS when the figure misses its target.", "",
+        "ratio, the target, and pass or MISS when the figure misses its target.",
+        "",
         f"Measured {machine}. A shared or loaded machine makes the figures noisy: re-run `make bench` on "
-        "your hardware (`make bench BENCH_MACHINE=\"...\"` records words about it here).", "",
+        'your hardware (`make bench BENCH_MACHINE="..."` records words about it here).',
+        "",
     ]
     return "\n".join([*intro, *table(rows), "", *[f"- {s}" for s in status], ""])
 
@@ -114,8 +118,10 @@ def main() -> int:
         status[script.name] = f"{line} on {now}"
     # Rows of scripts not run this time are kept (``make bench ONLY=agreement`` refreshes one script).
     rows = sorted([r for r in previous["rows"] if r["script"] not in ran] + rows, key=lambda r: r["script"])
-    machine = (f"on {now}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU(s)"
-               f"{', ' + args.machine if args.machine else ''}")
+    machine = (
+        f"on {now}, Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPU(s)"
+        f"{', ' + args.machine if args.machine else ''}"
+    )
     ROWS.write_text(json.dumps({"rows": rows, "status": status}, indent=1) + "\n")
     Path(args.out).write_text(report(rows, [status[k] for k in sorted(status)], machine))
     missed = [r["figure"] for r in rows if r.get("pass") is False]

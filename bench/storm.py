@@ -39,6 +39,7 @@ def trial(cloud: str, storm_s: float, **watcher_options: float) -> tuple[float, 
     flip: dict[str, float] = {}
     lock = threading.Lock()
     with MockMetadataServer(make_mock(cloud)) as server:
+
         def on_storm(answer: str) -> None:
             with lock:
                 if answer != "503" or "at" in flip or time.monotonic() < flip["armed"]:
@@ -50,8 +51,7 @@ def trial(cloud: str, storm_s: float, **watcher_options: float) -> tuple[float, 
         seen: list[float] = []
         # GCP: hanging GETs of 1 s, so that one held since the calm ends within the storm's first second
         provider = cls(server.url, hang=1) if cloud == "gcp" else cls(server.url)
-        with Watcher([provider], on_notice=lambda n: seen.append(time.monotonic()),
-                     **watcher_options) as watcher:
+        with Watcher([provider], on_notice=lambda n: seen.append(time.monotonic()), **watcher_options) as watcher:
             time.sleep(1.0)  # calm: first reads done
             start, before = time.monotonic(), server.mock.requests
             flip["armed"] = start + storm_s
@@ -70,19 +70,44 @@ def main() -> int:
     logging.getLogger("spotguard").setLevel(logging.CRITICAL)  # a storm logs a lot by design
     rows = []
     for cloud in CASES:
-        got = {name: [trial(cloud, args.storm, **opts) for _ in range(args.trials)]
-               for name, opts in (("ours", {}), ("baseline", {"max_backoff": 5.0}))}
+        got = {
+            name: [trial(cloud, args.storm, **opts) for _ in range(args.trials)]
+            for name, opts in (("ours", {}), ("baseline", {"max_backoff": 5.0}))
+        }
         lat = {k: [v[0] for v in vals] for k, vals in got.items()}
         rate = {k: statistics.mean(v[1] for v in vals) for k, vals in got.items()}
         label = "backoff up to 5 s"
-        rows.append(row(f"notice mid-storm->preempted p50, {cloud}", statistics.median(lat["ours"]), "s",
-                        baseline=statistics.median(lat["baseline"]), baseline_label=label))
-        rows.append(row(f"notice mid-storm->preempted max, {cloud} ({args.trials} trials)", max(lat["ours"]), "s",
-                        baseline=max(lat["baseline"]), baseline_label=label, target="<= 2 s",
-                        passed=lambda v, _r: v <= 2.0))
-        rows.append(row(f"metadata requests/s during a storm, {cloud}", rate["ours"], "req/s",
-                        baseline=rate["baseline"], baseline_label=label, target="<= 10 req/s",
-                        passed=lambda v, _r: v <= 10.0))
+        rows.append(
+            row(
+                f"notice mid-storm->preempted p50, {cloud}",
+                statistics.median(lat["ours"]),
+                "s",
+                baseline=statistics.median(lat["baseline"]),
+                baseline_label=label,
+            )
+        )
+        rows.append(
+            row(
+                f"notice mid-storm->preempted max, {cloud} ({args.trials} trials)",
+                max(lat["ours"]),
+                "s",
+                baseline=max(lat["baseline"]),
+                baseline_label=label,
+                target="<= 2 s",
+                passed=lambda v, _r: v <= 2.0,
+            )
+        )
+        rows.append(
+            row(
+                f"metadata requests/s during a storm, {cloud}",
+                rate["ours"],
+                "req/s",
+                baseline=rate["baseline"],
+                baseline_label=label,
+                target="<= 10 req/s",
+                passed=lambda v, _r: v <= 10.0,
+            )
+        )
         print(f"  {cloud}: done", file=sys.stderr, flush=True)
     emit(rows, args.json)
     return 0

@@ -49,7 +49,7 @@ def evaluate(model: nn.Module, data: torch.utils.data.TensorDataset, stop: objec
             if stop.is_set():  # guard.notices.preempted
                 model.train()
                 return None
-            x, y = data[i: i + 8]
+            x, y = data[i : i + 8]
             total += nn.functional.mse_loss(model(x), y).item()
             trace("eval_batch")
     model.train()
@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(1)  # the data: made here, from its own generator
@@ -92,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     progress = Progress()
 
-    guard = AcceleratorGuard(accelerator, args.storage, every_steps=args.every_steps or None,
-                             providers=args.providers, interval=args.interval)
+    guard = AcceleratorGuard(
+        accelerator,
+        args.storage,
+        every_steps=args.every_steps or None,
+        providers=args.providers,
+        interval=args.interval,
+    )
     guard.track(progress)
     step = guard.resume()  # 0 when there is no checkpoint
     log = open(args.losses, "a") if args.losses else None
@@ -122,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                 time.sleep(args.step_sleep)
                 if args.eval_steps and step % args.eval_steps == 0:
-                    evaluate(model, held_out, guard.notices.preempted,
-                             lambda e: (trace(e), time.sleep(args.eval_sleep)))
+                    evaluate(
+                        model, held_out, guard.notices.preempted, lambda e: (trace(e), time.sleep(args.eval_sleep))
+                    )
                 if guard.step(step) or step >= args.steps:  # after the evaluation: a notice in it counts too
                     stopped = guard.stopped_at is not None
                     break
@@ -131,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
     if guard.exit_code:
         n = guard.notice
-        print(f"[accelerate] stopped at step {step} for a {n.kind if n else '?'} notice from "
-              f"{n.provider if n else '?'}; exiting {guard.exit_code}", flush=True)
+        print(
+            f"[accelerate] stopped at step {step} for a {n.kind if n else '?'} notice from "
+            f"{n.provider if n else '?'}; exiting {guard.exit_code}",
+            flush=True,
+        )
         return guard.exit_code
     print(f"[accelerate] finished {step} steps ({progress.samples} samples seen)", flush=True)
     if args.final:

@@ -87,8 +87,11 @@ def main() -> int:
     procs = Processes()
     t0 = time.monotonic()
     try:
-        mock = procs.start([sys.executable, "-m", "spotguard", "mock-metadata", "--cloud", args.cloud, "--port", "0"],
-                           base_env, stdout=subprocess.PIPE)
+        mock = procs.start(
+            [sys.executable, "-m", "spotguard", "mock-metadata", "--cloud", args.cloud, "--port", "0"],
+            base_env,
+            stdout=subprocess.PIPE,
+        )
         assert mock.stdout is not None
         banner = mock.stdout.readline().strip()
         if " on http://" not in banner:
@@ -101,13 +104,36 @@ def main() -> int:
 
         say(f"reference: {args.steps} uninterrupted steps (in the background)")
         ref_losses, ref_final = work / "reference-losses.jsonl", work / "reference-final.pt"
-        reference = procs.start([sys.executable, str(TRAIN), "--storage", str(work / "reference-ckpt"), *common,
-                                 "--providers", "signal", "--losses", str(ref_losses), "--final", str(ref_final)],
-                                base_env, stdout=subprocess.DEVNULL)
+        reference = procs.start(
+            [
+                sys.executable,
+                str(TRAIN),
+                "--storage",
+                str(work / "reference-ckpt"),
+                *common,
+                "--providers",
+                "signal",
+                "--losses",
+                str(ref_losses),
+                "--final",
+                str(ref_final),
+            ],
+            base_env,
+            stdout=subprocess.DEVNULL,
+        )
 
         storage, losses, final = work / "checkpoints", work / "losses.jsonl", work / "final.pt"
-        job = [sys.executable, str(TRAIN), "--storage", str(storage), *common, "--providers", args.cloud,
-               "--losses", str(losses)]
+        job = [
+            sys.executable,
+            str(TRAIN),
+            "--storage",
+            str(storage),
+            *common,
+            "--providers",
+            args.cloud,
+            "--losses",
+            str(losses),
+        ]
         say(f"run 1: training with --providers {args.cloud} (polling every 1 s)")
         first = procs.start([*job, "--step-sleep", "0.03"], env, stdout=subprocess.PIPE)
         while not read_losses(losses) or read_losses(losses)[-1][0] < args.notice_at:
@@ -116,8 +142,13 @@ def main() -> int:
                 return 1
             time.sleep(0.01)
         say(f"step {read_losses(losses)[-1][0]}: $ spotguard simulate-preemption --cloud {args.cloud} --endpoint {url}")
-        sim = subprocess.run([sys.executable, "-m", "spotguard", "simulate-preemption", "--cloud", args.cloud,
-                              "--endpoint", url], env=base_env, capture_output=True, text=True, timeout=60)
+        sim = subprocess.run(
+            [sys.executable, "-m", "spotguard", "simulate-preemption", "--cloud", args.cloud, "--endpoint", url],
+            env=base_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         say("   " + (sim.stdout.strip() or sim.stderr.strip()))
         out, _ = first.communicate(timeout=120)
         for line in out.splitlines():
@@ -147,13 +178,17 @@ def main() -> int:
         a, b = torch.load(final, weights_only=True), torch.load(ref_final, weights_only=True)
         same_params = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         replayed = len(got) - len(steps_seen)
-        say(f"compared {len(got)} logged losses ({replayed} replayed after the resume) and "
-            f"{sum(v.numel() for v in a.values())} parameters with the reference")
+        say(
+            f"compared {len(got)} logged losses ({replayed} replayed after the resume) and "
+            f"{sum(v.numel() for v in a.values())} parameters with the reference"
+        )
         if bad or steps_seen != sorted(ref) or not same_params:
             say(f"MISMATCH: losses differ at steps {bad[:10]}, parameters equal: {same_params}")
             return 1
-        say(f"resumed losses and final parameters match the uninterrupted run bit for bit "
-            f"({time.monotonic() - t0:.0f}s)")
+        say(
+            f"resumed losses and final parameters match the uninterrupted run bit for bit "
+            f"({time.monotonic() - t0:.0f}s)"
+        )
         return 0
     finally:
         procs.stop_all()

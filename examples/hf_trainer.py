@@ -91,31 +91,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                        eos_token_id=0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     train, evaluation = Tokens(256, 16, 64, seed=1), Tokens(32, 16, 64, seed=2)
     training_args = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=8,
-        learning_rate=3e-3, warmup_steps=10, seed=args.seed, use_cpu=True, report_to=[],
-        save_strategy="steps" if args.every_steps else "no", save_steps=args.every_steps or 500,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        seed=args.seed,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="steps" if args.every_steps else "no",
+        save_steps=args.every_steps or 500,
         save_total_limit=2,  # the Trainer's local folder; spotguard keeps its own copies in --storage
-        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
-        per_device_eval_batch_size=8, logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=8,
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     spot = SpotguardCallback(args.storage, providers=args.providers, interval=args.interval)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-                      callbacks=[spot, Rehearsal(args)])
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=train, eval_dataset=evaluation, callbacks=[spot, Rehearsal(args)]
+    )
     code = spot.train(trainer)  # resumes from the newest checkpoint that verifies
     if code:
         n = spot.notices.notice
-        print(f"[hf] stopped at step {spot.stopped_at} for a {n.kind if n else '?'} notice from "
-              f"{n.provider if n else '?'}; exiting {code}", flush=True)
+        print(
+            f"[hf] stopped at step {spot.stopped_at} for a {n.kind if n else '?'} notice from "
+            f"{n.provider if n else '?'}; exiting {code}",
+            flush=True,
+        )
         return code
     print(f"[hf] finished {trainer.state.global_step} steps", flush=True)
     if args.final:

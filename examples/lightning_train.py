@@ -45,8 +45,9 @@ class Regressor(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.log_file:  # the step's exact loss, after the optimizer step (global_step counts it)
-            self.log_file.write(json.dumps({"step": self.trainer.global_step,
-                                            "loss": outputs["loss"].item().hex()}) + "\n")
+            self.log_file.write(
+                json.dumps({"step": self.trainer.global_step, "loss": outputs["loss"].item().hex()}) + "\n"
+            )
             self.log_file.flush()
         time.sleep(self.args.step_sleep)
 
@@ -87,8 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
     g = torch.Generator().manual_seed(1)  # the data: made here, from its own generator
@@ -96,21 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     held_out = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
     model = Regressor(args)
 
-    spot = SpotguardCallback(args.storage, every_steps=args.every_steps or None, providers=args.providers,
-                             interval=args.interval)
+    spot = SpotguardCallback(
+        args.storage, every_steps=args.every_steps or None, providers=args.providers, interval=args.interval
+    )
     trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, callbacks=[spot], logger=False,
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[spot],
+        logger=False,
         enable_checkpointing=False,  # spotguard commits the checkpoints (ModelCheckpoint may be kept too)
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        val_check_interval=args.eval_steps or None, check_val_every_n_epoch=None if args.eval_steps else 1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=args.eval_steps or None,
+        check_val_every_n_epoch=None if args.eval_steps else 1,
         limit_val_batches=None if args.eval_steps else 0,
     )
-    code = spot.fit(trainer, model, train_dataloaders=StatefulDataLoader(train, batch_size=8, shuffle=True),
-                    val_dataloaders=StatefulDataLoader(held_out, batch_size=8))
+    code = spot.fit(
+        trainer,
+        model,
+        train_dataloaders=StatefulDataLoader(train, batch_size=8, shuffle=True),
+        val_dataloaders=StatefulDataLoader(held_out, batch_size=8),
+    )
     if code:
         n = spot.notices.notice
-        print(f"[lightning] stopped at step {spot.stopped_at} for a {n.kind if n else '?'} notice from "
-              f"{n.provider if n else '?'}; exiting {code}", flush=True)
+        print(
+            f"[lightning] stopped at step {spot.stopped_at} for a {n.kind if n else '?'} notice from "
+            f"{n.provider if n else '?'}; exiting {code}",
+            flush=True,
+        )
         return code
     print(f"[lightning] finished {trainer.global_step} steps", flush=True)
     if args.final:

@@ -28,9 +28,11 @@ import spotguard
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 noise
 
-WORDS = ("spot machines are cheap but the cloud takes them back with a short notice so we save "
-         "the state and resume exactly where training stopped every step counts and nothing is lost "
-         "the model learns to spell these words one character at a time").split()
+WORDS = (
+    "spot machines are cheap but the cloud takes them back with a short notice so we save "
+    "the state and resume exactly where training stopped every step counts and nothing is lost "
+    "the model learns to spell these words one character at a time"
+).split()
 
 
 def make_text(n_chars: int = 24_000, seed: int = 1234) -> str:
@@ -55,13 +57,14 @@ class CharWindows(torch.utils.data.Dataset):
         return (len(self.data) - 1) // self.seq_len
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.data[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        chunk = self.data[i * self.seq_len : (i + 1) * self.seq_len + 1]
         return chunk[:-1], chunk[1:]
 
 
 class CharTransformer(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, d: int = 64, heads: int = 4, layers: int = 2,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, vocab: int, seq_len: int, d: int = 64, heads: int = 4, layers: int = 2, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)
@@ -96,8 +99,11 @@ def simulated_hang() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--storage", help="checkpoint URL (path, s3://, gs://); default: $SPOTGUARD_STORAGE "
-                   "(set by `spotguard run --storage`), else checkpoints/example")
+    p.add_argument(
+        "--storage",
+        help="checkpoint URL (path, s3://, gs://); default: $SPOTGUARD_STORAGE "
+        "(set by `spotguard run --storage`), else checkpoints/example",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every-steps", type=int, default=50, help="periodic checkpoint interval (0: off)")
     p.add_argument("--every-seconds", type=float, default=None)
@@ -123,29 +129,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     dataset = CharWindows(make_text(), args.seq_len)
-    loader = StatefulDataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                num_workers=args.num_workers)
+    loader = StatefulDataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.num_workers
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = CharTransformer(len(dataset.vocab), args.seq_len, d=args.width).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=warmup),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps - warmup)),
-    ], milestones=[warmup])
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=warmup),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps - warmup)),
+        ],
+        milestones=[warmup],
+    )
     scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
 
     storage = args.storage or (None if os.environ.get("SPOTGUARD_STORAGE") else "checkpoints/example")
-    guard = spotguard.Guard(storage, every_steps=args.every_steps or None,
-                            every_seconds=args.every_seconds, keep=args.keep,
-                            providers=args.providers, interval=args.interval)
+    guard = spotguard.Guard(
+        storage,
+        every_steps=args.every_steps or None,
+        every_seconds=args.every_seconds,
+        keep=args.keep,
+        providers=args.providers,
+        interval=args.interval,
+    )
     guard.track(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader)
     step = start = guard.resume()
     print(f"[train] {'resuming at' if start else 'starting at'} step {start} of {args.steps}", flush=True)
@@ -180,12 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
     if stopped:
         n = guard.notice
-        print(f"[train] stopped at step {step} for a {n.kind if n else '?'} notice from "
-              f"{n.provider if n else '?'}; checkpoint committed, exiting {spotguard.EXIT_PREEMPTED}", flush=True)
+        print(
+            f"[train] stopped at step {step} for a {n.kind if n else '?'} notice from "
+            f"{n.provider if n else '?'}; checkpoint committed, exiting {spotguard.EXIT_PREEMPTED}",
+            flush=True,
+        )
         return spotguard.EXIT_PREEMPTED
     last = f"last loss {loss.item():.4f}" if loss is not None else "no step left to train"
-    print(f"[train] finished {args.steps} steps ({step - start} in this run, {time.monotonic() - t0:.1f}s), "
-          f"{last}", flush=True)
+    print(
+        f"[train] finished {args.steps} steps ({step - start} in this run, {time.monotonic() - t0:.1f}s), {last}",
+        flush=True,
+    )
     if args.final:
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.final)
     return 0

@@ -44,8 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument("--sync-every", type=int, default=1, help="steps between stop agreements")
-    p.add_argument("--reshard", default="refuse", choices=["refuse", "reset-data"],
-                   help="resume a checkpoint saved by another number of ranks")
+    p.add_argument(
+        "--reshard",
+        default="refuse",
+        choices=["refuse", "reset-data"],
+        help="resume a checkpoint saved by another number of ranks",
+    )
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--seq-len", type=int, default=32)
@@ -53,8 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--losses", help="per-rank JSON lines {step, loss}; '{rank}' in the path is filled in "
-                                    "(else '.rank<N>' is appended)")
+    p.add_argument(
+        "--losses",
+        help="per-rank JSON lines {step, loss}; '{rank}' in the path is filled in (else '.rank<N>' is appended)",
+    )
     p.add_argument("--final", help="rank 0 saves the full model and optimizer state here on exit (torch.save)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -62,8 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s",
+    )
     cuda = torch.cuda.is_available()
     backend = "gloo"
     if cuda:
@@ -84,22 +92,31 @@ def main(argv: list[str] | None = None) -> int:
 
     dataset = CharWindows(make_text(), args.seq_len)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = StatefulDataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                                num_workers=args.num_workers)
+    loader = StatefulDataLoader(
+        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, num_workers=args.num_workers
+    )
     model = CharTransformer(len(dataset.vocab), args.seq_len, d=args.width).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
 
-    guard = spotguard.Guard(args.storage, every_steps=args.every_steps or None, keep=args.keep,
-                            providers=args.providers, interval=args.interval, sync_every=args.sync_every,
-                            reshard=args.reshard)
+    guard = spotguard.Guard(
+        args.storage,
+        every_steps=args.every_steps or None,
+        keep=args.keep,
+        providers=args.providers,
+        interval=args.interval,
+        sync_every=args.sync_every,
+        reshard=args.reshard,
+    )
     guard.track(model=ddp, optimizer=opt, scheduler=sched, loader=loader)
     step = start = guard.resume()
     epoch = int(guard.extra.get("epoch", 0))
     if rank == 0:
-        print(f"[train_ddp] {world} ranks, {'resuming at' if start else 'starting at'} step {start} of {args.steps}",
-              flush=True)
+        print(
+            f"[train_ddp] {world} ranks, {'resuming at' if start else 'starting at'} step {start} of {args.steps}",
+            flush=True,
+        )
     log = None
     if args.losses:
         path = args.losses.format(rank=rank) if "{rank}" in args.losses else f"{args.losses}.rank{rank}"
@@ -139,13 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     if stopped:
         n = guard.notice
         if rank == 0:
-            print(f"[train_ddp] all {world} ranks stopped at step {step} ({n.kind if n else '?'} notice from "
-                  f"{n.provider if n else '?'}); checkpoint committed, exiting {spotguard.EXIT_PREEMPTED}", flush=True)
+            print(
+                f"[train_ddp] all {world} ranks stopped at step {step} ({n.kind if n else '?'} notice from "
+                f"{n.provider if n else '?'}); checkpoint committed, exiting {spotguard.EXIT_PREEMPTED}",
+                flush=True,
+            )
         dist.destroy_process_group()
         return spotguard.EXIT_PREEMPTED
     if rank == 0:
-        print(f"[train_ddp] finished {args.steps} steps ({step - start} in this run, "
-              f"{time.monotonic() - t0:.1f}s)", flush=True)
+        print(
+            f"[train_ddp] finished {args.steps} steps ({step - start} in this run, {time.monotonic() - t0:.1f}s)",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

@@ -33,8 +33,9 @@ from spotguard.planner import checked_number
 DEFAULT_START_S = 60.0
 
 
-def read_records(path: str | Path, what: str, expected: str,
-                 parse_line: Callable[[str], Any] = json.loads) -> list[Any]:
+def read_records(
+    path: str | Path, what: str, expected: str, parse_line: Callable[[str], Any] = json.loads
+) -> list[Any]:
     """A user's file of records: one JSON document (a list is its records, anything else one record),
     or else one record per line, parsed by ``parse_line`` (blank lines and lines it maps to None are
     skipped). A file that cannot be read or parsed is a ``ConfigError`` naming ``what`` / ``expected``.
@@ -74,8 +75,11 @@ def load_stats(path: str | Path) -> MeasuredCosts:
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise ConfigError(f"{p}: record {i + 1} is not a JSON object")
-        got = {k: _mean(p, k, rec[k]) for k in ("snapshot_s", "write_s", "restart_s", "restore_s", "state_bytes")
-               if rec.get(k) is not None}
+        got = {
+            k: _mean(p, k, rec[k])
+            for k in ("snapshot_s", "write_s", "restart_s", "restore_s", "state_bytes")
+            if rec.get(k) is not None
+        }
         blocking = ["snapshot_s"] if rec.get("async") else ["snapshot_s", "write_s"]
         if any(k in got for k in blocking):
             values["checkpoint"].append(sum(got.get(k, 0.0) for k in blocking))

@@ -45,8 +45,12 @@ class Events:
         if not self._listeners:
             return
         now = time.time()
-        record: Record = {"event": event, "time": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(),
-                          "unix": now, **fields}
+        record: Record = {
+            "event": event,
+            "time": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(),
+            "unix": now,
+            **fields,
+        }
         for listener in list(self._listeners):
             try:
                 listener(record)

@@ -65,7 +65,9 @@ def attach(path: str | None = None) -> memoryview:
             _register_stack_dump()
             return memoryview(mapped).cast("q")
         except (OSError, ValueError) as e:
-            logger.warning("heartbeat file %s unusable (%s); the supervisor's hang watchdog will not see steps", path, e)
+            logger.warning(
+                "heartbeat file %s unusable (%s); the supervisor's hang watchdog will not see steps", path, e
+            )
     return memoryview(bytearray(SIZE)).cast("q")
 
 

@@ -66,8 +66,15 @@ def _rates(mtbf_s: float, checkpoint_s: float, notice_share: float, notice_s: fl
     return lam, lam * saved
 
 
-def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: float, *,
-            notice_share: float = 0.0, notice_s: float | None = None) -> float:
+def goodput(
+    interval_s: float,
+    checkpoint_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    *,
+    notice_share: float = 0.0,
+    notice_s: float | None = None,
+) -> float:
     """Expected useful compute / wall time with a checkpoint after every ``interval_s`` of compute.
 
     Renewal over segment attempts: an attempt ends after ``interval_s + checkpoint_s`` or at the
@@ -76,16 +83,17 @@ def goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_s: fl
     """
     lam, lam_n = _rates(mtbf_s, checkpoint_s, notice_share, notice_s)
     s = interval_s + checkpoint_s
-    fail = -math.expm1(-lam * s)                     # P(failure within the attempt)
-    restart = math.expm1(lam * restart_s) / lam      # expected restart time, failures included
+    fail = -math.expm1(-lam * s)  # P(failure within the attempt)
+    restart = math.expm1(lam * restart_s) / lam  # expected restart time, failures included
     wall = fail / lam + fail * (restart + (lam_n / lam) * (notice_s or 0.0))
     kept_on_notice = -math.expm1(-lam * interval_s) / lam - interval_s * math.exp(-lam * s)
     useful = interval_s * math.exp(-lam * s) + (lam_n / lam) * kept_on_notice
     return useful / wall
 
 
-def lost_work(interval_s: float, checkpoint_s: float, mtbf_s: float, *,
-              notice_share: float = 0.0, notice_s: float | None = None) -> float:
+def lost_work(
+    interval_s: float, checkpoint_s: float, mtbf_s: float, *, notice_share: float = 0.0, notice_s: float | None = None
+) -> float:
     """Expected compute seconds to redo per preemption that hits training (noticed ones lose 0)."""
     lam, lam_n = _rates(mtbf_s, checkpoint_s, notice_share, notice_s)
     s = interval_s + checkpoint_s
@@ -119,10 +127,10 @@ class PlanOptions:
     checkpoint_s: float
     restart_s: float
     mtbf_hours: float
-    notice_s: float | None = None        # lead of a notice; None: no emergency checkpoints
-    notice_share: float | None = None    # share of preemptions that come with that notice
-    job_hours: float = 24.0              # only the "no checkpoints" figure depends on it
-    state_gb: float | None = None        # to report checkpoint traffic
+    notice_s: float | None = None  # lead of a notice; None: no emergency checkpoints
+    notice_share: float | None = None  # share of preemptions that come with that notice
+    job_hours: float = 24.0  # only the "no checkpoints" figure depends on it
+    state_gb: float | None = None  # to report checkpoint traffic
     intervals_s: Sequence[float] = DEFAULT_INTERVALS_S
 
     def __post_init__(self) -> None:
@@ -131,7 +139,9 @@ class PlanOptions:
         self.mtbf_hours = checked_number("MTBF (hours)", self.mtbf_hours)
         self.job_hours = checked_number("job length (hours)", self.job_hours)
         if self.notice_s is not None or self.notice_share is not None:
-            self.notice_s = checked_number("notice lead (s)", DEFAULT_NOTICE_S if self.notice_s is None else self.notice_s)
+            self.notice_s = checked_number(
+                "notice lead (s)", DEFAULT_NOTICE_S if self.notice_s is None else self.notice_s
+            )
             share = DEFAULT_NOTICE_SHARE if self.notice_share is None else self.notice_share
             share = checked_number("notice share", share, zero=True)
             if share > 1:
@@ -207,8 +217,11 @@ def plan(o: PlanOptions) -> Plan:
     eff = o.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
     young, daly = young_interval(o.checkpoint_s, eff), daly_interval(o.checkpoint_s, eff)
     interval = min(daly, job_s)
-    optimum = best_interval(lambda t: goodput(t, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share,
-                                              notice_s=o.notice_s), max(1e-3, o.checkpoint_s * 1e-3), job_s)
+    optimum = best_interval(
+        lambda t: goodput(t, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share, notice_s=o.notice_s),
+        max(1e-3, o.checkpoint_s * 1e-3),
+        job_s,
+    )
     rows = [_row(o, "no checkpoints", None, False)]
     rows += [_row(o, f"every {_fmt(t)}", t, False) for t in o.intervals_s]
     plain = min(daly_interval(o.checkpoint_s, o.mtbf_s), job_s)
@@ -238,9 +251,19 @@ class AdaptiveInterval:
     in the measurements neither reschedules nor floods the log; every change is logged.
     """
 
-    def __init__(self, mtbf_hours: float, *, notice_s: float | None = None, notice_share: float = 0.0,
-                 initial_s: float = 600.0, window: int = 8, tolerance: float = 0.1, min_s: float = 1.0,
-                 max_s: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        mtbf_hours: float,
+        *,
+        notice_s: float | None = None,
+        notice_share: float = 0.0,
+        initial_s: float = 600.0,
+        window: int = 8,
+        tolerance: float = 0.1,
+        min_s: float = 1.0,
+        max_s: float = math.inf,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.mtbf_s = checked_number("mtbf_hours", mtbf_hours) * 3600.0
         self.notice_s = None if notice_s is None else checked_number("notice_s", notice_s)
         self.notice_share = checked_number("notice_share", notice_share, zero=True)
@@ -271,8 +294,14 @@ class AdaptiveInterval:
         mtbf = self.mtbf_s / (1.0 - share) if share < 1.0 else math.inf
         target = min(max(daly_interval(cost, mtbf), self.min_s), self.max_s)
         if abs(target - self.interval) > self.tolerance * self.interval:
-            logger.info("checkpoint interval %.0fs -> %.0fs (mean checkpoint cost %.2fs over %d, MTBF %.1fh)",
-                        self.interval, target, cost, len(self._costs), mtbf / 3600.0)
+            logger.info(
+                "checkpoint interval %.0fs -> %.0fs (mean checkpoint cost %.2fs over %d, MTBF %.1fh)",
+                self.interval,
+                target,
+                cost,
+                len(self._costs),
+                mtbf / 3600.0,
+            )
             self.interval = target
         return self.interval
 
@@ -282,4 +311,3 @@ class AdaptiveInterval:
         t0 = self.clock()
         yield
         self.observe(self.clock() - t0)
-

@@ -38,8 +38,10 @@ def check_plain(value: Any, where: str) -> None:
                 raise ConfigError(f"{where}: dict key {key!r} must be a str or an int")
             check_plain(item, f"{where}[{key!r}]")
         return
-    raise ConfigError(f"{where}: a {type(value).__name__} cannot be checkpointed; keep tensors, numbers, strings, "
-                      "None, and lists, tuples and dicts of them")
+    raise ConfigError(
+        f"{where}: a {type(value).__name__} cannot be checkpointed; keep tensors, numbers, strings, "
+        "None, and lists, tuples and dicts of them"
+    )
 
 
 def _like(new: Any, old: Any, in_place: bool) -> Any:
@@ -121,13 +123,18 @@ def adapt(name: str, obj: Any) -> Any:
         return obj
     if isinstance(obj, (torch.Tensor, dict, list)):
         if isinstance(obj, torch.Tensor) and obj.requires_grad:
-            raise ConfigError(f"cannot track {name!r}: a tensor that requires grad is a parameter; "
-                              "track the module that owns it")
+            raise ConfigError(
+                f"cannot track {name!r}: a tensor that requires grad is a parameter; track the module that owns it"
+            )
         check_plain(obj, name)
         return _InPlace(obj, name)
     if isinstance(obj, (*_SCALARS, tuple)):
-        raise ConfigError(f"cannot track {name!r}: a {type(obj).__name__} cannot be restored in place; "
-                          f"use guard.extra[{name!r}] for a JSON value, or {name} = spotguard.Value(...) "
-                          f"and read/assign {name}.value")
-    raise ConfigError(f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
-                      "tensors, dicts and lists are restored in place, spotguard.Value holds anything else")
+        raise ConfigError(
+            f"cannot track {name!r}: a {type(obj).__name__} cannot be restored in place; "
+            f"use guard.extra[{name!r}] for a JSON value, or {name} = spotguard.Value(...) "
+            f"and read/assign {name}.value"
+        )
+    raise ConfigError(
+        f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
+        "tensors, dicts and lists are restored in place, spotguard.Value holds anything else"
+    )

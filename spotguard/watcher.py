@@ -87,8 +87,9 @@ class Watcher:
                 logger.exception("notice provider %s failed to open; it will not be watched", provider.name)
                 continue
             self._opened.append(provider)
-            thread = threading.Thread(target=self._run, args=(provider,), daemon=True,
-                                      name=f"spotguard-watch-{provider.name}")
+            thread = threading.Thread(
+                target=self._run, args=(provider,), daemon=True, name=f"spotguard-watch-{provider.name}"
+            )
             self._threads.append(thread)
             thread.start()
         logger.debug("watching %s every %.2fs", [p.name for p in self._opened], self.interval)
@@ -127,8 +128,13 @@ class Watcher:
             if not stops:
                 self.advisories.append(notice)
         left = notice.seconds_left()
-        logger.warning("%s notice from %s (%s)%s", "stop" if stops else "advisory", notice.provider,
-                       notice.kind, "" if left is None else f", deadline in {left:.0f}s")
+        logger.warning(
+            "%s notice from %s (%s)%s",
+            "stop" if stops else "advisory",
+            notice.provider,
+            notice.kind,
+            "" if left is None else f", deadline in {left:.0f}s",
+        )
         if stops:
             self.preempted.set()
         if self.on_notice is not None:
@@ -167,17 +173,31 @@ class Watcher:
                 delay = self._backoff(provider, failures, now - since)
                 if failures == 1 or now - warned >= self.warn_every:
                     warned = now
-                    logger.warning("notice provider %s failed%s (%s: %s); retrying in %.2fs", provider.name,
-                                   f" for {now - since:.0f}s ({failures} polls)" if failures > 1 else "",
-                                   type(e).__name__, e, delay)
+                    logger.warning(
+                        "notice provider %s failed%s (%s: %s); retrying in %.2fs",
+                        provider.name,
+                        f" for {now - since:.0f}s ({failures} polls)" if failures > 1 else "",
+                        type(e).__name__,
+                        e,
+                        delay,
+                    )
                 else:
-                    logger.debug("notice provider %s failed (%s: %s); retrying in %.2fs", provider.name,
-                                 type(e).__name__, e, delay)
+                    logger.debug(
+                        "notice provider %s failed (%s: %s); retrying in %.2fs",
+                        provider.name,
+                        type(e).__name__,
+                        e,
+                        delay,
+                    )
                 self._stopping.wait(delay)
                 continue
             if failures:
-                logger.info("notice provider %s recovered after %d failed polls (%.1fs)", provider.name,
-                            failures, time.monotonic() - since)
+                logger.info(
+                    "notice provider %s recovered after %d failed polls (%.1fs)",
+                    provider.name,
+                    failures,
+                    time.monotonic() - since,
+                )
                 failures = 0
             if notice is not None:
                 self.report(notice)

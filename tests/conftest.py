@@ -58,8 +58,19 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``loss-{rank}.jsonl`` and ``final.pt`` (2 ranks on one node or 2 nodes of 1 rank train alike)."""
 
     def compute(ref: Path) -> None:
-        done = run(ddp_example_cmd(2, ref / "ckpt", *DDP_ARGS, "--providers", "signal",
-                                   "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")))
+        done = run(
+            ddp_example_cmd(
+                2,
+                ref / "ckpt",
+                *DDP_ARGS,
+                "--providers",
+                "signal",
+                "--losses",
+                str(ref / "loss-{rank}.jsonl"),
+                "--final",
+                str(ref / "final.pt"),
+            )
+        )
         assert done.returncode == 0, done.stderr[-3000:]
 
     return _computed_once(tmp_path_factory, "ddp-reference", compute)

@@ -50,7 +50,7 @@ class _Handler(socketserver.StreamRequestHandler):
                     self._send_status(int(fault))
                     continue
                 if fault == "corrupt" and body:
-                    body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1:]
+                    body = body[: len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1 :]
                 upstream.request(method, target, body=body, headers=headers)
                 resp = upstream.getresponse()
                 data = resp.read()
@@ -58,12 +58,16 @@ class _Handler(socketserver.StreamRequestHandler):
                     return
                 head = self._head(method, resp, data)
                 if fault == "truncate":
-                    self.wfile.write(head + data[: len(data) // 2] if data else head[:5])  # no body: cut the status line
+                    self.wfile.write(
+                        head + data[: len(data) // 2] if data else head[:5]
+                    )  # no body: cut the status line
                     return
                 self.wfile.write(head + data)
                 self.wfile.flush()
-                if resp.getheader("connection", "").lower() == "close" or \
-                        headers.get("connection", "").lower() == "close":
+                if (
+                    resp.getheader("connection", "").lower() == "close"
+                    or headers.get("connection", "").lower() == "close"
+                ):
                     return
         except (OSError, http.client.HTTPException):
             return
@@ -115,8 +119,11 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def _send_status(self, status: int) -> None:
         body = f"<Error><Code>Injected{status}</Code><Message>injected by faultproxy</Message></Error>".encode()
-        self.wfile.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/xml\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        self.wfile.write(
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         self.wfile.flush()
 
 
@@ -129,9 +136,17 @@ class _Server(socketserver.ThreadingTCPServer):
 class FaultProxy:
     """``with FaultProxy(port, rate=0.3) as p: client(endpoint=p.url)``; ``p.rate`` may change live."""
 
-    def __init__(self, upstream_port: int, *, rate: float = 0.0, faults: tuple[str, ...] = FAULTS,
-                 stall: float = 3.0, seed: int | None = None, upstream_host: str = "127.0.0.1",
-                 only: str = "") -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        rate: float = 0.0,
+        faults: tuple[str, ...] = FAULTS,
+        stall: float = 3.0,
+        seed: int | None = None,
+        upstream_host: str = "127.0.0.1",
+        only: str = "",
+    ) -> None:
         unknown = set(faults) - set(FAULTS) - {"403", "corrupt"}
         if unknown:
             raise ValueError(f"unknown fault(s) {sorted(unknown)}")

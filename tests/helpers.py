@@ -50,9 +50,14 @@ def block_cloud_metadata() -> None:
         _CLOSED = socket.socket()
         _CLOSED.bind(("127.0.0.1", 0))  # held for the session, never listen(): connections are refused
     port = _CLOSED.getsockname()[1]
-    os.environ.update({"AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{port}",
-                       "GCE_METADATA_HOST": f"127.0.0.1:{port}", "GCE_METADATA_IP": f"127.0.0.1:{port}",
-                       "SPOTGUARD_AZURE_METADATA_ENDPOINT": f"http://127.0.0.1:{port}"})
+    os.environ.update(
+        {
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{port}",
+            "GCE_METADATA_HOST": f"127.0.0.1:{port}",
+            "GCE_METADATA_IP": f"127.0.0.1:{port}",
+            "SPOTGUARD_AZURE_METADATA_ENDPOINT": f"http://127.0.0.1:{port}",
+        }
+    )
 
 
 def free_port() -> int:
@@ -83,8 +88,19 @@ def example_cmd(storage: str | Path, *args: str) -> list[str]:
 
 def torchrun(nproc: int, script: str | Path, *args: str) -> list[str]:
     """``nproc`` ranks of ``script`` on this machine (gloo, a free port on 127.0.0.1)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
 
 
 def ddp_example_cmd(nproc: int, storage: str | Path, *args: str, script: Path = EXAMPLE_DDP) -> list[str]:
@@ -119,20 +135,26 @@ def _finish(proc: subprocess.Popen[bytes], out: Any, err: Any, timeout: float) -
 def _start(cmd: list[str], env: dict[str, str] | None, cwd: Path | None) -> tuple[subprocess.Popen[bytes], Any, Any]:
     # Output goes to files, not pipes: a chatty child never blocks on a full pipe while the test polls.
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=err, cwd=cwd,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=err, cwd=cwd, start_new_session=True)
     return proc, out, err
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = WAIT_S,
-        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = WAIT_S, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` to its end (its whole session is killed past ``timeout``, and the test fails)."""
     return _finish(*_start(cmd, env, cwd), timeout)
 
 
-def stop_when(cmd: list[str], ready: Callable[[], bool], act: Callable[[subprocess.Popen[bytes]], object], *,
-              env: dict[str, str] | None = None, timeout: float = WAIT_S,
-              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def stop_when(
+    cmd: list[str],
+    ready: Callable[[], bool],
+    act: Callable[[subprocess.Popen[bytes]], object],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = WAIT_S,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Start ``cmd``; once ``ready()`` holds call ``act(proc)`` (send a signal, a notice), then wait for the end.
 
     Fails if the process ends, or ``timeout`` passes, before the moment came.
@@ -143,8 +165,10 @@ def stop_when(cmd: list[str], ready: Callable[[], bool], act: Callable[[subproce
         while not ready():
             if proc.poll() is not None or time.monotonic() > deadline:
                 done = _finish(proc, out, err, 1)
-                raise AssertionError(f"ended (exit {done.returncode}) or hung before the moment to act: {cmd}\n"
-                                     f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+                raise AssertionError(
+                    f"ended (exit {done.returncode}) or hung before the moment to act: {cmd}\n"
+                    f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                )
             time.sleep(0.005)
         act(proc)
     except BaseException:
@@ -170,8 +194,9 @@ def stopped_for_notice(proc: subprocess.CompletedProcess[str]) -> bool:
     return proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", proc.stderr) is not None
 
 
-def run_example(storage: str | Path, *args: str, env: dict[str, str] | None = None,
-                timeout: float = WAIT_S) -> subprocess.CompletedProcess[str]:
+def run_example(
+    storage: str | Path, *args: str, env: dict[str, str] | None = None, timeout: float = WAIT_S
+) -> subprocess.CompletedProcess[str]:
     return run(example_cmd(storage, *args), env=env, timeout=timeout)
 
 
@@ -236,5 +261,5 @@ def assert_same_run(losses: Path, final: Path, reference: tuple[list[tuple[int, 
 
 def chunked_sha256(data: bytes, chunk: int = 16 << 20) -> str:
     """What a spotguard/2 manifest records for a file: SHA-256 of its chunks' SHA-256 digests."""
-    pieces = [data[i:i + chunk] for i in range(0, len(data), chunk)] or [b""]
+    pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)] or [b""]
     return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()

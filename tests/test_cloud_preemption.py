@@ -30,18 +30,26 @@ _rng = random.Random()
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
-def test_simulated_cloud_preemption_checkpoints_and_resumes_identically(tmp_path, reference_runs, mock_metadata,
-                                                                        cloud, capsys):
+def test_simulated_cloud_preemption_checkpoints_and_resumes_identically(
+    tmp_path, reference_runs, mock_metadata, cloud, capsys
+):
     reference = reference_runs(*ARGS)
     server = mock_metadata(cloud)
     env = subprocess_env(**endpoint_env(cloud, server.url))
     storage, losses, final = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "final.pt"
     at = _rng.randint(3, 35)
+
     def preempt(_) -> None:
         assert spotguard_main(["simulate-preemption", "--cloud", cloud, "--endpoint", server.url]) == 0
 
-    first = stop_when(example_cmd(storage, *ARGS, "--providers", cloud, "--interval", "0.2", "--losses", str(losses),
-                                  "--step-sleep", "0.03"), after_step(losses, at), preempt, env=env)
+    first = stop_when(
+        example_cmd(
+            storage, *ARGS, "--providers", cloud, "--interval", "0.2", "--losses", str(losses), "--step-sleep", "0.03"
+        ),
+        after_step(losses, at),
+        preempt,
+        env=env,
+    )
     assert first.returncode == EXIT_PREEMPTED, (at, first.stdout, first.stderr)
     assert f"notice from {cloud}" in first.stdout
     stopped = read_losses(losses)[-1][0]
@@ -53,8 +61,19 @@ def test_simulated_cloud_preemption_checkpoints_and_resumes_identically(tmp_path
 
     assert spotguard_main(["simulate-preemption", "--clear", "--endpoint", server.url]) == 0
     capsys.readouterr()
-    second = run_example(storage, *ARGS, "--providers", cloud, "--interval", "0.2", "--losses", str(losses),
-                         "--final", str(final), env=env)
+    second = run_example(
+        storage,
+        *ARGS,
+        "--providers",
+        cloud,
+        "--interval",
+        "0.2",
+        "--losses",
+        str(losses),
+        "--final",
+        str(final),
+        env=env,
+    )
     assert second.returncode == 0, second.stderr
     assert f"resuming at step {stopped}" in second.stdout
     assert_same_run(losses, final, reference)

@@ -55,16 +55,24 @@ def test_sbatch_script_checkpoints_on_usr1_and_requeues(tmp_path):
     fakebin, calls, storage = tmp_path / "bin", tmp_path / "scontrol.log", tmp_path / "ckpt"
     fakebin.mkdir()
     py = shlex.quote(sys.executable)
-    for name, body in {"scontrol": f'echo "$*" >> {shlex.quote(str(calls))}',
-                       "spotguard": f'exec {py} -m spotguard "$@"',
-                       "python": f'exec {py} "$@"'}.items():
+    for name, body in {
+        "scontrol": f'echo "$*" >> {shlex.quote(str(calls))}',
+        "spotguard": f'exec {py} -m spotguard "$@"',
+        "python": f'exec {py} "$@"',
+    }.items():
         (fakebin / name).write_text(f"#!/bin/sh\n{body}\n")
         (fakebin / name).chmod(0o755)
     shutil.copy(EXAMPLE, tmp_path / "train.py")
-    env = subprocess_env(PATH=f"{fakebin}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242",
-                         STORAGE=str(storage))
-    proc = subprocess.Popen(["bash", str(SBATCH)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = subprocess_env(PATH=f"{fakebin}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242", STORAGE=str(storage))
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120
@@ -114,9 +122,12 @@ def test_skypilot_managed_job_relaunches_on_exit_75_and_runs_the_hf_example():
 
 def test_ray_recipe_imports_without_ray_and_restarts_on_every_failure():
     tree = ast.parse(RAY.read_text())
-    top_level = {alias.name.split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-                 for alias in node.names} | {node.module.split(".")[0] for node in tree.body
-                                             if isinstance(node, ast.ImportFrom) and node.module}
+    top_level = {
+        alias.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    } | {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
     assert "ray" not in top_level  # imported where used: the recipe reads (and loads) without ray
     spec = importlib.util.spec_from_file_location("train_ray", RAY)
     module = importlib.util.module_from_spec(spec)

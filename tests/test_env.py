@@ -32,13 +32,16 @@ def test_spotguard_stop_on_advisory_makes_a_guard_stop_for_a_rebalance(mock_meta
     assert spotguard.Guard(str(tmp_path), providers=None).options.stop_on_advisory is False
 
 
-@pytest.mark.parametrize("name, value, build", [
-    ("SPOTGUARD_AWS_ALLOW_IMDSV1", "maybe", lambda: notices.build("aws")),
-    ("SPOTGUARD_AZURE_ACK", "2", lambda: notices.build("azure")),
-    ("SPOTGUARD_GCP_DEADLINE", "soon", lambda: notices.build("gcp")),
-    ("SPOTGUARD_GCP_DEADLINE", "-5", lambda: notices.build("gcp")),
-    ("SPOTGUARD_STOP_ON_ADVISORY", "yes please", lambda: spotguard.Guard("unused", providers=None)),
-])
+@pytest.mark.parametrize(
+    "name, value, build",
+    [
+        ("SPOTGUARD_AWS_ALLOW_IMDSV1", "maybe", lambda: notices.build("aws")),
+        ("SPOTGUARD_AZURE_ACK", "2", lambda: notices.build("azure")),
+        ("SPOTGUARD_GCP_DEADLINE", "soon", lambda: notices.build("gcp")),
+        ("SPOTGUARD_GCP_DEADLINE", "-5", lambda: notices.build("gcp")),
+        ("SPOTGUARD_STOP_ON_ADVISORY", "yes please", lambda: spotguard.Guard("unused", providers=None)),
+    ],
+)
 def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, value, build):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=f"\\${name} must be"):

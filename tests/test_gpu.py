@@ -38,8 +38,10 @@ from .helpers import (
     subprocess_env,
 )
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `make gpu-check` on a GPU machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run `make gpu-check` on a GPU machine"),
+]
 _rng = random.Random()
 
 
@@ -92,14 +94,19 @@ def test_two_ranks_on_gpus_stop_together_and_resume_identically(tmp_path):
     common = ("--steps", "40", "--every-steps", "15")
     ref = tmp_path / "ref"
     ref.mkdir()
-    done = run(ddp_example_cmd(2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"), "--final",
-                               str(ref / "final.pt")))
+    done = run(
+        ddp_example_cmd(
+            2, ref / "ckpt", *common, "--losses", str(ref / "loss-{rank}.jsonl"), "--final", str(ref / "final.pt")
+        )
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     notice, losses, storage = tmp_path / "notice-{rank}", str(tmp_path / "loss-{rank}.jsonl"), tmp_path / "ckpt"
-    first = stop_when(ddp_example_cmd(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
-                      after_step(tmp_path / "loss-0.jsonl", _rng.randint(4, 28)),
-                      lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 30}'),
-                      env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)))
+    first = stop_when(
+        ddp_example_cmd(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
+        after_step(tmp_path / "loss-0.jsonl", _rng.randint(4, 28)),
+        lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 30}'),
+        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
+    )
     assert stopped_for_notice(first), first.stderr[-3000:]
     stops = [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)]
     assert stops[0] == stops[1], stops
@@ -118,9 +125,24 @@ def test_two_ranks_on_gpus_stop_together_and_resume_identically(tmp_path):
 def test_stall_benchmark_measures_against_the_device_to_host_copy(tmp_path):
     """The figure itself is for bench/REPORT.md (make gpu-check prints it for 1 GiB); here: it is produced."""
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "checkpoint_stall.py"), "--device", "cuda",
-                           "--size-mb", "128", "--repeat", "2", "--json", str(out)], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "checkpoint_stall.py"),
+            "--device",
+            "cuda",
+            "--size-mb",
+            "128",
+            "--repeat",
+            "2",
+            "--json",
+            str(out),
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["figure"].split(" (")[0]: r for r in json.loads(out.read_text())}
     row = next(r for name, r in rows.items() if name.startswith("stall per checkpoint vs device-to-host copy"))

@@ -99,17 +99,20 @@ def test_plan_defaults_share_and_lead_when_only_one_is_given_and_caps_at_the_job
     json.dumps(p.to_dict(), allow_nan=False)  # no Infinity in the JSON
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"checkpoint_s": -1}, "checkpoint cost"),
-    ({"checkpoint_s": 0}, "checkpoint cost"),
-    ({"restart_s": float("nan")}, "restart cost"),
-    ({"mtbf_hours": 0}, "MTBF"),
-    ({"mtbf_hours": "six"}, "MTBF"),
-    ({"notice_share": 1.5}, "notice share"),
-    ({"notice_s": -5}, "notice lead"),
-    ({"job_hours": float("inf")}, "job length"),
-    ({"intervals_s": (600, 0)}, "interval"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"checkpoint_s": -1}, "checkpoint cost"),
+        ({"checkpoint_s": 0}, "checkpoint cost"),
+        ({"restart_s": float("nan")}, "restart cost"),
+        ({"mtbf_hours": 0}, "MTBF"),
+        ({"mtbf_hours": "six"}, "MTBF"),
+        ({"notice_share": 1.5}, "notice share"),
+        ({"notice_s": -5}, "notice lead"),
+        ({"job_hours": float("inf")}, "job length"),
+        ({"intervals_s": (600, 0)}, "interval"),
+    ],
+)
 def test_bad_plan_options_raise_a_clear_config_error(kwargs, word):
     base = {"checkpoint_s": 60, "restart_s": 180, "mtbf_hours": 6}
     with pytest.raises(ConfigError, match=word):
@@ -118,8 +121,10 @@ def test_bad_plan_options_raise_a_clear_config_error(kwargs, word):
 
 def test_stats_file_gives_the_blocking_cost_averaged_over_json_lines(tmp_path):
     f = tmp_path / "stats.jsonl"
-    f.write_text('{"snapshot_s": 1.0, "write_s": 9.0, "restart_s": 50, "state_bytes": 2e9}\n'
-                 '{"snapshot_s": [2.0, 4.0], "write_s": 11.0}\n')
+    f.write_text(
+        '{"snapshot_s": 1.0, "write_s": 9.0, "restart_s": 50, "state_bytes": 2e9}\n'
+        '{"snapshot_s": [2.0, 4.0], "write_s": 11.0}\n'
+    )
     got = load_stats(f)
     assert got.checkpoint_s == pytest.approx((10.0 + 14.0) / 2)
     assert got.restart_s == 50 and got.state_gb == pytest.approx(2.0)
@@ -130,13 +135,16 @@ def test_stats_file_gives_the_blocking_cost_averaged_over_json_lines(tmp_path):
     assert got.checkpoint_s == 8.0 and got.restart_s == 5.0 + DEFAULT_START_S
 
 
-@pytest.mark.parametrize("text, word", [
-    ("not json", "not JSON"),
-    ('{"snapshot_s": "fast"}', "snapshot_s"),
-    ('{"write_s": -3}', "write_s"),
-    ('{"other": 1}', "no snapshot_s"),
-    ("[1, 2]", "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "text, word",
+    [
+        ("not json", "not JSON"),
+        ('{"snapshot_s": "fast"}', "snapshot_s"),
+        ('{"write_s": -3}', "write_s"),
+        ('{"other": 1}', "no snapshot_s"),
+        ("[1, 2]", "not a JSON object"),
+    ],
+)
 def test_bad_stats_file_raises_a_clear_config_error(tmp_path, text, word):
     f = tmp_path / "stats.json"
     f.write_text(text)
@@ -160,9 +168,9 @@ def test_adaptive_interval_converges_to_the_planner_value_from_noisy_measurement
     caplog.set_level(logging.INFO, logger="spotguard.planner")
     used = [adaptive.interval]
     for _ in range(200):
-        clock.now += adaptive.interval              # training until the checkpoint is due
+        clock.now += adaptive.interval  # training until the checkpoint is due
         with adaptive.measure():
-            clock.now += rng.uniform(40.0, 80.0)    # a checkpoint that costs 60 s on average
+            clock.now += rng.uniform(40.0, 80.0)  # a checkpoint that costs 60 s on average
         if adaptive.interval != used[-1]:
             used.append(adaptive.interval)
     target = plan(PlanOptions(60, 180, 6)).interval_s

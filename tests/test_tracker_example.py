@@ -24,10 +24,25 @@ def tracked(path) -> list[dict]:
 
 def test_the_run_id_is_kept_across_a_preemption_and_the_run_continues(tmp_path):
     storage, log = tmp_path / "ckpt", tmp_path / "tracker.jsonl"
-    cmd = [sys.executable, str(EXAMPLE), "--storage", str(storage), "--tracker-log", str(log), "--steps", "80",
-           "--every-steps", "20", "--providers", "signal"]
-    proc = stop_when([*cmd, "--step-sleep", "0.02"], lambda: any(r.get("step", 0) >= 30 for r in tracked(log)),
-                     signal_to(signal.SIGTERM))
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--storage",
+        str(storage),
+        "--tracker-log",
+        str(log),
+        "--steps",
+        "80",
+        "--every-steps",
+        "20",
+        "--providers",
+        "signal",
+    ]
+    proc = stop_when(
+        [*cmd, "--step-sleep", "0.02"],
+        lambda: any(r.get("step", 0) >= 30 for r in tracked(log)),
+        signal_to(signal.SIGTERM),
+    )
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == EXIT_PREEMPTED, err
     first = tracked(log)

@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"storage": args.storage, "steps": args.steps, "every_steps": args.every_steps,
-                           "seed": 0},
+        train_loop_config={"storage": args.storage, "steps": args.steps, "every_steps": args.every_steps, "seed": 0},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
         # -1: restart after every failure, a preemption included; spotguard makes each restart exact.
         run_config=RunConfig(name="spotguard-ray", failure_config=FailureConfig(max_failures=-1)),

@@ -23,16 +23,21 @@ logger = logging.getLogger(__name__)
 
 def is_stateful_loader(obj: Any) -> bool:
     """A DataLoader that can save its position (torchdata's StatefulDataLoader or alike)."""
-    return isinstance(obj, DataLoader) and callable(getattr(obj, "state_dict", None)) \
+    return (
+        isinstance(obj, DataLoader)
+        and callable(getattr(obj, "state_dict", None))
         and callable(getattr(obj, "load_state_dict", None))
+    )
 
 
 def warn_if_plain_loader(name: str, obj: Any) -> bool:
     """Warn about a plain DataLoader (a ``UserWarning``, shown once per call site); True when ``obj`` is one."""
     if isinstance(obj, DataLoader) and not is_stateful_loader(obj):
-        msg = (f"spotguard: {name!r} is a plain torch DataLoader; its position cannot be saved, so a resumed "
-               "run restarts its epoch from the beginning. Use torchdata.stateful_dataloader."
-               "StatefulDataLoader (pip install 'spotguard[data]') for an exact resume.")
+        msg = (
+            f"spotguard: {name!r} is a plain torch DataLoader; its position cannot be saved, so a resumed "
+            "run restarts its epoch from the beginning. Use torchdata.stateful_dataloader."
+            "StatefulDataLoader (pip install 'spotguard[data]') for an exact resume."
+        )
         warnings.warn(msg, UserWarning, stacklevel=3)  # one channel only: not logged as well
         return True
     return False

@@ -83,8 +83,15 @@ class SpotguardWriter(StorageWriter):
     abandoned background save stops streaming instead of competing with the emergency save.
     """
 
-    def __init__(self, storage: Storage, step_dir: str, rank: int, *, deadline: float | None = None,
-                 cancel: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        step_dir: str,
+        rank: int,
+        *,
+        deadline: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
         super().__init__()
         self.storage = storage
         self.prefix = f"{step_dir}/shards"
@@ -125,8 +132,11 @@ class SpotguardWriter(StorageWriter):
                 else:
                     torch.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
                 length = out.size - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=ShardLocation(fname, offset, length)))
+                results.append(
+                    WriteResult(
+                        index=item.index, size_in_bytes=length, storage_data=ShardLocation(fname, offset, length)
+                    )
+                )
         self.entries.append(FileEntry(f"shards/{fname}", out.size, out.hexdigest(), out.chunk_size))
         return _done(results)
 
@@ -146,11 +156,26 @@ class SpotguardWriter(StorageWriter):
 # DCP's metadata is a pickle of a few plain dataclasses. Admit exactly those (and the torch types
 # they hold); anything else in the file is refused before it can run.
 _SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("spotguard.checkpoint.dcp", "ShardLocation"), ("torch", "Size"), ("collections", "OrderedDict"),
-     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("spotguard.checkpoint.dcp", "ShardLocation"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("torch.serialization", "_get_layout"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -205,7 +230,7 @@ class _Slice(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[:max(0, self._length - self._pos)]
+        view = memoryview(buffer).cast("B")[: max(0, self._length - self._pos)]
         n = os.preadv(self._fd, [view], self._offset + self._pos) if len(view) else 0
         self._pos += n
         return n
@@ -274,7 +299,9 @@ class SpotguardReader(StorageReader):
             # copies each tensor's bytes once, straight into its storage.
             value = torch.load(part, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
         except Exception as e:
-            raise CheckpointCorruptError(f"shards/{name}: {item.storage_index.fqn} cannot be loaded safely ({e})") from e
+            raise CheckpointCorruptError(
+                f"shards/{name}: {item.storage_index.fqn} cannot be loaded safely ({e})"
+            ) from e
         if item.type == LoadItemType.BYTE_IO:
             part.seek(0)
             planner.load_bytes(item, io.BytesIO(part.read()))
@@ -282,8 +309,10 @@ class SpotguardReader(StorageReader):
         tensor = _narrow(value, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
-            raise CheckpointCorruptError(f"shards/{name}: {item.storage_index.fqn} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(target.shape)}")
+            raise CheckpointCorruptError(
+                f"shards/{name}: {item.storage_index.fqn} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 

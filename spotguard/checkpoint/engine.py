@@ -69,8 +69,9 @@ class Engine(Protocol):
     def resume(self, tracked: Tracked) -> Resumed | None:
         """Restore the newest checkpoint that verifies into ``tracked`` (None: there is none)."""
 
-    def save(self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None,
-             final: bool = False) -> Manifest | None:
+    def save(
+        self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
+    ) -> Manifest | None:
         """Write ``step`` now, to the durable tier. None when it is committed already. ``final``: the
         state may have changed since a periodic save of the same step, which it then replaces."""
 
@@ -86,12 +87,22 @@ def copy_extra(extra: dict[str, Any]) -> dict[str, Any]:
         return dict(extra)
 
 
-def make_engine(storage: Storage, local: Storage | None, groups: Groups | None, *, keep: int, on_commit: OnCommit,
-                staged_final: bool = True, reshard: Reshard | str = Reshard.REFUSE) -> Engine:
+def make_engine(
+    storage: Storage,
+    local: Storage | None,
+    groups: Groups | None,
+    *,
+    keep: int,
+    on_commit: OnCommit,
+    staged_final: bool = True,
+    reshard: Reshard | str = Reshard.REFUSE,
+) -> Engine:
     """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
     imported only then (torch.distributed.checkpoint). Sharded saves have no local tier."""
     if groups is None:
         from spotguard.checkpoint.single import SingleEngine
+
         return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final)
     from spotguard.checkpoint.sharded import ShardedEngine
+
     return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard)

@@ -66,7 +66,7 @@ class DirectFile:
         while off < n:
             view = self._views[self._current]
             k = min(n - off, len(view) - self._fill)
-            view[self._fill:self._fill + k] = mv[off:off + k]
+            view[self._fill : self._fill + k] = mv[off : off + k]
             self._fill += k
             off += k
             if self._fill == len(view):
@@ -88,7 +88,7 @@ class DirectFile:
         try:
             if self._fill:
                 padded = -(-self._fill // ALIGN) * ALIGN if self.direct else self._fill
-                self._views[self._current][self._fill:padded] = bytes(padded - self._fill)
+                self._views[self._current][self._fill : padded] = bytes(padded - self._fill)
                 self._submit(padded, self._fill)
             self._wait()
             os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
@@ -109,8 +109,9 @@ class DirectFile:
     def __enter__(self) -> DirectFile:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -121,7 +122,7 @@ class DirectFile:
         """Hash the buffer's first ``data`` bytes (default: all) and write ``length`` of them, on the I/O thread."""
         self._wait()  # the other buffer's write must be done before it is refilled
         view = self._views[self._current]
-        self._inflight = self._io.submit(self._hash_and_write, view[:length], view[:length if data is None else data])
+        self._inflight = self._io.submit(self._hash_and_write, view[:length], view[: length if data is None else data])
         self._current, self._fill = 1 - self._current, 0
 
     def _wait(self) -> None:

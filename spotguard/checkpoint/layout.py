@@ -44,10 +44,20 @@ logger = logging.getLogger(__name__)
 Writer = Callable[[BinaryIO], None]
 
 
-def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: str,
-          extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
-          deadline: float | None = None, cancel: threading.Event | None = None, replace: bool = False,
-          on_content: Callable[[tuple[FileEntry, ...]], None] | None = None) -> Manifest:
+def write(
+    storage: Storage,
+    step: int,
+    files: Mapping[str, Writer],
+    *,
+    reason: str,
+    extra: Mapping[str, Any] | None = None,
+    world_size: int = 1,
+    torch_version: str = "",
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+    replace: bool = False,
+    on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
+) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
     Files are serialised to a scratch directory the backend chooses (beside the target for local
@@ -94,22 +104,34 @@ def write(storage: Storage, step: int, files: Mapping[str, Writer], *, reason: s
                 old = _committed_manifest(storage, name)
                 if old is not None and old.files == tuple(entries) and old.extra == extra_json:
                     raise CheckpointExistsError(f"{storage.describe(name)} is already committed with this content")
-                logger.info("replacing %s (%s): the state at step %d has changed since", storage.describe(name),
-                            old.reason if old else "unreadable", step)
+                logger.info(
+                    "replacing %s (%s): the state at step %d has changed since",
+                    storage.describe(name),
+                    old.reason if old else "unreadable",
+                    step,
+                )
                 delete(storage, name)
             for fname, path in held:
                 storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
-    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
-                        extra=extra_json, torch_version=torch_version)
-    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
-    return manifest
+    manifest = Manifest(
+        step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
+    )
+    return _commit(storage, name, manifest, deadline)
 
 
-def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
-              extra: Mapping[str, Any] | None = None, world_size: int = 1, torch_version: str = "",
-              deadline: float | None = None) -> Manifest:
+def write_dir(
+    storage: Storage,
+    step: int,
+    directory: Path,
+    *,
+    reason: str,
+    extra: Mapping[str, Any] | None = None,
+    world_size: int = 1,
+    torch_version: str = "",
+    deadline: float | None = None,
+) -> Manifest:
     """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
 
     Trainers write their checkpoint folders file by file, with no commit marker and no checksums:
@@ -139,8 +161,14 @@ def write_dir(storage: Storage, step: int, directory: Path, *, reason: str,
     for fname, path in files.items():
         entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
-    manifest = Manifest(step=step, reason=reason, files=tuple(entries), world_size=world_size,
-                        extra=extra_json, torch_version=torch_version)
+    manifest = Manifest(
+        step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
+    )
+    return _commit(storage, name, manifest, deadline)
+
+
+def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
+    """Write the manifest, write-once: from here on ``name`` is a checkpoint."""
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 
@@ -153,8 +181,7 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
     if committed and not replace:
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if existing and not committed:
-        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
-                    storage.describe(name))
+        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name))
         storage.delete(existing)
     return committed
 
@@ -166,8 +193,15 @@ def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
         return None
 
 
-def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | None = None,
-         cancel: threading.Event | None = None, verify: bool = False) -> Manifest:
+def copy(
+    src: Storage,
+    dst: Storage,
+    info: CheckpointInfo,
+    *,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+    verify: bool = False,
+) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
 
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
@@ -184,8 +218,7 @@ def copy(src: Storage, dst: Storage, info: CheckpointInfo, *, deadline: float | 
     for entry in info.manifest.files:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
-        with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") \
-                as path:
+        with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
             dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")

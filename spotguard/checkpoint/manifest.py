@@ -110,10 +110,17 @@ class Manifest:
             extra = data.get("extra") or {}
             if not isinstance(extra, dict):
                 raise ValueError("extra must be an object")
-            return cls(step=step, reason=str(data["reason"]), files=tuple(files), time=str(data["time"]),
-                       world_size=int(data.get("world_size", 1)), extra=extra,
-                       spotguard_version=str(data.get("spotguard_version", "")),
-                       torch_version=str(data.get("torch_version", "")), format=data["format"])
+            return cls(
+                step=step,
+                reason=str(data["reason"]),
+                files=tuple(files),
+                time=str(data["time"]),
+                world_size=int(data.get("world_size", 1)),
+                extra=extra,
+                spotguard_version=str(data.get("spotguard_version", "")),
+                torch_version=str(data.get("torch_version", "")),
+                format=data["format"],
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"{where}: invalid manifest ({e})") from e
 

@@ -57,8 +57,9 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
                 raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
             for f in manifest.files:
                 if groups[name][f.name] != f.size:
-                    raise CheckpointCorruptError(f"{name}/{f.name}: {groups[name][f.name]} bytes, "
-                                                 f"the manifest says {f.size}")
+                    raise CheckpointCorruptError(
+                        f"{name}/{f.name}: {groups[name][f.name]} bytes, the manifest says {f.size}"
+                    )
         except CheckpointCorruptError as e:
             infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
             continue

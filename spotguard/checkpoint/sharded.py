@@ -64,8 +64,9 @@ class ShardedEngine:
 
     two_tiers = False  # straight to the durable storage: every rank writes its part there
 
-    def __init__(self, storage: Storage, groups: Groups, keep: int, on_commit: OnCommit,
-                 reshard: Reshard | str = Reshard.REFUSE) -> None:
+    def __init__(
+        self, storage: Storage, groups: Groups, keep: int, on_commit: OnCommit, reshard: Reshard | str = Reshard.REFUSE
+    ) -> None:
         self.storage, self.groups, self.keep = storage, groups, keep
         self.reshard = Reshard(reshard)
         self._on_commit = on_commit
@@ -85,10 +86,14 @@ class ShardedEngine:
         _, _, rest = split(tracked.objects)
         with state.rng_isolated():
             try:
-                payload = {"step": step, "rank": rank, "world_size": world,
-                           "rng": state.capture_rng(),  # first: collecting a loader's state may draw
-                           "objects": state.collect(rest),
-                           "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None}}
+                payload = {
+                    "step": step,
+                    "rank": rank,
+                    "world_size": world,
+                    "rng": state.capture_rng(),  # first: collecting a loader's state may draw
+                    "objects": state.collect(rest),
+                    "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None},
+                }
                 sd = dcp_state(tracked.objects)
                 if staging is not None:
                     staged = staging.snapshot({"objects": payload["objects"], "sd": sd})
@@ -97,8 +102,9 @@ class ShardedEngine:
             except Exception as e:
                 return Staged({}, {}, explain(e, rank))
 
-    def save(self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None,
-             final: bool = False) -> Manifest | None:
+    def save(
+        self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
+    ) -> Manifest | None:
         """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
@@ -117,13 +123,21 @@ class ShardedEngine:
             manifest = self._write(self.groups.async_group, step, reason, staged, None, cancel)
             if manifest is not None:
                 self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
+
         return work
 
     def resume(self, tracked: Tracked) -> Resumed | None:
         return sharded_load.resume(self.storage, self.groups, tracked, self.reshard)
 
-    def _write(self, group: Any, step: int, reason: str, staged: Staged, deadline: float | None,
-               cancel: threading.Event | None = None) -> Manifest | None:
+    def _write(
+        self,
+        group: Any,
+        step: int,
+        reason: str,
+        staged: Staged,
+        deadline: float | None,
+        cancel: threading.Event | None = None,
+    ) -> Manifest | None:
         """Collective on ``group``: every rank calls it for the same step, in the same order of collectives
         whatever happens (failures and ``cancel`` are agreed on, never acted on by one rank alone).
 
@@ -139,8 +153,11 @@ class ShardedEngine:
                 if f"{name}/{MANIFEST}" in existing:
                     status = "exists"
                 elif existing:
-                    logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing),
-                                storage.describe(name))
+                    logger.info(
+                        "replacing %d leftover file(s) of an interrupted save in %s",
+                        len(existing),
+                        storage.describe(name),
+                    )
                     storage.delete(existing)
             except Exception as e:
                 status = f"rank 0 cannot prepare {storage.describe(name)}: {e}"
@@ -184,8 +201,14 @@ class ShardedEngine:
                 outcome = None  # abandoned (an emergency save took over): never committed
             else:
                 files = sorted((FileEntry(*e) for _, es, _ in reports for e in es), key=lambda f: f.name)
-                manifest = Manifest(step=step, reason=reason, files=tuple(files), world_size=world,
-                                    extra=staged.extra, torch_version=torch.__version__)
+                manifest = Manifest(
+                    step=step,
+                    reason=reason,
+                    files=tuple(files),
+                    world_size=world,
+                    extra=staged.extra,
+                    torch_version=torch.__version__,
+                )
                 try:
                     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
                     outcome = manifest.to_bytes()

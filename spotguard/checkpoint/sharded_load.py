@@ -37,10 +37,12 @@ def rank_file(rank: int) -> str:
 
 def _refusal(info: CheckpointInfo, world: int, per_rank: list[str]) -> str:
     saved = info.manifest.world_size if info.manifest else "?"
-    return (f"{info.name} was saved by {saved} ranks and this job has {world}. Model and optimizer state "
-            f"can be resharded, but per-rank state cannot: RNG streams and {', '.join(per_rank) or 'no other'}"
-            f" object(s). Resume with {saved} ranks, or pass Guard(..., reshard='reset-data') to reshard "
-            "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams.")
+    return (
+        f"{info.name} was saved by {saved} ranks and this job has {world}. Model and optimizer state "
+        f"can be resharded, but per-rank state cannot: RNG streams and {', '.join(per_rank) or 'no other'}"
+        f" object(s). Resume with {saved} ranks, or pass Guard(..., reshard='reset-data') to reshard "
+        "model/optimizer, take the other tracked objects from rank 0 and restart data loaders and RNG streams."
+    )
 
 
 @contextlib.contextmanager
@@ -88,7 +90,9 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
                 try:
                     payload = torch.load(path, map_location="cpu", weights_only=True)
                 except Exception as e:  # weights_only refuses anything but tensors and plain containers
-                    raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: cannot be loaded safely ({e})") from e
+                    raise CheckpointCorruptError(
+                        f"{info.name}/{rank_file(source)}: cannot be loaded safely ({e})"
+                    ) from e
             if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
                 raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
             sd = dcp_state(tracked.objects)
@@ -102,9 +106,13 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
             if resharding:
                 keep = {n: o for n, o in rest.items() if not data.is_stateful_loader(o)}
                 state.restore(keep, payload["objects"], where=info.name)
-                logger.warning("%s: resharded from %d to %d ranks; data loaders (%s) and RNG streams start afresh",
-                               info.name, info.manifest.world_size, world,
-                               ", ".join(n for n in rest if n not in keep) or "none")
+                logger.warning(
+                    "%s: resharded from %d to %d ranks; data loaders (%s) and RNG streams start afresh",
+                    info.name,
+                    info.manifest.world_size,
+                    world,
+                    ", ".join(n for n in rest if n not in keep) or "none",
+                )
             else:
                 state.restore(rest, payload["objects"], where=info.name)
                 generators = payload.get("generators", {})
@@ -137,8 +145,10 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
             continue
         names = {f.name for f in info.manifest.files}
         if f"shards/{METADATA_FILE}" not in names:
-            raise CheckpointMismatchError(f"{info.name} is not a sharded checkpoint (written by a single process); "
-                                          "resume it without a process group")
+            raise CheckpointMismatchError(
+                f"{info.name} is not a sharded checkpoint (written by a single process); "
+                "resume it without a process group"
+            )
         if info.manifest.world_size != world and reshard is Reshard.REFUSE:
             _, _, rest = split(tracked.objects)
             raise CheckpointMismatchError(_refusal(info, world, sorted(rest)))
@@ -149,9 +159,14 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
             logger.warning("skipping %s: %s", storage.describe(info.name), e)
             continue
         if agreement.rank == 0:
-            logger.info("resumed from step %d (%s, %s old, %d ranks) in %s", info.step, info.manifest.reason,
-                        human_duration(info.manifest.age_seconds()), info.manifest.world_size,
-                        storage.describe(info.name))
+            logger.info(
+                "resumed from step %d (%s, %s old, %d ranks) in %s",
+                info.step,
+                info.manifest.reason,
+                human_duration(info.manifest.age_seconds()),
+                info.manifest.world_size,
+                storage.describe(info.name),
+            )
         return Resumed(info.step, info.manifest, storage.describe(info.name), time.monotonic() - t0, info.step)
     if agreement.rank == 0:
         logger.info("no checkpoint in %s: starting from step 0", storage.describe())

@@ -40,15 +40,17 @@ def refuse_sharded(info: CheckpointInfo) -> None:
     if m is not None and (m.world_size > 1 or any(f.name.startswith("shards/") for f in m.files)):
         raise CheckpointMismatchError(
             f"{info.name} is a sharded checkpoint of {m.world_size} rank(s): resume it in a process group "
-            f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))")
+            f"(torchrun --nproc-per-node {m.world_size}; another world size with Guard(..., reshard='reset-data'))"
+        )
 
 
 class SingleEngine:
     """Checkpoints of one process. ``staged_final``: the final save is staged like periodic ones,
     so that an unchanged state serialises to the same bytes (and is not written again)."""
 
-    def __init__(self, storage: Storage, local: Storage | None, keep: int, on_commit: OnCommit,
-                 staged_final: bool = True) -> None:
+    def __init__(
+        self, storage: Storage, local: Storage | None, keep: int, on_commit: OnCommit, staged_final: bool = True
+    ) -> None:
         self.storage, self.local, self.keep = storage, local, keep
         self.two_tiers = local is not None
         self._on_commit = on_commit
@@ -63,12 +65,14 @@ class SingleEngine:
     # -- saving --------------------------------------------------------------------------------
     def _payload(self, tracked: Tracked, step: int, staged: bool) -> dict[str, Any]:
         objects = state.collect(tracked.objects)
-        return canonical({  # the same state serialises to the same bytes (the final save compares them)
-            "step": step,
-            "rng": state.capture_rng(),
-            "objects": self._staging.snapshot(objects) if staged else objects,
-            "generators": {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None},
-        })
+        return canonical(
+            {  # the same state serialises to the same bytes (the final save compares them)
+                "step": step,
+                "rng": state.capture_rng(),
+                "objects": self._staging.snapshot(objects) if staged else objects,
+                "generators": {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None},
+            }
+        )
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
@@ -76,21 +80,22 @@ class SingleEngine:
         extra = copy_extra(tracked.extra)  # the values of this step
         return lambda cancel: self._write_tiers(step, reason, payload, extra, cancel)
 
-    def save(self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None,
-             final: bool = False) -> Manifest | None:
+    def save(
+        self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
+    ) -> Manifest | None:
         t0 = time.monotonic()
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
             payload = self._payload(tracked, step, staged=final and self._staged_final)
-            manifest = self._write(self.storage, step, reason, payload, tracked.extra, deadline=deadline,
-                                   replace=final)
+            manifest = self._write(self.storage, step, reason, payload, tracked.extra, deadline=deadline, replace=final)
         if manifest is not None:
             took = time.monotonic() - t0
             self._prune(self.storage)
             self._on_commit(Commit(manifest, "durable", took))
         return manifest
 
-    def _write_tiers(self, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any],
-                     cancel: threading.Event) -> None:
+    def _write_tiers(
+        self, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any], cancel: threading.Event
+    ) -> None:
         """Background: serialise to the first tier, then upload to the durable storage."""
         first = self.local or self.storage
         t0 = time.monotonic()
@@ -113,20 +118,41 @@ class SingleEngine:
         else:
             self._on_commit(Commit(manifest, "durable", took))
 
-    def _write(self, storage: Storage, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any],
-               deadline: float | None = None, cancel: threading.Event | None = None,
-               replace: bool = False) -> Manifest | None:
+    def _write(
+        self,
+        storage: Storage,
+        step: int,
+        reason: str,
+        payload: dict[str, Any],
+        extra: dict[str, Any],
+        deadline: float | None = None,
+        cancel: threading.Event | None = None,
+        replace: bool = False,
+    ) -> Manifest | None:
         try:
-            manifest = layout.write(storage, step, {STATE_FILE: lambda f: torch.save(payload, f)}, reason=reason,
-                                    extra=extra, world_size=_world_size(), torch_version=torch.__version__,
-                                    deadline=deadline, cancel=cancel, replace=replace,
-                                    on_content=self._drop_stale_local(step, extra) if replace else None)
+            manifest = layout.write(
+                storage,
+                step,
+                {STATE_FILE: lambda f: torch.save(payload, f)},
+                reason=reason,
+                extra=extra,
+                world_size=_world_size(),
+                torch_version=torch.__version__,
+                deadline=deadline,
+                cancel=cancel,
+                replace=replace,
+                on_content=self._drop_stale_local(step, extra) if replace else None,
+            )
         except CheckpointExistsError:
-            logger.info("%s is already committed%s; not writing it twice", storage.describe(step_dir(step)),
-                        " with this state" if replace else "")
+            logger.info(
+                "%s is already committed%s; not writing it twice",
+                storage.describe(step_dir(step)),
+                " with this state" if replace else "",
+            )
             return None
-        logger.info("%s checkpoint of step %d written to %s (%.1f MB)", reason, step, storage.describe(),
-                    manifest.size / 1e6)
+        logger.info(
+            "%s checkpoint of step %d written to %s (%.1f MB)", reason, step, storage.describe(), manifest.size / 1e6
+        )
         return manifest
 
     def _prune(self, storage: Storage) -> None:
@@ -139,6 +165,7 @@ class SingleEngine:
     def _drop_stale_local(self, step: int, extra: dict[str, Any]) -> Callable[[tuple[FileEntry, ...]], None]:
         """For a final save: delete the local tier's checkpoint of ``step`` when its content differs
         from the final one, before the durable tier is touched (resume prefers the local copy)."""
+
         def check(entries: tuple[FileEntry, ...]) -> None:
             if self.local is None:
                 return
@@ -147,6 +174,7 @@ class SingleEngine:
                 if m is None or m.files != entries or m.extra != json.loads(json.dumps(extra)):
                     layout.delete(self.local, info.name)
                     logger.info("removed %s: the final state of step %d differs", self.local.describe(info.name), step)
+
         return check
 
     # -- resuming ------------------------------------------------------------------------------
@@ -167,8 +195,9 @@ class SingleEngine:
                 continue
             self._restore(tracked, info, payload)
             m = info.manifest
-            logger.info("resumed from step %d (%s, %s old) in %s", info.step, m.reason,
-                        human_duration(m.age_seconds()), where)
+            logger.info(
+                "resumed from step %d (%s, %s old) in %s", info.step, m.reason, human_duration(m.age_seconds()), where
+            )
             _drop_killed_saves(tiers, info.step)
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())

@@ -86,8 +86,7 @@ class _Walk:
         n = len(self.buffers)
         buf = self.old[n] if n < len(self.old) else None
         pin = self.pin and t.is_cuda
-        if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
-                or (self.pin and buf.is_pinned() != pin)):
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or (self.pin and buf.is_pinned() != pin):
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self.allocations += 1
         self.buffers.append(buf)

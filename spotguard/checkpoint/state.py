@@ -28,12 +28,19 @@ except ImportError:  # numpy is a core dependency, but a missing one must not br
 def capture_rng() -> dict[str, Any]:
     """The state of Python's ``random``, NumPy's legacy global, torch CPU and every CUDA device."""
     version, internal, gauss = random.getstate()
-    rng: dict[str, Any] = {"python": {"version": version, "state": list(internal), "gauss": gauss},
-                           "torch": torch.get_rng_state()}
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-        rng["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        rng["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     return rng
@@ -46,15 +53,20 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
     if np is not None and "numpy" in rng:
         n = rng["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
     if "cuda" in rng and torch.cuda.is_available():
         states = rng["cuda"]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
         else:
-            logger.warning("checkpoint has RNG states for %d CUDA devices, this machine has %d; "
-                           "CUDA random streams are not restored", len(states), torch.cuda.device_count())
+            logger.warning(
+                "checkpoint has RNG states for %d CUDA devices, this machine has %d; "
+                "CUDA random streams are not restored",
+                len(states),
+                torch.cuda.device_count(),
+            )
 
 
 @contextmanager
@@ -86,10 +98,10 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
     if missing:
         raise CheckpointMismatchError(
             f"{where} has no state for tracked object(s) {', '.join(missing)} "
-            f"(it has: {', '.join(sorted(states)) or 'none'})")
+            f"(it has: {', '.join(sorted(states)) or 'none'})"
+        )
     for name, obj in objects.items():
         try:
             obj.load_state_dict(states[name])
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
-

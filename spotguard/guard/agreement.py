@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 NOTHING, PERIODIC, ADVISORY, STOP = 0, 1, 2, 3
 
 
-
 def _epoch(deadline: dt.datetime | None) -> float:
     return deadline.timestamp() if deadline is not None else math.inf
 
@@ -106,8 +105,10 @@ class Agreement:
 
     def check(self) -> None:
         if self.group is None:
-            raise SpotguardError("this Guard is closed: its process groups are destroyed (enter it again with "
-                                 "`with guard:` on every rank, or build a new Guard)")
+            raise SpotguardError(
+                "this Guard is closed: its process groups are destroyed (enter it again with "
+                "`with guard:` on every rank, or build a new Guard)"
+            )
 
     def reduce(self, code: int, group: Any = None) -> int:
         """MAX of every rank's code (one all-reduce of one int64), on ``group`` or the agreement's.
@@ -133,8 +134,11 @@ class Agreement:
         """Collective, at the stop step: the seconds left before the earliest deadline of all ranks, and
         the notice this rank reports when only another rank saw one (None when it saw one itself)."""
         deadline = self.earliest_deadline(notice.deadline if notice else None)
-        peer = None if notice else Notice("peer", "preempt", deadline=deadline,
-                                          raw={"step": step, "seen_by": "another rank"})
+        peer = (
+            None
+            if notice
+            else Notice("peer", "preempt", deadline=deadline, raw={"step": step, "seen_by": "another rank"})
+        )
         left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
         return left, peer
 
@@ -150,7 +154,6 @@ class Agreement:
         """The emergency's decision on an in-flight async save, the same on every rank (MAX: the most
         cautious). The ranks' parts are one collective save: one rank alone may not drop or keep it."""
         return self.reduce(decision)
-
 
 
 #: Agreements not closed yet. At exit (before interpreter shutdown) they are closed, so a Guard
@@ -170,6 +173,10 @@ def setup(sync_every: int, timeout: float | None = None, async_save: bool = Fals
     if not is_distributed():
         return None
     agreement = Agreement(sync_every, timeout, async_save)
-    logger.info("rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
-                agreement.rank, agreement.world_size, sync_every)
+    logger.info(
+        "rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
+        agreement.rank,
+        agreement.world_size,
+        sync_every,
+    )
     return agreement

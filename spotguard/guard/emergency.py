@@ -32,8 +32,9 @@ def time_given(left: float | None) -> float | None:
     return None if left is None else max(left, EMERGENCY_FLOOR_S)
 
 
-def decide(in_flight_step: int | None, stop_step: int, left: float | None, fresh: float | None,
-           rest: float | None) -> Inflight:
+def decide(
+    in_flight_step: int | None, stop_step: int, left: float | None, fresh: float | None, rest: float | None
+) -> Inflight:
     """What to do with the save of ``in_flight_step`` (None: nothing in flight) when stopping at ``stop_step``.
 
     ``left``: seconds to the deadline (None: no deadline known); ``fresh``: estimated seconds to

@@ -58,7 +58,9 @@ class Guard:
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.async_sharded)
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
-        self.watcher = Watcher(providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory))
+        self.watcher = Watcher(
+            providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory)
+        )
         if o.sigint:  # Ctrl-C, or `spotguard run` forwarding one: stop with a checkpoint, not KeyboardInterrupt
             signals.cover_sigint(self.watcher.providers)
         self.preempted = self.watcher.preempted
@@ -73,18 +75,33 @@ class Guard:
         self._tracked = Tracked({}, self.extra)
         self._stats = GuardStats(async_save=o.async_save if self.agreement is None else o.async_sharded)
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
-        engine = make_engine(self.storage, self.local, self.agreement, keep=o.keep, staged_final=o.async_save,
-                             reshard=o.reshard, on_commit=lambda c: self.saves.committed(c))
-        self.saves = Saves(engine, self._tracked, self._stats, self.events, self.schedule, o.busy,  # type: ignore[arg-type]
-                           o.background_nice)
+        engine = make_engine(
+            self.storage,
+            self.local,
+            self.agreement,
+            keep=o.keep,
+            staged_final=o.async_save,
+            reshard=o.reshard,
+            on_commit=lambda c: self.saves.committed(c),
+        )
+        self.saves = Saves(
+            engine,
+            self._tracked,
+            self._stats,
+            self.events,
+            self.schedule,
+            o.busy,  # type: ignore[arg-type]
+            o.background_nice,
+        )
         self._step: int | None = None
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from spotguard import metrics
 
-            self.metrics = metrics.export(self, port=o.metrics_port, host=o.metrics_host, jsonl=o.metrics_file,
-                                          per_rank=True)
+            self.metrics = metrics.export(
+                self, port=o.metrics_port, host=o.metrics_host, jsonl=o.metrics_file, per_rank=True
+            )
 
     @property
     def notice(self) -> Notice | None:
@@ -133,9 +150,14 @@ class Guard:
             self.extra.update(m.extra)
             self._step = done.step
             self.saves.resumed(done)
-        self.events.emit("resume", step=done.step if done else 0, checkpoint=done.where if done else None,
-                         reason=m.reason if m else None, checkpoint_time=m.time if m else None,
-                         restore_s=done.seconds if done else None)
+        self.events.emit(
+            "resume",
+            step=done.step if done else 0,
+            checkpoint=done.where if done else None,
+            reason=m.reason if m else None,
+            checkpoint_time=m.time if m else None,
+            restore_s=done.seconds if done else None,
+        )
         return done.step if done else 0
 
     # -- the loop ----------------------------------------------------------------------------
@@ -157,8 +179,7 @@ class Guard:
         if step % self.options.sync_every:
             return False
         s = self.schedule
-        code = (STOP if self.preempted.is_set() else ADVISORY if s.advisory else
-                PERIODIC if s.is_due(step) else NOTHING)
+        code = STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
         verdict = self.agreement.vote(code)  # type: ignore[union-attr]
         return verdict != NOTHING and self._act(verdict, step)
 
@@ -186,8 +207,13 @@ class Guard:
             if peer is not None:  # another rank saw it: make this rank's guard say so too
                 self.watcher.report(peer)
         self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
-        stop = Emergency(self.saves, step, self.notice, self.watcher.acknowledge,
-                         self.agreement.agree_inflight if self.agreement is not None else None)
+        stop = Emergency(
+            self.saves,
+            step,
+            self.notice,
+            self.watcher.acknowledge,
+            self.agreement.agree_inflight if self.agreement is not None else None,
+        )
         try:
             stop.run(left)
         finally:

@@ -69,8 +69,10 @@ class GuardOptions:
         for name in options:
             if name not in known:
                 near = difflib.get_close_matches(name, known, n=2)
-                raise ConfigError(f"Guard has no option {name!r}" + (f" (did you mean {' or '.join(near)}?)" if near
-                                                                      else f"; options: {', '.join(sorted(known))}"))
+                raise ConfigError(
+                    f"Guard has no option {name!r}"
+                    + (f" (did you mean {' or '.join(near)}?)" if near else f"; options: {', '.join(sorted(known))}")
+                )
         return cls(**options)
 
     def __post_init__(self) -> None:
@@ -82,8 +84,9 @@ class GuardOptions:
             if self.mtbf_hours is None:
                 raise ConfigError('every_seconds="auto" needs mtbf_hours (mean hours between preemptions)')
         elif self.every_seconds is not None and not (
-                isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0):
-            raise ConfigError(f"every_seconds must be positive, \"auto\" or None, got {self.every_seconds!r}")
+            isinstance(self.every_seconds, (int, float)) and self.every_seconds > 0
+        ):
+            raise ConfigError(f'every_seconds must be positive, "auto" or None, got {self.every_seconds!r}')
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
         if not self.interval > 0:
@@ -93,10 +96,12 @@ class GuardOptions:
         except ValueError:
             raise ConfigError(f"busy must be one of {[p.value for p in BusyPolicy]}, got {self.busy!r}") from None
         if self.background_nice is not None and not (
-                isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
+            isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19
+        ):
             raise ConfigError(f"background_nice must be an int from 0 to 19 or None, got {self.background_nice!r}")
         if self.metrics_port is not None and not (
-                isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535):
+            isinstance(self.metrics_port, int) and 0 <= self.metrics_port <= 65535
+        ):
             raise ConfigError(f"metrics_port must be an int from 0 to 65535 or None, got {self.metrics_port!r}")
         if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
             raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")

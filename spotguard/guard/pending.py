@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 class PendingSave:
     """Runs ``work(cancel_event)`` in a background thread for checkpoint ``step``."""
 
-    def __init__(self, step: int, reason: str, work: Callable[[threading.Event], None],
-                 nice: int | None = None) -> None:
+    def __init__(
+        self, step: int, reason: str, work: Callable[[threading.Event], None], nice: int | None = None
+    ) -> None:
         self.step, self.reason = step, reason
         self.error: BaseException | None = None
         self.started = time.monotonic()
@@ -52,8 +53,13 @@ class PendingSave:
             logger.info("background save of step %d abandoned", self.step)
         except BaseException as e:  # kept and re-raised by wait(); never lost
             self.error = e
-            logger.error("background %s checkpoint of step %d failed: %s: %s; training goes on", self.reason,
-                         self.step, type(e).__name__, e)
+            logger.error(
+                "background %s checkpoint of step %d failed: %s: %s; training goes on",
+                self.reason,
+                self.step,
+                type(e).__name__,
+                e,
+            )
         finally:
             if self.error is not None:
                 # The kept error keeps its file and line, not the frames' locals: those hold the staged

@@ -52,8 +52,9 @@ def format_per_rank(template: str) -> str:
     return template.format(rank=rank(), local_rank=local_rank(), world_size=world_size())
 
 
-def providers_for_rank(spec: str | Iterable[str | NoticeProvider] | None,
-                       poll_on: PollOn | str = PollOn.LOCAL_RANK_0) -> Any:
+def providers_for_rank(
+    spec: str | Iterable[str | NoticeProvider] | None, poll_on: PollOn | str = PollOn.LOCAL_RANK_0
+) -> Any:
     """The notice providers this rank runs. Unchanged outside torchrun / a process group.
 
     Signals and the notice file are per process (a scheduler may signal any rank; a rank-templated
@@ -80,6 +81,7 @@ def providers_for_rank(spec: str | Iterable[str | NoticeProvider] | None,
             template = os.environ.get("SPOTGUARD_NOTICE_FILE", "")
             if "{" in template:
                 from spotguard.notices.file import FileProvider
+
                 chosen.append(FileProvider(format_per_rank(template)))
             else:
                 chosen.append(item)

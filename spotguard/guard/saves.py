@@ -29,8 +29,16 @@ DESTROYED_GRACE_S = 5.0  # how long close() waits for a save whose process group
 class Saves:
     """The save in flight and the newest committed steps of one Guard (its loop's thread drives it)."""
 
-    def __init__(self, engine: Engine, tracked: Tracked, stats: GuardStats, events: Events, schedule: Schedule,
-                 busy: BusyPolicy, nice: int | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tracked: Tracked,
+        stats: GuardStats,
+        events: Events,
+        schedule: Schedule,
+        busy: BusyPolicy,
+        nice: int | None,
+    ) -> None:
         self.engine, self.tracked, self.stats, self.events, self.schedule = engine, tracked, stats, events, schedule
         self.busy, self.nice = busy, nice
         self.pending: PendingSave | None = None
@@ -51,8 +59,17 @@ class Saves:
             st.checkpoints += 1
         if self.events:  # the record carries the stats, so the JSON lines are a `plan --stats` file too
             m = c.manifest
-            self.events.emit("checkpoint", step=m.step, reason=m.reason, tier=c.tier, durable=c.tier == "durable",
-                             size=m.size, seconds=c.seconds, checkpoint_time=m.time, **st.as_dict())
+            self.events.emit(
+                "checkpoint",
+                step=m.step,
+                reason=m.reason,
+                tier=c.tier,
+                durable=c.tier == "durable",
+                size=m.size,
+                seconds=c.seconds,
+                checkpoint_time=m.time,
+                **st.as_dict(),
+            )
 
     def resumed(self, done: Resumed) -> None:
         """The engine restored ``done``: the next save is planned from its step."""
@@ -116,8 +133,13 @@ class Saves:
         in_flight = pending.step if pending is not None else None  # [distributed] None: another rank's
         what = in_flight if in_flight is not None else "?"
         if self.stats.skipped == 1:  # once per guard; later skips are only counted
-            logger.warning("%s checkpoint of step %d skipped: step %s is still being written (later skips are "
-                           "counted in guard.stats().skipped, not logged; busy=\"wait\" waits instead)", reason, step, what)
+            logger.warning(
+                "%s checkpoint of step %d skipped: step %s is still being written (later skips are "
+                'counted in guard.stats().skipped, not logged; busy="wait" waits instead)',
+                reason,
+                step,
+                what,
+            )
         else:
             logger.debug("%s checkpoint of step %d skipped: step %s is still being written", reason, step, what)
         self.events.emit("skipped", step=step, reason=reason, in_flight=in_flight)
@@ -182,18 +204,23 @@ class Saves:
             # An async sharded save in flight may be blocked in a collective that gloo never ends.
             self.wait_pending(DESTROYED_GRACE_S)
             if self.pending is not None:
-                logger.error("the periodic checkpoint of step %d is stuck in a collective of the destroyed process "
-                             "group; abandoned (with async_sharded=True, destroy it after the `with guard:` block)",
-                             self.pending.step)
+                logger.error(
+                    "the periodic checkpoint of step %d is stuck in a collective of the destroyed process "
+                    "group; abandoned (with async_sharded=True, destroy it after the `with guard:` block)",
+                    self.pending.step,
+                )
                 self.abandon(0)
         self.wait_pending()
         if destroyed:
             # A periodic save in flight failed with the group (logged when it did): not the run's failure.
             # Errors from before stay and are raised below.
             lost = len(self.errors) - errors_before
-            logger.warning("no final checkpoint of step %s: the process group was destroyed before the guard was "
-                           "closed (call dist.destroy_process_group() after the `with guard:` block)%s", step,
-                           f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "")
+            logger.warning(
+                "no final checkpoint of step %s: the process group was destroyed before the guard was "
+                "closed (call dist.destroy_process_group() after the `with guard:` block)%s",
+                step,
+                f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "",
+            )
             del self.errors[errors_before:]
         elif final and step is not None and not (collective and step == self.durable_step):
             # Single process: always, since the loop may have changed the state after its last guard.step()

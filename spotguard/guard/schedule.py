@@ -17,8 +17,9 @@ from spotguard.planner import AdaptiveInterval
 class Schedule:
     """The due step and due time of the next periodic checkpoint, and whether an advisory asked for one now."""
 
-    def __init__(self, every_steps: int | None, every_seconds: float | str | None, mtbf_hours: float | None,
-                 stats: GuardStats) -> None:
+    def __init__(
+        self, every_steps: int | None, every_seconds: float | str | None, mtbf_hours: float | None, stats: GuardStats
+    ) -> None:
         self.every_steps = every_steps
         self.timed = every_seconds is not None
         self._fixed_s = float(every_seconds) if isinstance(every_seconds, (int, float)) else 0.0

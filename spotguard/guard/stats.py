@@ -74,4 +74,3 @@ class GuardStats:
         figures = asdict(self)
         figures["async"] = figures.pop("async_save")
         return figures
-

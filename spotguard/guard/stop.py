@@ -39,8 +39,11 @@ class Emergency:
     def rest(self, pending: PendingSave) -> float | None:
         """Estimated seconds until the in-flight save commits (None: not measured yet)."""
         st = self.saves.stats
-        expected = st.write_s if not self.saves.engine.two_tiers else (
-            None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
+        expected = (
+            st.write_s
+            if not self.saves.engine.two_tiers
+            else (None if st.write_s is None or st.upload_s is None else st.write_s + st.upload_s)
+        )
         return None if expected is None else max(expected - (time.monotonic() - pending.started), 0.0)
 
     def run(self, left: float | None) -> None:
@@ -51,23 +54,32 @@ class Emergency:
             self._run(left)
         finally:
             n, resume_at = self.notice, self.saves.durable_step
-            self.saves.events.emit("stop", step=self.step, committed=resume_at == self.step, resume_step=resume_at,
-                                   lost_steps=self.step - (resume_at or 0), seconds=time.monotonic() - t0,
-                                   kind=n.kind if n else None, provider=n.provider if n else None)
+            self.saves.events.emit(
+                "stop",
+                step=self.step,
+                committed=resume_at == self.step,
+                resume_step=resume_at,
+                lost_steps=self.step - (resume_at or 0),
+                seconds=time.monotonic() - t0,
+                kind=n.kind if n else None,
+                provider=n.provider if n else None,
+            )
 
     def _run(self, left: float | None) -> None:
         saves, step = self.saves, self.step
         if left is None and self.notice is not None:
             left = self.notice.seconds_left()
         if left is not None and left < EMERGENCY_FLOOR_S:
-            logger.warning("the notice leaves %.1fs; the emergency checkpoint gets %.0fs, best effort",
-                           left, EMERGENCY_FLOOR_S)
+            logger.warning(
+                "the notice leaves %.1fs; the emergency checkpoint gets %.0fs, best effort", left, EMERGENCY_FLOOR_S
+            )
         left = time_given(left)
         t0 = time.monotonic()
         deadline = None if left is None else t0 + left
         pending = saves.in_flight()
-        decision = Inflight.NONE if pending is None else decide(
-            pending.step, step, left, self.estimate(), self.rest(pending))
+        decision = (
+            Inflight.NONE if pending is None else decide(pending.step, step, left, self.estimate(), self.rest(pending))
+        )
         if self.agree is not None:  # one collective save in flight: one decision for all ranks
             decision = Inflight(self.agree(decision))
         if decision is Inflight.SAME:
@@ -92,10 +104,13 @@ class Emergency:
         saves, step = self.saves, self.step
         estimate, size = self.estimate(), saves.stats.state_bytes
         left_now = None if deadline is None else deadline - time.monotonic()
-        logger.warning("emergency checkpoint of step %d: %s, estimated %s, %s", step,
-                       f"{size / 1e6:.0f} MB" if size else "size unknown",
-                       f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
-                       f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known")
+        logger.warning(
+            "emergency checkpoint of step %d: %s, estimated %s, %s",
+            step,
+            f"{size / 1e6:.0f} MB" if size else "size unknown",
+            f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
+            f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known",
+        )
         if saves.saved_step == step:
             saves.saved_step = None  # committed to the local tier only: write it durably now
         try:
@@ -104,9 +119,14 @@ class Emergency:
             self.error = e
             saves.failed(step, "emergency", e, keep=False)
             resume_at = saves.durable_step
-            logger.error("emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, "
-                         "%d step(s) lost", step, type(e).__name__, e,
-                         f"step {resume_at}" if resume_at is not None else "the start", step - (resume_at or 0))
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, %d step(s) lost",
+                step,
+                type(e).__name__,
+                e,
+                f"step {resume_at}" if resume_at is not None else "the start",
+                step - (resume_at or 0),
+            )
             return
         saves.stats.emergency_s = time.monotonic() - t0
         self._report(t0, left)
@@ -114,21 +134,33 @@ class Emergency:
     def _settle(self, pending: PendingSave, deadline: float | None, decision: Inflight) -> bool:
         """Carry out ``decision`` on the in-flight save; False when it stays the resume point instead
         of an emergency checkpoint. A save still running at the deadline is abandoned."""
+
         def left() -> float:
             return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
 
         saves, step = self.saves, self.step
         fresh, rest = self.estimate() or 0.0, self.rest(pending)
         if decision is Inflight.WAIT:
-            logger.warning("stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
-                           step, pending.step, rest or 0.0)
+            logger.warning(
+                "stop at step %d: the save of step %d commits in ~%.1fs; waiting for it first",
+                step,
+                pending.step,
+                rest or 0.0,
+            )
             saves.wait_pending(max(left() * FIT - fresh, 0.0))  # never into the emergency save's share
             if saves.pending is None:
                 return True
         elif decision is Inflight.KEEP:
-            logger.error("emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
-                         "save of step %d instead (%s, %d step(s) will be lost)", step, fresh, left(),
-                         pending.step, "time unknown" if rest is None else f"~{rest:.1f}s", step - pending.step)
+            logger.error(
+                "emergency checkpoint of step %d needs ~%.1fs but %.1fs are left: finishing the "
+                "save of step %d instead (%s, %d step(s) will be lost)",
+                step,
+                fresh,
+                left(),
+                pending.step,
+                "time unknown" if rest is None else f"~{rest:.1f}s",
+                step - pending.step,
+            )
             saves.wait_pending(left())
             if saves.pending is not None:
                 pending.cancel()  # missed the deadline too: never hold the exit for it

@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -30,15 +30,46 @@ from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage, open_storage
 from ..watcher import Watcher
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # noqa: F401  (in typing from 3.11)
+
 logger = logging.getLogger(__name__)
 
+
+class WatchOptions(TypedDict, total=False):
+    """What every trainer integration takes by keyword, as for ``spotguard.Guard``: ``keep`` (3)
+    checkpoints are kept; ``providers`` ("auto") / ``interval`` (1 s): what to watch and how often;
+    ``stop_on_advisory`` (False): stop on an advisory notice instead of only checkpointing early;
+    ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume."""
+
+    keep: int
+    providers: str | Iterable[str | NoticeProvider] | None
+    interval: float
+    stop_on_advisory: bool
+    work_dir: str | None
+
+
+def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[FolderCheckpoints, NoticeWatch]:
+    """The checkpoint folder and the notice watch of an integration, from its ``WatchOptions``."""
+    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
+        )
+    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"))
+    notices = NoticeWatch(
+        options.get("providers", "auto"), options.get("interval", 1.0), options.get("stop_on_advisory", False)
+    )
+    return checkpoints, notices
 
 
 def refuse_process_group(what: str) -> None:
     """The integrations stop one process; ranks that stop at different steps would hang each other."""
     if ranks.is_distributed() and ranks.world_size() > 1:
-        raise ConfigError(f"{what} supports a single training process for now; in a process group use "
-                          "spotguard.Guard, whose ranks agree on the step to stop at")
+        raise ConfigError(
+            f"{what} supports a single training process for now; in a process group use "
+            "spotguard.Guard, whose ranks agree on the step to stop at"
+        )
 
 
 class NoticeWatch:
@@ -49,8 +80,12 @@ class NoticeWatch:
     (signal handlers), ``stop()`` when training ends.
     """
 
-    def __init__(self, providers: str | Iterable[str | NoticeProvider] | None = "auto", interval: float = 1.0,
-                 stop_on_advisory: bool = False) -> None:
+    def __init__(
+        self,
+        providers: str | Iterable[str | NoticeProvider] | None = "auto",
+        interval: float = 1.0,
+        stop_on_advisory: bool = False,
+    ) -> None:
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         self.due = False
@@ -109,22 +144,42 @@ class FolderCheckpoints:
         self.last_saved: Manifest | None = None
         self._fetched: list[Path] = []
 
-    def commit(self, step: int, folder: str | Path, reason: str, deadline: float | None = None,
-               extra: dict[str, Any] | None = None) -> Manifest | None:
+    def commit(
+        self,
+        step: int,
+        folder: str | Path,
+        reason: str,
+        deadline: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Manifest | None:
         """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed."""
         t0 = time.monotonic()
         try:
-            manifest = checkpoint.write_dir(self.storage, step, Path(folder), reason=reason, extra=extra,
-                                            torch_version=torch.__version__, deadline=deadline)
+            manifest = checkpoint.write_dir(
+                self.storage,
+                step,
+                Path(folder),
+                reason=reason,
+                extra=extra,
+                torch_version=torch.__version__,
+                deadline=deadline,
+            )
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
             return None
         self.last_saved = manifest
         took = time.monotonic() - t0
         tail = "" if deadline is None else f", T-{deadline - time.monotonic():.1f}s before the deadline"
-        logger.log(logging.WARNING if reason == "emergency" else logging.INFO,
-                   "%s checkpoint of step %d committed to %s in %.2fs (%.1f MB)%s", reason, step,
-                   self.storage.describe(), took, manifest.size / 1e6, tail)
+        logger.log(
+            logging.WARNING if reason == "emergency" else logging.INFO,
+            "%s checkpoint of step %d committed to %s in %.2fs (%.1f MB)%s",
+            reason,
+            step,
+            self.storage.describe(),
+            took,
+            manifest.size / 1e6,
+            tail,
+        )
         try:
             checkpoint.prune(self.storage, self.keep)
         except Exception as e:
@@ -152,8 +207,9 @@ class FolderCheckpoints:
                 shutil.rmtree(dest, ignore_errors=True)
                 continue
             self._fetched.append(dest)
-            logger.info("resuming from %s (step %d, %s)", where, info.step,
-                        info.manifest.reason if info.manifest else "?")
+            logger.info(
+                "resuming from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?"
+            )
             return info.step, dest
         logger.info("no checkpoint in %s: starting from the beginning", self.storage.describe())
         return None

@@ -25,16 +25,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.checkpoint import data
 from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
-from ..notices.base import Notice, NoticeProvider
+from ..notices.base import Notice
 from ..storage import Storage
-from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+from ._common import WatchOptions, refuse_process_group, watch_parts
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +51,25 @@ class AcceleratorGuard:
     at the end). ``providers``/``interval``/``stop_on_advisory``: as for ``spotguard.Guard``.
     """
 
-    def __init__(self, accelerator: Any, storage: str | Storage | None = None, *, every_steps: int | None = None,
-                 keep: int = 3, providers: str | Iterable[str | NoticeProvider] | None = "auto",
-                 interval: float = 1.0, stop_on_advisory: bool = False, save_on_exit: bool = True,
-                 work_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: Any,
+        storage: str | Storage | None = None,
+        *,
+        every_steps: int | None = None,
+        save_on_exit: bool = True,
+        **options: Unpack[WatchOptions],
+    ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
         project = getattr(accelerator, "project_configuration", None)
         if getattr(project, "automatic_checkpoint_naming", False):
-            raise ConfigError("ProjectConfiguration(automatic_checkpoint_naming=True) makes save_state ignore its "
-                              "folder: turn it off, spotguard names, commits and prunes the checkpoints")
+            raise ConfigError(
+                "ProjectConfiguration(automatic_checkpoint_naming=True) makes save_state ignore its "
+                "folder: turn it off, spotguard names, commits and prunes the checkpoints"
+            )
         self.accelerator = accelerator
-        self.checkpoints = FolderCheckpoints(storage, keep, work_dir)
-        self.notices = NoticeWatch(providers, interval, stop_on_advisory)
+        self.checkpoints, self.notices = watch_parts(storage, options)
         self.every_steps = every_steps
         self.save_on_exit = save_on_exit
         #: The step this run stopped at for a notice, or None.
@@ -127,8 +135,7 @@ class AcceleratorGuard:
         try:
             self.save(step, reason)
         except Exception as e:  # a failed periodic save must not end the training
-            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step,
-                         type(e).__name__, e)
+            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
             self._schedule(step)
         return False
 
@@ -142,8 +149,13 @@ class AcceleratorGuard:
             self.save(step, "emergency", deadline=self.notices.deadline())
         except Exception as e:
             self.emergency_error = e
-            logger.error("emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
-                         step, type(e).__name__, e, self._saved_step)
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
+                step,
+                type(e).__name__,
+                e,
+                self._saved_step,
+            )
             return
         self.notices.acknowledge()
 
@@ -174,6 +186,11 @@ class AcceleratorGuard:
     def close(self, save: bool = True) -> None:
         """Stop watching; after a clean finish, checkpoint the last step if it is not saved yet."""
         self.notices.stop()
-        if save and self.save_on_exit and self.stopped_at is None and self._step is not None \
-                and self._step != self._saved_step:
+        if (
+            save
+            and self.save_on_exit
+            and self.stopped_at is None
+            and self._step is not None
+            and self._step != self._saved_step
+        ):
             self.save(self._step, "final")

@@ -23,16 +23,17 @@ is the checkpoint it resumed from, and after its first step otherwise.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard import checkpoint
 
 from ..errors import MissingDependencyError
-from ..notices.base import NoticeProvider
 from ..storage import Storage
-from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+from ._common import WatchOptions, refuse_process_group, watch_parts
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback
@@ -57,11 +58,8 @@ class SpotguardCallback(TrainerCallback):
     instead of only checkpointing early. ``work_dir``: where verified copies are fetched for a resume.
     """
 
-    def __init__(self, storage: str | Storage | None = None, *, keep: int = 3,
-                 providers: str | Iterable[str | NoticeProvider] | None = "auto", interval: float = 1.0,
-                 stop_on_advisory: bool = False, work_dir: str | None = None) -> None:
-        self.checkpoints = FolderCheckpoints(storage, keep, work_dir)
-        self.notices = NoticeWatch(providers, interval, stop_on_advisory)
+    def __init__(self, storage: str | Storage | None = None, **options: Unpack[WatchOptions]) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options)
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self.emergency_error: BaseException | None = None
@@ -111,14 +109,22 @@ class SpotguardCallback(TrainerCallback):
         self._resumed_step = state.global_step
         newest = checkpoint.latest(self.checkpoints.storage)
         if newest is not None and newest.step > state.global_step:
-            logger.warning("%s holds step %d but training starts at step %d: pass resume_from_checkpoint="
-                           "callback.resume_from_checkpoint(), or use callback.train(trainer)",
-                           self.checkpoints.storage.describe(), newest.step, state.global_step)
+            logger.warning(
+                "%s holds step %d but training starts at step %d: pass resume_from_checkpoint="
+                "callback.resume_from_checkpoint(), or use callback.train(trainer)",
+                self.checkpoints.storage.describe(),
+                newest.step,
+                state.global_step,
+            )
         self.notices.start()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.notices.due and self._trainer is not None and state.global_step == self._resumed_step \
-                and self.notices.preempted.is_set():
+        if (
+            self.notices.due
+            and self._trainer is not None
+            and state.global_step == self._resumed_step
+            and self.notices.preempted.is_set()
+        ):
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -162,8 +168,9 @@ class SpotguardCallback(TrainerCallback):
                 self.stopped_at = state.global_step
                 self._reason = "emergency"
                 control.should_save = state.global_step != self._committed_step
-                logger.warning("stopping after step %d for a notice: writing the emergency checkpoint",
-                               state.global_step)
+                logger.warning(
+                    "stopping after step %d for a notice: writing the emergency checkpoint", state.global_step
+                )
             control.should_training_stop = True
         elif self.notices.take_advisory():
             self._reason = "advisory"
@@ -177,8 +184,14 @@ class SpotguardCallback(TrainerCallback):
             self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step
         except Exception as e:  # a failed periodic commit must not end the training
-            logger.error("%s checkpoint of step %d NOT committed (%s: %s)%s", reason, step, type(e).__name__, e,
-                         "" if not emergency else "; the resume point stays the previous checkpoint")
+            logger.error(
+                "%s checkpoint of step %d NOT committed (%s: %s)%s",
+                reason,
+                step,
+                type(e).__name__,
+                e,
+                "" if not emergency else "; the resume point stays the previous checkpoint",
+            )
             if emergency:
                 self.emergency_error = e
             return
@@ -192,8 +205,9 @@ class SpotguardCallback(TrainerCallback):
         if step == self._resumed_step or step == self._committed_step:
             logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
             return
-        logger.warning("stopped for a notice during an evaluation after step %d: writing the emergency checkpoint",
-                       step)
+        logger.warning(
+            "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step
+        )
         # The Trainer's own save (its private method: the public save_model() writes no optimizer/RNG state).
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         self._commit(step, Path(trainer.args.output_dir) / f"checkpoint-{step}", "emergency")

@@ -20,24 +20,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.checkpoint import state
 from spotguard.heartbeat import EXIT_PREEMPTED
 
 from ..errors import MissingDependencyError
-from ..notices.base import NoticeProvider
 from ..storage import Storage
-from ._common import FolderCheckpoints, NoticeWatch, refuse_process_group
+from ._common import WatchOptions, refuse_process_group, watch_parts
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 except ImportError as e:
-    raise MissingDependencyError("spotguard.integrations.lightning needs lightning: "
-                                 "pip install 'spotguard[lightning]'") from e
+    raise MissingDependencyError(
+        "spotguard.integrations.lightning needs lightning: pip install 'spotguard[lightning]'"
+    ) from e
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,10 @@ class SpotguardCallback(Callback):
     only on notices). ``providers``/``interval``/``stop_on_advisory``: as for ``spotguard.Guard``.
     """
 
-    def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, keep: int = 3,
-                 providers: str | Iterable[str | NoticeProvider] | None = "auto", interval: float = 1.0,
-                 stop_on_advisory: bool = False, work_dir: str | None = None) -> None:
-        self.checkpoints = FolderCheckpoints(storage, keep, work_dir)
-        self.notices = NoticeWatch(providers, interval, stop_on_advisory)
+    def __init__(
+        self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Unpack[WatchOptions]
+    ) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options)
         self.every_steps = every_steps
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
@@ -152,8 +153,9 @@ class SpotguardCallback(Callback):
         if not trainer.sanity_checking:
             self._rng_before_validation = state.capture_rng()
 
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self._watch.due and self.notices.preempted.is_set() and not trainer.sanity_checking:
             raise _Interrupt  # cut the validation short: the checkpoint must make the deadline
 
@@ -169,8 +171,9 @@ class SpotguardCallback(Callback):
                 logger.warning("stopped for a notice at step %d: it is already checkpointed", trainer.global_step)
                 return
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"
-            logger.warning("stopped for a notice %s after step %d: writing the emergency checkpoint", where,
-                           trainer.global_step)
+            logger.warning(
+                "stopped for a notice %s after step %d: writing the emergency checkpoint", where, trainer.global_step
+            )
             self._save(trainer, "emergency")
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -184,8 +187,9 @@ class SpotguardCallback(Callback):
             trainer.should_stop = True
             if self.stopped_at is None:
                 self.stopped_at = trainer.global_step
-                logger.warning("stopping after step %d for a notice: writing the emergency checkpoint",
-                               trainer.global_step)
+                logger.warning(
+                    "stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step
+                )
                 if trainer.global_step != self._committed_step:
                     self._save(trainer, "emergency")
         elif self.notices.take_advisory():

@@ -28,8 +28,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'spotguard.metrics' has no attribute {name!r}")
 
 
-def export(guard: Guard, *, port: int | None = None, host: str = "127.0.0.1", jsonl: str | None = None,
-           registry: Any = None, per_rank: bool = True, sample_s: float = 1.0) -> GuardMetrics:
+def export(
+    guard: Guard,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    jsonl: str | None = None,
+    registry: Any = None,
+    per_rank: bool = True,
+    sample_s: float = 1.0,
+) -> GuardMetrics:
     """Export ``guard``'s figures: an HTTP endpoint on ``host:port`` (0: a free port), JSON lines
     appended to ``jsonl``, and/or a collector registered in a prometheus_client ``registry`` you serve
     yourself. Under torchrun (``per_rank``) rank N serves on ``port + LOCAL_RANK`` and ``{rank}`` /

@@ -51,8 +51,16 @@ class GuardMetrics(Exporter):
     when the guard closes (or with ``close()``).
     """
 
-    def __init__(self, guard: Guard, *, port: int | None = None, host: str = "127.0.0.1",
-                 jsonl: str | None = None, registry: Any = None, sample_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        guard: Guard,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        jsonl: str | None = None,
+        registry: Any = None,
+        sample_s: float = 1.0,
+    ) -> None:
         self.guard = guard
         self._lock = threading.Lock()
         self._started = time.time()
@@ -134,8 +142,9 @@ class GuardMetrics(Exporter):
         leads = [planner.NOTICE_LEAD_S[p.name] for p in g.watcher.providers if p.name in planner.NOTICE_LEAD_S]
         notice = min(leads) if leads else None
         try:
-            opts = planner.PlanOptions(cost, (st.restore_s or 0.0) + DEFAULT_START_S, g.options.mtbf_hours,
-                                       notice_s=notice, intervals_s=())
+            opts = planner.PlanOptions(
+                cost, (st.restore_s or 0.0) + DEFAULT_START_S, g.options.mtbf_hours, notice_s=notice, intervals_s=()
+            )
             plan = planner.plan(opts)
         except Exception as e:  # a figure out of the model's range: no estimate rather than a failed scrape
             logger.debug("no goodput estimate: %s", e)
@@ -145,8 +154,9 @@ class GuardMetrics(Exporter):
         if interval is not None and math.isfinite(interval):
             share = (opts.notice_share or 0.0) if opts.notice_works else 0.0
             out["interval_s"] = interval
-            out["goodput"] = planner.goodput(interval, cost, opts.restart_s, opts.mtbf_s, notice_share=share,
-                                             notice_s=opts.notice_s)
+            out["goodput"] = planner.goodput(
+                interval, cost, opts.restart_s, opts.mtbf_s, notice_share=share, notice_s=opts.notice_s
+            )
         return out
 
     # -- Prometheus ----------------------------------------------------------------------------
@@ -163,51 +173,78 @@ class GuardMetrics(Exporter):
                 yield GaugeMetricFamily(f"spotguard_{name}", doc, value=value)
 
         yield from gauge("step", "Last completed step (guard.step(n) or the resumed step).", step)
-        yield from gauge("step_timestamp_seconds", "Unix time the last step was first seen (within the "
-                         "sampling interval).", seen)
-        yield from gauge("steps_per_second", f"Steps per second over the last {RATE_WINDOW_S:.0f} s.",
-                         self.steps_per_second())
-        yield CounterMetricFamily("spotguard_checkpoints", "Checkpoints committed to durable storage.",
-                                  value=st.checkpoints)
+        yield from gauge(
+            "step_timestamp_seconds", "Unix time the last step was first seen (within the sampling interval).", seen
+        )
+        yield from gauge(
+            "steps_per_second", f"Steps per second over the last {RATE_WINDOW_S:.0f} s.", self.steps_per_second()
+        )
+        yield CounterMetricFamily(
+            "spotguard_checkpoints", "Checkpoints committed to durable storage.", value=st.checkpoints
+        )
         with self._lock:
             durable, stops = self._durable, list(self._stops)
         if durable:
             yield from gauge("last_checkpoint_step", "Step of the newest durable checkpoint.", durable[0])
             yield from gauge("last_checkpoint_timestamp_seconds", "Unix time it was committed.", durable[1])
-        yield from gauge("checkpoint_stall_seconds", "Training-loop stall of the last asynchronous checkpoint "
-                         "(the state copy).", st.last_stall_s)
+        yield from gauge(
+            "checkpoint_stall_seconds",
+            "Training-loop stall of the last asynchronous checkpoint (the state copy).",
+            st.last_stall_s,
+        )
         yield from gauge("checkpoint_stall_average_seconds", "Moving average of that stall.", st.snapshot_s)
-        yield from gauge("checkpoint_write_seconds", "Moving average of a checkpoint write to the first tier.",
-                         st.write_s)
-        yield from gauge("checkpoint_write_bytes_per_second", "Moving average of the write throughput.",
-                         st.write_Bps)
-        yield from gauge("checkpoint_upload_seconds", "Moving average of the upload local tier -> durable.",
-                         st.upload_s)
-        yield from gauge("checkpoint_upload_bytes_per_second", "Moving average of the upload throughput.",
-                         st.upload_Bps)
+        yield from gauge(
+            "checkpoint_write_seconds", "Moving average of a checkpoint write to the first tier.", st.write_s
+        )
+        yield from gauge("checkpoint_write_bytes_per_second", "Moving average of the write throughput.", st.write_Bps)
+        yield from gauge(
+            "checkpoint_upload_seconds", "Moving average of the upload local tier -> durable.", st.upload_s
+        )
+        yield from gauge(
+            "checkpoint_upload_bytes_per_second", "Moving average of the upload throughput.", st.upload_Bps
+        )
         yield from gauge("checkpoint_size_bytes", "Size of the last checkpoint's state.", st.state_bytes)
-        yield from gauge("emergency_checkpoint_seconds", "Notice to committed emergency checkpoint.",
-                         st.emergency_s)
+        yield from gauge("emergency_checkpoint_seconds", "Notice to committed emergency checkpoint.", st.emergency_s)
         yield from gauge("restore_seconds", "What guard.resume() took.", st.restore_s)
-        yield CounterMetricFamily("spotguard_saves_skipped", "Periodic checkpoints skipped: the previous "
-                                  "one was still being written.", value=st.skipped)
-        yield CounterMetricFamily("spotguard_saves_failed", "Checkpoints that failed (training went on).",
-                                  value=st.failures)
+        yield CounterMetricFamily(
+            "spotguard_saves_skipped",
+            "Periodic checkpoints skipped: the previous one was still being written.",
+            value=st.skipped,
+        )
+        yield CounterMetricFamily(
+            "spotguard_saves_failed", "Checkpoints that failed (training went on).", value=st.failures
+        )
         notices = CounterMetricFamily("spotguard_notices", "Distinct notices seen, by kind.", labels=["kind"])
         for kind, n in sorted(dict(st.notices).items()):
             notices.add_metric([kind], n)
         yield notices
-        yield SummaryMetricFamily("spotguard_preemption_lost_seconds", "Stops for a notice, and the seconds "
-                                  "of work the next run redoes (0 when the emergency checkpoint committed).",
-                                  count_value=len(stops), sum_value=sum(stops))
+        yield SummaryMetricFamily(
+            "spotguard_preemption_lost_seconds",
+            "Stops for a notice, and the seconds "
+            "of work the next run redoes (0 when the emergency checkpoint committed).",
+            count_value=len(stops),
+            sum_value=sum(stops),
+        )
         est = self.estimate() or {}
-        yield from gauge("checkpoint_interval_seconds", "Periodic checkpoint interval in use.",
-                         est.get("interval_s", self.interval_seconds()))
-        yield from gauge("goodput_estimate", "Planner's expected goodput at the interval in use "
-                         "(needs mtbf_hours).", est.get("goodput"))
-        yield from gauge("goodput_recommended", "Planner's expected goodput at its recommended interval.",
-                         est.get("goodput_recommended"))
-        yield from gauge("checkpoint_interval_recommended_seconds", "Planner's recommended interval "
-                         "(Young/Daly with the measured costs).", est.get("interval_recommended_s"))
+        yield from gauge(
+            "checkpoint_interval_seconds",
+            "Periodic checkpoint interval in use.",
+            est.get("interval_s", self.interval_seconds()),
+        )
+        yield from gauge(
+            "goodput_estimate",
+            "Planner's expected goodput at the interval in use (needs mtbf_hours).",
+            est.get("goodput"),
+        )
+        yield from gauge(
+            "goodput_recommended",
+            "Planner's expected goodput at its recommended interval.",
+            est.get("goodput_recommended"),
+        )
+        yield from gauge(
+            "checkpoint_interval_recommended_seconds",
+            "Planner's recommended interval (Young/Daly with the measured costs).",
+            est.get("interval_recommended_s"),
+        )
         if g.agreement is not None:
             yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=ranks.rank())

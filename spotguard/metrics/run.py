@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 class RunMetrics(Exporter):
     """Exports one Supervisor: an endpoint on ``host:port`` and/or JSON lines in ``jsonl``."""
 
-    def __init__(self, supervisor: Supervisor, *, port: int | None = None, host: str = "127.0.0.1",
-                 jsonl: str | None = None) -> None:
+    def __init__(
+        self, supervisor: Supervisor, *, port: int | None = None, host: str = "127.0.0.1", jsonl: str | None = None
+    ) -> None:
         self.supervisor = supervisor
         super().__init__(supervisor.events, port=port, host=host, jsonl=jsonl, name="spotguard-run-metrics")
 
@@ -34,8 +35,9 @@ class RunMetrics(Exporter):
         sup = self.supervisor
         exits = list(sup.exits)
         yield CounterMetricFamily("spotguard_run_starts", "Times the job was started.", value=sup.starts)
-        restarts = CounterMetricFamily("spotguard_run_restarts", "Restarts, by the cause of the exit before.",
-                                       labels=["cause"])
+        restarts = CounterMetricFamily(
+            "spotguard_run_restarts", "Restarts, by the cause of the exit before.", labels=["cause"]
+        )
         ended = CounterMetricFamily("spotguard_run_exits", "Job exits, by cause.", labels=["cause"])
         for cause in CAUSES:
             if cause in RESTARTED:
@@ -44,15 +46,27 @@ class RunMetrics(Exporter):
         yield restarts
         yield ended
         beat = sup.beat
-        yield GaugeMetricFamily("spotguard_run_job_running", "1 while the job is running.",
-                                value=1 if beat is not None and sup.running is not None else 0)
+        yield GaugeMetricFamily(
+            "spotguard_run_job_running",
+            "1 while the job is running.",
+            value=1 if beat is not None and sup.running is not None else 0,
+        )
         if beat is not None:
-            yield GaugeMetricFamily("spotguard_run_job_step", "The job's last completed step (its heartbeat).",
-                                    value=heartbeat.read(beat)[0])
+            yield GaugeMetricFamily(
+                "spotguard_run_job_step",
+                "The job's last completed step (its heartbeat).",
+                value=heartbeat.read(beat)[0],
+            )
         if exits:
-            yield GaugeMetricFamily("spotguard_run_last_exit_code", "Exit code of the job's last exit "
-                                    "(128+N for signal N).", value=exits[-1]["exit_code"])
+            yield GaugeMetricFamily(
+                "spotguard_run_last_exit_code",
+                "Exit code of the job's last exit (128+N for signal N).",
+                value=exits[-1]["exit_code"],
+            )
         lost = [e["lost_s"] for e in exits if e["lost_s"] is not None]
-        yield SummaryMetricFamily("spotguard_run_lost_seconds", "Exits that lost work (all but finished), "
-                                  "and the seconds of work redone after each.", count_value=len(lost),
-                                  sum_value=sum(lost))
+        yield SummaryMetricFamily(
+            "spotguard_run_lost_seconds",
+            "Exits that lost work (all but finished), and the seconds of work redone after each.",
+            count_value=len(lost),
+            sum_value=sum(lost),
+        )

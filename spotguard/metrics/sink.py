@@ -34,7 +34,8 @@ def prometheus() -> Any:
         import prometheus_client.core  # noqa: F401 - the metric families
     except ImportError as e:
         raise MissingDependencyError(
-            f"a metrics endpoint needs prometheus_client: pip install 'spotguard[metrics]' ({e})") from e
+            f"a metrics endpoint needs prometheus_client: pip install 'spotguard[metrics]' ({e})"
+        ) from e
     return prometheus_client
 
 
@@ -69,8 +70,13 @@ class Worker:
     ``put()`` never blocks and never raises; ``close()`` handles what is queued, then stops.
     """
 
-    def __init__(self, handle: Callable[[dict[str, Any]], None], tick: Callable[[], None] | None = None,
-                 tick_s: float = 1.0, name: str = "spotguard-metrics") -> None:
+    def __init__(
+        self,
+        handle: Callable[[dict[str, Any]], None],
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 1.0,
+        name: str = "spotguard-metrics",
+    ) -> None:
         self._handle, self._tick, self._tick_s = handle, tick, tick_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -139,9 +145,17 @@ class Exporter:
     thread starts in it. A failure to serve closes what was opened and raises.
     """
 
-    def __init__(self, events: Events, *, port: int | None = None, host: str = "127.0.0.1",
-                 jsonl: str | Path | None = None, registry: Any = None, tick_s: float = 1.0,
-                 name: str = "spotguard-metrics") -> None:
+    def __init__(
+        self,
+        events: Events,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        jsonl: str | Path | None = None,
+        registry: Any = None,
+        tick_s: float = 1.0,
+        name: str = "spotguard-metrics",
+    ) -> None:
         self._events = events
         self._file = JsonLines(jsonl) if jsonl else None
         self._registry = registry

@@ -17,8 +17,16 @@ from typing import Any
 from ..errors import ConfigError
 from .base import ADVISORY_KINDS, STOP_KINDS, Notice, NoticeProvider, stable_id
 
-__all__ = ["ADVISORY_KINDS", "STOP_KINDS", "Notice", "NoticeProvider", "build", "detect_clouds",
-           "register", "stable_id"]
+__all__ = [
+    "ADVISORY_KINDS",
+    "STOP_KINDS",
+    "Notice",
+    "NoticeProvider",
+    "build",
+    "detect_clouds",
+    "register",
+    "stable_id",
+]
 
 # name -> "module:factory" (imported lazily so that a provider's dependencies load only when used)
 _REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {

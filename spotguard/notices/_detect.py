@@ -43,8 +43,11 @@ def _aws(client: MetadataClient) -> bool:
         if v1.status not in (200, 401):  # 401: IMDSv2 is required, still an AWS metadata service
             return False
         if v1.status == 200 and _env.flag(_env.AWS_ALLOW_IMDSV1, default=False):
-            logger.warning("AWS metadata service at %s: IMDSv2 token request timed out; using IMDSv1 "
-                           "as allowed by $%s", client.base_url, _env.AWS_ALLOW_IMDSV1)
+            logger.warning(
+                "AWS metadata service at %s: IMDSv2 token request timed out; using IMDSv1 as allowed by $%s",
+                client.base_url,
+                _env.AWS_ALLOW_IMDSV1,
+            )
         else:
             logger.warning("AWS metadata service at %s: %s", client.base_url, aws.HOP_LIMIT_HINT)
         return True
@@ -90,8 +93,9 @@ def detect(timeout: float = 0.5, *, refresh: bool = False) -> list[str]:
             found[name] = False
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=run, args=(name,), daemon=True, name=f"spotguard-detect-{name}")
-               for name in PROBES]
+    threads = [
+        threading.Thread(target=run, args=(name,), daemon=True, name=f"spotguard-detect-{name}") for name in PROBES
+    ]
     for t in threads:
         t.start()
     deadline = t0 + timeout + 0.3

@@ -42,8 +42,9 @@ class WarnOnce:
     garbage that differs on every poll still counts as one kind.
     """
 
-    def __init__(self, logger: logging.Logger, every: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, every: float = 300.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger = logger
         self.every = every
         self.clock = clock
@@ -108,8 +109,14 @@ class MetadataClient:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                body: bytes | None = None, timeout: float | None = None) -> Response:
+    def request(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str] | None = None,
+        body: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Response:
         """Send one request; reconnect once if a reused connection turned out to be closed."""
         for attempt in (0, 1):
             conn, fresh = self._connection(timeout)
@@ -130,8 +137,7 @@ class MetadataClient:
                 read_timeout = isinstance(e, socket.timeout) and conn.sock is not None
                 self.close()
                 reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {e}"
-                raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}",
-                                        read_timeout=read_timeout) from e
+                raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}", read_timeout=read_timeout) from e
             if raw.will_close:
                 self.close()
             return Response(raw.status, {k.lower(): v for k, v in raw.getheaders()}, data)

@@ -37,15 +37,16 @@ SPOT_WARNING = dt.timedelta(minutes=2)
 STOP_ACTIONS = ("terminate", "stop", "hibernate")
 #: Scheduled-event codes (EC2 ``InstanceStatusEvent.code``) that stop, retire or reboot the instance:
 #: every documented code, since each one loses the instance's memory or its network for a while.
-MAINTENANCE_CODES = ("instance-stop", "instance-retirement", "instance-reboot", "system-reboot",
-                     "system-maintenance")
+MAINTENANCE_CODES = ("instance-stop", "instance-retirement", "instance-reboot", "system-reboot", "system-maintenance")
 #: A scheduled event whose window is already open may start at any moment. AWS documents no
 #: shorter warning than the spot two minutes, so that is the time assumed when NotAfter is unknown.
 MAINTENANCE_WARNING = SPOT_WARNING
 _TOKEN = re.compile(r"[A-Za-z0-9+/=_.-]{1,512}")  # what an IMDSv2 token looks like (printable, no spaces)
-HOP_LIMIT_HINT = ("no answer to PUT /latest/api/token, although something listens: in a container, the "
-                  "instance's metadata hop limit must be 2 (aws ec2 modify-instance-metadata-options "
-                  "--http-put-response-hop-limit 2); or allow IMDSv1 with $SPOTGUARD_AWS_ALLOW_IMDSV1=1")
+HOP_LIMIT_HINT = (
+    "no answer to PUT /latest/api/token, although something listens: in a container, the "
+    "instance's metadata hop limit must be 2 (aws ec2 modify-instance-metadata-options "
+    "--http-put-response-hop-limit 2); or allow IMDSv1 with $SPOTGUARD_AWS_ALLOW_IMDSV1=1"
+)
 
 SPOT = "/latest/meta-data/spot/instance-action"
 REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
@@ -78,8 +79,15 @@ class AwsProvider(MetadataProvider):
         """Built by name (``providers="auto"``, ``--providers aws``): ``$SPOTGUARD_AWS_ALLOW_IMDSV1=1`` opts in."""
         return cls(allow_imdsv1=_env.flag(_env.AWS_ALLOW_IMDSV1, default=False))
 
-    def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, allow_imdsv1: bool = False,
-                 token_ttl: int = TOKEN_TTL, maintenance_horizon: float = 600.0) -> None:
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        *,
+        timeout: float = 1.0,
+        allow_imdsv1: bool = False,
+        token_ttl: int = TOKEN_TTL,
+        maintenance_horizon: float = 600.0,
+    ) -> None:
         if not 1 <= token_ttl <= TOKEN_TTL:
             raise ConfigError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
         super().__init__(endpoint_url or endpoint(), timeout, logger)
@@ -93,8 +101,9 @@ class AwsProvider(MetadataProvider):
     # -- IMDSv2 token --------------------------------------------------------------------------
     def _refresh_token(self) -> None:
         try:
-            resp = self.client.request("PUT", "/latest/api/token",
-                                       {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)})
+            resp = self.client.request(
+                "PUT", "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl)}
+            )
         except MetadataHTTPError as e:
             if not e.read_timeout:
                 raise
@@ -172,8 +181,13 @@ class AwsProvider(MetadataProvider):
         else:
             if stated is not None and stated <= now:
                 self._warn("%s: time %r has passed; assuming the deadline is 2 minutes away", SPOT, data.get("time"))
-        return Notice(self.name, action, deadline=deadline_ahead(stated, SPOT_WARNING, now), raw=data,
-                      event_id=f"aws-spot-{action}")
+        return Notice(
+            self.name,
+            action,
+            deadline=deadline_ahead(stated, SPOT_WARNING, now),
+            raw=data,
+            event_id=f"aws-spot-{action}",
+        )
 
     def _maintenance(self) -> list[Notice]:
         events = self._json(MAINTENANCE)
@@ -185,21 +199,36 @@ class AwsProvider(MetadataProvider):
         out: list[Notice] = []
         now = utcnow()
         for event in events:
-            if not isinstance(event, dict) or event.get("State") != "active" \
-                    or event.get("Code") not in MAINTENANCE_CODES:
+            if (
+                not isinstance(event, dict)
+                or event.get("State") != "active"
+                or event.get("Code") not in MAINTENANCE_CODES
+            ):
                 continue
             try:
                 not_before = parse_maintenance_time(str(event.get("NotBefore", "")))
             except ValueError:
-                self._warn("%s: event %s has a bad NotBefore %r; ignored", MAINTENANCE,
-                               event.get("EventId"), event.get("NotBefore"))
+                self._warn(
+                    "%s: event %s has a bad NotBefore %r; ignored",
+                    MAINTENANCE,
+                    event.get("EventId"),
+                    event.get("NotBefore"),
+                )
                 continue
             if (not_before - now).total_seconds() > self.maintenance_horizon:
-                logger.debug("scheduled %s at %s: not yet within %.0fs", event.get("Code"), not_before,
-                            self.maintenance_horizon)
+                logger.debug(
+                    "scheduled %s at %s: not yet within %.0fs", event.get("Code"), not_before, self.maintenance_horizon
+                )
                 continue
-            out.append(Notice(self.name, "maintenance", deadline=self._window_deadline(event, not_before, now),
-                              raw=event, event_id=self._event_id(event)))
+            out.append(
+                Notice(
+                    self.name,
+                    "maintenance",
+                    deadline=self._window_deadline(event, not_before, now),
+                    raw=event,
+                    event_id=self._event_id(event),
+                )
+            )
         return out
 
     @staticmethod
@@ -221,8 +250,9 @@ class AwsProvider(MetadataProvider):
     def _lifecycle(self) -> Notice | None:
         status, text = self._get(LIFECYCLE)
         if status == 200 and text.strip() == "Terminated":
-            return Notice(self.name, "terminate", raw={"target-lifecycle-state": "Terminated"},
-                          event_id="aws-asg-terminate")
+            return Notice(
+                self.name, "terminate", raw={"target-lifecycle-state": "Terminated"}, event_id="aws-asg-terminate"
+            )
         return None
 
     def _rebalance(self) -> Notice | None:

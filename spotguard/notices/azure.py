@@ -40,15 +40,18 @@ EVENTS = f"/metadata/scheduledevents?api-version={API_VERSION}"
 VM_NAME = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 HEADERS = {"Metadata": "true"}
 #: Every documented ``EventType`` and the notice kind it becomes when it is a stop.
-KINDS = {"Preempt": "preempt", "Terminate": "terminate", "Reboot": "reboot", "Redeploy": "redeploy",
-         "Freeze": "freeze"}
+KINDS = {"Preempt": "preempt", "Terminate": "terminate", "Reboot": "reboot", "Redeploy": "redeploy", "Freeze": "freeze"}
 #: Event types that stop training by default: all but Freeze, which keeps memory and disks.
 DEFAULT_STOP_EVENTS = ("Preempt", "Terminate", "Reboot", "Redeploy")
 #: The minimum time between an event's appearance and its NotBefore, per type (Azure's documentation;
 #: Terminate is user-configurable from 5 to 15 minutes: the least is assumed).
-MIN_NOTICE = {"Preempt": dt.timedelta(seconds=30), "Terminate": dt.timedelta(minutes=5),
-              "Reboot": dt.timedelta(minutes=15), "Redeploy": dt.timedelta(minutes=10),
-              "Freeze": dt.timedelta(minutes=15)}
+MIN_NOTICE = {
+    "Preempt": dt.timedelta(seconds=30),
+    "Terminate": dt.timedelta(minutes=5),
+    "Reboot": dt.timedelta(minutes=15),
+    "Redeploy": dt.timedelta(minutes=10),
+    "Freeze": dt.timedelta(minutes=15),
+}
 #: Assumed time left once an event has started or its NotBefore has passed: the shortest notice.
 STARTED_WARNING = MIN_NOTICE["Preempt"]
 #: What a VM (or scale-set instance) name looks like; anything else is a garbled answer.
@@ -90,12 +93,20 @@ class AzureProvider(MetadataProvider):
     def from_env(cls) -> AzureProvider:
         """Built by name (``providers="auto"``, ``--providers azure``): ``$SPOTGUARD_AZURE_ACK=0`` opts
         out of approvals, ``$SPOTGUARD_AZURE_STOP_EVENTS=Preempt,Terminate`` picks the stop events."""
-        return cls(ack=_env.flag(_env.AZURE_ACK, default=True),
-                   stop_events=_env.choices(_env.AZURE_STOP_EVENTS, frozenset(DEFAULT_STOP_EVENTS),
-                                            parse_stop_events))
+        return cls(
+            ack=_env.flag(_env.AZURE_ACK, default=True),
+            stop_events=_env.choices(_env.AZURE_STOP_EVENTS, frozenset(DEFAULT_STOP_EVENTS), parse_stop_events),
+        )
 
-    def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, ack: bool = True,
-                 vm_name: str | None = None, stop_events: Iterable[str] = DEFAULT_STOP_EVENTS) -> None:
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        *,
+        timeout: float = 1.0,
+        ack: bool = True,
+        vm_name: str | None = None,
+        stop_events: Iterable[str] = DEFAULT_STOP_EVENTS,
+    ) -> None:
         super().__init__(endpoint_url or endpoint(), timeout, logger)
         self.ack = ack
         self.stop_events = parse_stop_events(stop_events)
@@ -126,8 +137,7 @@ class AzureProvider(MetadataProvider):
             if not isinstance(events, list):
                 raise TypeError("Events is not a list")
         except (ValueError, TypeError, KeyError) as e:
-            self._warn("scheduled events: malformed document (%s: %s) %r; ignored",
-                           type(e).__name__, e, text[:200])
+            self._warn("scheduled events: malformed document (%s: %s) %r; ignored", type(e).__name__, e, text[:200])
             return self._current
         if incarnation != self.incarnation:
             self.incarnation = incarnation
@@ -149,8 +159,13 @@ class AzureProvider(MetadataProvider):
                 continue
             kind = KINDS[etype]
             event_id = str(event.get("EventId") or "")
-            return Notice(self.name, kind, deadline=self._deadline(event, etype), raw=event,
-                          event_id=f"azure-{kind}-{event_id}" if event_id else "")
+            return Notice(
+                self.name,
+                kind,
+                deadline=self._deadline(event, etype),
+                raw=event,
+                event_id=f"azure-{kind}-{event_id}" if event_id else "",
+            )
         return None
 
     def _deadline(self, event: dict[str, Any], etype: str) -> dt.datetime:
@@ -161,8 +176,12 @@ class AzureProvider(MetadataProvider):
             stated = parse_rfc1123(not_before)
         except ValueError:
             warning = MIN_NOTICE[etype]
-            self._warn("scheduled event %s: bad NotBefore %r; assuming %.0f s", event.get("EventId"),
-                       not_before, warning.total_seconds())
+            self._warn(
+                "scheduled event %s: bad NotBefore %r; assuming %.0f s",
+                event.get("EventId"),
+                not_before,
+                warning.total_seconds(),
+            )
             return utcnow() + warning
         return deadline_ahead(stated, STARTED_WARNING)
 

@@ -20,8 +20,9 @@ from typing import Any
 from spotguard.errors import ConfigError
 
 #: Notice kinds that announce the machine goes away. Anything else is advisory.
-STOP_KINDS = frozenset({"terminate", "stop", "hibernate", "preempt", "maintenance", "reboot", "redeploy",
-                        "signal", "file"})
+STOP_KINDS = frozenset(
+    {"terminate", "stop", "hibernate", "preempt", "maintenance", "reboot", "redeploy", "signal", "file"}
+)
 #: Advisory kinds: the machine is at risk but not yet reclaimed (an early checkpoint is worth it).
 ADVISORY_KINDS = frozenset({"rebalance", "migrate"})
 

@@ -65,7 +65,6 @@ class FileProvider(NoticeProvider):
                 elif data.get("deadline_in") is not None:
                     deadline = utcnow() + dt.timedelta(seconds=float(data["deadline_in"]))
             except (ValueError, TypeError, OverflowError) as e:
-                logger.warning("notice file %s has unusable content (%s); treating it as a plain notice",
-                               self.path, e)
+                logger.warning("notice file %s has unusable content (%s); treating it as a plain notice", self.path, e)
                 kind, deadline = "file", None
         return Notice(self.name, kind, deadline=deadline, raw=raw)

@@ -62,8 +62,14 @@ class GcpProvider(MetadataProvider):
         """Built by name (``providers="auto"``, ``--providers gcp``): ``$SPOTGUARD_GCP_DEADLINE`` seconds."""
         return cls(deadline_seconds=_env.seconds(_env.GCP_DEADLINE, default=PREEMPT_WARNING))
 
-    def __init__(self, endpoint_url: str | None = None, *, timeout: float = 1.0, hang: int = 5,
-                 deadline_seconds: float = PREEMPT_WARNING) -> None:
+    def __init__(
+        self,
+        endpoint_url: str | None = None,
+        *,
+        timeout: float = 1.0,
+        hang: int = 5,
+        deadline_seconds: float = PREEMPT_WARNING,
+    ) -> None:
         if hang < 1:
             raise ConfigError(f"hang must be at least 1 second, got {hang}")
         super().__init__(endpoint_url or endpoint(), timeout, logger)
@@ -123,8 +129,13 @@ class GcpProvider(MetadataProvider):
                 # until it returned. The deadline cannot have passed already: this VM still runs.
                 flip = now if waited or self._false_at is None else self._false_at
                 deadline = max(flip + dt.timedelta(seconds=self.deadline_seconds), now)
-                self._preempt = Notice(self.name, "preempt", deadline=deadline,
-                                       raw={"preempted": value, "etag": etag}, event_id="gcp-preempt")
+                self._preempt = Notice(
+                    self.name,
+                    "preempt",
+                    deadline=deadline,
+                    raw={"preempted": value, "etag": etag},
+                    event_id="gcp-preempt",
+                )
             return self._preempt
         if value == "FALSE":
             self._false_at = now
@@ -141,9 +152,12 @@ class GcpProvider(MetadataProvider):
         if self._maintenance is not None and self._maintenance[0] == value:
             return self._maintenance[1]  # same event: same notice, same deadline
         if value.startswith("TERMINATE_ON_HOST_MAINTENANCE"):
-            notice = Notice(self.name, "maintenance",
-                            deadline=utcnow() + dt.timedelta(seconds=MAINTENANCE_WARNING),
-                            raw={"maintenance-event": value})
+            notice = Notice(
+                self.name,
+                "maintenance",
+                deadline=utcnow() + dt.timedelta(seconds=MAINTENANCE_WARNING),
+                raw={"maintenance-event": value},
+            )
         elif value.startswith("MIGRATE_ON_HOST_MAINTENANCE"):
             logger.info("GCP live migration announced (%s)", value)
             notice = Notice(self.name, "migrate", raw={"maintenance-event": value})

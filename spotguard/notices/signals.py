@@ -57,8 +57,10 @@ class SignalProvider(NoticeProvider):
 
     def open(self, report: Report) -> None:
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("signal handlers can only be installed from the main thread; "
-                           "signals %s will not be watched", [s.name for s in self.signals])
+            logger.warning(
+                "signal handlers can only be installed from the main thread; signals %s will not be watched",
+                [s.name for s in self.signals],
+            )
             return
         self._received.clear()  # a reopened provider starts afresh: its next signal is a first one
         for sig in self.signals:
@@ -83,8 +85,7 @@ class SignalProvider(NoticeProvider):
         self._received.add(sig)
         now = utcnow()
         deadline = now + dt.timedelta(seconds=self.grace) if self.grace is not None else None
-        self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=now,
-                               raw={"signal": sig.name}))
+        self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=now, raw={"signal": sig.name}))
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 

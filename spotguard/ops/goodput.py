@@ -31,13 +31,13 @@ class SimOptions:
     restart_s: float
     interval_s: float | None
     job_hours: float = 1000.0
-    mtbf_hours: float | None = None          # exponential preemptions; or give ``trace``
-    trace: Sequence[float] | None = None     # preemption times, seconds of wall time from the start
-    notice_share: float = 0.0                # share of preemptions that come with a notice
-    cloud: str | None = None                 # picks the notice lead: aws 120 s, gcp/azure 30 s
-    notice_s: float | None = None            # the lead itself (overrides ``cloud``)
-    emergency: bool = True                   # write an emergency checkpoint on a notice
-    runs: int = 1                            # independent jobs (a trace is replayed for each)
+    mtbf_hours: float | None = None  # exponential preemptions; or give ``trace``
+    trace: Sequence[float] | None = None  # preemption times, seconds of wall time from the start
+    notice_share: float = 0.0  # share of preemptions that come with a notice
+    cloud: str | None = None  # picks the notice lead: aws 120 s, gcp/azure 30 s
+    notice_s: float | None = None  # the lead itself (overrides ``cloud``)
+    emergency: bool = True  # write an emergency checkpoint on a notice
+    runs: int = 1  # independent jobs (a trace is replayed for each)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -65,12 +65,12 @@ class SimOptions:
 
 @dataclass
 class SimResult:
-    goodput: float             # useful compute / wall time
+    goodput: float  # useful compute / wall time
     wall_s: float
     work_s: float
-    preemptions: int           # preemptions that hit training (not a restart)
-    saved_by_notice: int       # of those, saved by an emergency checkpoint
-    lost_work_s: float         # mean compute lost per preemption that hit training
+    preemptions: int  # preemptions that hit training (not a restart)
+    saved_by_notice: int  # of those, saved by an emergency checkpoint
+    lost_work_s: float  # mean compute lost per preemption that hit training
     checkpoints: int
 
 
@@ -113,8 +113,15 @@ def simulate(o: SimOptions) -> SimResult:
     wall, work = sum(r.wall_s for r in runs), sum(r.work_s for r in runs)
     hits = sum(r.preemptions for r in runs)
     lost = sum(r.lost_work_s * r.preemptions for r in runs)
-    return SimResult(work / wall, wall, work, hits, sum(r.saved_by_notice for r in runs),
-                     lost / hits if hits else 0.0, sum(r.checkpoints for r in runs))
+    return SimResult(
+        work / wall,
+        wall,
+        work,
+        hits,
+        sum(r.saved_by_notice for r in runs),
+        lost / hits if hits else 0.0,
+        sum(r.checkpoints for r in runs),
+    )
 
 
 def _run(o: SimOptions, rng: np.random.Generator) -> SimResult:
@@ -128,9 +135,9 @@ def _run(o: SimOptions, rng: np.random.Generator) -> SimResult:
     while done < job_s:
         work = min(o.interval_s or math.inf, job_s - done)
         last = done + work >= job_s
-        end = t + work + (0.0 if last else c)          # the last segment needs no checkpoint
+        end = t + work + (0.0 if last else c)  # the last segment needs no checkpoint
         warned = noticed and notice_saves
-        event_at = p - lead if warned else p           # the job acts on the notice, not the kill
+        event_at = p - lead if warned else p  # the job acts on the notice, not the kill
         if event_at >= end:
             t, done = end, done + work
             checkpoints += not last
@@ -143,7 +150,7 @@ def _run(o: SimOptions, rng: np.random.Generator) -> SimResult:
             lost_total += min(p - t, work)
         t = p
         p, noticed = next(events)
-        while p < t + o.restart_s:                     # preempted while restarting: start over
+        while p < t + o.restart_s:  # preempted while restarting: start over
             t = p
             p, noticed = next(events)
         t += o.restart_s

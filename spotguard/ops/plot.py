@@ -32,16 +32,24 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
     marks = [r for r in p.rows if r.name.startswith("recommended")]
     if o.notice_s is not None:
         share = (o.notice_share or 0.0) if o.notice_works else 0.0
-        with_notice = [goodput(x, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share, notice_s=o.notice_s)
-                       for x in xs]
-        ax.plot([x / 60 for x in xs], [100 * g for g in with_notice],
-                label=f"+ emergency checkpoint on notice ({100 * (o.notice_share or 0):.0f}% of preemptions)")
+        with_notice = [
+            goodput(x, o.checkpoint_s, o.restart_s, o.mtbf_s, notice_share=share, notice_s=o.notice_s) for x in xs
+        ]
+        ax.plot(
+            [x / 60 for x in xs],
+            [100 * g for g in with_notice],
+            label=f"+ emergency checkpoint on notice ({100 * (o.notice_share or 0):.0f}% of preemptions)",
+        )
         marks += [r for r in p.rows if r.emergency]
     for r in marks:
         assert r.interval_s is not None
         ax.plot(r.interval_s / 60, 100 * r.goodput, "o", color="black")
-        ax.annotate(f"{r.interval_s / 60:.0f} min: {100 * r.goodput:.1f}%", (r.interval_s / 60, 100 * r.goodput),
-                    textcoords="offset points", xytext=(6, -14))
+        ax.annotate(
+            f"{r.interval_s / 60:.0f} min: {100 * r.goodput:.1f}%",
+            (r.interval_s / 60, 100 * r.goodput),
+            textcoords="offset points",
+            xytext=(6, -14),
+        )
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (minutes of compute)")
     ax.set_ylabel("expected goodput (%)")

@@ -37,8 +37,14 @@ def split_url(url: str, scheme: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-def check_fields(options: Any, *, ints: dict[str, int | tuple[int, int]] | None = None,
-                 positive: tuple[str, ...] = (), strings: tuple[str, ...] = (), urls: tuple[str, ...] = ()) -> None:
+def check_fields(
+    options: Any,
+    *,
+    ints: dict[str, int | tuple[int, int]] | None = None,
+    positive: tuple[str, ...] = (),
+    strings: tuple[str, ...] = (),
+    urls: tuple[str, ...] = (),
+) -> None:
     """Raise ConfigError for a field of an options dataclass that is out of range or of the wrong type.
 
     ``ints``: field -> least value, or (least, most); ``positive``: finite numbers > 0;

@@ -51,9 +51,17 @@ __all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
 MiB = 1 << 20
 META_CRC = "spotguard_crc32"  # metadata names must be C# identifiers: no dashes
 _TRANSIENT_CODES = {"ServerBusy", "OperationTimedOut", "InternalError", *CHECKSUM_CODES}
-_NETWORK = (aze.ServiceRequestError, aze.ServiceResponseError, aze.IncompleteReadError, aze.DecodeError,
-            requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-            ConnectionError, TimeoutError)
+_NETWORK = (
+    aze.ServiceRequestError,
+    aze.ServiceResponseError,
+    aze.IncompleteReadError,
+    aze.DecodeError,
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    ConnectionError,
+    TimeoutError,
+)
 
 
 @dataclass
@@ -72,9 +80,18 @@ class AzureOptions:
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
-        check_fields(self, ints={"block_size": (64 * 1024, 4000 * MiB), "single_put_threshold": 1, "concurrency": 1,
-                                 "page_size": (1, 5000), "request_attempts": 1},
-                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), urls=("account_url",))
+        check_fields(
+            self,
+            ints={
+                "block_size": (64 * 1024, 4000 * MiB),
+                "single_put_threshold": 1,
+                "concurrency": 1,
+                "page_size": (1, 5000),
+                "request_attempts": 1,
+            },
+            positive=("connect_timeout", "read_timeout", "urgent_timeout"),
+            urls=("account_url",),
+        )
 
 
 class AzureStorage(CloudStorage):
@@ -87,7 +104,11 @@ class AzureStorage(CloudStorage):
     def __init__(self, url: str, options: AzureOptions | None = None, *, credential: Any = None) -> None:
         options = options or AzureOptions()
         self._account = Account(url, options.account_url, credential)
-        self.container_name, self.prefix, self.account = self._account.container, self._account.prefix, self._account.name
+        self.container_name, self.prefix, self.account = (
+            self._account.container,
+            self._account.prefix,
+            self._account.name,
+        )
         super().__init__(url, options)
         self.container = self._make_client(None)
 
@@ -107,8 +128,11 @@ class AzureStorage(CloudStorage):
             return True
         if isinstance(e, aze.HttpResponseError):
             status = e.status_code or 0
-            return (status >= 500 and status not in (501, 505)) or status in (408, 429) \
+            return (
+                (status >= 500 and status not in (501, 505))
+                or status in (408, 429)
                 or error_code(e) in _TRANSIENT_CODES
+            )
         return False
 
     def _error(self, what: str, key: str, e: BaseException) -> Exception:
@@ -116,24 +140,32 @@ class AzureStorage(CloudStorage):
         code = error_code(e)
         status = getattr(e, "status_code", None) or 0
         if code == "ContainerNotFound":
-            return StorageError(f"cannot {what} {where}: container {self.container_name!r} does not exist in account "
-                                f"{self.account!r}; create it or fix the URL ({CONNECTION_STRING} for an emulator)")
+            return StorageError(
+                f"cannot {what} {where}: container {self.container_name!r} does not exist in account "
+                f"{self.account!r}; create it or fix the URL ({CONNECTION_STRING} for an emulator)"
+            )
         if isinstance(e, aze.ResourceNotFoundError):
             return ObjectNotFoundError(f"{where} does not exist")
         if isinstance(e, aze.ClientAuthenticationError) and status == 0:  # no token: the credential chain failed
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return StorageError(f"cannot {what} {where}: no Azure credentials found ({first}); run `az login`, "
-                                "attach a managed identity (AZURE_CLIENT_ID for a user-assigned one), set "
-                                f"AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or {CONNECTION_STRING}")
+            return StorageError(
+                f"cannot {what} {where}: no Azure credentials found ({first}); run `az login`, "
+                "attach a managed identity (AZURE_CLIENT_ID for a user-assigned one), set "
+                f"AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or {CONNECTION_STRING}"
+            )
         if isinstance(e, aze.ClientAuthenticationError) or status in (401, 403):
             detail = re.search(r"authenticationerrordetail:\s*(.+)", str(e), re.IGNORECASE)  # e.g. an expired token
             code = f"{code or status}: {detail.group(1).strip()}" if detail else (code or str(status))
-            return StorageError(f"cannot {what} {where}: access denied ({code}); check the credentials "
-                                "(managed identity, az login, connection string) and that they hold the 'Storage "
-                                f"Blob Data Contributor' role on container {self.container_name!r}")
+            return StorageError(
+                f"cannot {what} {where}: access denied ({code}); check the credentials "
+                "(managed identity, az login, connection string) and that they hold the 'Storage "
+                f"Blob Data Contributor' role on container {self.container_name!r}"
+            )
         if isinstance(e, aze.ServiceRequestError) and "resolve" in str(e).lower():
-            return StorageError(f"cannot {what} {where} (gave up after retries): the account's endpoint does not "
-                                f"resolve ({e}); check the account name {self.account!r} and the network")
+            return StorageError(
+                f"cannot {what} {where} (gave up after retries): the account's endpoint does not "
+                f"resolve ({e}); check the account name {self.account!r} and the network"
+            )
         return StorageError(f"cannot {what} {where} (gave up after retries): {code or type(e).__name__}: {e}")
 
     def _hook(self) -> Any:
@@ -155,11 +187,15 @@ class AzureStorage(CloudStorage):
         """Blocks in parallel; validate_content: a Content-MD5 with every block (and a single Put Blob)."""
         with open(path, "rb") as f:
             client.get_blob_client(self._key(key)).upload_blob(
-                f, overwrite=True, max_concurrency=self.options.concurrency, validate_content=True,
-                metadata={META_CRC: crc}, progress_hook=self._hook())
+                f,
+                overwrite=True,
+                max_concurrency=self.options.concurrency,
+                validate_content=True,
+                metadata={META_CRC: crc},
+                progress_hook=self._hook(),
+            )
 
-    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
-                  deadline: float | None = None) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         self._key(key)
         if len(data) > self.options.single_put_threshold:
             raise ConfigError("put_bytes is for small objects; use open_write")
@@ -168,8 +204,9 @@ class AzureStorage(CloudStorage):
     def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
         try:
             # overwrite=False sends If-None-Match: * (write-once); the service answers 409 when the blob exists.
-            client.get_blob_client(full).upload_blob(data, overwrite=not exclusive, validate_content=True,
-                                                     metadata={META_CRC: crc_b64(zlib.crc32(data))})
+            client.get_blob_client(full).upload_blob(
+                data, overwrite=not exclusive, validate_content=True, metadata={META_CRC: crc_b64(zlib.crc32(data))}
+            )
         except (aze.ResourceExistsError, aze.ResourceModifiedError) as e:
             raise _Conflict from e
 
@@ -182,9 +219,12 @@ class AzureStorage(CloudStorage):
         props = blob.get_blob_properties()
         with open(path, "wb") as f:
             # Pinned to the ETag: a blob replaced mid-download fails instead of mixing versions.
-            blob.download_blob(max_concurrency=self.options.concurrency, etag=props.etag,
-                               match_condition=MatchConditions.IfNotModified,
-                               progress_hook=self._hook()).readinto(f)
+            blob.download_blob(
+                max_concurrency=self.options.concurrency,
+                etag=props.etag,
+                match_condition=MatchConditions.IfNotModified,
+                progress_hook=self._hook(),
+            ).readinto(f)
         return props.size, (props.metadata or {}).get(META_CRC)
 
     def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:

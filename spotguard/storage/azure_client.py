@@ -65,16 +65,22 @@ def parse_url(url: str) -> tuple[str, str | None, str | None, str]:
     if at:
         account, _, suffix = host.partition(".")
         if suffix.startswith("dfs."):
-            suffix = "blob." + suffix[len("dfs."):]
+            suffix = "blob." + suffix[len("dfs.") :]
         if not _ACCOUNT.match(account) or not suffix.startswith("blob.") or ":" in suffix:
-            raise ConfigError(f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.blob.core.windows.net"
-                              "/PREFIX (or ACCOUNT.dfs.core.windows.net)")
+            raise ConfigError(
+                f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.blob.core.windows.net"
+                "/PREFIX (or ACCOUNT.dfs.core.windows.net)"
+            )
         host = f"{account}.{suffix}"
     elif scheme != "az":
-        raise ConfigError(f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX")
+        raise ConfigError(
+            f"invalid storage URL {url!r}: expected {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX"
+        )
     if not _CONTAINER.match(container):
-        raise ConfigError(f"invalid storage URL {url!r}: container {container!r} must be 3-63 lowercase letters, "
-                          "digits or single dashes")
+        raise ConfigError(
+            f"invalid storage URL {url!r}: container {container!r} must be 3-63 lowercase letters, "
+            "digits or single dashes"
+        )
     return container, account, host or None, prefix
 
 
@@ -110,8 +116,9 @@ class RetryPolicy(StorageRetryPolicy):
                 continue
             http = response.http_response
             refused = http.status_code == 400 and http.headers.get("x-ms-error-code") in CHECKSUM_CODES
-            if (is_retry(response, settings["mode"]) or refused) and \
-                    self.increment(settings, request.http_request, response=http):
+            if (is_retry(response, settings["mode"]) or refused) and self.increment(
+                settings, request.http_request, response=http
+            ):
                 self.sleep(settings, request.context.transport)
                 continue
             http.location_mode = settings["mode"]
@@ -143,12 +150,15 @@ class Account:
         else:
             self.name = account or os.environ.get(ACCOUNT_NAME, "").strip() or None
             if self.name is not None and not _ACCOUNT.match(self.name):
-                raise ConfigError(f"{ACCOUNT_NAME}={self.name!r} is not a storage account name (3-24 lowercase "
-                                  "letters or digits)")
+                raise ConfigError(
+                    f"{ACCOUNT_NAME}={self.name!r} is not a storage account name (3-24 lowercase letters or digits)"
+                )
             if self.account_url is None:
                 if self.name is None:
-                    raise ConfigError(f"{url!r} names no storage account: use az://{self.container}@ACCOUNT"
-                                      f".blob.core.windows.net/..., or set {ACCOUNT_NAME} (or {CONNECTION_STRING})")
+                    raise ConfigError(
+                        f"{url!r} names no storage account: use az://{self.container}@ACCOUNT"
+                        f".blob.core.windows.net/..., or set {ACCOUNT_NAME} (or {CONNECTION_STRING})"
+                    )
                 self.account_url = f"https://{host or self.name + '.blob.core.windows.net'}"
         self._credential = credential
         self._lock = threading.Lock()
@@ -159,8 +169,10 @@ class Account:
                 try:
                     from azure.identity import DefaultAzureCredential
                 except ImportError as e:
-                    raise MissingDependencyError(f"{self.url!r} needs azure-identity for its credentials ({e.name}): "
-                                                 "pip install 'spotguard[azure]'") from e
+                    raise MissingDependencyError(
+                        f"{self.url!r} needs azure-identity for its credentials ({e.name}): "
+                        "pip install 'spotguard[azure]'"
+                    ) from e
                 self._credential = DefaultAzureCredential()
             return self._credential
 
@@ -174,11 +186,18 @@ class Account:
         from azure.core.pipeline.transport import RequestsTransport
 
         kwargs: dict[str, Any] = dict(
-            transport=RequestsTransport(session=session, session_owner=True,
-                                        connection_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
-                                        read_timeout=timeout or o.read_timeout),
-            retry_policy=policy, max_single_put_size=o.single_put_threshold, max_block_size=o.block_size,
-            max_single_get_size=o.block_size, max_chunk_get_size=o.block_size)
+            transport=RequestsTransport(
+                session=session,
+                session_owner=True,
+                connection_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
+                read_timeout=timeout or o.read_timeout,
+            ),
+            retry_policy=policy,
+            max_single_put_size=o.single_put_threshold,
+            max_block_size=o.block_size,
+            max_single_get_size=o.block_size,
+            max_chunk_get_size=o.block_size,
+        )
         if self.conn:
             try:
                 if o.account_url:  # the connection string's key, another endpoint

@@ -60,8 +60,7 @@ class Storage(abc.ABC):
         """A binary stream to write ``key``; the object appears only if the block exits cleanly."""
 
     @abc.abstractmethod
-    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
-                  deadline: float | None = None) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         """Write a small object at once. With ``exclusive``, fail if ``key`` already exists."""
 
     def scratch(self) -> AbstractContextManager[Path]:

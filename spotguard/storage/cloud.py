@@ -151,8 +151,14 @@ class CloudStorage(Storage):
     def _call(self, what: str, key: str, fn: Callable[[], Any], deadline: float | None = None) -> Any:
         """Run ``fn`` with retries; SDK errors come out as StorageError (or a subclass)."""
         try:
-            return retry.call(fn, options=self.options.retry, transient=self._transient, deadline=deadline,
-                              what=f"{what} {self.describe(key)}", wait=self._wait)
+            return retry.call(
+                fn,
+                options=self.options.retry,
+                transient=self._transient,
+                deadline=deadline,
+                what=f"{what} {self.describe(key)}",
+                wait=self._wait,
+            )
         except _ChecksumMismatch as e:
             raise CheckpointCorruptError(f"{self.describe(key)}: {e}") from e
         except (StorageError, ConfigError, MissingDependencyError):
@@ -181,8 +187,7 @@ class CloudStorage(Storage):
         with self._client_for(deadline) as client:
             self._call("upload", key, lambda: self._send(client, key, path, crc, size, deadline), deadline)
 
-    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
-                  deadline: float | None = None) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         full = self._key(key)
 
         def put(client: Any) -> None:
@@ -228,13 +233,17 @@ class CloudStorage(Storage):
             return
         got = crc_b64(file_crc(path, self.checksum_update))
         if got != want:
-            raise _ChecksumMismatch(f"{self.checksum_name} of the downloaded object is {got}, {self.holder} holds {want}")
+            raise _ChecksumMismatch(
+                f"{self.checksum_name} of the downloaded object is {got}, {self.holder} holds {want}"
+            )
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         if prefix:
             check_key(prefix.rstrip("/"))
         cut = len(self.prefix)
-        return dict(self._call("list", prefix, lambda: {name[cut:]: size for name, size in self._list(self.prefix + prefix)}))
+        return dict(
+            self._call("list", prefix, lambda: {name[cut:]: size for name, size in self._list(self.prefix + prefix)})
+        )
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:

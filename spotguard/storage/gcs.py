@@ -51,7 +51,7 @@ def _crc32c(data: bytes, crc: int) -> int:
         return int(google_crc32c.extend(crc, data))
     view = memoryview(data).cast("B")  # it wants read-only bytes: copy in bounded slices
     for i in range(0, len(view), 8 * MiB):
-        crc = int(google_crc32c.extend(crc, bytes(view[i:i + 8 * MiB])))
+        crc = int(google_crc32c.extend(crc, bytes(view[i : i + 8 * MiB])))
     return crc
 
 
@@ -99,17 +99,37 @@ class GCSOptions:
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
-        check_fields(self, ints={"chunk_size": _CHUNK_UNIT, "resumable_threshold": 1, "composite_threshold": 0,
-                                 "concurrency": 1, "page_size": (1, 5000)}, positive=("timeout",),
-                     strings=("project",))
+        check_fields(
+            self,
+            ints={
+                "chunk_size": _CHUNK_UNIT,
+                "resumable_threshold": 1,
+                "composite_threshold": 0,
+                "concurrency": 1,
+                "page_size": (1, 5000),
+            },
+            positive=("timeout",),
+            strings=("project",),
+        )
         if self.chunk_size % _CHUNK_UNIT:
             raise ConfigError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
 
 
-_TRANSIENT = (gexc.TooManyRequests, gexc.InternalServerError, gexc.BadGateway, gexc.ServiceUnavailable,
-              gexc.GatewayTimeout, gexc.RequestRangeNotSatisfiable, requests.ConnectionError, requests.Timeout,
-              requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError,
-              aexc.TransportError, ConnectionError, TimeoutError)
+_TRANSIENT = (
+    gexc.TooManyRequests,
+    gexc.InternalServerError,
+    gexc.BadGateway,
+    gexc.ServiceUnavailable,
+    gexc.GatewayTimeout,
+    gexc.RequestRangeNotSatisfiable,
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ContentDecodingError,
+    aexc.TransportError,
+    ConnectionError,
+    TimeoutError,
+)
 
 
 class GCSStorage(CloudStorage):
@@ -117,8 +137,15 @@ class GCSStorage(CloudStorage):
     checksum_name = "CRC32C"
     checksum_update = staticmethod(_crc32c)
     holder = "GCS"
-    sdk_errors = (gexc.GoogleAPIError, aexc.GoogleAuthError, requests.RequestException, InvalidResponse,
-                  DataCorruption, OSError, ValueError)
+    sdk_errors = (
+        gexc.GoogleAPIError,
+        aexc.GoogleAuthError,
+        requests.RequestException,
+        InvalidResponse,
+        DataCorruption,
+        OSError,
+        ValueError,
+    )
     options: GCSOptions
 
     def __init__(self, url: str, options: GCSOptions | None = None, *, client: Any = None) -> None:
@@ -140,10 +167,11 @@ class GCSStorage(CloudStorage):
                     if getattr(self._client, "_bucket_metadata_cache", None) is not None:
                         self._client._bucket_metadata_cache = None
             except aexc.DefaultCredentialsError as e:
-                raise StorageError(f"cannot open gs://{self.bucket_name}: no Google credentials found; run "
-                                   "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, "
-                                   "or run on a VM with a service account (STORAGE_EMULATOR_HOST for an emulator)"
-                                   ) from e
+                raise StorageError(
+                    f"cannot open gs://{self.bucket_name}: no Google credentials found; run "
+                    "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, "
+                    "or run on a VM with a service account (STORAGE_EMULATOR_HOST for an emulator)"
+                ) from e
             self._bucket = self._client.bucket(self.bucket_name)
         return self._bucket
 
@@ -165,13 +193,17 @@ class GCSStorage(CloudStorage):
             return CheckpointCorruptError(f"{where}: {e}")
         if isinstance(e, gexc.NotFound):
             if "bucket" in str(e).lower() and "object" not in str(e).lower():
-                return StorageError(f"cannot {what} {where}: bucket {self.bucket_name!r} does not exist; "
-                                    "create it or fix the URL (and STORAGE_EMULATOR_HOST)")
+                return StorageError(
+                    f"cannot {what} {where}: bucket {self.bucket_name!r} does not exist; "
+                    "create it or fix the URL (and STORAGE_EMULATOR_HOST)"
+                )
             return ObjectNotFoundError(f"{where} does not exist")
         if isinstance(e, (gexc.Forbidden, gexc.Unauthorized, aexc.RefreshError)):
-            return StorageError(f"cannot {what} {where}: access denied ({e}); check the credentials "
-                                "(GOOGLE_APPLICATION_CREDENTIALS, the VM's service account) and that it has "
-                                f"roles/storage.objectAdmin on bucket {self.bucket_name!r}")
+            return StorageError(
+                f"cannot {what} {where}: access denied ({e}); check the credentials "
+                "(GOOGLE_APPLICATION_CREDENTIALS, the VM's service account) and that it has "
+                f"roles/storage.objectAdmin on bucket {self.bucket_name!r}"
+            )
         return StorageError(f"cannot {what} {where} (gave up after retries): {type(e).__name__}: {e}")
 
     def _timeout(self, deadline: float | None) -> float:
@@ -211,8 +243,14 @@ class GCSStorage(CloudStorage):
             with open(spool, "rb") as f:
                 f.seek(i * part)
                 data = f.read(part)
-            self._call("upload part of", key, lambda: self.bucket.blob(names[i]).upload_from_string(
-                data, checksum="crc32c", retry=None, timeout=self._timeout(deadline)), deadline)
+            self._call(
+                "upload part of",
+                key,
+                lambda: self.bucket.blob(names[i]).upload_from_string(
+                    data, checksum="crc32c", retry=None, timeout=self._timeout(deadline)
+                ),
+                deadline,
+            )
             if self.progress:
                 self.progress(len(data))
 
@@ -230,19 +268,25 @@ class GCSStorage(CloudStorage):
             self._call("compose", key, compose, deadline)
         finally:
             try:
-                self.delete([n[len(self.prefix):] for n in names])
+                self.delete([n[len(self.prefix) :] for n in names])
             except StorageError as e:
                 logger.warning("could not delete temporary parts of %s: %s", self.describe(key), e)
 
     def abort_incomplete_uploads(self) -> list[str]:
         """Delete temporary parts left by composite uploads that were killed."""
-        names = self._call("list", "", lambda: [b.name for b in self.bucket.list_blobs(
-            prefix=self.prefix, retry=None, timeout=self.options.timeout) if PART_MARK in b.name])
-        self.delete([n[len(self.prefix):] for n in names])
+        names = self._call(
+            "list",
+            "",
+            lambda: [
+                b.name
+                for b in self.bucket.list_blobs(prefix=self.prefix, retry=None, timeout=self.options.timeout)
+                if PART_MARK in b.name
+            ],
+        )
+        self.delete([n[len(self.prefix) :] for n in names])
         return [f"gs://{self.bucket_name}/{n}" for n in names]
 
-    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
-                  deadline: float | None = None) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         if len(data) >= 100 * MiB:
             raise ConfigError("put_bytes is for small objects; use open_write")
         super().put_bytes(key, data, exclusive=exclusive, deadline=deadline)
@@ -254,29 +298,41 @@ class GCSStorage(CloudStorage):
         try:
             # Below the library's resumable threshold: one multipart request, where GCS and the
             # emulators apply ifGenerationMatch=0.
-            blob.upload_from_string(data, if_generation_match=0 if exclusive else None, checksum="crc32c",
-                                    retry=None, timeout=self._timeout(deadline))
+            blob.upload_from_string(
+                data,
+                if_generation_match=0 if exclusive else None,
+                checksum="crc32c",
+                retry=None,
+                timeout=self._timeout(deadline),
+            )
         except gexc.PreconditionFailed as e:
             raise _Conflict from e
 
     # -- reads ---------------------------------------------------------------------------------
     def _read(self, full: str, client: Any = None) -> bytes:
-        return (client or self.bucket).blob(full).download_as_bytes(  # type: ignore[no-any-return]
-            checksum="crc32c", retry=None, timeout=self.options.timeout)
+        return (
+            (client or self.bucket)
+            .blob(full)
+            .download_as_bytes(  # type: ignore[no-any-return]
+                checksum="crc32c", retry=None, timeout=self.options.timeout
+            )
+        )
 
     def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
         blob = self.bucket.get_blob(full, retry=None, timeout=self.options.timeout)
         if blob is None:
             raise gexc.NotFound(f"No such object: {self.bucket_name}/{full}")
-        blob.download_to_filename(str(path), checksum="crc32c", retry=None, timeout=self.options.timeout,
-                                  if_generation_match=blob.generation)
+        blob.download_to_filename(
+            str(path), checksum="crc32c", retry=None, timeout=self.options.timeout, if_generation_match=blob.generation
+        )
         if self.progress:
             self.progress(path.stat().st_size)
         return blob.size, blob.crc32c
 
     def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
-        blobs = self.bucket.list_blobs(prefix=full_prefix, page_size=self.options.page_size, retry=None,
-                                       timeout=self.options.timeout)
+        blobs = self.bucket.list_blobs(
+            prefix=full_prefix, page_size=self.options.page_size, retry=None, timeout=self.options.timeout
+        )
         return ((b.name, b.size) for b in blobs if PART_MARK not in b.name)
 
     def _delete_one(self, full: str) -> None:

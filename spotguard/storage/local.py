@@ -77,7 +77,7 @@ class LocalStorage(Storage):
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        path = url[len("file://"):] if url.startswith("file://") else url
+        path = url[len("file://") :] if url.startswith("file://") else url
         self.root = Path(path).expanduser().absolute()
 
     def _path(self, key: str) -> Path:
@@ -103,8 +103,7 @@ class LocalStorage(Storage):
             tmp.unlink(missing_ok=True)
             raise
 
-    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False,
-                  deadline: float | None = None) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_path(final)
@@ -147,7 +146,7 @@ class LocalStorage(Storage):
             return
         for entry in entries:
             if entry.name.startswith(SCRATCH_PREFIX):
-                if _dead_owner(entry.name[len(SCRATCH_PREFIX):]) and _idle(Path(entry.path)):
+                if _dead_owner(entry.name[len(SCRATCH_PREFIX) :]) and _idle(Path(entry.path)):
                     shutil.rmtree(entry.path, ignore_errors=True)
             elif _STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 self._sweep_dir(Path(entry.path))

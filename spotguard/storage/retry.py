@@ -78,17 +78,35 @@ class StopAtDeadline(stop_base):
         return wake - retry_state.start_time >= self.options.max_elapsed
 
 
-def call(fn: Callable[[], T], *, options: RetryOptions, transient: Callable[[BaseException], bool],
-         deadline: float | None = None, what: str = "request", wait: JitteredBackoff | None = None) -> T:
+def call(
+    fn: Callable[[], T],
+    *,
+    options: RetryOptions,
+    transient: Callable[[BaseException], bool],
+    deadline: float | None = None,
+    what: str = "request",
+    wait: JitteredBackoff | None = None,
+) -> T:
     """Run ``fn``; retry it while it raises a transient error. The last error is re-raised as is."""
 
     def log(rs: RetryCallState) -> None:
         exc = rs.outcome.exception() if rs.outcome else None
-        logger.warning("%s failed (attempt %d: %s: %s); retrying in %.2fs", what, rs.attempt_number,
-                       type(exc).__name__, exc, rs.upcoming_sleep)
+        logger.warning(
+            "%s failed (attempt %d: %s: %s); retrying in %.2fs",
+            what,
+            rs.attempt_number,
+            type(exc).__name__,
+            exc,
+            rs.upcoming_sleep,
+        )
 
-    retrying = Retrying(stop=StopAtDeadline(options, deadline), wait=wait or JitteredBackoff(options),
-                        retry=retry_if_exception(transient), before_sleep=log, reraise=True)
+    retrying = Retrying(
+        stop=StopAtDeadline(options, deadline),
+        wait=wait or JitteredBackoff(options),
+        retry=retry_if_exception(transient),
+        before_sleep=log,
+        reraise=True,
+    )
     if deadline is None:
         return retrying(fn)
     return _until(deadline, lambda: retrying(fn), what)

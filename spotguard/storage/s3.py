@@ -38,15 +38,37 @@ from .cloud import CloudStorage, _Conflict, urgent_timeout
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
-_PERMANENT = {"AccessDenied": "access denied", "AllAccessDisabled": "access denied",
-              "InvalidAccessKeyId": "unknown access key", "SignatureDoesNotMatch": "bad secret key",
-              "ExpiredToken": "expired credentials", "InvalidToken": "invalid credentials",
-              "AccountProblem": "account problem", "InvalidBucketName": "invalid bucket name",
-              "PermanentRedirect": "bucket is in another region", "AuthorizationHeaderMalformed": "wrong region"}
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                    "ServiceUnavailable", "RequestLimitExceeded", "ConditionalRequestConflict", "BadDigest"}
-_NETWORK = (bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, bex.ResponseStreamingError,
-            bex.FlexibleChecksumError, RetriesExceededError)
+_PERMANENT = {
+    "AccessDenied": "access denied",
+    "AllAccessDisabled": "access denied",
+    "InvalidAccessKeyId": "unknown access key",
+    "SignatureDoesNotMatch": "bad secret key",
+    "ExpiredToken": "expired credentials",
+    "InvalidToken": "invalid credentials",
+    "AccountProblem": "account problem",
+    "InvalidBucketName": "invalid bucket name",
+    "PermanentRedirect": "bucket is in another region",
+    "AuthorizationHeaderMalformed": "wrong region",
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+    "ConditionalRequestConflict",
+    "BadDigest",
+}
+_NETWORK = (
+    bex.HTTPClientError,
+    bex.ConnectionError,
+    bex.IncompleteReadError,
+    bex.ResponseStreamingError,
+    bex.FlexibleChecksumError,
+    RetriesExceededError,
+)
 
 
 @dataclass
@@ -60,14 +82,25 @@ class S3Options:
     request_attempts: int = 4  # tries of one HTTP request (one part) before the operation fails
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
-    urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves): see cloud.urgent_timeout
+    urgent_timeout: float = (
+        5.0  # least connect/read timeout under a deadline (emergency saves): see cloud.urgent_timeout
+    )
     endpoint_url: str | None = None  # None: boto3's chain (AWS_ENDPOINT_URL, config files)
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
-        check_fields(self, ints={"part_size": 5 * MiB, "multipart_threshold": 1, "concurrency": 1,
-                                 "page_size": (1, 1000), "request_attempts": 1},
-                     positive=("connect_timeout", "read_timeout", "urgent_timeout"), urls=("endpoint_url",))
+        check_fields(
+            self,
+            ints={
+                "part_size": 5 * MiB,
+                "multipart_threshold": 1,
+                "concurrency": 1,
+                "page_size": (1, 1000),
+                "request_attempts": 1,
+            },
+            positive=("connect_timeout", "read_timeout", "urgent_timeout"),
+            urls=("endpoint_url",),
+        )
 
 
 class S3Storage(CloudStorage):
@@ -91,11 +124,14 @@ class S3Storage(CloudStorage):
         o = self.options
         timeout = urgent_timeout(o, deadline)
         # total_max_attempts=1: botocore's own retries draw jitter from the global random.
-        config = Config(retries={"total_max_attempts": 1, "mode": "standard"},
-                        connect_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
-                        read_timeout=timeout or o.read_timeout, max_pool_connections=max(10, o.concurrency * 2),
-                        request_checksum_calculation="when_supported",
-                        response_checksum_validation="when_supported")
+        config = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=min(o.connect_timeout, timeout or o.connect_timeout),
+            read_timeout=timeout or o.read_timeout,
+            max_pool_connections=max(10, o.concurrency * 2),
+            request_checksum_calculation="when_supported",
+            response_checksum_validation="when_supported",
+        )
         with self._session_lock:
             if self._session is None:
                 self._session = boto3.session.Session()
@@ -104,8 +140,15 @@ class S3Storage(CloudStorage):
         return client
 
     # -- retries and errors --------------------------------------------------------------------
-    def _needs_retry(self, response: Any = None, attempts: int = 1, caught_exception: Any = None, *,
-                     deadline: float | None = None, **_: Any) -> float | None:
+    def _needs_retry(
+        self,
+        response: Any = None,
+        attempts: int = 1,
+        caught_exception: Any = None,
+        *,
+        deadline: float | None = None,
+        **_: Any,
+    ) -> float | None:
         """botocore hook: seconds to wait before re-sending one request, or None to give up."""
         if attempts >= self.options.request_attempts:
             return None
@@ -144,26 +187,33 @@ class S3Storage(CloudStorage):
         e = self._cause(e)
         where = f"s3://{self.bucket}/{self.prefix}{key}"
         if isinstance(e, bex.NoCredentialsError):
-            return StorageError(f"cannot {what} {where}: no AWS credentials found; set AWS_PROFILE or "
-                                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance role")
+            return StorageError(
+                f"cannot {what} {where}: no AWS credentials found; set AWS_PROFILE or "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance role"
+            )
         if isinstance(e, bex.ClientError):
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code == "NoSuchBucket":
-                return StorageError(f"cannot {what} {where}: bucket {self.bucket!r} does not exist; create it "
-                                    "or fix the URL (and AWS_ENDPOINT_URL / region)")
+                return StorageError(
+                    f"cannot {what} {where}: bucket {self.bucket!r} does not exist; create it "
+                    "or fix the URL (and AWS_ENDPOINT_URL / region)"
+                )
             if code in ("NoSuchKey", "404"):
                 return ObjectNotFoundError(f"{self.describe(key)} does not exist")
             if code in _PERMANENT or status == 403:
-                return StorageError(f"cannot {what} {where}: {_PERMANENT.get(code, 'forbidden')} ({code or status});"
-                                    " check the credentials (AWS_PROFILE, keys, instance role) and that the "
-                                    f"bucket policy allows s3:GetObject/PutObject/ListBucket/DeleteObject on {self.bucket!r}")
+                return StorageError(
+                    f"cannot {what} {where}: {_PERMANENT.get(code, 'forbidden')} ({code or status});"
+                    " check the credentials (AWS_PROFILE, keys, instance role) and that the "
+                    f"bucket policy allows s3:GetObject/PutObject/ListBucket/DeleteObject on {self.bucket!r}"
+                )
             if self._transient(e):
                 return StorageError(f"cannot {what} {where} (gave up after retries): {code or status}: {e}")
             return StorageError(f"cannot {what} {where}: {code or status}: {e}")
         if isinstance(e, bex.EndpointConnectionError):
-            return StorageError(f"cannot {what} {where}: cannot reach the endpoint ({e}); check AWS_ENDPOINT_URL "
-                                "and the network")
+            return StorageError(
+                f"cannot {what} {where}: cannot reach the endpoint ({e}); check AWS_ENDPOINT_URL and the network"
+            )
         return StorageError(f"cannot {what} {where} (gave up after retries): {type(e).__name__}: {e}")
 
     # -- the SDK's calls -------------------------------------------------------------------------
@@ -173,8 +223,14 @@ class S3Storage(CloudStorage):
         A copy of the CRC32 in user metadata lets local_copy check downloads against servers that
         do not keep the checksum (moto's PUT).
         """
-        client.upload_file(str(path), self.bucket, self._key(key), Config=self._config(size),
-                           ExtraArgs={"ChecksumCRC32": crc, "Metadata": {META_CRC: crc}}, Callback=self.progress)
+        client.upload_file(
+            str(path),
+            self.bucket,
+            self._key(key),
+            Config=self._config(size),
+            ExtraArgs={"ChecksumCRC32": crc, "Metadata": {META_CRC: crc}},
+            Callback=self.progress,
+        )
 
     def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": data, "ChecksumAlgorithm": "CRC32"}
@@ -197,8 +253,14 @@ class S3Storage(CloudStorage):
             raise bex.ResponseStreamingError(error="incomplete HEAD response")
         # download_fileobj, not download_file: the latter names its temp file with the global random.
         with open(path, "wb") as f:
-            self.client.download_fileobj(self.bucket, full, f, ExtraArgs={"ChecksumMode": "ENABLED"},
-                                         Config=self._config(head["ContentLength"]), Callback=self.progress)
+            self.client.download_fileobj(
+                self.bucket,
+                full,
+                f,
+                ExtraArgs={"ChecksumMode": "ENABLED"},
+                Config=self._config(head["ContentLength"]),
+                Callback=self.progress,
+            )
         want = head.get("ChecksumCRC32") if head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None
         return head["ContentLength"], want or head.get("Metadata", {}).get(META_CRC)
 
@@ -206,12 +268,18 @@ class S3Storage(CloudStorage):
         """About one part per worker, between ``part_size`` and 8x it: every stream busy, few requests."""
         o = self.options
         part = min(max(o.part_size, -(-size // o.concurrency)), 8 * o.part_size)
-        return TransferConfig(multipart_threshold=o.multipart_threshold, multipart_chunksize=part,
-                              max_concurrency=o.concurrency, use_threads=True, preferred_transfer_client="classic")
+        return TransferConfig(
+            multipart_threshold=o.multipart_threshold,
+            multipart_chunksize=part,
+            max_concurrency=o.concurrency,
+            use_threads=True,
+            preferred_transfer_client="classic",
+        )
 
     def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
         pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=full_prefix, PaginationConfig={"PageSize": self.options.page_size})
+            Bucket=self.bucket, Prefix=full_prefix, PaginationConfig={"PageSize": self.options.page_size}
+        )
         return ((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
 
     def _delete_one(self, full: str) -> None:
@@ -220,22 +288,28 @@ class S3Storage(CloudStorage):
     def delete(self, keys: Iterable[str]) -> None:
         full = [self._key(k) for k in keys]
         for i in range(0, len(full), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = full[i:i + 1000]
+            batch = full[i : i + 1000]
 
             def run(batch: builtins.list[str] = batch) -> None:
                 self._delete_batch(batch)
 
-            self._call("delete", batch[0][len(self.prefix):], run)
+            self._call("delete", batch[0][len(self.prefix) :], run)
 
     def _delete_batch(self, batch: builtins.list[str]) -> None:
-        out = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch],
-                                                                     "Quiet": True})
+        out = self.client.delete_objects(
+            Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        )
         errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
         if errors:
             e = errors[0]
             status = 500 if e.get("Code") == "InternalError" else 403
-            raise bex.ClientError({"Error": {"Code": e.get("Code"), "Message": e.get("Message")},
-                                   "ResponseMetadata": {"HTTPStatusCode": status}}, "DeleteObjects")
+            raise bex.ClientError(
+                {
+                    "Error": {"Code": e.get("Code"), "Message": e.get("Message")},
+                    "ResponseMetadata": {"HTTPStatusCode": status},
+                },
+                "DeleteObjects",
+            )
 
     def _exists(self, full: str) -> bool:
         try:
@@ -251,8 +325,7 @@ class S3Storage(CloudStorage):
 
         def run() -> builtins.list[str]:
             aborted = []
-            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
-                                                                                Prefix=self.prefix)
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
             for page in pages:
                 for up in page.get("Uploads", []):
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])

@@ -27,8 +27,13 @@ def has_temp_file(root: Path) -> bool:
 
 def kill_once(storage: Path, losses: Path, during_save: bool, rng: random.Random) -> bool:
     """Start the example and SIGKILL it; True when the kill left a partial save behind."""
-    proc = subprocess.Popen(example_cmd(storage, *ARGS, "--losses", str(losses)), env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        example_cmd(storage, *ARGS, "--losses", str(losses)),
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     start = len(read_losses(losses))
     target = start + rng.randint(1, 6)
     deadline = time.monotonic() + 90

@@ -73,8 +73,9 @@ def corrupt_state_missing(d: Path) -> None:
     (d / "state.pt").unlink()
 
 
-@pytest.mark.parametrize("corrupt", [corrupt_flip, corrupt_truncate, corrupt_no_manifest,
-                                     corrupt_manifest_not_json, corrupt_state_missing])
+@pytest.mark.parametrize(
+    "corrupt", [corrupt_flip, corrupt_truncate, corrupt_no_manifest, corrupt_manifest_not_json, corrupt_state_missing]
+)
 def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, corrupt, caplog):
     guard, model = make_guard(tmp_path)
     bump(model, 1.0)
@@ -129,6 +130,7 @@ def test_retention_never_deletes_newest_complete_when_newer_ones_are_corrupt(tmp
 class _Exploit:
     def __reduce__(self):
         import os
+
         return (os.system, (f"touch {self.marker}",))
 
 
@@ -144,10 +146,19 @@ def test_malicious_pickle_in_checkpoint_is_not_executed(tmp_path, caplog):
     d.mkdir()
     torch.save({"step": 2, "objects": {"model": exploit}}, d / "state.pt")
     import hashlib
+
     blob = (d / "state.pt").read_bytes()
-    (d / "manifest.json").write_text(json.dumps({
-        "format": checkpoint.FORMAT, "step": 2, "reason": "periodic", "time": "2026-01-01T00:00:00+00:00",
-        "files": [{"name": "state.pt", "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}]}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": checkpoint.FORMAT,
+                "step": 2,
+                "reason": "periodic",
+                "time": "2026-01-01T00:00:00+00:00",
+                "files": [{"name": "state.pt", "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}],
+            }
+        )
+    )
     assert pickle.loads(pickle.dumps(1)) == 1  # sanity: pickle itself works here
     fresh, fresh_model = make_guard(tmp_path)
     with caplog.at_level(logging.WARNING, logger="spotguard"):
@@ -160,9 +171,17 @@ def test_malicious_pickle_in_checkpoint_is_not_executed(tmp_path, caplog):
 def test_manifest_with_path_traversal_is_corrupt(tmp_path):
     d = tmp_path / "step-00000003"
     d.mkdir(parents=True)
-    (d / "manifest.json").write_text(json.dumps({
-        "format": checkpoint.FORMAT, "step": 3, "reason": "periodic", "time": "t",
-        "files": [{"name": "../../etc/passwd", "size": 1, "sha256": "0" * 64}]}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": checkpoint.FORMAT,
+                "step": 3,
+                "reason": "periodic",
+                "time": "t",
+                "files": [{"name": "../../etc/passwd", "size": 1, "sha256": "0" * 64}],
+            }
+        )
+    )
     (info,) = checkpoint.scan(open_storage(str(tmp_path)))
     assert info.status == "corrupt" and "unsafe file name" in info.problem
 

@@ -37,8 +37,9 @@ def make(storage, **kw):
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
-    guard = Guard(storage if isinstance(storage, LocalStorage) else str(storage), providers=None,
-                  **kw).track(model=model, optimizer=opt, scheduler=sched)
+    guard = Guard(storage if isinstance(storage, LocalStorage) else str(storage), providers=None, **kw).track(
+        model=model, optimizer=opt, scheduler=sched
+    )
     return guard, model, opt, sched
 
 
@@ -56,8 +57,12 @@ def test_sharded_save_and_resume_restore_everything_exactly(tmp_path, group):
     manifest = guard.save(3)
     assert manifest and manifest.world_size == 1
     assert {f.name for f in manifest.files} == {"rank-00000.pt", "shards/metadata.dcp", "shards/rank-00000.distcp"}
-    want = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), sched.state_dict(),
-            torch.rand(3))  # the random numbers the next step would draw
+    want = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        opt.state_dict(),
+        sched.state_dict(),
+        torch.rand(3),
+    )  # the random numbers the next step would draw
 
     guard2, model2, opt2, sched2 = make(tmp_path)
     train(model2, opt2, sched2, 1)  # diverge first: resume must overwrite all of it
@@ -224,6 +229,7 @@ def test_emergency_abandons_an_inflight_async_sharded_save_and_commits_the_newes
 
 def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_async_sharded_save(tmp_path, group, caplog):
     import datetime as dt
+
     storage = GatedStorage(str(tmp_path))
     guard, model, opt, sched = make(storage, every_steps=1, save_on_exit=False, async_sharded=True)
     guard.stats().write_Bps, guard.stats().state_bytes = 1.0, 10_000  # measured: far too slow for the state

@@ -13,8 +13,12 @@ Pair = namedtuple("Pair", "a b")
 
 def test_snapshot_copies_every_tensor_and_keeps_the_structure():
     w = torch.nn.Parameter(torch.randn(3, 4))
-    state = OrderedDict(w=w, nested={"list": [torch.arange(5), 7, "x"], "pair": Pair(torch.ones(2), None)},
-                        step=torch.tensor(3), meta={"lr": 0.1})
+    state = OrderedDict(
+        w=w,
+        nested={"list": [torch.arange(5), 7, "x"], "pair": Pair(torch.ones(2), None)},
+        step=torch.tensor(3),
+        meta={"lr": 0.1},
+    )
     snap = Staging(pin=False).snapshot(state)
     assert type(snap) is OrderedDict and isinstance(snap["nested"]["pair"], Pair)
     assert torch.equal(snap["w"], w) and not snap["w"].requires_grad and snap["w"].grad_fn is None

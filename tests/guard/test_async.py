@@ -202,6 +202,7 @@ def test_emergency_abandons_an_older_inflight_save_and_commits_the_newest(tmp_pa
 
 def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_save(tmp_path, caplog):
     import datetime as dt
+
     storage = GatedStorage(str(tmp_path))
     g, _ = model_guard(storage, every_steps=1, save_on_exit=False)
     g.stats().write_Bps = 1.0  # measured: one byte per second, far too slow for the state
@@ -233,6 +234,7 @@ class StuckUpload(LocalStorage):
 
 def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_the_deadline(tmp_path, caplog):
     import datetime as dt
+
     caplog.set_level(logging.INFO, logger="spotguard")
     durable = StuckUpload(str(tmp_path / "bucket"))
     g, _ = model_guard(durable, local_dir=str(tmp_path / "nvme"), every_steps=1, save_on_exit=False)
@@ -255,6 +257,7 @@ def test_emergency_abandons_a_stuck_upload_and_neither_step_nor_exit_outlasts_th
 
 def test_emergency_waits_for_an_inflight_save_when_both_fit_in_the_time_left(tmp_path, caplog):
     import datetime as dt
+
     storage = GatedStorage(str(tmp_path))
     g, _ = model_guard(storage, every_steps=1, save_on_exit=False)
     with g:
@@ -309,8 +312,11 @@ def test_an_async_checkpoint_records_extra_as_it_was_at_its_step(tmp_path, monke
         assert saved == {5: {"epoch": 1}}
         g.extra["epoch"] = 3
     # Leaving the block saves the state after the loop: it changed, so it replaces step 5 (issue 17).
-    saved = {i.step: (i.manifest.reason, i.manifest.extra) for i in checkpoint.scan(open_storage(str(tmp_path)))
-             if i.complete}
+    saved = {
+        i.step: (i.manifest.reason, i.manifest.extra)
+        for i in checkpoint.scan(open_storage(str(tmp_path)))
+        if i.complete
+    }
     assert saved == {5: ("final", {"epoch": 3})}
 
 

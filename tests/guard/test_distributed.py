@@ -65,16 +65,21 @@ def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(
     storage = tmp_path / "ckpt"
     # Polling every 0.2 s at ~18 steps/s: the notice (written at step `at` <= 28) is seen well
     # before step 40 whatever the moment of the polling cycle (at 1 s it could be missed).
-    first = stop_when(ddp_example_cmd(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
-                      after_step(tmp_path / "loss-0.jsonl", at),
-                      lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 20}'),
-                      env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)))
+    first = stop_when(
+        ddp_example_cmd(2, storage, *common, "--losses", losses, "--step-sleep", "0.05"),
+        after_step(tmp_path / "loss-0.jsonl", at),
+        lambda _: Path(str(notice).format(rank=1)).write_text('{"deadline_in": 20}'),
+        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
+    )
     assert stopped_for_notice(first), (at, first.stdout, first.stderr[-3000:])
     stops = last_steps(tmp_path, "loss-{rank}.jsonl", 2)
     assert stops[0] == stops[1] and at <= stops[0] < 40, (at, stops)
     for r in range(2):  # rank 0 saw no notice, yet its emergency save ran against rank 1's deadline
-        left = re.search(rf"\[rank {r}\] spotguard.guard.stop: emergency checkpoint of step {stops[0]} "
-                         rf"committed in [0-9.]+s, T-([0-9.]+)s before the deadline", first.stderr)
+        left = re.search(
+            rf"\[rank {r}\] spotguard.guard.stop: emergency checkpoint of step {stops[0]} "
+            rf"committed in [0-9.]+s, T-([0-9.]+)s before the deadline",
+            first.stderr,
+        )
         assert left and 0 < float(left.group(1)) <= 20, (r, first.stderr[-3000:])
     info = latest(open_storage(str(storage)))
     assert info and info.step == stops[0] and info.manifest and info.manifest.world_size == 2
@@ -104,10 +109,24 @@ def single_rank_group():
 @pytest.mark.slow
 def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_group):
     storage, losses = tmp_path / "ckpt", str(tmp_path / "loss4-{rank}.jsonl")
-    four = stop_when(ddp_example_cmd(4, storage, "--steps", "200", "--every-steps", "0", "--step-sleep", "0.05",
-                                     "--losses", losses, "--final", str(tmp_path / "at-stop.pt")),
-                     after_step(tmp_path / "loss4-0.jsonl", _rng.randint(3, 8)),
-                     lambda proc: os.kill(worker_pid(proc.pid, 2), signal.SIGUSR1))
+    four = stop_when(
+        ddp_example_cmd(
+            4,
+            storage,
+            "--steps",
+            "200",
+            "--every-steps",
+            "0",
+            "--step-sleep",
+            "0.05",
+            "--losses",
+            losses,
+            "--final",
+            str(tmp_path / "at-stop.pt"),
+        ),
+        after_step(tmp_path / "loss4-0.jsonl", _rng.randint(3, 8)),
+        lambda proc: os.kill(worker_pid(proc.pid, 2), signal.SIGUSR1),
+    )
     assert stopped_for_notice(four), four.stderr[-3000:]
     stops = last_steps(tmp_path, "loss4-{rank}.jsonl", 4)
     assert len(set(stops)) == 1, stops
@@ -121,23 +140,42 @@ def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_
 
     # ... and on 2 ranks too, on every rank, naming the data loader's position; then (same launch)
     # with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
-    two = run(ddp_example_cmd(2, storage, "--steps", str(stops[0]), "--final", str(tmp_path / "resharded.pt"),
-                              script=WORKERS / "dist_reshard.py"))
+    two = run(
+        ddp_example_cmd(
+            2,
+            storage,
+            "--steps",
+            str(stops[0]),
+            "--final",
+            str(tmp_path / "resharded.pt"),
+            script=WORKERS / "dist_reshard.py",
+        )
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     for r in range(2):
-        assert re.search(rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "
-                         r"RNG streams and loader.*reshard='reset-data'", two.stdout, re.M), two.stdout[-3000:]
+        assert re.search(
+            rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "
+            r"RNG streams and loader.*reshard='reset-data'",
+            two.stdout,
+            re.M,
+        ), two.stdout[-3000:]
     assert f"resuming at step {stops[0]}" in two.stdout
-    assert_same(torch.load(tmp_path / "resharded.pt", weights_only=True),
-                torch.load(tmp_path / "at-stop.pt", weights_only=True))
+    assert_same(
+        torch.load(tmp_path / "resharded.pt", weights_only=True), torch.load(tmp_path / "at-stop.pt", weights_only=True)
+    )
 
 
 @pytest.mark.slow
 def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
     root, marker = tmp_path / "ckpt", tmp_path / "hanging.pid"
-    proc = subprocess.Popen(torchrun(2, WORKERS / "dist_blocking_save.py", str(root), str(marker)),
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        torchrun(2, WORKERS / "dist_blocking_save.py", str(root), str(marker)),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while not (marker.exists() and (root / "step-00000002" / "rank-00000.pt").exists()):
@@ -163,11 +201,13 @@ def test_storage_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
     done = run(torchrun(2, WORKERS / "dist_one_rank_fails.py", str(tmp_path / "ckpt")), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     got = {(r["case"], r["rank"]): (r["kind"], r["seconds"], r["message"]) for r in worker_results(tmp_path)}
-    causes = {"save-state": "rank 1: RuntimeError: injected: no state",
-              "save-shard": "rank 1: StorageError: injected: cannot write step-00000004/shards/rank-00001.distcp",
-              "load-rank-file": "rank 1: StorageError: injected: cannot read step-00000002/rank-00001.pt",
-              "load-metadata": "rank 1: StorageError: injected: cannot read step-00000002/shards/metadata.dcp",
-              "load-shard": "rank 1: StorageError: injected: cannot read step-00000002/shards/rank-0000"}
+    causes = {
+        "save-state": "rank 1: RuntimeError: injected: no state",
+        "save-shard": "rank 1: StorageError: injected: cannot write step-00000004/shards/rank-00001.distcp",
+        "load-rank-file": "rank 1: StorageError: injected: cannot read step-00000002/rank-00001.pt",
+        "load-metadata": "rank 1: StorageError: injected: cannot read step-00000002/shards/metadata.dcp",
+        "load-shard": "rank 1: StorageError: injected: cannot read step-00000002/shards/rank-0000",
+    }
     for case, cause in causes.items():
         for rank in (0, 1):
             kind, seconds, message = got[case, rank]

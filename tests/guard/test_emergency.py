@@ -13,16 +13,19 @@ def test_nothing_in_flight_or_the_stop_step_itself():
     assert decide(10, 10, 30.0, 1.0, 1.0) is Inflight.SAME
 
 
-@pytest.mark.parametrize(("left", "fresh", "rest", "expected"), [
-    (30.0, 5.0, 5.0, Inflight.WAIT),  # both fit in 90% of the time left
-    (30.0, 28.0, 1.0, Inflight.KEEP),  # the emergency save cannot fit: the in-flight one is the resume point
-    (30.0, 28.0, None, Inflight.KEEP),  # its remaining time unknown: still the only chance
-    (30.0, 28.0, 40.0, Inflight.ABANDON),  # it misses too: the newer state wins
-    (30.0, 20.0, 10.0, Inflight.ABANDON),  # each fits alone, not both
-    (30.0, None, 1.0, Inflight.ABANDON),  # nothing measured
-    (None, 1.0, 1.0, Inflight.ABANDON),  # no deadline known
-    (-5.0, 1.0, 0.0, Inflight.KEEP),  # past the deadline: nothing new can fit
-])
+@pytest.mark.parametrize(
+    ("left", "fresh", "rest", "expected"),
+    [
+        (30.0, 5.0, 5.0, Inflight.WAIT),  # both fit in 90% of the time left
+        (30.0, 28.0, 1.0, Inflight.KEEP),  # the emergency save cannot fit: the in-flight one is the resume point
+        (30.0, 28.0, None, Inflight.KEEP),  # its remaining time unknown: still the only chance
+        (30.0, 28.0, 40.0, Inflight.ABANDON),  # it misses too: the newer state wins
+        (30.0, 20.0, 10.0, Inflight.ABANDON),  # each fits alone, not both
+        (30.0, None, 1.0, Inflight.ABANDON),  # nothing measured
+        (None, 1.0, 1.0, Inflight.ABANDON),  # no deadline known
+        (-5.0, 1.0, 0.0, Inflight.KEEP),  # past the deadline: nothing new can fit
+    ],
+)
 def test_an_older_save_in_flight_is_waited_for_kept_or_abandoned(left, fresh, rest, expected):
     assert decide(7, 10, left, fresh, rest) is expected
 

@@ -121,8 +121,9 @@ def test_resume_restores_every_global_random_stream_and_extra(tmp_path):
 
 def test_loader_with_its_own_generator_resumes_exactly(tmp_path):
     def make():
-        return StatefulDataLoader(list(range(20)), batch_size=4, shuffle=True,
-                                  generator=torch.Generator().manual_seed(3))
+        return StatefulDataLoader(
+            list(range(20)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
 
     def batches(iterable):
         return [b.tolist() for b in iterable]
@@ -180,8 +181,7 @@ class FailingStorage(LocalStorage):
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, caplog, async_save):
-    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[], every_steps=1, busy="wait",
-                        async_save=async_save)
+    g = spotguard.Guard(FailingStorage(str(tmp_path)), providers=[], every_steps=1, busy="wait", async_save=async_save)
     g.track(model=torch.nn.Linear(1, 1))
     with pytest.raises(spotguard.StorageError, match="bucket unreachable"), g:
         assert [g.step(s) for s in (1, 2, 3)] == [False, False, False]
@@ -200,7 +200,6 @@ def test_failed_emergency_save_still_stops_and_says_what_is_lost(tmp_path, caplo
     assert "9 step(s) lost" in caplog.text
 
 
-
 class SlowStorage(LocalStorage):
     """Every stored file costs ``delay`` seconds: a known checkpoint cost."""
 
@@ -213,8 +212,10 @@ class SlowStorage(LocalStorage):
 
 def test_auto_interval_follows_the_measured_checkpoint_cost(tmp_path):
     from spotguard.planner import daly_interval
-    g = spotguard.Guard(SlowStorage(str(tmp_path)), providers=[], every_seconds="auto", mtbf_hours=1.0,
-                        async_save=False, keep=1)
+
+    g = spotguard.Guard(
+        SlowStorage(str(tmp_path)), providers=[], every_seconds="auto", mtbf_hours=1.0, async_save=False, keep=1
+    )
     g.track(model=torch.nn.Linear(2, 2))
     assert g.schedule.every_seconds() == 600.0  # before any measurement: the planner's starting guess
     for step in range(1, 6):

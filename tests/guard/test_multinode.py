@@ -44,13 +44,30 @@ _rng = random.Random()
 
 def node_cmd(port: int, job: str, *args: str) -> list[str]:
     """One node's torchrun: 1 worker, joining a 2-node job at the c10d store on 127.0.0.1:port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-            "--local-addr", "127.0.0.1", str(EXAMPLE_DDP), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        job,
+        "--local-addr",
+        "127.0.0.1",
+        str(EXAMPLE_DDP),
+        *args,
+    ]
 
 
-def run_nodes(tmp: Path, servers, storage: Path, *args: str, losses: str, act_at: int | None = None,
-              act=None) -> list[subprocess.CompletedProcess[str]]:
+def run_nodes(
+    tmp: Path, servers, storage: Path, *args: str, losses: str, act_at: int | None = None, act=None
+) -> list[subprocess.CompletedProcess[str]]:
     """Start both nodes (node i reads servers[i]'s metadata); at step ``act_at`` of rank 0 call ``act()``."""
     port, job = free_port(), f"job-{_rng.randrange(1 << 30)}"
     cmd = node_cmd(port, job, "--storage", str(storage), *ARGS, "--losses", losses, *args)
@@ -65,14 +82,23 @@ def run_nodes(tmp: Path, servers, storage: Path, *args: str, losses: str, act_at
         return [first, other.result()]
 
 
-def test_spot_notice_on_one_node_stops_both_nodes_on_one_step_and_resume_is_exact(tmp_path, mock_metadata,
-                                                                                  ddp_reference):
+def test_spot_notice_on_one_node_stops_both_nodes_on_one_step_and_resume_is_exact(
+    tmp_path, mock_metadata, ddp_reference
+):
     ref = ddp_reference  # 2 ranks on one node: the same losses, bit for bit
 
     servers = [mock_metadata("aws"), mock_metadata("aws")]
     storage, losses, at = tmp_path / "ckpt", str(tmp_path / "loss-{rank}.jsonl"), _rng.randint(4, 25)
-    first = run_nodes(tmp_path, servers, storage, "--step-sleep", "0.05", losses=losses, act_at=at,
-                      act=lambda: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", servers[1].url]))
+    first = run_nodes(
+        tmp_path,
+        servers,
+        storage,
+        "--step-sleep",
+        "0.05",
+        losses=losses,
+        act_at=at,
+        act=lambda: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", servers[1].url]),
+    )
     for node in first:
         assert stopped_for_notice(node), (at, node.stderr[-3000:])
     stops = [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)]

@@ -32,10 +32,15 @@ COMMON = EXAMPLE_ARGS
 _rng = random.Random()  # the test's own randomness, reported so a failure can be replayed
 
 
-def stop_at(storage: Path, losses: Path, args: tuple[str, ...], at_step: int, sig: int) -> subprocess.CompletedProcess[str]:
+def stop_at(
+    storage: Path, losses: Path, args: tuple[str, ...], at_step: int, sig: int
+) -> subprocess.CompletedProcess[str]:
     """Run the example and send ``sig`` once it has logged ``at_step``; return the finished process."""
-    return stop_when(example_cmd(storage, *args, "--losses", str(losses), "--step-sleep", "0.03"),
-                     after_step(losses, at_step), signal_to(sig))
+    return stop_when(
+        example_cmd(storage, *args, "--losses", str(losses), "--step-sleep", "0.03"),
+        after_step(losses, at_step),
+        signal_to(sig),
+    )
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
@@ -79,6 +84,21 @@ def test_second_sigterm_terminates_at_once(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
 
-    done = stop_when(example_cmd(tmp_path / "ckpt", "--steps", "100000", "--every-steps", "0", "--num-workers", "0",
-                                 "--losses", str(losses), "--step-sleep", "0.05"), after_step(losses, 1), twice)
+    done = stop_when(
+        example_cmd(
+            tmp_path / "ckpt",
+            "--steps",
+            "100000",
+            "--every-steps",
+            "0",
+            "--num-workers",
+            "0",
+            "--losses",
+            str(losses),
+            "--step-sleep",
+            "0.05",
+        ),
+        after_step(losses, 1),
+        twice,
+    )
     assert done.returncode in (-signal.SIGTERM, EXIT_PREEMPTED), done.stderr[-3000:]

@@ -136,19 +136,33 @@ def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 12
     """One 2-rank job (output in ``work``): torchrun, or two plain processes (rank 0 hosts the TCP store)."""
     port = str(free_port())
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", port, str(WORKER), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            str(WORKER),
+            *args,
+        ]
         envs = [subprocess_env()]
     else:
         cmd = [sys.executable, str(WORKER), *args]
-        envs = [subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=port) for r in range(2)]
+        envs = [
+            subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            for r in range(2)
+        ]
     logs = [work / f"out-{i}.log" for i in range(len(envs))]
     procs = []
     for env, log in zip(envs, logs, strict=True):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            )
     codes = _finish(procs, timeout)
     return Run("torchrun" if torchrun else "processes", codes, "".join(log.read_text() for log in logs))
 
@@ -157,8 +171,13 @@ def forked(tmp: Path, order: str, first: int, last: int, timeout: float = 600) -
     """Jobs ``first``..``last`` of a chain, each rank a forked process (``dist_teardown.py --fork-chain``)."""
     log = tmp / "launcher.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(WORKER), "--fork-chain", order, str(tmp), str(first), str(last)],
-                                env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "--fork-chain", order, str(tmp), str(first), str(last)],
+            env=subprocess_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     assert _finish([proc], timeout) == [0], f"the launcher failed ({order}): {log.read_text()[-3000:]}"
     runs = []
     for index in range(first, last + 1):

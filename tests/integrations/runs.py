@@ -24,8 +24,18 @@ SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step 
 
 
 def command(script: str, run_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, str(REPO / "examples" / script), "--storage", str(run_dir / "ckpt"),
-            "--losses", str(run_dir / "losses.jsonl"), "--trace", str(run_dir / "trace.jsonl"), "--quiet", *args]
+    return [
+        sys.executable,
+        str(REPO / "examples" / script),
+        "--storage",
+        str(run_dir / "ckpt"),
+        "--losses",
+        str(run_dir / "losses.jsonl"),
+        "--trace",
+        str(run_dir / "trace.jsonl"),
+        "--quiet",
+        *args,
+    ]
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -36,9 +46,14 @@ def run(script: str, run_dir: Path, *args: str, env: dict[str, str] | None = Non
     return helpers.run(command(script, run_dir, *args), env=env, cwd=run_dir)
 
 
-def stop_when(script: str, run_dir: Path, args: tuple[str, ...], ready: Callable[[], bool],
-              stop: Callable[[subprocess.Popen], object], env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess[str]:
+def stop_when(
+    script: str,
+    run_dir: Path,
+    args: tuple[str, ...],
+    ready: Callable[[], bool],
+    stop: Callable[[subprocess.Popen], object],
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Start the example, call ``stop(proc)`` once ``ready()`` holds, and return the finished process."""
     return helpers.stop_when(command(script, run_dir, *args), ready, stop, env=env, cwd=run_dir)
 
@@ -65,8 +80,9 @@ def reference_run(script: str, run_dir: Path, *args: str) -> tuple[list[tuple[in
     return read_losses(run_dir / "losses.jsonl"), run_dir / "final.pt"
 
 
-def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str, ...], steps: int,
-                                     mock_metadata, rng) -> int:
+def stop_by_signal_then_cloud_notice(
+    script: str, run_dir: Path, args: tuple[str, ...], steps: int, mock_metadata, rng
+) -> int:
     """A real SIGTERM at a random step, then (resumed) a notice from the AWS mock at a later random step.
 
     Both runs must exit 75 with an emergency checkpoint of their last step; returns that step.
@@ -83,8 +99,13 @@ def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str
     env = subprocess_env(**endpoint_env("aws", server.url))
     at = rng.randint(stopped + 2, steps - 5)
     second = stop_when(
-        script, run_dir, (*args, *SLOW, "--providers", "signal,aws"), after_step(run_dir / "losses.jsonl", at),
-        lambda proc: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", server.url]), env=env)
+        script,
+        run_dir,
+        (*args, *SLOW, "--providers", "signal,aws"),
+        after_step(run_dir / "losses.jsonl", at),
+        lambda proc: spotguard_main(["simulate-preemption", "--cloud", "aws", "--endpoint", server.url]),
+        env=env,
+    )
     assert "notice from aws" in second.stdout, second.stdout
     stopped = assert_stopped(second, run_dir)
     assert at <= stopped < steps
@@ -92,8 +113,9 @@ def stop_by_signal_then_cloud_notice(script: str, run_dir: Path, args: tuple[str
     return stopped
 
 
-def stop_during_evaluation_then_warmup(script: str, run_dir: Path, args: tuple[str, ...], eval_steps: list[int],
-                                       eval_batches: int, rng) -> subprocess.CompletedProcess[str]:
+def stop_during_evaluation_then_warmup(
+    script: str, run_dir: Path, args: tuple[str, ...], eval_steps: list[int], eval_batches: int, rng
+) -> subprocess.CompletedProcess[str]:
     """SIGTERM while an evaluation runs (it is cut short, the step is checkpointed), then, resumed,
     SIGTERM during the warm-up before the first step (nothing new to save: stop at the resume point)."""
     at = rng.choice(eval_steps)
@@ -116,7 +138,9 @@ def stop_during_evaluation_then_warmup(script: str, run_dir: Path, args: tuple[s
     return first
 
 
-def finish_identically(script: str, run_dir: Path, args: tuple[str, ...], reference) -> subprocess.CompletedProcess[str]:
+def finish_identically(
+    script: str, run_dir: Path, args: tuple[str, ...], reference
+) -> subprocess.CompletedProcess[str]:
     """The last, uninterrupted resume: losses of every step and the final parameters equal the reference."""
     last = run(script, run_dir, *args, "--final", str(run_dir / "final.pt"))
     assert last.returncode == 0, last.stderr[-4000:]

@@ -74,20 +74,24 @@ def test_notice_watch_flags_stop_and_advisory_notices():
     assert watch.due and watch.preempted.is_set() and watch.exit_code == EXIT_PREEMPTED
     assert not watch.take_advisory() and watch.due  # a stop stays due
     import time
+
     assert 100 < watch.deadline() - time.monotonic() <= 120
 
 
 def test_spotguard_never_imports_a_trainer_and_names_the_extra_when_one_is_missing():
-    code = ("import sys, spotguard, spotguard.integrations, spotguard.integrations.accelerate\n"
-            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))\n"
-            "sys.modules['transformers'] = None; sys.modules['lightning'] = None\n"
-            "for name in ('hf', 'lightning'):\n"
-            "    try:\n"
-            "        __import__('spotguard.integrations.' + name)\n"
-            "    except ImportError as e:\n"
-            "        print(type(e).__name__, e)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import sys, spotguard, spotguard.integrations, spotguard.integrations.accelerate\n"
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))\n"
+        "sys.modules['transformers'] = None; sys.modules['lightning'] = None\n"
+        "for name in ('hf', 'lightning'):\n"
+        "    try:\n"
+        "        __import__('spotguard.integrations.' + name)\n"
+        "    except ImportError as e:\n"
+        "        print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "[]"

@@ -24,4 +24,8 @@ def test_each_rank_serves_its_own_endpoint_and_writes_its_own_file(tmp_path):
         assert got["spotguard_checkpoints_total"] == 2  # steps 2 and 4, sharded and collective
         events = [json.loads(line) for line in (tmp_path / f"metrics-{rank}.jsonl").read_text().splitlines()]
         assert [(e["event"], e.get("step")) for e in events] == [
-            ("resume", 0), ("checkpoint", 2), ("checkpoint", 4), ("close", 4)]
+            ("resume", 0),
+            ("checkpoint", 2),
+            ("checkpoint", 4),
+            ("close", 4),
+        ]

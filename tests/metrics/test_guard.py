@@ -28,8 +28,11 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(url, timeout=10) as answer:
         assert answer.status == 200
         text = answer.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float | None:
@@ -50,8 +53,15 @@ def records(path) -> list[dict]:
 def test_endpoint_reports_steps_checkpoints_notices_by_kind_and_the_stop(tmp_path, mock_metadata):
     server = mock_metadata("aws")
     jsonl = tmp_path / "metrics.jsonl"
-    guard = spotguard.Guard(str(tmp_path / "ckpt"), every_steps=5, providers=[AwsProvider(server.url)],
-                            interval=0.05, metrics_port=0, metrics_file=str(jsonl), mtbf_hours=6)
+    guard = spotguard.Guard(
+        str(tmp_path / "ckpt"),
+        every_steps=5,
+        providers=[AwsProvider(server.url)],
+        interval=0.05,
+        metrics_port=0,
+        metrics_file=str(jsonl),
+        mtbf_hours=6,
+    )
     guard.track(model=torch.nn.Linear(8, 8))
     assert guard.resume() == 0
     url = guard.metrics.endpoint.url
@@ -101,8 +111,12 @@ def test_endpoint_reports_steps_checkpoints_notices_by_kind_and_the_stop(tmp_pat
     recs = records(jsonl)
     events = [r["event"] for r in recs]
     assert events[0] == "resume" and events[-2:] == ["stop", "close"]
-    assert [(r["step"], r["reason"]) for r in recs if r["event"] == "checkpoint"] == \
-        [(5, "periodic"), (10, "periodic"), (13, "advisory"), (14, "emergency")]
+    assert [(r["step"], r["reason"]) for r in recs if r["event"] == "checkpoint"] == [
+        (5, "periodic"),
+        (10, "periodic"),
+        (13, "advisory"),
+        (14, "emergency"),
+    ]
     assert [r["kind"] for r in recs if r["event"] == "notice"] == ["rebalance", "terminate"]
     stop = recs[-2]
     assert stop["committed"] and stop["lost_s"] == 0 and stop["step"] == 14 and stop["provider"] == "aws"
@@ -110,14 +124,16 @@ def test_endpoint_reports_steps_checkpoints_notices_by_kind_and_the_stop(tmp_pat
     # The file is a stats file for `spotguard plan --stats` as it is.
     assert load_stats(jsonl).checkpoint_s == pytest.approx(
         sum(r["snapshot_s"] for r in recs if r.get("snapshot_s") is not None)
-        / sum(1 for r in recs if r.get("snapshot_s") is not None))
+        / sum(1 for r in recs if r.get("snapshot_s") is not None)
+    )
 
 
 def test_failed_saves_and_the_work_lost_when_the_emergency_checkpoint_fails(tmp_path):
     """A plain file where a step's directory must go makes its save fail for real."""
     root, jsonl = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    guard = spotguard.Guard(str(root), every_steps=5, providers=["signal"], interval=0.05, async_save=False,
-                            metrics_file=str(jsonl))
+    guard = spotguard.Guard(
+        str(root), every_steps=5, providers=["signal"], interval=0.05, async_save=False, metrics_file=str(jsonl)
+    )
     guard.track(model=torch.nn.Linear(4, 4))
     guard.resume()
     with pytest.raises(OSError, match="File exists"), guard:  # a clean exit re-raises the failed save
@@ -161,20 +177,24 @@ def test_resume_point_of_an_earlier_run_counts_for_the_work_lost(tmp_path):
     manifest_time = json.loads((root / "step-00000003" / "manifest.json").read_text())["time"]
     assert resumed["checkpoint_time"] == manifest_time
     from datetime import datetime
+
     assert stop["lost_s"] == pytest.approx(stop["unix"] - datetime.fromisoformat(manifest_time).timestamp(), abs=0.01)
 
 
 def test_bad_metrics_options_and_a_missing_prometheus_client(tmp_path):
     with pytest.raises(spotguard.ConfigError, match="metrics_port"):
         spotguard.Guard(str(tmp_path), providers=[], metrics_port=70000)
-    code = ("import sys\nsys.modules['prometheus_client'] = None\nimport spotguard\n"
-            f"g = spotguard.Guard({str(tmp_path / 'a')!r}, providers=[], metrics_file={str(tmp_path / 'm.jsonl')!r})\n"
-            "g.close()\n"  # JSON lines alone need no extra
-            "try:\n"
-            f"    spotguard.Guard({str(tmp_path / 'b')!r}, providers=[], metrics_port=0)\n"
-            "except spotguard.MissingDependencyError as e:\n    print(e)\n    sys.exit(3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys\nsys.modules['prometheus_client'] = None\nimport spotguard\n"
+        f"g = spotguard.Guard({str(tmp_path / 'a')!r}, providers=[], metrics_file={str(tmp_path / 'm.jsonl')!r})\n"
+        "g.close()\n"  # JSON lines alone need no extra
+        "try:\n"
+        f"    spotguard.Guard({str(tmp_path / 'b')!r}, providers=[], metrics_port=0)\n"
+        "except spotguard.MissingDependencyError as e:\n    print(e)\n    sys.exit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 3, proc.stderr
     assert "pip install 'spotguard[metrics]'" in proc.stdout
     assert [json.loads(line)["event"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == ["close"]

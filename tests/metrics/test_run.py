@@ -48,14 +48,37 @@ def test_restarts_by_cause_on_the_endpoint_in_json_lines_and_the_json_summary(tm
     job, scraped, jsonl = tmp_path / "job.py", tmp_path / "scraped.txt", tmp_path / "run.jsonl"
     job.write_text(JOB)
     port = free_port()
-    cmd = [sys.executable, "-m", "spotguard", "run", "--storage", str(tmp_path / "ckpt"), "--backoff", "0.05",
-           "--hang-timeout", "1.5", "--json", "--metrics-port", str(port), "--metrics-file", str(jsonl),
-           "--", sys.executable, str(job), str(tmp_path / "count"), str(port), str(scraped)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotguard",
+        "run",
+        "--storage",
+        str(tmp_path / "ckpt"),
+        "--backoff",
+        "0.05",
+        "--hang-timeout",
+        "1.5",
+        "--json",
+        "--metrics-port",
+        str(port),
+        "--metrics-file",
+        str(jsonl),
+        "--",
+        sys.executable,
+        str(job),
+        str(tmp_path / "count"),
+        str(port),
+        str(scraped),
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr
 
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for f in text_string_to_metric_families(scraped.read_text()) for s in f.samples}
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(scraped.read_text())
+        for s in f.samples
+    }
     assert value(got, "spotguard_run_starts_total") == 5
     for cause in ("exit_code", "signal", "startup_timeout", "hang"):
         assert value(got, "spotguard_run_restarts_total", cause=cause) == 1, cause
@@ -72,9 +95,13 @@ def test_restarts_by_cause_on_the_endpoint_in_json_lines_and_the_json_summary(tm
     assert summary["restart_causes"] == {"exit_code": 1, "signal": 1, "startup_timeout": 1, "hang": 1}
     exits = summary["exits"]
     assert [(e["cause"], e["exit_code"], e["signal"], e["restart"]) for e in exits] == [
-        ("exit_code", 3, None, True), ("signal", 137, "SIGKILL", True),
+        ("exit_code", 3, None, True),
+        ("signal", 137, "SIGKILL", True),
         # A hung job gets SIGUSR2 to dump its stacks; this one has no handler (no Guard) and dies of it.
-        ("startup_timeout", 140, "SIGUSR2", True), ("hang", 140, "SIGUSR2", True), ("preempted", 75, None, False)]
+        ("startup_timeout", 140, "SIGUSR2", True),
+        ("hang", 140, "SIGUSR2", True),
+        ("preempted", 75, None, False),
+    ]
     assert [e["step"] for e in exits] == [0, 0, 0, 7, 9]
     assert all(e["lost_s"] is not None and 0 <= e["lost_s"] <= e["seconds"] + 0.1 for e in exits)
     assert exits[2]["seconds"] >= 1.5 and exits[3]["seconds"] >= 1.5  # the watchdog's timeouts
@@ -86,12 +113,29 @@ def test_restarts_by_cause_on_the_endpoint_in_json_lines_and_the_json_summary(tm
 
 
 def test_json_summary_when_the_restart_budget_is_used_up(tmp_path):
-    cmd = [sys.executable, "-m", "spotguard", "run", "--storage", str(tmp_path / "ckpt"), "--backoff", "0.05",
-           "--max-restarts", "1", "--json", "--", sys.executable, "-c", "import sys; sys.exit(4)"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotguard",
+        "run",
+        "--storage",
+        str(tmp_path / "ckpt"),
+        "--backoff",
+        "0.05",
+        "--max-restarts",
+        "1",
+        "--json",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; sys.exit(4)",
+    ]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["exit_code"] == 2 and summary["outcome"] == "gave_up" and summary["restarts"] == 1
     assert "restart budget is used up" in summary["error"] and "restart budget is used up" in proc.stderr
-    assert [(e["cause"], e["exit_code"], e["restart"]) for e in summary["exits"]] == \
-        [("exit_code", 4, True), ("exit_code", 4, False)]
+    assert [(e["cause"], e["exit_code"], e["restart"]) for e in summary["exits"]] == [
+        ("exit_code", 4, True),
+        ("exit_code", 4, False),
+    ]

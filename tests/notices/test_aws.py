@@ -61,11 +61,13 @@ def test_active_maintenance_within_the_horizon_is_a_notice(mock_metadata):
 def test_maintenance_that_is_canceled_unknown_or_badly_dated_is_not_a_stop(mock_metadata, caplog):
     server = mock_metadata("aws")
     soon = (utcnow() + dt.timedelta(seconds=60)).strftime("%d %b %Y %H:%M:%S GMT")
-    server.mock.values["events/maintenance/scheduled"] = json.dumps([
-        {"Code": "instance-stop", "NotBefore": soon, "State": "canceled", "EventId": "e1"},
-        {"Code": "instance-stop", "NotBefore": soon, "State": "completed", "EventId": "e2"},
-        {"Code": "instance-stop", "NotBefore": "next tuesday", "State": "active", "EventId": "e3"},
-    ])
+    server.mock.values["events/maintenance/scheduled"] = json.dumps(
+        [
+            {"Code": "instance-stop", "NotBefore": soon, "State": "canceled", "EventId": "e1"},
+            {"Code": "instance-stop", "NotBefore": soon, "State": "completed", "EventId": "e2"},
+            {"Code": "instance-stop", "NotBefore": "next tuesday", "State": "active", "EventId": "e3"},
+        ]
+    )
     with caplog.at_level(logging.WARNING, "spotguard.notices.aws"):
         assert provider(server).poll() is None
     assert "bad NotBefore" in caplog.text
@@ -225,7 +227,7 @@ def test_ec2_metadata_library_reads_the_mock_spot_notice(mock_metadata):
 def test_a_found_spot_notice_survives_a_failing_later_read(mock_metadata):
     server = mock_metadata("aws")
     original = server.mock.handle
-    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    server.mock.handle = lambda req: type(original(req))(503) if "maintenance" in req.path else original(req)
     p = provider(server)
     with pytest.raises(MetadataHTTPError):
         p.poll()  # nothing found, then the maintenance read fails: the watcher backs off
@@ -244,8 +246,9 @@ def test_the_same_malformed_content_warns_once(mock_metadata, caplog):
 
 
 # -- issue 17: notices as real clouds send them ------------------------------------------------
-@pytest.mark.parametrize("code", ["instance-retirement", "instance-stop", "instance-reboot", "system-reboot",
-                                  "system-maintenance"])
+@pytest.mark.parametrize(
+    "code", ["instance-retirement", "instance-stop", "instance-reboot", "system-reboot", "system-maintenance"]
+)
 def test_every_documented_scheduled_event_code_is_a_stop_notice(mock_metadata, code):
     server = mock_metadata("aws")
     event = server.mock.trigger("maintenance", action=code, warning=300)
@@ -266,8 +269,13 @@ def test_a_stale_spot_time_gives_the_documented_two_minutes_not_a_passed_deadlin
 
 def _scheduled(not_before: dt.datetime, not_after: dt.datetime | None = None, code="system-reboot") -> str:
     fmt = "%d %b %Y %H:%M:%S GMT"
-    event = {"Code": code, "Description": "scheduled reboot", "EventId": "instance-event-0d59937288b749b32",
-             "NotBefore": not_before.strftime(fmt), "State": "active"}
+    event = {
+        "Code": code,
+        "Description": "scheduled reboot",
+        "EventId": "instance-event-0d59937288b749b32",
+        "NotBefore": not_before.strftime(fmt),
+        "State": "active",
+    }
     if not_after is not None:
         event["NotAfter"] = not_after.strftime(fmt)
     return json.dumps([event])
@@ -276,12 +284,14 @@ def _scheduled(not_before: dt.datetime, not_after: dt.datetime | None = None, co
 def test_a_maintenance_window_already_open_runs_to_not_after_or_two_minutes(mock_metadata):
     server = mock_metadata("aws")
     now = utcnow().replace(microsecond=0)
-    server.mock.values["events/maintenance/scheduled"] = _scheduled(now - dt.timedelta(minutes=10),
-                                                                    now + dt.timedelta(minutes=50))
+    server.mock.values["events/maintenance/scheduled"] = _scheduled(
+        now - dt.timedelta(minutes=10), now + dt.timedelta(minutes=50)
+    )
     notice = provider(server).poll()
     assert notice.kind == "maintenance" and notice.deadline == now + dt.timedelta(minutes=50)
-    server.mock.values["events/maintenance/scheduled"] = _scheduled(now - dt.timedelta(minutes=10),
-                                                                    code="instance-retirement")
+    server.mock.values["events/maintenance/scheduled"] = _scheduled(
+        now - dt.timedelta(minutes=10), code="instance-retirement"
+    )
     notice = provider(server).poll()
     assert notice.kind == "maintenance" and 115 < notice.seconds_left() <= 120
 

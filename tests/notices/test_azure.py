@@ -202,8 +202,9 @@ def test_guard_acknowledges_only_after_the_emergency_checkpoint_is_committed(moc
 
     def spy(req):  # what storage holds at the moment the acknowledgement arrives
         if req.method == "POST":
-            committed_at_ack.append([i.step for i in scan(spotguard.open_storage(str(tmp_path / "ckpt")))
-                                     if i.complete])
+            committed_at_ack.append(
+                [i.step for i in scan(spotguard.open_storage(str(tmp_path / "ckpt"))) if i.complete]
+            )
         return original(req)
 
     server.mock.handle = spy

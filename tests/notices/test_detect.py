@@ -50,9 +50,11 @@ def test_a_silent_endpoint_delays_start_by_at_most_about_a_second(monkeypatch):
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # never accept(): connects succeed, requests never get an answer
         port = silent.getsockname()[1]
-        for name, value in {"AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{port}",
-                            "GCE_METADATA_HOST": f"127.0.0.1:{port}",
-                            "SPOTGUARD_AZURE_METADATA_ENDPOINT": f"http://127.0.0.1:{port}"}.items():
+        for name, value in {
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{port}",
+            "GCE_METADATA_HOST": f"127.0.0.1:{port}",
+            "SPOTGUARD_AZURE_METADATA_ENDPOINT": f"http://127.0.0.1:{port}",
+        }.items():
             monkeypatch.setenv(name, value)
         t0 = time.monotonic()
         assert notices.detect_clouds(refresh=True) == []
@@ -71,8 +73,9 @@ def test_aws_refusing_the_token_is_found_only_with_the_imdsv1_opt_in(mock_metada
 
 
 @pytest.mark.parametrize("tokens_required", [True, False])
-def test_a_token_timeout_behind_a_hop_limit_is_still_aws_with_a_warning(mock_metadata, monkeypatch, caplog,
-                                                                         tokens_required):
+def test_a_token_timeout_behind_a_hop_limit_is_still_aws_with_a_warning(
+    mock_metadata, monkeypatch, caplog, tokens_required
+):
     """A container one hop too far: the IMDSv2 token's answer is dropped, IMDSv1 GETs get through."""
     server = mock_metadata("aws", require_tokens=tokens_required)
     original = server.mock.handle

@@ -147,8 +147,7 @@ def test_google_auth_recognises_and_reads_the_mock(mock_metadata):
     env = subprocess_env(**endpoint_env("gcp", server.url))  # google-auth reads them at import time
 
     def run() -> dict:
-        out = subprocess.run([sys.executable, "-c", GOOGLE_AUTH], env=env, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([sys.executable, "-c", GOOGLE_AUTH], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
@@ -162,7 +161,7 @@ def test_google_auth_recognises_and_reads_the_mock(mock_metadata):
 def test_a_preemption_survives_a_failing_maintenance_read(mock_metadata):
     server = mock_metadata("gcp")
     original = server.mock.handle
-    server.mock.handle = lambda req: (type(original(req))(503) if "maintenance" in req.path else original(req))
+    server.mock.handle = lambda req: type(original(req))(503) if "maintenance" in req.path else original(req)
     p = GcpProvider(server.url, hang=30)
     with pytest.raises(MetadataHTTPError):
         p.poll()
@@ -199,8 +198,11 @@ def test_a_server_without_etags_is_polled_once_a_second_not_in_a_busy_loop():
             hits.append(self.path)
             body = b"NONE" if "maintenance" in self.path else b"FALSE"
             self.send_response(200)
-            for k, v in (("Metadata-Flavor", "Google"), ("Content-Type", "application/text"),
-                         ("Content-Length", str(len(body)))):
+            for k, v in (
+                ("Metadata-Flavor", "Google"),
+                ("Content-Type", "application/text"),
+                ("Content-Length", str(len(body))),
+            ):
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(body)
@@ -257,8 +259,9 @@ def test_a_hanging_get_that_waited_for_the_flip_gives_the_full_30s(mock_metadata
 def test_503s_while_preempted_flips_are_retried_fast(mock_metadata):
     server = mock_metadata("gcp")
     seen = []
-    with Watcher([GcpProvider(server.url, hang=1)], interval=1.0, on_notice=lambda n: seen.append(
-            (n, time.monotonic()))) as watcher:
+    with Watcher(
+        [GcpProvider(server.url, hang=1)], interval=1.0, on_notice=lambda n: seen.append((n, time.monotonic()))
+    ) as watcher:
         time.sleep(0.3)  # first read done; a hanging GET is held
         server.set_faults(status=503, count=6)
         while server._faults["count"] == 6:  # the held GET returns; the next request gets a 503

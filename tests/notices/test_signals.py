@@ -94,8 +94,9 @@ def test_second_sigterm_terminates_and_ctrl_c_still_raises_keyboardinterrupt():
         time.sleep(5)
         print("survived", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
     assert "first ok" in proc.stdout and "keyboardinterrupt ok" in proc.stdout, proc.stderr
     assert "survived" not in proc.stdout
     assert proc.returncode == -signal.SIGTERM

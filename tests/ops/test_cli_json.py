@@ -30,8 +30,13 @@ def test_verify_json_one_document_per_checkpoint_and_exit_1_when_one_is_corrupt(
     assert main(["verify", str(root), "--json"]) == 0
     got = {d["step"]: d for d in docs(capsys)}
     assert {s: d["status"] for s, d in got.items()} == {10: "ok", 20: "ok", 30: "incomplete"}
-    assert got[10] == {"url": str(root / "step-00000010"), "name": "step-00000010", "step": 10, "status": "ok",
-                       "problem": None}
+    assert got[10] == {
+        "url": str(root / "step-00000010"),
+        "name": "step-00000010",
+        "step": 10,
+        "status": "ok",
+        "problem": None,
+    }
     with open(root / "step-00000020" / "state.pt", "r+b") as f:
         f.write(b"\0")
     assert main(["verify", str(root), "--json"]) == 1
@@ -74,15 +79,19 @@ def test_rm_json_one_document_per_deletion(tmp_path, capsys):
     assert main(["rm", str(root), "--incomplete", "--json"]) == 0
     assert docs(capsys) == []  # nothing left to delete: no document
     assert main(["rm", str(root), "--step", "10", "--json"]) == 0
-    assert docs(capsys) == [{"deleted": str(root / "step-00000010"), "step": 10, "status": "complete",
-                             "problem": None}]
+    assert docs(capsys) == [{"deleted": str(root / "step-00000010"), "step": 10, "status": "complete", "problem": None}]
     assert main(["rm", str(root), "--step", "10", "--json"]) == 1
     assert "no checkpoint of step 10" in docs(capsys)[0]["error"]
 
 
 def test_an_error_under_json_is_a_document_on_stdout_and_logs_stay_on_stderr(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "spotguard", "-v", "ls", "s3://", "--json"], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotguard", "-v", "ls", "s3://", "--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     (doc,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert doc["exit_code"] == 2 and doc["type"] == "ConfigError" and doc["error"] in proc.stderr

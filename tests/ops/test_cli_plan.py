@@ -23,8 +23,13 @@ def run_json(capsys, *args: str) -> dict:
 
 
 def test_json_is_exactly_one_document_on_stdout_with_the_recommendation():
-    proc = subprocess.run([sys.executable, "-m", "spotguard", *BASE, "--json"], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotguard", *BASE, "--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # fails on any extra output
     assert doc["interval_s"] == pytest.approx(daly_interval(60, 6 * 3600))
@@ -45,8 +50,15 @@ def test_notice_lengthens_the_interval_and_raises_goodput(capsys):
 def test_table_lists_every_strategy_and_the_recommendation(capsys):
     assert main([*BASE, "--notice", "120", "--state-gb", "10", "--intervals", "600,3600"]) == 0
     out = capsys.readouterr().out
-    for word in ("no checkpoints", "every 10 min", "every 1 h", "recommended (Young/Daly)",
-                 "notice + recommended", "GB/H", "recommendation: checkpoint every"):
+    for word in (
+        "no checkpoints",
+        "every 10 min",
+        "every 1 h",
+        "recommended (Young/Daly)",
+        "notice + recommended",
+        "GB/H",
+        "recommendation: checkpoint every",
+    ):
         assert word in out
 
 
@@ -80,8 +92,13 @@ def test_the_record_of_a_real_guard_feeds_plan_stats(tmp_path, async_save):
     record = guard.stats().as_dict()
     stats = tmp_path / "stats.json"
     stats.write_text(json.dumps(record))
-    proc = subprocess.run([sys.executable, "-m", "spotguard", "plan", "--stats", str(stats), "--mtbf", "6", "--json"],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotguard", "plan", "--stats", str(stats), "--mtbf", "6", "--json"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     options = json.loads(proc.stdout)["options"]
     assert record["async"] is async_save and record["checkpoints"] == 1
@@ -90,13 +107,16 @@ def test_the_record_of_a_real_guard_feeds_plan_stats(tmp_path, async_save):
     assert record["restore_s"] and options["restart_s"] == pytest.approx(record["restore_s"] + DEFAULT_START_S)
 
 
-@pytest.mark.parametrize("args, word", [
-    (["plan", "--mtbf", "6", "--restart-cost", "60"], "--checkpoint-cost"),
-    ([*BASE[:5], "--mtbf", "-2"], "MTBF"),
-    ([*BASE, "--notice-share", "3"], "notice share"),
-    ([*BASE, "--intervals", "600,soon"], "--intervals"),
-    ([*BASE, "--stats", "/nonexistent/stats.json"], "cannot read stats"),
-])
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (["plan", "--mtbf", "6", "--restart-cost", "60"], "--checkpoint-cost"),
+        ([*BASE[:5], "--mtbf", "-2"], "MTBF"),
+        ([*BASE, "--notice-share", "3"], "notice share"),
+        ([*BASE, "--intervals", "600,soon"], "--intervals"),
+        ([*BASE, "--stats", "/nonexistent/stats.json"], "cannot read stats"),
+    ],
+)
 def test_bad_input_exits_2_with_a_clear_message_and_no_stdout(capsys, args, word):
     assert main(args) == 2
     captured = capsys.readouterr()

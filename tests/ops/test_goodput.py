@@ -15,17 +15,37 @@ from spotguard.planner import PlanOptions, goodput, lost_work, plan
 H = 3600.0
 
 
-@pytest.mark.parametrize("cost, restart, mtbf, share, cloud", [
-    (60.0, 180.0, 6.0, 0.0, None),     # plain Young/Daly
-    (60.0, 180.0, 6.0, 0.9, "aws"),    # 120 s notice: emergency saves work
-    (20.0, 60.0, 1.0, 0.5, "gcp"),     # 30 s notice, still long enough for a 20 s checkpoint
-    (300.0, 600.0, 2.0, 0.8, "azure"),  # 30 s notice, too short for a 300 s checkpoint
-])
+@pytest.mark.parametrize(
+    "cost, restart, mtbf, share, cloud",
+    [
+        (60.0, 180.0, 6.0, 0.0, None),  # plain Young/Daly
+        (60.0, 180.0, 6.0, 0.9, "aws"),  # 120 s notice: emergency saves work
+        (20.0, 60.0, 1.0, 0.5, "gcp"),  # 30 s notice, still long enough for a 20 s checkpoint
+        (300.0, 600.0, 2.0, 0.8, "azure"),  # 30 s notice, too short for a 300 s checkpoint
+    ],
+)
 def test_simulated_goodput_agrees_with_the_analytic_model_at_the_recommendation(cost, restart, mtbf, share, cloud):
-    p = plan(PlanOptions(cost, restart, mtbf, notice_share=share or None,
-                         notice_s={"aws": 120.0, "gcp": 30.0, "azure": 30.0}.get(cloud or "")))
-    sim = simulate(SimOptions(cost, restart, p.interval_s, job_hours=4000 * mtbf, mtbf_hours=mtbf,
-                              notice_share=share, cloud=cloud, seed=11))
+    p = plan(
+        PlanOptions(
+            cost,
+            restart,
+            mtbf,
+            notice_share=share or None,
+            notice_s={"aws": 120.0, "gcp": 30.0, "azure": 30.0}.get(cloud or ""),
+        )
+    )
+    sim = simulate(
+        SimOptions(
+            cost,
+            restart,
+            p.interval_s,
+            job_hours=4000 * mtbf,
+            mtbf_hours=mtbf,
+            notice_share=share,
+            cloud=cloud,
+            seed=11,
+        )
+    )
     assert sim.preemptions > 3000
     assert sim.goodput == pytest.approx(p.goodput, abs=0.005)
     assert sim.lost_work_s == pytest.approx(p.lost_work_s, rel=0.05)
@@ -67,14 +87,14 @@ def test_trace_is_walked_segment_by_segment(tmp_path):
 def test_notice_on_a_trace_saves_the_work_but_costs_the_lead(tmp_path):
     f = tmp_path / "trace.json"
     f.write_text(json.dumps([1000.0]))
-    sim = simulate(SimOptions(10.0, 50.0, 300.0, job_hours=1.0, trace=load_trace(f), notice_share=1.0,
-                              cloud="aws"))
+    sim = simulate(SimOptions(10.0, 50.0, 300.0, job_hours=1.0, trace=load_trace(f), notice_share=1.0, cloud="aws"))
     # the notice at 880 s stops the segment begun at 620 s: 600 + 260 s are kept, 2740 s are left
     assert sim.saved_by_notice == 1 and sim.lost_work_s == 0.0
     assert sim.wall_s == pytest.approx(1050.0 + 9 * 310.0 + 40.0)
     # without emergency checkpoints the same notice is worth nothing
-    plain = simulate(SimOptions(10.0, 50.0, 300.0, job_hours=1.0, trace=[1000.0], notice_share=1.0,
-                                cloud="aws", emergency=False))
+    plain = simulate(
+        SimOptions(10.0, 50.0, 300.0, job_hours=1.0, trace=[1000.0], notice_share=1.0, cloud="aws", emergency=False)
+    )
     assert plain.saved_by_notice == 0 and plain.lost_work_s == 70.0
 
 
@@ -88,22 +108,33 @@ def test_simulator_uses_a_private_generator_and_is_reproducible():
     random.seed(1)
     np.random.seed(1)
     before = (random.getstate(), np.random.get_state()[1].copy())
-    opts = dict(checkpoint_s=60.0, restart_s=180.0, interval_s=1500.0, job_hours=600, mtbf_hours=6,
-                notice_share=0.5, cloud="aws", seed=42)
+    opts = dict(
+        checkpoint_s=60.0,
+        restart_s=180.0,
+        interval_s=1500.0,
+        job_hours=600,
+        mtbf_hours=6,
+        notice_share=0.5,
+        cloud="aws",
+        seed=42,
+    )
     a, b = simulate(SimOptions(**opts)), simulate(SimOptions(**opts))
     assert a == b
     assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
     assert simulate(SimOptions(**{**opts, "seed": 43})) != a
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({}, "exactly one preemption process"),
-    ({"mtbf_hours": 6, "trace": [1.0]}, "exactly one preemption process"),
-    ({"mtbf_hours": 6, "cloud": "oracle"}, "unknown cloud"),
-    ({"mtbf_hours": 6, "notice_share": 2}, "notice_share"),
-    ({"mtbf_hours": 6, "runs": 0}, "runs"),
-    ({"trace": [5.0, -1.0]}, "preemption time"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({}, "exactly one preemption process"),
+        ({"mtbf_hours": 6, "trace": [1.0]}, "exactly one preemption process"),
+        ({"mtbf_hours": 6, "cloud": "oracle"}, "unknown cloud"),
+        ({"mtbf_hours": 6, "notice_share": 2}, "notice_share"),
+        ({"mtbf_hours": 6, "runs": 0}, "runs"),
+        ({"trace": [5.0, -1.0]}, "preemption time"),
+    ],
+)
 def test_bad_sim_options_raise_a_clear_config_error(kwargs, word):
     with pytest.raises(ConfigError, match=word):
         SimOptions(60.0, 180.0, 600.0, **kwargs)

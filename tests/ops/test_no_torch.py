@@ -18,24 +18,35 @@ import pytest
 from tests.helpers import subprocess_env
 
 #: Runs ``spotguard ARGS`` as ``python -m spotguard`` does, then prints whether torch was loaded.
-WRAPPER = ("import atexit, runpy, sys\n"
-           "atexit.register(lambda: print('TORCH-LOADED' if 'torch' in sys.modules else 'NO-TORCH', flush=True))\n"
-           "sys.argv = ['spotguard', *sys.argv[1:]]\n"
-           "runpy.run_module('spotguard', run_name='__main__')\n")
+WRAPPER = (
+    "import atexit, runpy, sys\n"
+    "atexit.register(lambda: print('TORCH-LOADED' if 'torch' in sys.modules else 'NO-TORCH', flush=True))\n"
+    "sys.argv = ['spotguard', *sys.argv[1:]]\n"
+    "runpy.run_module('spotguard', run_name='__main__')\n"
+)
 
 
 def spotguard(*args: str, code: int = 0, **env: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, *args], env=subprocess_env(**env),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, *args], env=subprocess_env(**env), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == code, proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith("NO-TORCH"), proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
 
 def test_importing_a_notice_provider_does_not_import_torch():
-    proc = subprocess.run([sys.executable, "-c", "import spotguard.notices.aws, sys; "
-                           "assert 'torch' not in sys.modules, 'torch imported'"],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import spotguard.notices.aws, sys; assert 'torch' not in sys.modules, 'torch imported'",
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -49,22 +60,29 @@ def test_plan_does_not_import_torch(tmp_path):
 
 def test_run_and_its_metrics_do_not_import_torch(tmp_path):
     metrics = tmp_path / "run.jsonl"
-    spotguard("run", "--storage", str(tmp_path / "ckpt"), "--metrics-file", str(metrics), "--",
-              sys.executable, "-c", "pass")
+    spotguard(
+        "run", "--storage", str(tmp_path / "ckpt"), "--metrics-file", str(metrics), "--", sys.executable, "-c", "pass"
+    )
     assert [json.loads(line)["event"] for line in metrics.read_text().splitlines()] == ["start", "exit", "end"]
 
 
 def test_watch_does_not_import_torch(tmp_path):
     notice = tmp_path / "notice.json"
     notice.write_text(json.dumps({"kind": "terminate", "deadline_in": 60}))
-    out = spotguard("watch", "--providers", "file", "--interval", "0.05", "--timeout", "30",
-                    SPOTGUARD_NOTICE_FILE=str(notice))
+    out = spotguard(
+        "watch", "--providers", "file", "--interval", "0.05", "--timeout", "30", SPOTGUARD_NOTICE_FILE=str(notice)
+    )
     assert "terminate notice" in out
 
 
 def test_mock_metadata_and_simulate_preemption_do_not_import_torch():
-    server = subprocess.Popen([sys.executable, "-c", WRAPPER, "mock-metadata", "--cloud", "aws", "--port", "0"],
-                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", WRAPPER, "mock-metadata", "--cloud", "aws", "--port", "0"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None
         banner = server.stdout.readline()
@@ -87,15 +105,18 @@ def test_checkpoint_listing_does_not_import_torch(tmp_path, args):
 
 
 def test_the_lazy_package_still_offers_every_public_name_and_subpackage():
-    code = ("import sys, spotguard\n"
-            "assert 'torch' not in sys.modules\n"
-            "assert spotguard.checkpoint.scan and spotguard.notices.base.Notice and spotguard.ConfigError\n"
-            "assert 'torch' not in sys.modules, 'a light attribute imported torch'\n"
-            "missing = [n for n in spotguard.__all__ if getattr(spotguard, n, None) is None]\n"
-            "assert not missing, missing\n"
-            "from spotguard import EXIT_PREEMPTED, Guard, GuardOptions, Value\n"
-            "assert Guard.__module__ == 'spotguard.guard.guard' and EXIT_PREEMPTED == 75\n"
-            "assert not hasattr(spotguard, 'nothing_of_that_name')\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys, spotguard\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert spotguard.checkpoint.scan and spotguard.notices.base.Notice and spotguard.ConfigError\n"
+        "assert 'torch' not in sys.modules, 'a light attribute imported torch'\n"
+        "missing = [n for n in spotguard.__all__ if getattr(spotguard, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "from spotguard import EXIT_PREEMPTED, Guard, GuardOptions, Value\n"
+        "assert Guard.__module__ == 'spotguard.guard.guard' and EXIT_PREEMPTED == 75\n"
+        "assert not hasattr(spotguard, 'nothing_of_that_name')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

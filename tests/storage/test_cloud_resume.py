@@ -61,8 +61,12 @@ def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_run
     reference = reference_runs(*args)
     at = _rng.randint(3, 80)
     losses, final = tmp_path / "losses.jsonl", tmp_path / "final.pt"
-    first = stop_when(example_cmd(url, *args, "--losses", str(losses), "--step-sleep", "0.03"), after_step(losses, at),
-                      signal_to(signal.SIGTERM), env=env)
+    first = stop_when(
+        example_cmd(url, *args, "--losses", str(losses), "--step-sleep", "0.03"),
+        after_step(losses, at),
+        signal_to(signal.SIGTERM),
+        env=env,
+    )
     assert first.returncode == EXIT_PREEMPTED, (at, first.stdout, first.stderr)
     stopped = read_losses(losses)[-1][0]
     assert [i.step for i in scan(open_storage(url)) if i.complete][-1] == stopped
@@ -85,8 +89,16 @@ def test_sharded_checkpoint_of_two_ranks_resumes_exactly_from_each_cloud(tmp_pat
     for i, url in enumerate(urls):
         info = latest(open_storage(url))
         assert info and info.step == 3 and info.manifest and info.manifest.world_size == 2, url
-        assert {f.name for f in info.manifest.files} == {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp",
-                                                         "shards/rank-00000.distcp", "shards/rank-00001.distcp"}, url
+        assert {f.name for f in info.manifest.files} == {
+            "rank-00000.pt",
+            "rank-00001.pt",
+            "shards/metadata.dcp",
+            "shards/rank-00000.distcp",
+            "shards/rank-00001.distcp",
+        }, url
         for rank in (0, 1):
-            assert_same(torch.load(tmp_path / f"resumed-{i}-{rank}.pt", weights_only=True),
-                        torch.load(tmp_path / f"saved-{i}-{rank}.pt", weights_only=True), f"{url} rank {rank}")
+            assert_same(
+                torch.load(tmp_path / f"resumed-{i}-{rank}.pt", weights_only=True),
+                torch.load(tmp_path / f"saved-{i}-{rank}.pt", weights_only=True),
+                f"{url} rank {rank}",
+            )

@@ -32,14 +32,18 @@ def storage(request: pytest.FixtureRequest, tmp_path) -> Storage:
     if request.param == "local":
         st: Storage = open_storage(str(tmp_path / "ckpt"))
     elif request.param == "s3":
-        st = S3Storage(request.getfixturevalue("s3_url"), S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB,
-                                                                    page_size=10))
+        st = S3Storage(
+            request.getfixturevalue("s3_url"), S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, page_size=10)
+        )
     elif request.param == "gcs":
-        st = GCSStorage(request.getfixturevalue("fake_gcs_url"),
-                        GCSOptions(chunk_size=MiB, resumable_threshold=MiB, page_size=10))
+        st = GCSStorage(
+            request.getfixturevalue("fake_gcs_url"), GCSOptions(chunk_size=MiB, resumable_threshold=MiB, page_size=10)
+        )
     else:
-        st = AzureStorage(request.getfixturevalue("az_url"), AzureOptions(block_size=4 * MiB,
-                                                                          single_put_threshold=4 * MiB, page_size=10))
+        st = AzureStorage(
+            request.getfixturevalue("az_url"),
+            AzureOptions(block_size=4 * MiB, single_put_threshold=4 * MiB, page_size=10),
+        )
     yield st
     st.close()
 
@@ -119,17 +123,34 @@ def test_checkpoint_layer_works_unchanged(storage: Storage):
         checkpoint.write(storage, 30, {"state.pt": lambda f: f.write(b"again")}, reason="manual")
     storage.put_bytes("step-00000040/state.pt", b"leftover")  # no manifest: an interrupted save
     infos = checkpoint.scan(storage)
-    assert [(i.step, i.status) for i in infos] == [(10, "complete"), (20, "complete"), (30, "complete"),
-                                                   (40, "incomplete")]
+    assert [(i.step, i.status) for i in infos] == [
+        (10, "complete"),
+        (20, "complete"),
+        (30, "complete"),
+        (40, "incomplete"),
+    ]
     with checkpoint.open_verified(storage, infos[2], "state.pt") as path:
         assert path.read_bytes() == bytes([30]) * 1000
     assert checkpoint.prune(storage, keep=1) == [10, 20]
     assert [i.step for i in checkpoint.scan(storage)] == [30, 40]
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3:///x", "gs://b/../x", "gs://b/x?y=1", "az://", "az://Bad_Name/x",
-                                 "az://ok-name/x", "az://ok-name/../x", "abfss://ok-name/x",
-                                 "abfss://ok-name@acct.example.com/x", "az://ok-name@Bad.blob.core.windows.net/x"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://",
+        "s3:///x",
+        "gs://b/../x",
+        "gs://b/x?y=1",
+        "az://",
+        "az://Bad_Name/x",
+        "az://ok-name/x",
+        "az://ok-name/../x",
+        "abfss://ok-name/x",
+        "abfss://ok-name@acct.example.com/x",
+        "az://ok-name@Bad.blob.core.windows.net/x",
+    ],
+)
 def test_bad_urls_are_config_errors(url: str, monkeypatch):
     monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
     monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
@@ -139,10 +160,11 @@ def test_bad_urls_are_config_errors(url: str, monkeypatch):
 
 def test_the_storage_package_imports_no_cloud_sdk():
     """The SDKs are optional extras: only opening an s3://, gs:// or az:// URL imports one."""
-    code = ("import sys\nimport spotguard.storage, spotguard.storage.cloud\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'google', 'azure'}))")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        "import sys\nimport spotguard.storage, spotguard.storage.cloud\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'google', 'azure'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 
 
@@ -152,12 +174,25 @@ def test_malformed_urls_are_config_errors(url: str):
         open_storage(url)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: S3Options(part_size="16MiB"), lambda: S3Options(concurrency=2.5), lambda: S3Options(read_timeout="60"),
-    lambda: S3Options(endpoint_url="127.0.0.1:9000"), lambda: S3Options(endpoint_url="http://h:port"), lambda: S3Options(retry={"attempts": 3}), lambda: GCSOptions(timeout=None),
-    lambda: GCSOptions(page_size=True), lambda: GCSOptions(chunk_size=MiB + 1), lambda: AzureOptions(block_size=1.5),
-    lambda: AzureOptions(account_url="blob.example.com"), lambda: AzureOptions(urgent_timeout=float("nan")),
-    lambda: RetryOptions(initial="0.2"), lambda: RetryOptions(attempts=2.0)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: S3Options(part_size="16MiB"),
+        lambda: S3Options(concurrency=2.5),
+        lambda: S3Options(read_timeout="60"),
+        lambda: S3Options(endpoint_url="127.0.0.1:9000"),
+        lambda: S3Options(endpoint_url="http://h:port"),
+        lambda: S3Options(retry={"attempts": 3}),
+        lambda: GCSOptions(timeout=None),
+        lambda: GCSOptions(page_size=True),
+        lambda: GCSOptions(chunk_size=MiB + 1),
+        lambda: AzureOptions(block_size=1.5),
+        lambda: AzureOptions(account_url="blob.example.com"),
+        lambda: AzureOptions(urgent_timeout=float("nan")),
+        lambda: RetryOptions(initial="0.2"),
+        lambda: RetryOptions(attempts=2.0),
+    ],
+)
 def test_bad_option_values_are_config_errors(make):
     """Wrong types too: a TypeError deep inside an upload would name neither the option nor the fix."""
     with pytest.raises(ConfigError):
@@ -170,7 +205,9 @@ def test_listing_and_latest_span_more_than_one_default_page(kind, request):
     checkpoint (sorted last) is found. fake-gcs-server for GCS, as above."""
     from concurrent.futures import ThreadPoolExecutor
 
-    st: Storage = open_storage(request.getfixturevalue({"s3": "s3_url", "gcs": "fake_gcs_url", "azure": "az_url"}[kind]))
+    st: Storage = open_storage(
+        request.getfixturevalue({"s3": "s3_url", "gcs": "fake_gcs_url", "azure": "az_url"}[kind])
+    )
     keys = [f"step-{i:08d}/state.pt" for i in range(1099)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: st.put_bytes(k, b"x"), keys))

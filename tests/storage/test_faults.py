@@ -33,8 +33,10 @@ RETRY = RetryOptions(attempts=8, initial=0.01, maximum=0.1)
 def make_storage(kind: str, url: str, proxy: FaultProxy, retry: RetryOptions = RETRY):
     if kind == "s3":
         bucket = url.split("/")[2]
-        return S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, retry=retry, request_attempts=3,
-                                                         connect_timeout=1, read_timeout=1))
+        return S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(endpoint_url=proxy.url, retry=retry, request_attempts=3, connect_timeout=1, read_timeout=1),
+        )
     if kind == "azure":
         return AzureStorage(url, AzureOptions(retry=retry, request_attempts=3, connect_timeout=1, read_timeout=1))
     return GCSStorage(url, GCSOptions(retry=retry, timeout=1))
@@ -151,8 +153,10 @@ def test_a_hung_request_does_not_hold_an_emergency_save_past_its_deadline(backen
     proxy = proxied(kind, server, monkeypatch, rate=1.0, faults=("stall",), stall=30)
     try:
         if kind == "s3":
-            st = S3Storage(f"s3://{url.split('/')[2]}/run", S3Options(endpoint_url=proxy.url, read_timeout=60,
-                                                                      urgent_timeout=urgent_timeout))
+            st = S3Storage(
+                f"s3://{url.split('/')[2]}/run",
+                S3Options(endpoint_url=proxy.url, read_timeout=60, urgent_timeout=urgent_timeout),
+            )
         elif kind == "azure":
             st = AzureStorage(url, AzureOptions(read_timeout=60, urgent_timeout=urgent_timeout))
         else:

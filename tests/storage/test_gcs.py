@@ -32,11 +32,14 @@ def test_library_alone_draws_from_global_random(fake_gcs_url: str):
     fake-gcs-server: any emulator would do; this one is fast.
     """
     bucket = fake_gcs_url.split("/")[2]
-    code = ("import random\nfrom google.cloud import storage\nbefore = random.getstate()\n"
-            f"storage.Client().bucket({bucket!r}).blob('plain').upload_from_string(b'{{}}')\n"
-            "print(random.getstate() != before)")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=60)  # a fresh process: spotguard (and its fix) not imported
+    code = (
+        "import random\nfrom google.cloud import storage\nbefore = random.getstate()\n"
+        f"storage.Client().bucket({bucket!r}).blob('plain').upload_from_string(b'{{}}')\n"
+        "print(random.getstate() != before)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )  # a fresh process: spotguard (and its fix) not imported
     assert out.stdout.strip() == "True", out.stderr
 
 
@@ -45,21 +48,25 @@ def test_importing_the_backend_leaves_the_google_library_untouched(fake_gcs_url:
 
     fake-gcs-server: the uploads are plain multipart ones.
     """
-    code = ("import threading\nfrom google.cloud.storage._media import _upload\noriginal = _upload.get_boundary\n"
-            "import spotguard.storage.gcs as g\nprint(_upload.get_boundary is original)\n"
-            f"st = g.GCSStorage({fake_gcs_url!r})\n"
-            "ts = [threading.Thread(target=st.put_bytes, args=(f'k{i}', b'x')) for i in range(4)]\n"
-            "[t.start() for t in ts]\n[t.join() for t in ts]\nfirst = _upload.get_boundary\n"
-            "st.put_bytes('again', b'y')\n"
-            "print(first is not original, _upload.get_boundary is first, sorted(st.list()))")
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=60)  # a fresh process: nothing imported or patched yet
+    code = (
+        "import threading\nfrom google.cloud.storage._media import _upload\noriginal = _upload.get_boundary\n"
+        "import spotguard.storage.gcs as g\nprint(_upload.get_boundary is original)\n"
+        f"st = g.GCSStorage({fake_gcs_url!r})\n"
+        "ts = [threading.Thread(target=st.put_bytes, args=(f'k{i}', b'x')) for i in range(4)]\n"
+        "[t.start() for t in ts]\n[t.join() for t in ts]\nfirst = _upload.get_boundary\n"
+        "st.put_bytes('again', b'y')\n"
+        "print(first is not original, _upload.get_boundary is first, sorted(st.list()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )  # a fresh process: nothing imported or patched yet
     assert out.stdout.splitlines() == ["True", "True True ['again', 'k0', 'k1', 'k2', 'k3']"], out.stderr
 
 
 @pytest.mark.parametrize("fault_rate", [0.0, 0.3])
-def test_saves_leave_global_random_untouched_also_from_background_threads(fake_gcs, fake_gcs_url: str,
-                                                                          monkeypatch, fault_rate: float):
+def test_saves_leave_global_random_untouched_also_from_background_threads(
+    fake_gcs, fake_gcs_url: str, monkeypatch, fault_rate: float
+):
     """Composite, resumable and multipart uploads, reads and listing, from a worker thread, also
     while 30% of requests fail (retries, and the library's own background metadata fetches).
 
@@ -68,16 +75,30 @@ def test_saves_leave_global_random_untouched_also_from_background_threads(fake_g
     proxy = FaultProxy(fake_gcs.port, rate=fault_rate, faults=("drop", "500", "503", "reset"), seed=4).start()
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     # state.pt (3 MiB): parallel parts + compose; extra.bin (1.5 MiB): resumable; manifest: multipart.
-    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, resumable_threshold=MiB, composite_threshold=2 * MiB,
-                                             retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05)))
+    st = GCSStorage(
+        fake_gcs_url,
+        GCSOptions(
+            chunk_size=MiB,
+            resumable_threshold=MiB,
+            composite_threshold=2 * MiB,
+            retry=RetryOptions(attempts=10, initial=0.01, maximum=0.05),
+        ),
+    )
     random.seed(99)
     before = random.getstate()
     errors: list[BaseException] = []
 
     def save() -> None:
         try:
-            checkpoint.write(st, 5, {"state.pt": lambda f: f.write(os.urandom(3 * MiB)),
-                                     "extra.bin": lambda f: f.write(os.urandom(3 * MiB // 2))}, reason="periodic")
+            checkpoint.write(
+                st,
+                5,
+                {
+                    "state.pt": lambda f: f.write(os.urandom(3 * MiB)),
+                    "extra.bin": lambda f: f.write(os.urandom(3 * MiB // 2)),
+                },
+                reason="periodic",
+            )
             info = checkpoint.latest(st)
             assert info is not None
             checkpoint.verify(st, info)
@@ -150,8 +171,9 @@ def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(fake_gcs, monkeypa
 @pytest.mark.parametrize("emulator", ["fake_gcs_url", "gcp_emulator_url"])
 def test_large_objects_upload_as_parallel_parts_then_compose(emulator, request):
     """Both emulators: fake-gcs-server for speed, gcp-storage-emulator because it checks each part's CRC32C."""
-    st = GCSStorage(request.getfixturevalue(emulator), GCSOptions(chunk_size=MiB, composite_threshold=2 * MiB,
-                                                                  concurrency=3))
+    st = GCSStorage(
+        request.getfixturevalue(emulator), GCSOptions(chunk_size=MiB, composite_threshold=2 * MiB, concurrency=3)
+    )
     seen: list[int] = []
     st.progress = seen.append
     data = os.urandom(3 * MiB + 5)

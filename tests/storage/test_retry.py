@@ -63,8 +63,12 @@ def test_attempts_and_deadline_bound_the_retries():
     calls.clear()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        retry.call(down, options=RetryOptions(attempts=1000, initial=0.1, maximum=0.1), transient=lambda e: True,
-                   deadline=t0 + 0.5)
+        retry.call(
+            down,
+            options=RetryOptions(attempts=1000, initial=0.1, maximum=0.1),
+            transient=lambda e: True,
+            deadline=t0 + 0.5,
+        )
     assert time.monotonic() - t0 < 1.5  # stopped at the deadline (0.5 s), not after 1000 attempts (50 s and more)
     assert 3 <= len(calls) <= 10
 

@@ -86,8 +86,12 @@ def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(s3_env):
 def test_retries_stop_at_the_callers_deadline(s3_url: str, moto):
     bucket = S3Storage(s3_url).bucket
     with FaultProxy(moto.port, rate=1.0, faults=("503",)) as proxy:
-        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, retry=RetryOptions(
-            attempts=100, initial=0.2, maximum=0.4, max_elapsed=60)))
+        st = S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(
+                endpoint_url=proxy.url, retry=RetryOptions(attempts=100, initial=0.2, maximum=0.4, max_elapsed=60)
+            ),
+        )
         t0 = time.monotonic()
         with pytest.raises(StorageError, match="gave up after retries"):
             st.put_bytes("m", b"x", deadline=t0 + 1.5)
@@ -102,9 +106,16 @@ def test_failed_multipart_uploads_raise_storage_errors(s3_url: str, moto, fault:
     (403), and reach the caller as a StorageError (what Guard catches to keep training)."""
     bucket = S3Storage(s3_url).bucket
     with FaultProxy(moto.port) as proxy:
-        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
-                                                       multipart_threshold=5 * MiB, request_attempts=2,
-                                                       retry=RetryOptions(attempts=3, initial=0.01, maximum=0.02)))
+        st = S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(
+                endpoint_url=proxy.url,
+                part_size=5 * MiB,
+                multipart_threshold=5 * MiB,
+                request_attempts=2,
+                retry=RetryOptions(attempts=3, initial=0.01, maximum=0.02),
+            ),
+        )
         with pytest.raises(StorageError) as err:
             with st.open_write("step-00000001/state.pt") as f:
                 f.write(os.urandom(6 * MiB))
@@ -122,9 +133,16 @@ def test_transient_faults_are_retried_without_touching_global_random(s3_url: str
     random.seed(1234)
     before = random.getstate()
     with FaultProxy(moto.port, rate=0.3, faults=("drop", "500", "503", "reset", "truncate"), seed=7) as proxy:
-        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
-                                                       multipart_threshold=5 * MiB, retry=FAST_RETRY,
-                                                       request_attempts=6))
+        st = S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(
+                endpoint_url=proxy.url,
+                part_size=5 * MiB,
+                multipart_threshold=5 * MiB,
+                retry=FAST_RETRY,
+                request_attempts=6,
+            ),
+        )
         data = os.urandom(11 * MiB)
         errors: list[BaseException] = []
 
@@ -155,9 +173,16 @@ def test_an_emergency_deadline_does_not_cut_short_a_concurrent_background_upload
     bucket = S3Storage(s3_url).bucket
     with FaultProxy(moto.port, rate=1.0, faults=("503",), only="/run/periodic") as proxy:
         # attempts=1: only the per-request hook retries, the layer that reads the deadline.
-        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, part_size=5 * MiB,
-                                                       multipart_threshold=5 * MiB, request_attempts=1000,
-                                                       retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02)))
+        st = S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(
+                endpoint_url=proxy.url,
+                part_size=5 * MiB,
+                multipart_threshold=5 * MiB,
+                request_attempts=1000,
+                retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02),
+            ),
+        )
         errors: list[BaseException] = []
 
         def periodic() -> None:
@@ -189,8 +214,14 @@ def test_a_background_operation_does_not_lift_a_concurrent_emergency_deadline(s3
     on the same storage: it still gives up at its deadline."""
     bucket = S3Storage(s3_url).bucket
     with FaultProxy(moto.port, rate=1.0, faults=("503",), only="/run/emergency") as proxy:
-        st = S3Storage(f"s3://{bucket}/run", S3Options(endpoint_url=proxy.url, request_attempts=1000,
-                                                       retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02)))
+        st = S3Storage(
+            f"s3://{bucket}/run",
+            S3Options(
+                endpoint_url=proxy.url,
+                request_attempts=1000,
+                retry=RetryOptions(attempts=1, initial=0.01, maximum=0.02),
+            ),
+        )
         outcome: list[BaseException | float] = []
 
         def emergency() -> None:

@@ -45,16 +45,26 @@ def committed(url: str) -> list[tuple[int, str]]:
 
 def test_a_stale_spot_time_still_gets_its_emergency_checkpoint(mock_metadata, cloud_url):
     server = mock_metadata("aws")
-    guard, stopped = run(cloud_url, [AwsProvider(server.url)], lambda g: server.mock.values.__setitem__(
-        "spot/instance-action", json.dumps({"action": "terminate", "time": "2017-09-18T08:22:00Z"})))
+    guard, stopped = run(
+        cloud_url,
+        [AwsProvider(server.url)],
+        lambda g: server.mock.values.__setitem__(
+            "spot/instance-action", json.dumps({"action": "terminate", "time": "2017-09-18T08:22:00Z"})
+        ),
+    )
     assert stopped is not None and guard.emergency_error is None, guard.emergency_error
     assert (stopped, "emergency") in committed(cloud_url)
 
 
 def test_a_deadline_that_passed_before_the_step_ended_gets_a_best_effort_save(cloud_url, caplog):
     passed = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=30)  # e.g. a step longer than the notice
-    guard, stopped = run(cloud_url, None, lambda g: g.watcher.report(
-        spotguard.Notice("file", "file", deadline=passed, raw={"deadline": passed.isoformat()})))
+    guard, stopped = run(
+        cloud_url,
+        None,
+        lambda g: g.watcher.report(
+            spotguard.Notice("file", "file", deadline=passed, raw={"deadline": passed.isoformat()})
+        ),
+    )
     assert stopped is not None and guard.emergency_error is None, guard.emergency_error
     assert (stopped, "emergency") in committed(cloud_url)
     assert "best effort" in caplog.text

@@ -32,7 +32,8 @@ def load_module(path: Path) -> dict[str, list[Any]]:
         with open(tf) as f:
             for kind, top in hcl2.load(f, serialization_options=_OPTIONS).items():
                 merged.setdefault(kind, []).extend(
-                    {name: _unwrap(body) for name, body in block.items()} for block in top)
+                    {name: _unwrap(body) for name, body in block.items()} for block in top
+                )
     return merged
 
 

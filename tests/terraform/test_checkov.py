@@ -27,9 +27,13 @@ def test_checkov_finds_no_failed_checks():
     # --skip-download: no call to the Prisma Cloud API (no network here); SKIP_PACKAGE_UPDATE_CHECK:
     # no registry call at import.
     env = {**os.environ, "SKIP_PACKAGE_UPDATE_CHECK": "true"}
-    proc = subprocess.run([str(CHECKOV), "-d", str(TERRAFORM), "--framework", "terraform", "--quiet",
-                           "--compact", "--skip-download"],
-                          env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [str(CHECKOV), "-d", str(TERRAFORM), "--framework", "terraform", "--quiet", "--compact", "--skip-download"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = re.search(r"Passed checks: (\d+), Failed checks: (\d+), Skipped checks: (\d+)", proc.stdout)
     assert counts, proc.stdout
@@ -38,8 +42,11 @@ def test_checkov_finds_no_failed_checks():
 
 
 def test_every_checkov_skip_has_a_written_reason():
-    skips = [(p.name, m.group(0)) for p in TERRAFORM.rglob("*.tf")
-             for m in re.finditer(r"checkov:skip=[^\n]*", p.read_text())]
+    skips = [
+        (p.name, m.group(0))
+        for p in TERRAFORM.rglob("*.tf")
+        for m in re.finditer(r"checkov:skip=[^\n]*", p.read_text())
+    ]
     assert skips
     for where, skip in skips:
         assert re.fullmatch(r"checkov:skip=CKV2?_[A-Z]+_\d+: \S.{20,}", skip), (where, skip)

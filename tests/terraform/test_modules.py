@@ -38,16 +38,17 @@ def test_aws_group_is_all_spot_capacity_optimized_with_rebalancing_over_the_inst
     assert dist["spot_allocation_strategy"] == "capacity-optimized"
     override = policy["launch_template"]["dynamic"]["override"]
     assert override["for_each"] == "${var.instance_types}"
-    assert policy["launch_template"]["launch_template_specification"]["launch_template_id"] == \
-        "${aws_launch_template.this.id}"
+    assert (
+        policy["launch_template"]["launch_template_specification"]["launch_template_id"]
+        == "${aws_launch_template.this.id}"
+    )
 
 
 def test_aws_job_stops_on_a_rebalance_recommendation_when_the_group_launches_a_replacement():
     """With capacity rebalancing the replacement resumes from the bucket at once: the old machine's
     job must stop with an emergency checkpoint instead of training the same steps beside it."""
     assert one(AWS, "aws_autoscaling_group")["capacity_rebalance"] == "${var.capacity_rebalance}"
-    assert local(AWS, "job_environment") == \
-        '${var.capacity_rebalance ? {SPOTGUARD_STOP_ON_ADVISORY = "1"} : {}}'
+    assert local(AWS, "job_environment") == '${var.capacity_rebalance ? {SPOTGUARD_STOP_ON_ADVISORY = "1"} : {}}'
     assert "environment = local.job_environment" in local(AWS, "user_data")
     assert "environment = {}" in local(GCP, "startup_script")  # no replacement before the notice there
 
@@ -56,8 +57,10 @@ def test_aws_bucket_is_private_versioned_kms_encrypted_tls_only_with_a_lifecycle
     bucket = "${aws_s3_bucket.checkpoints.id}"
     pab = one(AWS, "aws_s3_bucket_public_access_block")
     assert pab["bucket"] == bucket
-    assert all(pab[k] is True for k in ("block_public_acls", "block_public_policy", "ignore_public_acls",
-                                        "restrict_public_buckets"))
+    assert all(
+        pab[k] is True
+        for k in ("block_public_acls", "block_public_policy", "ignore_public_acls", "restrict_public_buckets")
+    )
     assert one(AWS, "aws_s3_bucket_ownership_controls")["rule"]["object_ownership"] == "BucketOwnerEnforced"
     assert one(AWS, "aws_s3_bucket_versioning")["versioning_configuration"]["status"] == "Enabled"
     sse = one(AWS, "aws_s3_bucket_server_side_encryption_configuration")
@@ -75,8 +78,9 @@ def test_aws_bucket_is_private_versioned_kms_encrypted_tls_only_with_a_lifecycle
 def test_aws_role_may_touch_only_the_job_prefix_of_the_bucket():
     docs = blocks(AWS, "data", "aws_iam_policy_document")
     assume = statements(docs["assume"])
-    assert assume == [{"actions": ["sts:AssumeRole"],
-                       "principals": {"type": "Service", "identifiers": ["ec2.amazonaws.com"]}}]
+    assert assume == [
+        {"actions": ["sts:AssumeRole"], "principals": {"type": "Service", "identifiers": ["ec2.amazonaws.com"]}}
+    ]
     granted = statements(docs["checkpoints"])
     for st in granted:
         assert st.get("effect", "Allow") == "Allow"
@@ -137,17 +141,23 @@ def test_gcp_bucket_is_uniform_not_public_versioned_with_a_lifecycle():
 
 
 def test_gcp_service_account_has_no_project_roles_and_only_the_job_prefix():
-    assert not any(t.startswith(("google_project_iam", "google_storage_bucket_iam_binding",
-                                 "google_storage_bucket_iam_policy"))
-                   for block in GCP["resource"] for t in block)
+    assert not any(
+        t.startswith(("google_project_iam", "google_storage_bucket_iam_binding", "google_storage_bucket_iam_policy"))
+        for block in GCP["resource"]
+        for t in block
+    )
     members = blocks(GCP, "resource", "google_storage_bucket_iam_member")
     assert set(members) == {"objects", "list"}
     for m in members.values():
         assert m["member"] == "serviceAccount:${google_service_account.this.email}"
         assert m["role"] in ("roles/storage.objectUser", "roles/storage.objectViewer")
-    assert members["objects"]["condition"]["expression"] == \
-        'resource.name.startsWith("projects/_/buckets/${var.bucket_name}/objects/${var.checkpoint_prefix}/")'
-    assert 'objectListPrefix", "").startsWith("${var.checkpoint_prefix}/")' in members["list"]["condition"]["expression"]
+    assert (
+        members["objects"]["condition"]["expression"]
+        == 'resource.name.startsWith("projects/_/buckets/${var.bucket_name}/objects/${var.checkpoint_prefix}/")'
+    )
+    assert (
+        'objectListPrefix", "").startsWith("${var.checkpoint_prefix}/")' in members["list"]["condition"]["expression"]
+    )
 
 
 # -- Azure -------------------------------------------------------------------------------------
@@ -171,8 +181,10 @@ def test_azure_scale_set_is_spot_evicted_for_capacity_only_and_restored_with_the
 def test_azure_job_uses_the_user_assigned_identity_and_a_self_contained_url():
     assert local(AZURE, "job_environment") == {"AZURE_CLIENT_ID": "${azurerm_user_assigned_identity.this.client_id}"}
     assert "environment = local.job_environment" in local(AZURE, "custom_data")
-    assert local(AZURE, "storage_url") == \
-        "az://${var.container_name}@${var.storage_account_name}.blob.core.windows.net/${var.checkpoint_prefix}"
+    assert (
+        local(AZURE, "storage_url")
+        == "az://${var.container_name}@${var.storage_account_name}.blob.core.windows.net/${var.checkpoint_prefix}"
+    )
 
 
 def test_azure_storage_account_is_tls_only_private_keyless_encrypted_and_versioned():
@@ -203,16 +215,25 @@ def test_azure_identity_holds_blob_data_contributor_on_the_container_only():
     ra = assignments["checkpoints"]
     assert ra["role_definition_name"] == "Storage Blob Data Contributor"
     assert ra["principal_id"] == "${azurerm_user_assigned_identity.this.principal_id}"
-    assert ra["scope"] == ("${azurerm_storage_account.this.id}/blobServices/default/containers/"
-                           "${azurerm_storage_container.checkpoints.name}")
+    assert ra["scope"] == (
+        "${azurerm_storage_account.this.id}/blobServices/default/containers/"
+        "${azurerm_storage_container.checkpoints.name}"
+    )
 
 
 # -- all ---------------------------------------------------------------------------------------
 def test_all_modules_take_region_types_image_bucket_and_command_and_start_spotguard_run():
     assert {"region", "instance_types", "image_id", "bucket_name", "command"} <= set(variables(AWS))
     assert {"region", "machine_type", "image", "bucket_name", "command", "instance_count"} <= set(variables(GCP))
-    assert {"location", "vm_size", "image", "storage_account_name", "container_name", "command",
-            "instance_count"} <= set(variables(AZURE))
+    assert {
+        "location",
+        "vm_size",
+        "image",
+        "storage_account_name",
+        "container_name",
+        "command",
+        "instance_count",
+    } <= set(variables(AZURE))
     text = TEMPLATE.read_text()
     assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage ${storage_url}" in text
     assert "KillMode=mixed" in text and "RestartPreventExitStatus=75" in text

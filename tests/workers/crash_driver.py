@@ -24,8 +24,9 @@ def train(storage: str, log: str, steps: int = STEPS) -> None:
     import spotguard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Dropout(0.2), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 256))  # ~8 MB with AdamW state: saves take a while
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+    )  # ~8 MB with AdamW state: saves take a while
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = spotguard.Guard(storage, providers=[], every_steps=1, keep=2)
     guard.track(model=model, optimizer=opt)
@@ -113,9 +114,18 @@ def main() -> int:
                 checkpoint.verify(store, info)  # raises on a bad checksum
     status = run_child(storage, log, None)
     infos = checkpoint.scan(store)
-    print(json.dumps({"partial": partial, "corrupt": corrupt, "final_status": status, "most_scratch": most_scratch,
-                      "scratch_left": len(scratch(storage)),
-                      "incomplete_left": sum(not i.complete for i in infos)}))
+    print(
+        json.dumps(
+            {
+                "partial": partial,
+                "corrupt": corrupt,
+                "final_status": status,
+                "most_scratch": most_scratch,
+                "scratch_left": len(scratch(storage)),
+                "incomplete_left": sum(not i.complete for i in infos),
+            }
+        )
+    )
     return 0
 
 

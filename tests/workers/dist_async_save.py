@@ -58,7 +58,9 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, opt = build()
-    guard = Guard(SlowStorage(root), providers=None, every_steps=1, keep=100, async_sharded=True).track(model=model, optimizer=opt)
+    guard = Guard(SlowStorage(root), providers=None, every_steps=1, keep=100, async_sharded=True).track(
+        model=model, optimizer=opt
+    )
     started, states = [], {}
     g = torch.Generator().manual_seed(rank)
     with guard:

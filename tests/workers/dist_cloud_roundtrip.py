@@ -29,8 +29,11 @@ def build(url: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Guard]
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt),
-            "rand": torch.rand(3)}  # what the next step's dropout would draw
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, opt),
+        "rand": torch.rand(3),
+    }  # what the next step's dropout would draw
 
 
 def main() -> int:

@@ -36,8 +36,10 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model, options=FULL),
-            "optimizer": get_optimizer_state_dict(model, opt, options=FULL)}
+    return {
+        "model": get_model_state_dict(model, options=FULL),
+        "optimizer": get_optimizer_state_dict(model, opt, options=FULL),
+    }
 
 
 def main() -> int:

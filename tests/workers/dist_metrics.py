@@ -21,8 +21,14 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = nn.Linear(8, 4)
-    guard = Guard(root, every_steps=2, providers=[], metrics_port=port, busy="wait",
-                  metrics_file=str(out / "metrics-{rank}.jsonl")).track(model=model)
+    guard = Guard(
+        root,
+        every_steps=2,
+        providers=[],
+        metrics_port=port,
+        busy="wait",
+        metrics_file=str(out / "metrics-{rank}.jsonl"),
+    ).track(model=model)
     guard.resume()
     with guard:
         for step in range(1, 5):

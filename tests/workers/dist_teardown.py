@@ -66,6 +66,7 @@ def build(order: str) -> nn.Module:
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -93,6 +94,7 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
     import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
 
     import spotguard.checkpoint.sharded  # noqa: F401  # torch.distributed.checkpoint
+
     storage = root / "ckpt"
     for index in range(first, last + 1):
         work = root / f"run-{index}"
@@ -110,8 +112,9 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
                 fd = os.open(work / f"out-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(port))
+                os.environ.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+                )
                 sys.argv = [__file__, *args]
                 sys.exit(main())
             pids.append(pid)

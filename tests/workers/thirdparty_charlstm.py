@@ -28,8 +28,10 @@ import spotguard
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 noise
 
-TEXT = ("it was the best of times it was the worst of times it was the age of wisdom it was the age of "
-        "foolishness it was the epoch of belief it was the epoch of incredulity it was the season of light ") * 3
+TEXT = (
+    "it was the best of times it was the worst of times it was the age of wisdom it was the age of "
+    "foolishness it was the epoch of belief it was the epoch of incredulity it was the season of light "
+) * 3
 
 
 class Streams(torch.utils.data.Dataset):
@@ -41,7 +43,7 @@ class Streams(torch.utils.data.Dataset):
         ids = torch.tensor([self.vocab.index(c) for c in text])
         per = (len(ids) - 1) // streams
         self.x = ids[: per * streams].view(streams, per)
-        self.y = ids[1: per * streams + 1].view(streams, per)
+        self.y = ids[1 : per * streams + 1].view(streams, per)
         self.bptt = bptt
 
     def __len__(self) -> int:

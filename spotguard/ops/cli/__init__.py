@@ -24,8 +24,10 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spotguard", description="Keep PyTorch training alive on spot machines: "
-                                     "checkpoints, rehearsals and a supervisor.")
+    parser = argparse.ArgumentParser(
+        prog="spotguard",
+        description="Keep PyTorch training alive on spot machines: checkpoints, rehearsals and a supervisor.",
+    )
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

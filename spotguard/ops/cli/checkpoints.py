@@ -26,11 +26,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for info in infos:
             m = info.manifest
             bad = verified.get(info.name, "")
-            print(json.dumps({"step": info.step, "name": info.name, "status": "corrupt" if bad else info.status,
-                              "problem": bad or info.problem or None,
-                              "verified": (not bad) if info.name in verified else None,
-                              "time": m.time if m else None, "reason": m.reason if m else None,
-                              "size": m.size if m else None}))
+            print(
+                json.dumps(
+                    {
+                        "step": info.step,
+                        "name": info.name,
+                        "status": "corrupt" if bad else info.status,
+                        "problem": bad or info.problem or None,
+                        "verified": (not bad) if info.name in verified else None,
+                        "time": m.time if m else None,
+                        "reason": m.reason if m else None,
+                        "size": m.size if m else None,
+                    }
+                )
+            )
         return 0
     if not infos:
         print(f"no checkpoints in {storage.describe()}")
@@ -89,8 +98,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             bad += 1
             status, text = "corrupt", f"{info.name}: CORRUPT: {problem}"
-        report(args, text, {"url": storage.describe(info.name), "name": info.name, "step": info.step,
-                            "status": status, "problem": problem or None})
+        report(
+            args,
+            text,
+            {
+                "url": storage.describe(info.name),
+                "name": info.name,
+                "step": info.step,
+                "status": status,
+                "problem": problem or None,
+            },
+        )
     return 1 if bad else 0
 
 
@@ -105,8 +123,15 @@ def _progress_bar(total: int, desc: str) -> Any:
     """A tqdm bar on a terminal; a no-op object otherwise (quiet in logs and pipes)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not sys.stderr.isatty(), leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -117,8 +142,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         what = "no complete checkpoint" if args.step is None else f"no checkpoint of step {args.step}"
         return fail(args, f"{what} in {storage.describe()}", url=storage.describe())
     if not info.complete or info.manifest is None:
-        return fail(args, f"{storage.describe(info.name)} is {info.status}: {info.problem}",
-                    url=storage.describe(info.name))
+        return fail(
+            args, f"{storage.describe(info.name)} is {info.status}: {info.problem}", url=storage.describe(info.name)
+        )
     dest = open_storage(args.dest)
     if dest.list(info.name + "/"):
         return fail(args, f"{dest.describe(info.name)} already exists", url=dest.describe(info.name))
@@ -133,9 +159,18 @@ def cmd_pull(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     where = dest.describe(info.name)
-    report(args, f"{where}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)",
-           {"url": where, "source": storage.describe(info.name), "step": info.step, "name": info.name,
-            "size": info.manifest.size, "verified": True})
+    report(
+        args,
+        f"{where}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)",
+        {
+            "url": where,
+            "source": storage.describe(info.name),
+            "step": info.step,
+            "name": info.name,
+            "size": info.manifest.size,
+            "verified": True,
+        },
+    )
     return 0
 
 
@@ -151,16 +186,22 @@ def cmd_rm(args: argparse.Namespace) -> int:
     for info in doomed:
         checkpoint.delete(storage, info.name)
         why = f"incomplete: {info.problem}" if args.step is None else info.status
-        report(args, f"deleted {storage.describe(info.name)} ({why})",
-               {"deleted": storage.describe(info.name), "step": info.step, "status": info.status,
-                "problem": info.problem or None})
+        report(
+            args,
+            f"deleted {storage.describe(info.name)} ({why})",
+            {
+                "deleted": storage.describe(info.name),
+                "step": info.step,
+                "status": info.status,
+                "problem": info.problem or None,
+            },
+        )
     if args.step is not None:
         return 0
     cleanup = getattr(storage, "remove_temp_files", None) or getattr(storage, "abort_incomplete_uploads", None)
     leftovers = cleanup() if cleanup else []
     for name in leftovers:
-        report(args, f"deleted leftover {name}", {"deleted": name, "step": None, "status": "leftover",
-                                                   "problem": None})
+        report(args, f"deleted leftover {name}", {"deleted": name, "step": None, "status": "leftover", "problem": None})
     if not doomed and not leftovers and not args.json:  # --json: one document per deletion, none here
         print(f"nothing incomplete in {storage.describe()}")
     return 0
@@ -171,15 +212,24 @@ def register(sub: Any) -> None:
     p = sub.add_parser("ls", help="list the checkpoints under a storage URL")
     p.add_argument("url", help="a path, file://, s3://, gs:// or az:// URL")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.add_argument("--verify", action="store_true", help="read every file and check its SHA-256 "
-                   "(default: manifests and sizes only; contents unverified)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every file and check its SHA-256 (default: manifests and sizes only; contents unverified)",
+    )
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("verify", help="check checkpoints against their manifests (exit 1 when corrupt, "
-                       "or when there is nothing to verify)")
+    p = sub.add_parser(
+        "verify",
+        help="check checkpoints against their manifests (exit 1 when corrupt, or when there is nothing to verify)",
+    )
     p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
-    p.add_argument("--json", action="store_true", help="one JSON object per checkpoint (status ok, corrupt or "
-                   "incomplete); an error object and exit 1 when there is nothing to verify")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per checkpoint (status ok, corrupt or "
+        "incomplete); an error object and exit 1 when there is nothing to verify",
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
@@ -193,7 +243,8 @@ def register(sub: Any) -> None:
     p.add_argument("url", help=_URL)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
-    what.add_argument("--incomplete", action="store_true",
-                      help="delete checkpoints without a manifest and unfinished uploads")
+    what.add_argument(
+        "--incomplete", action="store_true", help="delete checkpoints without a manifest and unfinished uploads"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per thing deleted, or an error")
     p.set_defaults(func=cmd_rm)

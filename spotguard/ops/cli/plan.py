@@ -31,9 +31,16 @@ def options(args: argparse.Namespace) -> planner.PlanOptions:
         intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
     except ValueError as e:
         raise ConfigError(f"--intervals takes seconds separated by commas, got {args.intervals!r}") from e
-    return planner.PlanOptions(cost, restart, args.mtbf, notice_s=notice, notice_share=args.notice_share,
-                               job_hours=args.job_hours, intervals_s=intervals,
-                               state_gb=args.state_gb if args.state_gb is not None else measured.state_gb)
+    return planner.PlanOptions(
+        cost,
+        restart,
+        args.mtbf,
+        notice_s=notice,
+        notice_share=args.notice_share,
+        job_hours=args.job_hours,
+        intervals_s=intervals,
+        state_gb=args.state_gb if args.state_gb is not None else measured.state_gb,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -58,18 +65,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         scope = "no preemption: every one comes with a notice, so the interval is the job length"
     else:
         scope = f"the preemptions without notice (effective MTBF {plan.effective_mtbf_s / 3600:.1f} h)"
-    print(f"Young sqrt(2*C*MTBF) = {_minutes(plan.young_s)}, Daly = {_minutes(plan.daly_s)} "
-          f"(best under the model: {_minutes(plan.optimum_s)}), covering {scope}")
+    print(
+        f"Young sqrt(2*C*MTBF) = {_minutes(plan.young_s)}, Daly = {_minutes(plan.daly_s)} "
+        f"(best under the model: {_minutes(plan.optimum_s)}), covering {scope}"
+    )
     gb = opts.state_gb is not None
-    print(f"\n{'STRATEGY':<26}{'INTERVAL':>10}{'GOODPUT':>9}{'LOST/PREEMPTION':>17}{'CKPT/H':>8}"
-          + (f"{'GB/H':>8}" if gb else ""))
+    print(
+        f"\n{'STRATEGY':<26}{'INTERVAL':>10}{'GOODPUT':>9}{'LOST/PREEMPTION':>17}{'CKPT/H':>8}"
+        + (f"{'GB/H':>8}" if gb else "")
+    )
     for r in plan.rows:
-        print(f"{r.name:<26}{_minutes(r.interval_s):>10}{100 * r.goodput:>8.1f}%{_minutes(r.lost_work_s):>17}"
-              f"{r.checkpoints_per_hour:>8.2f}" + (f"{r.write_gb_per_hour:>8.1f}" if gb else ""))
+        print(
+            f"{r.name:<26}{_minutes(r.interval_s):>10}{100 * r.goodput:>8.1f}%{_minutes(r.lost_work_s):>17}"
+            f"{r.checkpoints_per_hour:>8.2f}" + (f"{r.write_gb_per_hour:>8.1f}" if gb else "")
+        )
     how = " plus an emergency checkpoint on notice" if opts.notice_works else ""
-    print(f"\nrecommendation: checkpoint every {_minutes(plan.interval_s)} ({plan.interval_s:.0f} s){how}: "
-          f"goodput {100 * plan.goodput:.1f}%, ~{_minutes(plan.lost_work_s)} of work lost per preemption "
-          f"(job of {opts.job_hours:g} h for the no-checkpoint row)")
+    print(
+        f"\nrecommendation: checkpoint every {_minutes(plan.interval_s)} ({plan.interval_s:.0f} s){how}: "
+        f"goodput {100 * plan.goodput:.1f}%, ~{_minutes(plan.lost_work_s)} of work lost per preemption "
+        f"(job of {opts.job_hours:g} h for the no-checkpoint row)"
+    )
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
@@ -81,18 +96,34 @@ def register(sub: Any) -> None:
     p.add_argument("--checkpoint-cost", type=float, metavar="S", help="seconds the loop is blocked per checkpoint")
     p.add_argument("--restart-cost", type=float, metavar="S", help="seconds from a preemption to training again")
     p.add_argument("--mtbf", type=float, required=True, metavar="H", help="mean hours between preemptions")
-    p.add_argument("--notice", type=float, metavar="S",
-                   help="seconds of notice before a preemption (default: no notice, plain Young/Daly)")
-    p.add_argument("--notice-share", type=float, metavar="F",
-                   help=f"share of preemptions that come with the notice (default {planner.DEFAULT_NOTICE_SHARE} "
-                        f"with --notice; alone it assumes a {planner.DEFAULT_NOTICE_S:g} s notice)")
+    p.add_argument(
+        "--notice",
+        type=float,
+        metavar="S",
+        help="seconds of notice before a preemption (default: no notice, plain Young/Daly)",
+    )
+    p.add_argument(
+        "--notice-share",
+        type=float,
+        metavar="F",
+        help=f"share of preemptions that come with the notice (default {planner.DEFAULT_NOTICE_SHARE} "
+        f"with --notice; alone it assumes a {planner.DEFAULT_NOTICE_S:g} s notice)",
+    )
     p.add_argument("--cloud", choices=sorted(planner.NOTICE_LEAD_S), help="the notice lead of this cloud")
     p.add_argument("--job-hours", type=float, default=24.0, metavar="H", help="job length (default 24)")
     p.add_argument("--state-gb", type=float, metavar="G", help="checkpoint size, to report GB written per hour")
-    p.add_argument("--intervals", default=",".join(f"{v:g}" for v in planner.DEFAULT_INTERVALS_S),
-                   metavar="S,S,...", help="fixed intervals to compare, in seconds")
-    p.add_argument("--stats", metavar="FILE", help="measured costs: records of json.dumps(guard.stats().as_dict()), "
-                   "a JSON object, list or lines; restart cost = restore_s + 60 s of start unless restart_s is given")
+    p.add_argument(
+        "--intervals",
+        default=",".join(f"{v:g}" for v in planner.DEFAULT_INTERVALS_S),
+        metavar="S,S,...",
+        help="fixed intervals to compare, in seconds",
+    )
+    p.add_argument(
+        "--stats",
+        metavar="FILE",
+        help="measured costs: records of json.dumps(guard.stats().as_dict()), "
+        "a JSON object, list or lines; restart cost = restore_s + 60 s of start unless restart_s is given",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw goodput vs interval (needs spotguard[plot])")
     p.set_defaults(func=cmd_plan)

@@ -13,16 +13,27 @@ from typing import Any
 
 CLOUDS = ("aws", "gcp", "azure")
 #: Fields of a mock's answer worth echoing after a trigger.
-_SHOWN = ("action", "time", "noticeTime", "Code", "NotBefore", "EventId", "EventType", "instance/preempted",
-          "instance/maintenance-event", "target-lifecycle-state")
+_SHOWN = (
+    "action",
+    "time",
+    "noticeTime",
+    "Code",
+    "NotBefore",
+    "EventId",
+    "EventType",
+    "instance/preempted",
+    "instance/maintenance-event",
+    "target-lifecycle-state",
+)
 
 
 def cmd_mock_metadata(args: argparse.Namespace) -> int:
     from spotguard.ops import mockmeta
 
     options = {"require_tokens": not args.imdsv1} if args.cloud == "aws" else {}
-    server = mockmeta.MockMetadataServer(mockmeta.make_mock(args.cloud, **options), args.host, args.port,
-                                         error_rate=args.error_rate, seed=args.seed)
+    server = mockmeta.MockMetadataServer(
+        mockmeta.make_mock(args.cloud, **options), args.host, args.port, error_rate=args.error_rate, seed=args.seed
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -73,8 +84,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or _default_endpoint(args.cloud)
     state = mockmeta.control(endpoint, "state")
     if args.cloud and state.get("cloud") != args.cloud:
-        print(f"spotguard: error: the mock at {endpoint} imitates {state.get('cloud')}, not {args.cloud}",
-              file=sys.stderr)
+        print(
+            f"spotguard: error: the mock at {endpoint} imitates {state.get('cloud')}, not {args.cloud}", file=sys.stderr
+        )
         return 1
     if args.clear:
         mockmeta.control(endpoint, "clear")
@@ -84,8 +96,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     answer = mockmeta.control(endpoint, "trigger", payload)
     when = f"in {args.in_:g}s" if args.in_ else "now"
     shown = {k: v for k, v in answer.items() if k in _SHOWN}
-    print(f"{answer.get('cloud')} {answer.get('kind')} notice {when} on {endpoint}"
-          + (f": {json.dumps(shown)}" if shown else ""))
+    print(
+        f"{answer.get('cloud')} {answer.get('kind')} notice {when} on {endpoint}"
+        + (f": {json.dumps(shown)}" if shown else "")
+    )
     return 0
 
 
@@ -116,11 +130,16 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("simulate-preemption", help="rehearse a preemption: mock notice, signal or notice file")
     p.add_argument("--cloud", choices=CLOUDS, help="check the mock imitates this cloud; picks its endpoint variable")
-    p.add_argument("--endpoint", help="mock server base URL http://host:port (default: the cloud's variable, "
-                                      "else http://127.0.0.1:1338)")
+    p.add_argument(
+        "--endpoint",
+        help="mock server base URL http://host:port (default: the cloud's variable, else http://127.0.0.1:1338)",
+    )
     p.add_argument("--in", dest="in_", type=float, default=0.0, metavar="SECONDS", help="notice appears later")
-    p.add_argument("--kind", help="aws: spot|rebalance|maintenance|asg; gcp: preempt|maintenance|migrate; "
-                                  "azure: preempt|terminate|reboot|redeploy|freeze")
+    p.add_argument(
+        "--kind",
+        help="aws: spot|rebalance|maintenance|asg; gcp: preempt|maintenance|migrate; "
+        "azure: preempt|terminate|reboot|redeploy|freeze",
+    )
     p.add_argument("--action", help="AWS spot action: terminate, stop or hibernate")
     p.add_argument("--clear", action="store_true", help="withdraw every notice (the server serves the next run)")
     p.add_argument("--pid", type=int, help="send a shutdown signal to this process instead")

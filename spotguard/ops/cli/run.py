@@ -17,11 +17,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from spotguard.ops.supervisor import Supervisor, SupervisorOptions
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    options = SupervisorOptions(command, storage=args.storage, local_dir=args.local_dir, prefetch=args.prefetch,
-                                max_restarts=args.max_restarts,
-                                hang_timeout=args.hang_timeout, startup_timeout=args.startup_timeout,
-                                backoff=args.backoff, backoff_max=args.backoff_max, grace=args.grace,
-                                forward_as=args.forward_as, stdout_to_stderr=args.json)
+    options = SupervisorOptions(
+        command,
+        storage=args.storage,
+        local_dir=args.local_dir,
+        prefetch=args.prefetch,
+        max_restarts=args.max_restarts,
+        hang_timeout=args.hang_timeout,
+        startup_timeout=args.startup_timeout,
+        backoff=args.backoff,
+        backoff_max=args.backoff_max,
+        grace=args.grace,
+        forward_as=args.forward_as,
+        stdout_to_stderr=args.json,
+    )
     logging.getLogger("spotguard.ops.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     supervisor = Supervisor(options)
     exporter = None
@@ -52,14 +61,24 @@ def cmd_watch(args: argparse.Namespace) -> int:
             print(json.dumps(notice.to_json()), flush=True)
             return
         left = notice.seconds_left()
-        print(f"{notice.provider}: {notice.kind} notice"
-              + (f", deadline {notice.deadline.isoformat()} ({left:.0f}s left)" if notice.deadline and left is not None else "")
-              + (" (advisory)" if notice.advisory else ""), flush=True)
+        print(
+            f"{notice.provider}: {notice.kind} notice"
+            + (
+                f", deadline {notice.deadline.isoformat()} ({left:.0f}s left)"
+                if notice.deadline and left is not None
+                else ""
+            )
+            + (" (advisory)" if notice.advisory else ""),
+            flush=True,
+        )
 
     watcher = Watcher(args.providers, args.interval, on_notice=show, stop_on_advisory=args.advisory)
     if not args.json:
-        print(f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} "
-              f"every {args.interval:g}s", file=sys.stderr, flush=True)
+        print(
+            f"watching {', '.join(p.name for p in watcher.providers) or 'nothing'} every {args.interval:g}s",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         with watcher:
             got = watcher.preempted.wait(args.timeout)
@@ -70,41 +89,73 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``run`` and ``watch`` to the ``spotguard`` subcommands."""
-    p = sub.add_parser("run", help="run a training command; restart it after a crash or hang, not after a preemption",
-                       description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
-                                   "2 restart budget used up or bad options, 128+N stopped by signal N "
-                                   "(the job died of it or did not exit in time); after a stop signal, "
-                                   "otherwise the job's own exit code.")
+    p = sub.add_parser(
+        "run",
+        help="run a training command; restart it after a crash or hang, not after a preemption",
+        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
+        "2 restart budget used up or bad options, 128+N stopped by signal N "
+        "(the job died of it or did not exit in time); after a stop signal, "
+        "otherwise the job's own exit code.",
+    )
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
     p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
-    p.add_argument("--prefetch", action="store_true", help="copy the newest checkpoint into --local-dir, verified, "
-                   "before starting the job")
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="copy the newest checkpoint into --local-dir, verified, before starting the job",
+    )
     p.add_argument("--max-restarts", type=int, default=10, help="restarts after crashes/hangs (default 10)")
-    p.add_argument("--hang-timeout", type=float, help="seconds without a completed step before the job "
-                   "counts as hung (default: no watchdog)")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        help="seconds without a completed step before the job counts as hung (default: no watchdog)",
+    )
     p.add_argument("--startup-timeout", type=float, help="the same before the first step (default: --hang-timeout)")
     p.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds, doubled each restart")
     p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay (default 60)")
-    p.add_argument("--grace", type=float, default=120.0, help="seconds the job gets to checkpoint and exit "
-                   "after a forwarded stop signal (default 120)")
-    p.add_argument("--forward-as", metavar="SIGNAL", help="forward stop signals as this one (e.g. USR1) "
-                   "where the platform also signals the job directly (Slurm preemption)")
-    p.add_argument("--json", action="store_true", help="print one JSON document at the end (exit code, outcome, "
-                   "restarts by cause, every exit); the job's stdout goes to stderr")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics (restarts and "
-                   "their causes) on this port (needs spotguard[metrics])")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=120.0,
+        help="seconds the job gets to checkpoint and exit after a forwarded stop signal (default 120)",
+    )
+    p.add_argument(
+        "--forward-as",
+        metavar="SIGNAL",
+        help="forward stop signals as this one (e.g. USR1) "
+        "where the platform also signals the job directly (Slurm preemption)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document at the end (exit code, outcome, "
+        "restarts by cause, every exit); the job's stdout goes to stderr",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics (restarts and their causes) on this port (needs spotguard[metrics])",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="address to serve them on (default 127.0.0.1)")
     p.add_argument("--metrics-file", metavar="FILE", help="append one JSON line per start, exit and the end")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- python train.py ...")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("watch", help="run the notice watcher alone; exit 0 on a notice",
-                       description="Prints notices as they arrive and exits 0 on the first stop notice "
-                                   "(or advisory one with --advisory); exit 1 at --timeout.")
+    p = sub.add_parser(
+        "watch",
+        help="run the notice watcher alone; exit 0 on a notice",
+        description="Prints notices as they arrive and exits 0 on the first stop notice "
+        "(or advisory one with --advisory); exit 1 at --timeout.",
+    )
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--json", action="store_true", help="one JSON object per notice")
     p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
-    p.add_argument("--advisory", action="store_true", help="advisory notices (AWS rebalance recommendation, "
-                   "GCP migrate) end it too, exit 0 (default: they are printed, only stop notices end it)")
+    p.add_argument(
+        "--advisory",
+        action="store_true",
+        help="advisory notices (AWS rebalance recommendation, "
+        "GCP migrate) end it too, exit 0 (default: they are printed, only stop notices end it)",
+    )
     p.set_defaults(func=cmd_watch)

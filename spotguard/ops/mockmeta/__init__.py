@@ -16,8 +16,21 @@ from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
 from spotguard.ops.mockmeta.gcp import GcpMock
 from spotguard.ops.mockmeta.server import DEFAULT_PORT, MockControlError, MockMetadataServer, control
 
-__all__ = ["CLOUDS", "DEFAULT_PORT", "AwsMock", "AzureMock", "CloudMock", "GcpMock", "MockControlError",
-           "MockMetadataServer", "Reply", "Request", "control", "endpoint_env", "make_mock"]
+__all__ = [
+    "CLOUDS",
+    "DEFAULT_PORT",
+    "AwsMock",
+    "AzureMock",
+    "CloudMock",
+    "GcpMock",
+    "MockControlError",
+    "MockMetadataServer",
+    "Reply",
+    "Request",
+    "control",
+    "endpoint_env",
+    "make_mock",
+]
 
 CLOUDS: dict[str, type[CloudMock]] = {"aws": AwsMock, "gcp": GcpMock, "azure": AzureMock}
 

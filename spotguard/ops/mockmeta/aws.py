@@ -28,11 +28,13 @@ MAX_TTL = 21600
 ROLE = "spotguard-mock-role"
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 #: Every documented scheduled-event code, with the description EC2 gives it.
-EVENT_CODES = {"instance-stop": "The instance is scheduled for stop",
-               "instance-retirement": "The instance is running on degraded hardware",
-               "instance-reboot": "The instance is scheduled for reboot",
-               "system-reboot": "scheduled reboot",
-               "system-maintenance": "scheduled maintenance"}
+EVENT_CODES = {
+    "instance-stop": "The instance is scheduled for stop",
+    "instance-retirement": "The instance is running on degraded hardware",
+    "instance-reboot": "The instance is scheduled for reboot",
+    "system-reboot": "scheduled reboot",
+    "system-maintenance": "scheduled maintenance",
+}
 XHTML = """<?xml version="1.0" encoding="iso-8859-1"?>
 <!DOCTYPE html PUBLIC "-//W3C//DTD XHTML 1.0 Transitional//EN"
 \t"http://www.w3.org/TR/xhtml1/DTD/xhtml1-transitional.dtd">
@@ -63,8 +65,14 @@ class AwsMock(CloudMock):
     kinds = ("spot", "rebalance", "maintenance", "asg")
     server_header = "EC2ws"
 
-    def __init__(self, *, require_tokens: bool = True, warning: float = 120.0,
-                 instance_id: str = "i-0123456789abcdef0", region: str = "us-east-1") -> None:
+    def __init__(
+        self,
+        *,
+        require_tokens: bool = True,
+        warning: float = 120.0,
+        instance_id: str = "i-0123456789abcdef0",
+        region: str = "us-east-1",
+    ) -> None:
         super().__init__()
         self.require_tokens = require_tokens
         self.warning = warning
@@ -72,17 +80,40 @@ class AwsMock(CloudMock):
         self.values: dict[str, str] = {}
         self.credentials: dict[str, str] = {}
         zone = region + "a"
-        self.static = {"instance-id": instance_id, "instance-type": "g5.xlarge", "ami-id": "ami-0abcdef1234567890",
-                       "placement/availability-zone": zone, "placement/region": region,
-                       "instance-life-cycle": "spot", "iam/info": json.dumps({
-                           "Code": "Success", "LastUpdated": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                           "InstanceProfileArn": f"arn:aws:iam::123456789012:instance-profile/{ROLE}",
-                           "InstanceProfileId": "AIPAMOCKPROFILEID0000"}, indent=2)}
-        self.identity = {"accountId": "123456789012", "architecture": "x86_64", "availabilityZone": zone,
-                         "billingProducts": None, "devpayProductCodes": None, "marketplaceProductCodes": None,
-                         "imageId": self.static["ami-id"], "instanceId": instance_id, "instanceType": "g5.xlarge",
-                         "kernelId": None, "pendingTime": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                         "privateIp": "10.0.0.12", "ramdiskId": None, "region": region, "version": "2017-09-30"}
+        self.static = {
+            "instance-id": instance_id,
+            "instance-type": "g5.xlarge",
+            "ami-id": "ami-0abcdef1234567890",
+            "placement/availability-zone": zone,
+            "placement/region": region,
+            "instance-life-cycle": "spot",
+            "iam/info": json.dumps(
+                {
+                    "Code": "Success",
+                    "LastUpdated": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "InstanceProfileArn": f"arn:aws:iam::123456789012:instance-profile/{ROLE}",
+                    "InstanceProfileId": "AIPAMOCKPROFILEID0000",
+                },
+                indent=2,
+            ),
+        }
+        self.identity = {
+            "accountId": "123456789012",
+            "architecture": "x86_64",
+            "availabilityZone": zone,
+            "billingProducts": None,
+            "devpayProductCodes": None,
+            "marketplaceProductCodes": None,
+            "imageId": self.static["ami-id"],
+            "instanceId": instance_id,
+            "instanceType": "g5.xlarge",
+            "kernelId": None,
+            "pendingTime": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "privateIp": "10.0.0.12",
+            "ramdiskId": None,
+            "region": region,
+            "version": "2017-09-30",
+        }
         self.reset()
 
     def reset(self) -> None:
@@ -109,9 +140,13 @@ class AwsMock(CloudMock):
         if kind == "maintenance":
             code = options.get("action") or "instance-stop"
             start = _utc(float(options.get("warning", 300)))
-            event = {"NotBefore": start.strftime("%d %b %Y %H:%M:%S GMT"),
-                     "Code": code, "Description": EVENT_CODES[code],
-                     "EventId": "instance-event-" + secrets.token_hex(8), "State": "active"}
+            event = {
+                "NotBefore": start.strftime("%d %b %Y %H:%M:%S GMT"),
+                "Code": code,
+                "Description": EVENT_CODES[code],
+                "EventId": "instance-event-" + secrets.token_hex(8),
+                "State": "active",
+            }
             if code in ("instance-reboot", "system-reboot", "system-maintenance"):  # the ones with a window
                 event["NotAfter"] = (start + dt.timedelta(hours=2)).strftime("%d %b %Y %H:%M:%S GMT")
             self.values["events/maintenance/scheduled"] = json.dumps([event])
@@ -137,11 +172,14 @@ class AwsMock(CloudMock):
                 return error(401, "Unauthorized")
             if token is None and self.require_tokens:
                 return error(401, "Unauthorized")
-            value = self._lookup(req.path[len(LATEST):]) if req.path.startswith(LATEST) else None
+            value = self._lookup(req.path[len(LATEST) :]) if req.path.startswith(LATEST) else None
         if value is None:
             return error(404, "Not Found")
-        headers = {} if expiry is None else {"X-Aws-Ec2-Metadata-Token-Ttl-Seconds":
-                                             str(max(0, int(expiry - time.monotonic())))}
+        headers = (
+            {}
+            if expiry is None
+            else {"X-Aws-Ec2-Metadata-Token-Ttl-Seconds": str(max(0, int(expiry - time.monotonic())))}
+        )
         return Reply.text(200, value, **headers)
 
     def _tree(self) -> dict[str, str]:
@@ -158,8 +196,14 @@ class AwsMock(CloudMock):
         if leaf is not None:
             return leaf
         prefix = key.rstrip("/") + "/" if key.strip("/") else ""
-        names = sorted({rest.split("/")[0] + ("/" if "/" in rest else "")
-                        for k in tree if k.startswith(prefix) for rest in (k[len(prefix):],)})
+        names = sorted(
+            {
+                rest.split("/")[0] + ("/" if "/" in rest else "")
+                for k in tree
+                if k.startswith(prefix)
+                for rest in (k[len(prefix) :],)
+            }
+        )
         return "\n".join(names) if names else None
 
     def _credentials(self) -> dict[str, str]:
@@ -167,10 +211,14 @@ class AwsMock(CloudMock):
         expires = self.credentials.get("Expiration", "")
         if not expires or expires < _utc(300).strftime("%Y-%m-%dT%H:%M:%SZ"):
             self.credentials = {
-                "Code": "Success", "LastUpdated": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"), "Type": "AWS-HMAC",
-                "AccessKeyId": "ASIA" + secrets.token_hex(8).upper(), "SecretAccessKey": secrets.token_urlsafe(30),
+                "Code": "Success",
+                "LastUpdated": _utc(0).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "Type": "AWS-HMAC",
+                "AccessKeyId": "ASIA" + secrets.token_hex(8).upper(),
+                "SecretAccessKey": secrets.token_urlsafe(30),
                 "Token": "IQoJb3JpZ2luX2VjEMOCK" + secrets.token_urlsafe(96),
-                "Expiration": _utc(6 * 3600).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                "Expiration": _utc(6 * 3600).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            }
         return self.credentials
 
     def _token(self, req: Request) -> Reply:

@@ -18,8 +18,13 @@ from spotguard.ops.mockmeta.base import CloudMock, Reply, Request
 
 #: Seconds between an event's appearance and its NotBefore (Azure's documented minimums).
 LEAD = {"Preempt": 30, "Terminate": 300, "Reboot": 900, "Redeploy": 600, "Freeze": 900}
-KIND_TO_TYPE = {"preempt": "Preempt", "terminate": "Terminate", "reboot": "Reboot", "redeploy": "Redeploy",
-                "freeze": "Freeze"}
+KIND_TO_TYPE = {
+    "preempt": "Preempt",
+    "terminate": "Terminate",
+    "reboot": "Reboot",
+    "redeploy": "Redeploy",
+    "freeze": "Freeze",
+}
 
 
 class AzureMock(CloudMock):
@@ -42,10 +47,17 @@ class AzureMock(CloudMock):
         etype = KIND_TO_TYPE[kind]
         lead = float(options.get("warning", LEAD[etype]))
         not_before = dt.datetime.now(dt.timezone.utc).replace(microsecond=0) + dt.timedelta(seconds=lead)
-        event = {"EventId": str(uuid.uuid4()).upper(), "EventStatus": "Scheduled", "EventType": etype,
-                 "ResourceType": "VirtualMachine", "Resources": list(options.get("resources") or [self.vm_name]),
-                 "NotBefore": format_datetime(not_before, usegmt=True), "Description": f"{etype} scheduled by the mock",
-                 "EventSource": "Platform", "DurationInSeconds": -1 if etype in ("Preempt", "Terminate") else 600}
+        event = {
+            "EventId": str(uuid.uuid4()).upper(),
+            "EventStatus": "Scheduled",
+            "EventType": etype,
+            "ResourceType": "VirtualMachine",
+            "Resources": list(options.get("resources") or [self.vm_name]),
+            "NotBefore": format_datetime(not_before, usegmt=True),
+            "Description": f"{etype} scheduled by the mock",
+            "EventSource": "Platform",
+            "DurationInSeconds": -1 if etype in ("Preempt", "Terminate") else 600,
+        }
         self.events.append(event)
         self.incarnation += 1
         return event
@@ -59,15 +71,26 @@ class AzureMock(CloudMock):
         if req.headers.get("metadata", "").lower() != "true":
             return Reply.json(400, {"error": "Bad request. Required metadata header not specified"})
         if "api-version" not in req.query:
-            return Reply.json(400, {"error": "Bad request. api-version was not specified in the request. "
-                                             "For more information refer to aka.ms/azureimds",
-                                    "newest-versions": ["2023-07-01", "2021-02-01", "2020-07-01"]})
+            return Reply.json(
+                400,
+                {
+                    "error": "Bad request. api-version was not specified in the request. "
+                    "For more information refer to aka.ms/azureimds",
+                    "newest-versions": ["2023-07-01", "2021-02-01", "2020-07-01"],
+                },
+            )
         if req.path == "/metadata/scheduledevents":
             return self._events(req)
         if req.method != "GET":
             return Reply.json(405, {"error": "Method not allowed"})
-        compute = {"name": self.vm_name, "location": "eastus", "priority": "Spot", "vmSize": "Standard_NC4as_T4_v3",
-                   "vmId": "02aab8a4-74ef-476e-8182-f6d2ba4166a6", "evictionPolicy": "Deallocate"}
+        compute = {
+            "name": self.vm_name,
+            "location": "eastus",
+            "priority": "Spot",
+            "vmSize": "Standard_NC4as_T4_v3",
+            "vmId": "02aab8a4-74ef-476e-8182-f6d2ba4166a6",
+            "evictionPolicy": "Deallocate",
+        }
         if req.path == "/metadata/instance":
             return Reply.json(200, {"compute": compute, "network": {"interface": []}})
         if req.path.startswith("/metadata/instance/compute/"):

@@ -114,8 +114,13 @@ class CloudMock(abc.ABC):
 
     def state(self) -> dict[str, Any]:
         with self.cond:
-            return {"cloud": self.cloud, "kinds": list(self.kinds), "requests": self.requests,
-                    "triggered": list(self.triggered), **self.describe()}
+            return {
+                "cloud": self.cloud,
+                "kinds": list(self.kinds),
+                "requests": self.requests,
+                "triggered": list(self.triggered),
+                **self.describe(),
+            }
 
     def close(self) -> None:
         with self.cond:

@@ -48,17 +48,25 @@ class GcpMock(CloudMock):
     def __init__(self, *, name: str = "spot-trainer-1", project: str = "mock-project") -> None:
         super().__init__()
         self.values: dict[str, str] = {
-            "instance/id": "4520031799277581759", "instance/name": name, "instance/hostname":
-            f"{name}.us-central1-a.c.{project}.internal", "instance/zone":
-            "projects/123456789012/zones/us-central1-a", "instance/machine-type":
-            "projects/123456789012/machineTypes/g2-standard-4", "instance/scheduling/provisioning-model": "SPOT",
-            "instance/scheduling/preemptible": "TRUE", "project/project-id": project,
-            "project/numeric-project-id": "123456789012"}
+            "instance/id": "4520031799277581759",
+            "instance/name": name,
+            "instance/hostname": f"{name}.us-central1-a.c.{project}.internal",
+            "instance/zone": "projects/123456789012/zones/us-central1-a",
+            "instance/machine-type": "projects/123456789012/machineTypes/g2-standard-4",
+            "instance/scheduling/provisioning-model": "SPOT",
+            "instance/scheduling/preemptible": "TRUE",
+            "project/project-id": project,
+            "project/numeric-project-id": "123456789012",
+        }
         email = "123456789012-compute@developer.gserviceaccount.com"
         for account in ("default", email):
-            self.values.update({f"instance/service-accounts/{account}/aliases": "default",
-                                f"instance/service-accounts/{account}/email": email,
-                                f"instance/service-accounts/{account}/scopes": "\n".join(SCOPES)})
+            self.values.update(
+                {
+                    f"instance/service-accounts/{account}/aliases": "default",
+                    f"instance/service-accounts/{account}/email": email,
+                    f"instance/service-accounts/{account}/scopes": "\n".join(SCOPES),
+                }
+            )
         self.reset()
 
     def reset(self) -> None:
@@ -85,7 +93,7 @@ class GcpMock(CloudMock):
             return Reply.text(403, "Missing Metadata-Flavor:Google header.", "text/html", **FLAVOR)
         if not req.path.startswith(ROOT) or req.method != "GET":
             return self._not_found(req)
-        key = req.path[len(ROOT):]
+        key = req.path[len(ROOT) :]
         if key.startswith("instance/service-accounts/") and key.endswith("/token"):
             return self._token(req, key)
         with self.cond:
@@ -116,14 +124,14 @@ class GcpMock(CloudMock):
             self.cond.wait(left)
 
     def _token(self, req: Request, key: str) -> Reply:
-        account = key[len("instance/service-accounts/"):-len("/token")]
+        account = key[len("instance/service-accounts/") : -len("/token")]
         if f"instance/service-accounts/{account}/email" not in self.values:
             return self._not_found(req)
         token = {"access_token": "ya29.mock-" + secrets.token_urlsafe(48), "expires_in": 3599, "token_type": "Bearer"}
         return Reply.text(200, json.dumps(token), "application/json", **FLAVOR)
 
     def _directory(self, req: Request, key: str) -> Reply:
-        entries = {k[len(key):] for k in self.values if k.startswith(key)}
+        entries = {k[len(key) :] for k in self.values if k.startswith(key)}
         if req.query.get("recursive") == "true":
             tree: dict[str, Any] = {}
             for entry in sorted(entries):

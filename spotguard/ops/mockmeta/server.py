@@ -60,8 +60,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         parts = urlsplit(self.path)
         length = int(self.headers.get("Content-Length") or 0)
-        req = Request(self.command, parts.path, dict(parse_qsl(parts.query, keep_blank_values=True)),
-                      {k.lower(): v for k, v in self.headers.items()}, self.rfile.read(length) if length else b"")
+        req = Request(
+            self.command,
+            parts.path,
+            dict(parse_qsl(parts.query, keep_blank_values=True)),
+            {k.lower(): v for k, v in self.headers.items()},
+            self.rfile.read(length) if length else b"",
+        )
         try:
             reply = self.server.owner.dispatch(req)
         except Exception as e:  # a bug in the mock must show as a 500, not a dropped connection
@@ -97,8 +102,15 @@ class _Server(ThreadingHTTPServer):
 class MockMetadataServer:
     """Serves ``mock`` (an ``AwsMock``/``GcpMock``/``AzureMock``) on 127.0.0.1 from a background thread."""
 
-    def __init__(self, mock: CloudMock, host: str = "127.0.0.1", port: int = 0, *,
-                 error_rate: float = 0.0, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        mock: CloudMock,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        error_rate: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
         if not 0.0 <= error_rate <= 1.0:
             raise ConfigError(f"error_rate must be within 0..1, got {error_rate}")
         self.mock = mock
@@ -124,8 +136,12 @@ class MockMetadataServer:
         return f"http://{host.decode() if isinstance(host, bytes) else host}:{self.port}"
 
     def start(self) -> MockMetadataServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True, name=f"spotguard-mock-{self.mock.cloud}")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+            name=f"spotguard-mock-{self.mock.cloud}",
+        )
         self._thread.start()
         return self
 
@@ -193,7 +209,7 @@ class MockMetadataServer:
         return self._storm_reply() or reply  # a hanging GET held into a storm gets the storm's answer
 
     def _control(self, req: Request) -> Reply:
-        op = req.path[len(CONTROL):].strip("/")
+        op = req.path[len(CONTROL) :].strip("/")
         try:
             body = json.loads(req.body) if req.body else {}
             if op == "state" and req.method == "GET":
@@ -202,8 +218,9 @@ class MockMetadataServer:
                 return Reply.json(405, {"error": f"{req.method} not allowed on {req.path}"})
             if op == "trigger":
                 delay = float(body.pop("in", 0) or 0)
-                return Reply.json(200, {"cloud": self.mock.cloud,
-                                        **self.mock.trigger(body.pop("kind", None), delay, **body)})
+                return Reply.json(
+                    200, {"cloud": self.mock.cloud, **self.mock.trigger(body.pop("kind", None), delay, **body)}
+                )
             if op == "clear":
                 self.mock.clear()
                 return Reply.json(200, {"cloud": self.mock.cloud, "cleared": True})
@@ -229,15 +246,18 @@ def control(endpoint: str, op: str, payload: dict[str, Any] | None = None, timeo
     try:
         resp = client.request(method, CONTROL + op, {"Content-Type": "application/json"}, body)
     except MetadataHTTPError as e:
-        raise MockControlError(f"no mock metadata server at {endpoint} ({e.__cause__ or e}); start one with "
-                               f"`spotguard mock-metadata --cloud aws|gcp|azure`") from e
+        raise MockControlError(
+            f"no mock metadata server at {endpoint} ({e.__cause__ or e}); start one with "
+            f"`spotguard mock-metadata --cloud aws|gcp|azure`"
+        ) from e
     finally:
         client.close()
     try:
         answer = json.loads(resp.body) if resp.body else {}
     except ValueError as e:
-        raise MockControlError(f"{endpoint} is not a spotguard mock metadata server "
-                               f"(HTTP {resp.status} on {CONTROL}{op})") from e
+        raise MockControlError(
+            f"{endpoint} is not a spotguard mock metadata server (HTTP {resp.status} on {CONTROL}{op})"
+        ) from e
     if resp.status != 200:
         raise MockControlError(f"mock metadata server at {endpoint}: {answer.get('error', resp.status)}")
     return dict(answer)

@@ -26,5 +26,15 @@ from .loop import CAUSES, RESTARTED, RestartBudgetExhausted, Supervisor
 from .options import SupervisorOptions, signame, to_signal
 from .signals import DUPLICATE_WINDOW, FORWARDED
 
-__all__ = ["CAUSES", "DUPLICATE_WINDOW", "FORWARDED", "RESTARTED", "Outcome", "RestartBudgetExhausted",
-           "Supervisor", "SupervisorOptions", "signame", "to_signal"]
+__all__ = [
+    "CAUSES",
+    "DUPLICATE_WINDOW",
+    "FORWARDED",
+    "RESTARTED",
+    "Outcome",
+    "RestartBudgetExhausted",
+    "Supervisor",
+    "SupervisorOptions",
+    "signame",
+    "to_signal",
+]

@@ -56,8 +56,9 @@ def run_once(opts: SupervisorOptions, beat: Path, stops: Forwarder) -> Outcome:
     # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
     # job is killed together with its data-loader workers.
     try:
-        proc = subprocess.Popen(opts.command, env=env, start_new_session=True,
-                                stdout=2 if opts.stdout_to_stderr else None)
+        proc = subprocess.Popen(
+            opts.command, env=env, start_new_session=True, stdout=2 if opts.stdout_to_stderr else None
+        )
     except OSError as e:
         raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
     stops.attach(proc)  # forwards a stop signal that came while Popen ran
@@ -78,8 +79,9 @@ def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, s
         now = time.monotonic()
         if stops.stopping.is_set():
             if now - stops.at > opts.grace:
-                logger.error("the job did not exit within %.0fs of %s: killing it", opts.grace,
-                             signame(stops.signal or 0))
+                logger.error(
+                    "the job did not exit within %.0fs of %s: killing it", opts.grace, signame(stops.signal or 0)
+                )
                 _kill_group(proc)
                 return Outcome(proc.wait(), heartbeat.read(beat)[1], killed_after_grace=True)
             continue
@@ -90,12 +92,20 @@ def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, s
             last_step, last_change, seen_step = step, now, True
             continue
         # A job writing its emergency checkpoint makes no steps: give it the grace period.
-        limit = opts.grace if flags & heartbeat.STOPPED_FOR_NOTICE else \
-            opts.hang_timeout if seen_step else opts.startup_timeout
+        limit = (
+            opts.grace
+            if flags & heartbeat.STOPPED_FOR_NOTICE
+            else opts.hang_timeout
+            if seen_step
+            else opts.startup_timeout
+        )
         if limit is not None and now - last_change > limit:
             where = f"after step {last_step}" if seen_step else "since the start"
-            logger.error("no step completed for %.1fs (%s): dumping the job's Python stacks, then killing it",
-                         now - last_change, where)
+            logger.error(
+                "no step completed for %.1fs (%s): dumping the job's Python stacks, then killing it",
+                now - last_change,
+                where,
+            )
             _dump_stacks(proc, opts.stack_wait)
             _kill_group(proc)
             return Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True, stepped=seen_step)

@@ -81,9 +81,14 @@ class Supervisor:
                 logger.info("no complete checkpoint in %s: the job starts from step 0", url)
                 return None
             m = info.manifest
-            logger.info("newest checkpoint: step %d (%s), %s old, %.1f MB, in %s", info.step, m.reason,
-                        checkpoint.human_duration(m.age_seconds()), m.size / 1e6,
-                        url.rstrip("/") + "/" + info.name)
+            logger.info(
+                "newest checkpoint: step %d (%s), %s old, %.1f MB, in %s",
+                info.step,
+                m.reason,
+                checkpoint.human_duration(m.age_seconds()),
+                m.size / 1e6,
+                url.rstrip("/") + "/" + info.name,
+            )
             if self.options.prefetch and self.options.local_dir:
                 self._prefetch(storage, info)
         except StorageError as e:
@@ -140,11 +145,24 @@ class Supervisor:
     def summary(self) -> Record:
         """The run as one JSON-ready document: exit code, outcome, restarts by cause, every exit."""
         last = self.exits[-1] if self.exits else None
-        outcome = "gave_up" if self.error else last["cause"] if last and not last["restart"] else \
-            "stopped" if self.stops.stopping.is_set() else None
-        return {"exit_code": self.exit_code, "outcome": outcome, "restarts": self.restarts,
-                "restart_causes": dict(self.restart_causes), "starts": self.starts, "exits": self.exits,
-                "error": self.error}
+        outcome = (
+            "gave_up"
+            if self.error
+            else last["cause"]
+            if last and not last["restart"]
+            else "stopped"
+            if self.stops.stopping.is_set()
+            else None
+        )
+        return {
+            "exit_code": self.exit_code,
+            "outcome": outcome,
+            "restarts": self.restarts,
+            "restart_causes": dict(self.restart_causes),
+            "starts": self.starts,
+            "exits": self.exits,
+            "error": self.error,
+        }
 
     def _supervise(self) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="spotguard-run-"))
@@ -180,10 +198,17 @@ class Supervisor:
         if cause != "finished":
             since = self._started_at if newest is None else max(newest[1], self._started_at)
             lost = max(now - since, 0.0)
-        record: Record = {"attempt": self.starts, "cause": cause, "exit_code": out.exit_code,
-                          "signal": signame(-out.code) if out.code < 0 else None, "step": step,
-                          "seconds": now - self._started_at, "checkpoint_step": newest[0] if newest else None,
-                          "lost_s": lost, "restart": restart}
+        record: Record = {
+            "attempt": self.starts,
+            "cause": cause,
+            "exit_code": out.exit_code,
+            "signal": signame(-out.code) if out.code < 0 else None,
+            "step": step,
+            "seconds": now - self._started_at,
+            "checkpoint_step": newest[0] if newest else None,
+            "lost_s": lost,
+            "restart": restart,
+        }
         self.exits.append(record)
         if restart:
             self.restart_causes[cause] += 1
@@ -196,8 +221,9 @@ class Supervisor:
             return self.stops.stop_code(signal.SIGTERM)
         code = out.exit_code
         if code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
-            logger.warning("the job stopped for a notice (exit code %d): not restarting, exiting %d",
-                           code, EXIT_PREEMPTED)
+            logger.warning(
+                "the job stopped for a notice (exit code %d): not restarting, exiting %d", code, EXIT_PREEMPTED
+            )
             self._exited(out, "preempted", restart=False)
             return EXIT_PREEMPTED
         if self.stops.stopping.is_set():
@@ -208,16 +234,25 @@ class Supervisor:
             logger.info("the job finished")
             self._exited(out, "finished", restart=False)
             return 0
-        what = "hung" if out.hung else (f"was killed by {signame(-out.code)} (exit code {code})" if out.code < 0
-                                        else f"crashed with exit code {code}")
-        cause = ("hang" if out.stepped else "startup_timeout") if out.hung else "signal" if out.code < 0 \
-            else "exit_code"
+        what = (
+            "hung"
+            if out.hung
+            else (
+                f"was killed by {signame(-out.code)} (exit code {code})"
+                if out.code < 0
+                else f"crashed with exit code {code}"
+            )
+        )
+        cause = (
+            ("hang" if out.stepped else "startup_timeout") if out.hung else "signal" if out.code < 0 else "exit_code"
+        )
         if self.restarts >= self.options.max_restarts:
             self._exited(out, cause, restart=False)
             raise RestartBudgetExhausted(
                 f"the job {what} and the restart budget is used up ({self.options.max_restarts} "
                 f"restart(s)); giving up. Fix the cause (see the log above), then run again: "
-                "it resumes from the newest checkpoint")
+                "it resumes from the newest checkpoint"
+            )
         self.restarts += 1
         logger.error("the job %s", what)
         self._exited(out, cause, restart=True)

@@ -62,8 +62,11 @@ class Forwarder:
             return
         if not self.stopping.is_set():
             self.signal, self.at = signum, time.monotonic()
-            logger.warning("%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
-                           signame(signum), self.grace)
+            logger.warning(
+                "%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
+                signame(signum),
+                self.grace,
+            )
             self.stopping.set()
         proc, sig = self._proc, self.forward_as or signum
         if proc is None:

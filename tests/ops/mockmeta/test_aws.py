@@ -98,7 +98,9 @@ def test_listings_mark_directories_and_leaves_answer_with_or_without_a_slash(aws
     top = client.request("GET", "/latest/meta-data/", good).text.split("\n")
     assert {"instance-id", "placement/", "iam/", "events/"} <= set(top) and "placement" not in top
     assert client.request("GET", "/latest/meta-data/placement/", good).text.split("\n") == [
-        "availability-zone", "region"]
+        "availability-zone",
+        "region",
+    ]
     for path in ("/latest/meta-data/placement/availability-zone", "/latest/meta-data/placement/availability-zone/"):
         assert client.request("GET", path, good).text == "us-east-1a"
     assert client.request("GET", "/latest/", good).text.split("\n") == ["dynamic/", "meta-data/"]
@@ -144,8 +146,11 @@ def test_botocore_credential_chain_and_region_come_from_the_mock(mock_metadata, 
     from tests.helpers import subprocess_env
 
     server = mock_metadata("aws")
-    env = {k: v for k, v in subprocess_env(AWS_EC2_METADATA_SERVICE_ENDPOINT=server.url).items()
-           if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_SERVICE_ENDPOINT"}
+    env = {
+        k: v
+        for k, v in subprocess_env(AWS_EC2_METADATA_SERVICE_ENDPOINT=server.url).items()
+        if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+    }
     env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
     out = subprocess.run([sys.executable, "-c", BOTOCORE], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -80,8 +80,9 @@ def test_google_auth_compute_engine_credentials_refresh_against_the_mock(mock_me
 
     server = mock_metadata("gcp")
     env = subprocess_env(**endpoint_env("gcp", server.url))  # google-auth reads them at import time
-    out = subprocess.run([sys.executable, "-c", GOOGLE_AUTH_CREDENTIALS], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", GOOGLE_AUTH_CREDENTIALS], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["valid"] and got["token"].startswith("ya29.mock-")
@@ -92,10 +93,11 @@ def test_google_auth_compute_engine_credentials_refresh_against_the_mock(mock_me
 def test_service_account_listing_is_json_with_lists_and_the_server_header_is_googles(mock_metadata):
     client = MetadataClient.from_url(mock_metadata("gcp").url)
     resp = client.request("GET", "/computeMetadata/v1/instance/service-accounts/default/?recursive=true", FLAVOR)
-    assert json.loads(resp.text) == {"aliases": ["default"],
-                                     "email": "123456789012-compute@developer.gserviceaccount.com",
-                                     "scopes": ["https://www.googleapis.com/auth/cloud-platform",
-                                                "https://www.googleapis.com/auth/userinfo.email"]}
+    assert json.loads(resp.text) == {
+        "aliases": ["default"],
+        "email": "123456789012-compute@developer.gserviceaccount.com",
+        "scopes": ["https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/userinfo.email"],
+    }
     assert resp.headers["server"] == "Metadata Server for VM"
     listing = client.request("GET", "/computeMetadata/v1/instance/service-accounts/", FLAVOR).text.split()
     assert listing == ["123456789012-compute@developer.gserviceaccount.com/", "default/"]

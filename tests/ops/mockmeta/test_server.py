@@ -38,8 +38,11 @@ def run_cli(capsys, monkeypatch):
 
 def test_control_api_triggers_later_and_clears(mock_metadata):
     server = mock_metadata("azure")
-    assert control(server.url, "trigger", {"kind": "preempt", "in": 0.3}) == {"cloud": "azure", "kind": "preempt",
-                                                                               "in": 0.3}
+    assert control(server.url, "trigger", {"kind": "preempt", "in": 0.3}) == {
+        "cloud": "azure",
+        "kind": "preempt",
+        "in": 0.3,
+    }
     assert control(server.url, "state")["events"] == []
     time.sleep(0.5)
     assert [e["EventType"] for e in control(server.url, "state")["events"]] == ["Preempt"]
@@ -73,8 +76,13 @@ def test_nothing_listening_gives_a_clear_message(run_cli):
 
 
 def test_mock_metadata_command_serves_and_fires_notice_after(tmp_path, run_cli):
-    proc = subprocess.Popen(spotguard_cmd("mock-metadata", "--cloud", "gcp", "--port", "0", "--notice-after", "1"),
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        spotguard_cmd("mock-metadata", "--cloud", "gcp", "--port", "0", "--notice-after", "1"),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = proc.stdout.readline()
         assert "spotguard mock gcp metadata server on http://127.0.0.1:" in first, proc.stderr.read()
@@ -112,10 +120,13 @@ def test_simulate_preemption_file_and_pid(tmp_path, run_cli):
 
 def test_watch_prints_json_and_exits_0_on_a_notice(mock_metadata, run_cli):
     server = mock_metadata("aws")
-    proc = subprocess.Popen(spotguard_cmd("watch", "--providers", "aws", "--json", "--interval", "0.2",
-                                          "--timeout", "60"),
-                            env=subprocess_env(**endpoint_env("aws", server.url)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        spotguard_cmd("watch", "--providers", "aws", "--json", "--interval", "0.2", "--timeout", "60"),
+        env=subprocess_env(**endpoint_env("aws", server.url)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not server.mock.tokens:  # the watcher is polling
@@ -169,4 +180,6 @@ def test_a_storm_answers_with_every_kind_of_failure_in_turn_then_ends(mock_metad
     assert outcomes == [503, 500, 429, 401, 200, "broken", 502, "broken"]
     assert server.storm_answers == len(STORM)
     server.set_storm(False)
-    assert client.request("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"}).text == "FALSE"
+    assert (
+        client.request("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"}).text == "FALSE"
+    )
