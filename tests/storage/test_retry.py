@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from spotguard.errors import ConfigError
+from spotguard.errors import ConfigError, StorageError
 from spotguard.storage import retry
 from spotguard.storage.retry import JitteredBackoff, RetryOptions
 
@@ -62,7 +62,9 @@ def test_attempts_and_deadline_bound_the_retries():
 
     calls.clear()
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    # The last attempt's error, or (when that attempt ends just past the deadline on a loaded machine)
+    # the deadline's own StorageError: either way the caller hears at the deadline.
+    with pytest.raises((TimeoutError, StorageError)):
         retry.call(
             down,
             options=RetryOptions(attempts=1000, initial=0.1, maximum=0.1),
