@@ -159,6 +159,7 @@ class Exporter:
     ) -> None:
         self._events, self._host, self._jsonl, self._registry = events, host, jsonl, registry
         self._port, self._tick_s, self._name = port, tick_s, name
+        self._served: int | None = None  # the port an endpoint was served on
         self._file: JsonLines | None = None
         self.endpoint: Endpoint | None = None
         self._closed = True
@@ -175,11 +176,23 @@ class Exporter:
                 prometheus()
                 self._registry.register(self)
             if self._port is not None:
-                self.endpoint = Endpoint(self, self._host, self._port)
-                self._port = self.endpoint.port  # a reopened exporter serves the same URL (port 0 included)
+                self.endpoint = self._serve()
         except Exception:
             self.close()
             raise
+
+    def _serve(self) -> Endpoint:
+        """Serve on the port asked for; reopened, on the port served before (the same URL), unless
+        a free port was asked for and that one is taken since."""
+        port = self._served if self._served is not None else self._port
+        try:
+            endpoint = Endpoint(self, self._host, port)  # type: ignore[arg-type]  # only called with a port
+        except ConfigError:
+            if port == self._port or self._port != 0:
+                raise
+            endpoint = Endpoint(self, self._host, 0)
+        self._served = endpoint.port
+        return endpoint
 
     def reopen(self) -> None:
         """Export again after ``close()``: the JSON lines appended to the same file, the endpoint on the
