@@ -3,11 +3,13 @@
 Periodic saves are written to the first tier (``local``, e.g. the instance's NVMe, when given;
 else the durable storage) and then uploaded to the durable storage, from a background thread.
 Synchronous saves (emergency, final, manual) go straight to the durable storage. Resume takes the
-newest checkpoint that verifies from either tier (the local copy first for the same step).
+newest checkpoint that verifies from either tier; for the same step, the copy committed last (the
+local copy on a tie: an upload keeps the local manifest, so a tie is the same content).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import threading
@@ -84,9 +86,14 @@ class SingleEngine:
         self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
     ) -> Manifest | None:
         t0 = time.monotonic()
+        stale: list[CheckpointInfo] = []
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
             payload = self._payload(tracked, step, staged=final and self._staged_final)
-            manifest = self._write(self.storage, step, reason, payload, tracked.extra, deadline=deadline, replace=final)
+            on_content = self._find_stale_local(step, tracked.extra, stale) if final else None
+            manifest = self._write(
+                self.storage, step, reason, payload, tracked.extra, deadline=deadline, on_content=on_content
+            )
+        self._drop_stale_local(stale)  # the durable tier holds the final content now (written or already there)
         if manifest is not None:
             took = time.monotonic() - t0
             self._prune(self.storage)
@@ -127,8 +134,10 @@ class SingleEngine:
         extra: dict[str, Any],
         deadline: float | None = None,
         cancel: threading.Event | None = None,
-        replace: bool = False,
+        on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
     ) -> Manifest | None:
+        """``on_content`` given: a final save, which replaces a committed ``step`` of other content."""
+        replace = on_content is not None
         try:
             manifest = layout.write(
                 storage,
@@ -141,7 +150,7 @@ class SingleEngine:
                 deadline=deadline,
                 cancel=cancel,
                 replace=replace,
-                on_content=self._drop_stale_local(step, extra) if replace else None,
+                on_content=on_content,
             )
         except CheckpointExistsError:
             logger.info(
@@ -162,27 +171,53 @@ class SingleEngine:
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
-    def _drop_stale_local(self, step: int, extra: dict[str, Any]) -> Callable[[tuple[FileEntry, ...]], None]:
-        """For a final save: delete the local tier's checkpoint of ``step`` when its content differs
-        from the final one, before the durable tier is touched (resume prefers the local copy)."""
+    def _find_stale_local(
+        self, step: int, extra: dict[str, Any], stale: list[CheckpointInfo]
+    ) -> Callable[[tuple[FileEntry, ...]], None]:
+        """For a final save: collect into ``stale`` the local tier's checkpoints of ``step`` whose
+        content differs from the final one (``entries``, known before the durable tier is touched)."""
 
         def check(entries: tuple[FileEntry, ...]) -> None:
-            if self.local is None:
-                return
-            for info in [i for i in reader.scan(self.local) if i.step == step]:
-                m = info.manifest
-                if m is None or m.files != entries or m.extra != json.loads(json.dumps(extra)):
-                    layout.delete(self.local, info.name)
-                    logger.info("removed %s: the final state of step %d differs", self.local.describe(info.name), step)
+            if self.local is not None:
+                extra_json = json.loads(json.dumps(extra))
+                stale.extend(
+                    i
+                    for i in reader.scan(self.local)
+                    if i.step == step
+                    and (i.manifest is None or i.manifest.files != entries or i.manifest.extra != extra_json)
+                )
 
         return check
+
+    def _drop_stale_local(self, stale: list[CheckpointInfo]) -> None:
+        """Delete the local copies a final save superseded, once the durable manifest is committed.
+
+        Why only then: deleting first leaves a window where a kill finds neither copy (the durable
+        one of the step is replaced, manifest first, before the new files are stored). Every point
+        of a kill is safe in this order: before the durable commit the stale local copy (the state
+        of the previous commit of that step) is the resume point, and no newer one exists; after
+        it, both copies exist until this deletes the local one, and ``resume`` takes the copy
+        committed last (the durable one). Never raises: the final checkpoint is committed.
+        """
+        for info in stale:
+            try:
+                layout.delete(self.local, info.name)  # type: ignore[arg-type]  # stale only with a local tier
+                logger.info("removed %s: the final state of step %d differs", self.local.describe(info.name), info.step)  # type: ignore[union-attr]
+            except OSError as e:  # StorageError included
+                logger.warning("cannot remove the stale local copy %s: %s", info.name, e)
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, tracked: Tracked) -> Resumed | None:
         tiers = [(s, reader.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
-        candidates = sorted(((i, s) for s, infos in tiers for i in infos), key=lambda c: c[0].step, reverse=True)
-        for info, storage in candidates:  # same step: the local tier comes first (stable sort)
+        # Newest step first; for the same step the copy committed last (a final save replaced the durable
+        # one and was killed before it dropped the stale local one), the local one on a tie (stable sort).
+        candidates = sorted(
+            ((i, s) for s, infos in tiers for i in infos),
+            key=lambda c: (c[0].step, _committed_at(c[0])),
+            reverse=True,
+        )
+        for info, storage in candidates:
             where = storage.describe(info.name)
             if not info.complete or info.manifest is None:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
@@ -223,6 +258,14 @@ class SingleEngine:
                 data.restore_generator(obj, generators.get(name))
                 data.neutralize_next_iterator(obj)
         state.restore_rng(payload["rng"])  # last: nothing after this may draw
+
+
+def _committed_at(info: CheckpointInfo) -> float:
+    """When ``info`` was committed (its manifest's time), for ordering copies of one step; 0 when unknown."""
+    try:
+        return dt.datetime.fromisoformat(info.manifest.time).timestamp() if info.manifest else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resumed: int) -> None:

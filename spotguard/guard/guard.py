@@ -248,6 +248,8 @@ class Guard:
             self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.async_sharded)
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
             self.saves.abandoned = None  # a writer of the closed agreement is that agreement's (atexit) business
+        if self.metrics is not None:
+            self.metrics.reopen()  # closed by the previous block's close(): this block is exported too
         self.watcher.start()
         self.schedule.start()
         return self
@@ -256,14 +258,17 @@ class Guard:
         self.close(save=exc_type is None)
 
     def close(self, save: bool = True) -> None:
-        """Stop the watcher, finish pending saves and, after a clean finish, checkpoint the last step.
+        """Finish pending saves, after a clean finish checkpoint the last step, then stop the watcher.
 
-        After a clean finish, the first error of a background save is raised here (never lost).
-        In a process group, the guard's own gloo groups are destroyed last, whatever happened
-        (see ``Agreement.close``), so nothing of spotguard outlives the block; calling it again,
-        or after ``dist.destroy_process_group()``, is harmless.
+        The watcher and its signal handlers stay until the final checkpoint has ended, so that a
+        notice or a Ctrl-C during it is recorded (``guard.notice``) instead of interrupting the write;
+        it starts no second save (only ``step()`` acts on a notice), and a second Ctrl-C still raises
+        KeyboardInterrupt. The watcher is stopped whatever happens. After a clean finish, the first
+        error of a background save is raised here (never lost). In a process group, the guard's own
+        gloo groups are destroyed last, whatever happened (see ``Agreement.close``), so nothing of
+        spotguard outlives the block; calling it again, or after ``dist.destroy_process_group()``,
+        is harmless.
         """
-        self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling
         dist, saves = self.agreement, self.saves
         try:
             destroyed = dist is not None and dist.group is not None and not dist.usable
@@ -271,8 +276,11 @@ class Guard:
             saves.finish(self._step, save, final, destroyed, collective=dist is not None)
         finally:
             try:
-                if dist is not None:  # the background writer's group goes with its thread, never under a live one
-                    writing = any(p is not None and not p.done() for p in (saves.abandoned, saves.pending))
-                    dist.close(keep_async=writing)
+                self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling
             finally:
-                self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics stop on it
+                try:
+                    if dist is not None:  # the background writer's group goes with its thread, never under a live one
+                        writing = any(p is not None and not p.done() for p in (saves.abandoned, saves.pending))
+                        dist.close(keep_async=writing)
+                finally:
+                    self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics pause on it

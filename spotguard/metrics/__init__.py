@@ -41,7 +41,8 @@ def export(
     """Export ``guard``'s figures: an HTTP endpoint on ``host:port`` (0: a free port), JSON lines
     appended to ``jsonl``, and/or a collector registered in a prometheus_client ``registry`` you serve
     yourself. Under torchrun (``per_rank``) rank N serves on ``port + LOCAL_RANK`` and ``{rank}`` /
-    ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes.
+    ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes; ``reopen()`` it
+    for another ``with guard:`` block (``Guard(metrics_...)`` does that itself).
     """
     from spotguard.guard import ranks
 

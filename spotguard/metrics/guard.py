@@ -48,7 +48,8 @@ class GuardMetrics(Exporter):
     """Exports one Guard: a Prometheus collector (``collect()`` on scrape) and a JSON lines file.
 
     Made by ``spotguard.metrics.export()`` (or ``Guard(metrics_port=..., metrics_file=...)``); stops
-    when the guard closes (or with ``close()``).
+    when the guard closes (or with ``close()``), and a Guard entered again reopens its own
+    (``guard.metrics``; one made by ``export()`` is reopened with ``reopen()``).
     """
 
     def __init__(

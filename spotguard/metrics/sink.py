@@ -142,7 +142,8 @@ class Exporter:
     free port) and/or a collector registered in ``registry``. Subclasses give ``collect()``.
 
     Set the state ``handle``, ``tick`` and ``collect`` read before calling ``__init__``: the worker
-    thread starts in it. A failure to serve closes what was opened and raises.
+    thread starts in it. A failure to serve closes what was opened and raises. ``close()`` stops
+    everything and ``reopen()`` starts it again (a Guard entered again after ``close()``).
     """
 
     def __init__(
@@ -156,22 +157,48 @@ class Exporter:
         tick_s: float = 1.0,
         name: str = "spotguard-metrics",
     ) -> None:
-        self._events = events
-        self._file = JsonLines(jsonl) if jsonl else None
-        self._registry = registry
+        self._events, self._host, self._jsonl, self._registry = events, host, jsonl, registry
+        self._port, self._tick_s, self._name = port, tick_s, name
+        self._served: int | None = None  # the port an endpoint was served on
+        self._file: JsonLines | None = None
         self.endpoint: Endpoint | None = None
+        self._closed = True
+        self._open()
+
+    def _open(self) -> None:
+        self._file = JsonLines(self._jsonl) if self._jsonl else None
+        self.endpoint = None
         self._closed = False
-        self._worker = Worker(self.handle, self.tick, tick_s, name=name)
-        events.add(self.on_event)
+        self._worker = Worker(self.handle, self.tick, self._tick_s, name=self._name)
+        self._events.add(self.on_event)
         try:
-            if registry is not None:
+            if self._registry is not None:
                 prometheus()
-                registry.register(self)
-            if port is not None:
-                self.endpoint = Endpoint(self, host, port)
+                self._registry.register(self)
+            if self._port is not None:
+                self.endpoint = self._serve()
         except Exception:
             self.close()
             raise
+
+    def _serve(self) -> Endpoint:
+        """Serve on the port asked for; reopened, on the port served before (the same URL), unless
+        a free port was asked for and that one is taken since."""
+        port = self._served if self._served is not None else self._port
+        try:
+            endpoint = Endpoint(self, self._host, port)  # type: ignore[arg-type]  # only called with a port
+        except ConfigError:
+            if port == self._port or self._port != 0:
+                raise
+            endpoint = Endpoint(self, self._host, 0)
+        self._served = endpoint.port
+        return endpoint
+
+    def reopen(self) -> None:
+        """Export again after ``close()``: the JSON lines appended to the same file, the endpoint on the
+        same port, the same figures going on. Harmless when open."""
+        if self._closed:
+            self._open()
 
     @property
     def port(self) -> int | None:
@@ -194,7 +221,8 @@ class Exporter:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Write what is queued, stop the endpoint and the thread. Calling it twice is harmless."""
+        """Write what is queued, stop the endpoint and the thread. Calling it twice is harmless;
+        ``reopen()`` starts them again."""
         if self._closed:
             return
         self._closed = True

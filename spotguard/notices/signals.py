@@ -36,7 +36,9 @@ class SignalProvider(NoticeProvider):
     """Turns the first delivery of each configured signal into a ``signal`` notice.
 
     ``grace`` (seconds), when given, sets the notice deadline (e.g. a pod's
-    terminationGracePeriodSeconds); without it the deadline is unknown.
+    terminationGracePeriodSeconds); without it the deadline is unknown. ``optional``: the signals
+    were not asked for (``cover_sigint``), so outside the main thread, where no handler can be set,
+    they are left as they are with one INFO line per process rather than a warning.
     """
 
     name = "signal"
@@ -47,8 +49,11 @@ class SignalProvider(NoticeProvider):
         signals: Iterable[str | int | signal.Signals] = DEFAULT_SIGNALS,
         grace: float | None = None,
         wait: float = 0.5,
+        *,
+        optional: bool = False,
     ) -> None:
         self.signals = tuple(_to_signal(s) for s in signals)
+        self.optional = optional
         self.grace = grace
         self.wait = wait
         self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
@@ -57,10 +62,14 @@ class SignalProvider(NoticeProvider):
 
     def open(self, report: Report) -> None:
         if threading.current_thread() is not threading.main_thread():
-            logger.warning(
-                "signal handlers can only be installed from the main thread; signals %s will not be watched",
-                [s.name for s in self.signals],
-            )
+            names = [s.name for s in self.signals]
+            if not self.optional:
+                logger.warning(
+                    "signal handlers can only be installed from the main thread; signals %s will not be watched",
+                    names,
+                )
+            elif not _told_off_main:
+                _tell_off_main(names)
             return
         self._received.clear()  # a reopened provider starts afresh: its next signal is a first one
         for sig in self.signals:
@@ -110,8 +119,22 @@ class SignalProvider(NoticeProvider):
         self._previous.clear()
 
 
+_told_off_main = False
+
+
+def _tell_off_main(names: list[str]) -> None:
+    global _told_off_main
+    _told_off_main = True
+    logger.info(
+        "guard entered outside the main thread: %s keep their usual meaning (Ctrl-C raises KeyboardInterrupt "
+        "in the main thread), since signal handlers can only be set there",
+        names,
+    )
+
+
 def cover_sigint(providers: list[NoticeProvider]) -> None:
     """Make SIGINT a stop notice too (Ctrl-C, or ``spotguard run`` forwarding one), unless a provider
-    in ``providers`` already watches it. A second SIGINT raises ``KeyboardInterrupt`` as usual."""
+    in ``providers`` already watches it. A second SIGINT raises ``KeyboardInterrupt`` as usual.
+    A guard entered outside the main thread leaves SIGINT as it is (no handler can be set there)."""
     if not any(isinstance(p, SignalProvider) and signal.SIGINT in p.signals for p in providers):
-        providers.append(SignalProvider(("SIGINT",)))
+        providers.append(SignalProvider(("SIGINT",), optional=True))

@@ -329,3 +329,91 @@ def test_final_checkpoint_removes_a_stale_local_copy_of_its_step(tmp_path):
     assert steps_in(local) == []  # resume prefers the local tier: a stale copy of step 2 must not stay
     fresh = spotguard.Guard(str(durable), providers=[], local_dir=str(local)).track(model=torch.nn.Linear(2, 2))
     assert fresh.resume() == 2 and fresh.extra == {"epoch": 1}
+
+
+class CtrlCWhileSaved(torch.nn.Linear):
+    """A model whose state is read by the final save only: Ctrl-C arrives in the middle of it."""
+
+    guard: spotguard.Guard | None = None
+
+    def state_dict(self, *args, **kwargs):
+        if self.guard is not None:
+            assert self.guard.watcher.running  # notices are still watched during the final save
+            signal.raise_signal(signal.SIGINT)
+            assert self.guard.preempted.wait(10)  # recorded by the watcher, not raised
+        return super().state_dict(*args, **kwargs)
+
+
+def test_ctrl_c_during_the_final_checkpoint_is_recorded_and_the_checkpoint_committed(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+    model = CtrlCWhileSaved(2, 2)
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=100).track(model=model)
+    with g:
+        g.step(1)
+        model.guard = g  # from here on: the final save
+    assert steps_in(tmp_path) == [(1, "final")]
+    assert g.notice is not None and g.notice.raw == {"signal": "SIGINT"}
+    assert g.stopped_at is None  # a notice after the loop starts no second save
+    assert not g.watcher.running and signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_watcher_is_stopped_even_when_the_final_checkpoint_raises(tmp_path):
+    before = signal.getsignal(signal.SIGINT)
+
+    class Broken(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            raise MemoryError("out of host memory")  # not an Exception: not kept by save_logged
+
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=100).track(model=Broken(2, 2))
+    with pytest.raises(MemoryError), g:
+        g.step(1)
+    assert not g.watcher.running and signal.getsignal(signal.SIGINT) is before
+
+
+def copy_tree(src, dst) -> None:
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True) if src.exists() else dst.mkdir(parents=True)
+
+
+def test_a_kill_around_the_final_commit_never_loses_the_step_nor_resumes_the_stale_local_copy(tmp_path, monkeypatch):
+    """The final save replaces step 2 on a two-tier guard. What a kill leaves just before and just after
+    the durable manifest lands (copies of both tiers at those instants) must resume step 2: the old
+    content before the commit (no newer one exists), the final content after it (never the stale
+    local copy, which resume would otherwise prefer)."""
+    from spotguard.checkpoint import layout
+
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    commit = layout._commit
+
+    def commit_and_copy(storage, name, manifest, deadline):
+        if storage is g.storage and manifest.reason == "final":
+            copy_tree(durable, tmp_path / "before" / "durable")
+            copy_tree(local, tmp_path / "before" / "local")
+        out = commit(storage, name, manifest, deadline)
+        if storage is g.storage and manifest.reason == "final":
+            copy_tree(durable, tmp_path / "after" / "durable")
+            copy_tree(local, tmp_path / "after" / "local")
+        return out
+
+    monkeypatch.setattr(layout, "_commit", commit_and_copy)
+    model = torch.nn.Linear(2, 2)
+    g = spotguard.Guard(str(durable), providers=[], every_steps=2, busy="wait", local_dir=str(local))
+    g.track(model=model)
+    with g:
+        g.step(1)
+        g.step(2)
+        g.wait()
+        assert steps_in(local) == steps_in(durable) == [(2, "periodic")]
+        with torch.no_grad():
+            model.weight.fill_(3.0)
+        g.extra["epoch"] = 1
+    assert steps_in(durable) == [(2, "final")] and steps_in(local) == []
+
+    def resumed(where):
+        fresh_model = torch.nn.Linear(2, 2)
+        fresh = spotguard.Guard(str(where / "durable"), providers=[], local_dir=str(where / "local"))
+        return fresh.track(model=fresh_model).resume(), fresh.extra, bool(torch.all(fresh_model.weight == 3.0))
+
+    assert resumed(tmp_path / "before") == (2, {}, False)  # the periodic copy of step 2 survived
+    assert resumed(tmp_path / "after") == (2, {"epoch": 1}, True)  # the final one, not the stale local copy

@@ -225,3 +225,26 @@ def test_export_into_a_registry_the_user_serves_and_it_leaves_with_the_guard(tmp
         text = generate_latest(registry).decode()
         assert "spotguard_step 3.0" in text and "spotguard_checkpoints_total 1.0" in text
     assert "spotguard_" not in generate_latest(registry).decode()  # unregistered when the guard closed
+
+
+def test_a_guard_entered_again_is_exported_again_to_the_same_file_and_url(tmp_path):
+    jsonl = tmp_path / "metrics.jsonl"
+    g = spotguard.Guard(str(tmp_path / "ckpt"), every_steps=2, providers=[], metrics_port=0, metrics_file=str(jsonl))
+    g.track(model=torch.nn.Linear(2, 2))
+    url = g.metrics.endpoint.url
+    with g:
+        g.step(1)
+        g.step(2)
+    wait_for(lambda: [r["event"] for r in records(jsonl)][-1:] == ["close"])
+    with pytest.raises(urllib.error.URLError):
+        scrape(url)  # closed between the blocks: nothing of spotguard outlives a block
+    with g:  # e.g. the next phase of the job
+        g.step(3)
+        g.step(4)
+        g.wait()
+        wait_for(lambda: value(scrape(url), "spotguard_step") == 4)  # the same URL, serving again
+        assert value(scrape(url), "spotguard_checkpoints_total") == 2
+    events = [(r["event"], r.get("step")) for r in records(jsonl)]
+    assert events == [("checkpoint", 2), ("close", 2), ("checkpoint", 4), ("close", 4)]  # appended
+    with pytest.raises(urllib.error.URLError):
+        scrape(url)

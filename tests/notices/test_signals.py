@@ -108,3 +108,31 @@ def test_signal_notice_reaches_watcher_quickly():
         os.kill(os.getpid(), signal.SIGTERM)
         assert wait_for(w.preempted)
         assert time.monotonic() - t0 < 4  # pushed through a queue, not found on the next poll 10 s away
+
+
+def test_a_guard_built_and_entered_in_a_worker_thread_is_quiet_and_leaves_sigint_alone(tmp_path, caplog):
+    import logging
+
+    import spotguard
+    from spotguard.notices import signals
+
+    caplog.set_level(logging.DEBUG, logger="spotguard")
+    before = signal.getsignal(signal.SIGINT)
+    done: list[int] = []
+
+    def train(root) -> None:
+        g = spotguard.Guard(str(root), providers=[], every_steps=100)
+        with g:
+            g.step(1)
+        done.append(1)
+
+    signals._told_off_main = False  # once per process: this test starts afresh
+    for i in range(2):
+        t = threading.Thread(target=train, args=(tmp_path / str(i),))
+        t.start()
+        t.join(60)
+    assert done == [1, 1]
+    assert signal.getsignal(signal.SIGINT) is before  # the main thread's Ctrl-C is as it was
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    told = [r for r in caplog.records if "outside the main thread" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.INFO  # said once, not per guard
