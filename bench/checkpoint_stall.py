@@ -86,7 +86,18 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--json", help="append result rows (JSON lines) to this file")
     ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
+    ap.add_argument("--small-only", action="store_true", help="only the small-tensor row (seconds, not a minute)")
     args = ap.parse_args()
+    if args.small_only:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="sg-bench-") as tmp:
+            small_stall, small_copy, small_count = small_tensors_stall(Path(tmp), args.repeat)
+        ratio = small_stall / small_copy
+        print(
+            f"{small_count} small tensors: stall {small_stall * 1e3:.1f} ms, host copy {small_copy * 1e3:.1f} ms, ",
+            end="",
+        )
+        print(f"ratio {ratio:.2f} (target <= 1.5x: {'pass' if ratio <= 1.5 else 'MISS'})")
+        return 0
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         print("no CUDA device here: the GPU stall figure needs one (skipped)")

@@ -66,15 +66,19 @@ class SingleEngine:
 
     # -- saving --------------------------------------------------------------------------------
     def _payload(self, tracked: Tracked, step: int, staged: bool) -> dict[str, Any]:
+        """The state as one canonical structure: the same state serialises to the same bytes (the final
+        save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so."""
         objects = state.collect(tracked.objects)
-        return canonical(
-            {  # the same state serialises to the same bytes (the final save compares them)
-                "step": step,
-                "rng": state.capture_rng(),
-                "objects": self._staging.snapshot(objects) if staged else objects,
-                "generators": {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None},
-            }
-        )
+        rng = state.capture_rng()
+        generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
+        if not staged:
+            return canonical({"step": step, "rng": rng, "objects": objects, "generators": generators})
+        return {
+            "step": step,
+            "rng": canonical(rng),
+            "objects": self._staging.snapshot(objects),
+            "generators": canonical(generators),
+        }
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace

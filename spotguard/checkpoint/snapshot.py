@@ -9,14 +9,18 @@ must not take a new snapshot while a previous one is still being written (at mos
 
 from __future__ import annotations
 
-import copy
+import copy as copy_module
 import sys
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 _ATOMS = (int, float, bool, str, bytes, type(None))  # immutable: shared, not deep-copied
+_SCALARS = (int, float, bool, type(None))  # what canonical() returns as it is, without a call
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_intern = sys.intern
 
 
 class Staging:
@@ -24,24 +28,30 @@ class Staging:
 
     A snapshot walks the state once, pairing the n-th tensor with the n-th buffer (reallocated when
     its shape or dtype differs: a state whose structure changed stays correct, it only allocates),
-    then copies every pair in one ``torch._foreach_copy_`` call. Why: a model has thousands of small
-    tensors (norms, biases, their optimizer moments), and a Python ``copy_`` and a path key per
-    tensor cost several microseconds each, more than copying a small tensor.
+    then copies every pair in one ``torch._foreach_copy_`` call. The same walk gives the copy the
+    form ``canonical()`` would (fresh containers, interned strings), so that a staged state needs no
+    second pass to serialise to the same bytes. Why: a model has thousands of small tensors (norms,
+    biases, their optimizer moments), and every Python step per tensor (a ``copy_``, an attribute
+    read, a function call) costs about as much as copying a small tensor.
     """
 
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[_Buffer] = []
         self.allocations = 0  # how many buffers were ever (re)allocated: stays flat once warm
+        self._nbytes = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+        """Host memory held by the buffers (read after every snapshot: kept, not summed per tensor)."""
+        return self._nbytes
 
     def snapshot(self, state: Any) -> Any:
-        """A copy of ``state`` whose tensors live in this staging area (CPU, possibly pinned)."""
+        """A canonical copy of ``state`` whose tensors live in this staging area (CPU, possibly pinned)."""
         walk = _Walk(self._buffers, self.pin)
         out = walk.copy(state)
+        if walk.allocations or len(walk.buffers) != len(self._buffers):
+            self._nbytes = sum(b.tensor.numel() * b.tensor.element_size() for b in walk.buffers)
         self._buffers = walk.buffers  # tensors that disappeared from the state lose their buffers
         self.allocations += walk.allocations
         with torch.no_grad():  # the buffers never join an autograd graph
@@ -53,47 +63,76 @@ class Staging:
         return out
 
 
-class _Walk:
-    """One snapshot's pass over the state: the copied structure, and the (buffer, tensor) pairs to fill."""
+class _Buffer(NamedTuple):
+    """A staging buffer and what it fits, read once when it was made (a tensor's attributes are slow)."""
 
-    def __init__(self, old: list[torch.Tensor], pin: bool) -> None:
+    tensor: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    pinned: bool
+
+
+class _Walk:
+    """One snapshot's pass over the state: the copied canonical structure, and the (buffer, tensor)
+    pairs to fill. The hot paths (a plain tensor, a str key) are tested inline, not by a call."""
+
+    def __init__(self, old: list[_Buffer], pin: bool) -> None:
         self.old, self.pin = old, pin
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[_Buffer] = []
         self.allocations = 0
         self.plain: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.pinned: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def copy(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        kind = type(obj)
+        if kind is _Tensor or isinstance(obj, _Tensor):
             return self.stage(obj)
-        if type(obj) in _ATOMS:
+        if kind is str:
+            return _intern(obj)
+        if kind in _ATOMS:
             return obj
+        copy, stage = self.copy, self.stage
         if isinstance(obj, dict):
-            items = [(k, self.copy(v)) for k, v in obj.items()]
+            items = [
+                (
+                    _intern(k) if type(k) is str else k if type(k) is int else canonical(k),
+                    stage(v) if type(v) is _Tensor else copy(v),
+                )
+                for k, v in obj.items()
+            ]
             return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
         if isinstance(obj, (list, tuple)):
-            items = [self.copy(v) for v in obj]
-            return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
-        return copy.deepcopy(obj)
+            values = [stage(v) if type(v) is _Tensor else copy(v) for v in obj]
+            return kind(values) if not hasattr(obj, "_fields") else kind(*values)
+        return canonical(copy_module.deepcopy(obj))
 
     def stage(self, t: torch.Tensor) -> torch.Tensor:
-        if type(t) is not torch.Tensor and _is_dtensor(t):  # FSDP2/TP shards: stage the local part, keep the placement
+        if type(t) is not _Tensor and _is_dtensor(t):  # FSDP2/TP shards: stage the local part, keep the placement
             local = self.stage(t._local_tensor)  # type: ignore[attr-defined]
             dtensor: Any = type(t)
             return dtensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined]
-        if t.layout is not torch.strided or t.is_quantized:
+        if t.layout is not _STRIDED:
             return t.detach().to("cpu", copy=True)  # rare layouts: a plain copy, not pooled
         n = len(self.buffers)
-        buf = self.old[n] if n < len(self.old) else None
         pin = self.pin and t.is_cuda
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or (self.pin and buf.is_pinned() != pin):
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            self.allocations += 1
+        buf: _Buffer | None = self.old[n] if n < len(self.old) else None
+        # A quantized tensor never matches a buffer: its dtype (qint8 ...) is never a buffer's.
+        if buf is None or buf.dtype is not t.dtype or buf.shape != t.shape or (self.pin and buf.pinned != pin):
+            buf = self.allocate(t, pin)
+        if buf is None:
+            return t.detach().to("cpu", copy=True)  # quantized: a plain copy, not pooled
         self.buffers.append(buf)
         dst, src = self.pinned if pin else self.plain
-        dst.append(buf)
+        dst.append(buf.tensor)
         src.append(t)
-        return buf
+        return buf.tensor
+
+    def allocate(self, t: torch.Tensor, pin: bool) -> _Buffer | None:
+        if t.is_quantized:
+            return None
+        self.allocations += 1
+        shape = t.shape
+        return _Buffer(torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin), shape, t.dtype, pin)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:
@@ -120,9 +159,9 @@ def canonical(obj: Any) -> Any:
     if type(obj) is str:  # sys.intern refuses subclasses (str enums): those stay as they are
         return sys.intern(obj)
     if isinstance(obj, dict):
-        items = [(canonical(k), canonical(v)) for k, v in obj.items()]
+        items = [(canonical(k), v if type(v) in _SCALARS else canonical(v)) for k, v in obj.items()]
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, (list, tuple)):
-        items = [canonical(v) for v in obj]
-        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+        values = [v if type(v) in _SCALARS else canonical(v) for v in obj]
+        return type(obj)(values) if not hasattr(obj, "_fields") else type(obj)(*values)
     return obj

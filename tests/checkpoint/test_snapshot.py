@@ -49,3 +49,35 @@ def test_many_small_tensors_and_views_are_copied_exactly():
     snap = Staging(pin=False).snapshot(state)
     assert all(torch.equal(snap[k], v) for k, v in state.items())
     assert snap["view"].untyped_storage().nbytes() == 32 * 63 * 4  # the view alone, not its base
+
+
+def test_a_snapshot_is_canonical_so_the_same_state_gives_the_same_bytes():
+    """The walk interns strings (keys, values, inside tuple keys) as ``canonical()`` would: equal
+    states whose strings are different objects serialise to the same bytes without a second pass."""
+    import io
+
+    def saved(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    def state(make) -> dict:
+        return {
+            "state": {0: {make("exp_avg"): torch.ones(2)}, 1: {make("exp_avg"): torch.zeros(2)}},
+            "groups": [{make("name"): make("exp_avg"), (make("k"), 1): Pair(make("exp_avg"), 2)}],
+        }
+
+    shared, apart = state(lambda s: s), state(lambda s: "".join(list(s)))
+    assert saved(shared) != saved(apart)  # what pickle's memo does to equal strings made apart
+    staging = Staging(pin=False)
+    assert saved(staging.snapshot(shared)) == saved(staging.snapshot(apart))
+
+
+def test_nbytes_follows_the_buffers():
+    staging = Staging(pin=False)
+    staging.snapshot({"a": torch.zeros(4), "b": torch.zeros(2, 2, dtype=torch.float64)})
+    assert staging.nbytes == 4 * 4 + 4 * 8
+    staging.snapshot({"a": torch.zeros(4)})
+    assert staging.nbytes == 4 * 4
+    staging.snapshot({"a": torch.zeros(4, dtype=torch.int8), "c": torch.zeros(3)})
+    assert staging.nbytes == 4 + 3 * 4
