@@ -68,8 +68,8 @@ class SingleEngine:
     def _payload(self, tracked: Tracked, step: int, staged: bool) -> dict[str, Any]:
         """The state as one canonical structure: the same state serialises to the same bytes (the final
         save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so."""
+        rng = state.capture_rng()  # first: collecting a loader's state may draw (the loop's streams are these)
         objects = state.collect(tracked.objects)
-        rng = state.capture_rng()
         generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
         if not staged:
             return canonical({"step": step, "rng": rng, "objects": objects, "generators": generators})
