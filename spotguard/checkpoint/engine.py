@@ -91,7 +91,6 @@ def make_engine(
     storage: Storage,
     local: Storage | None,
     groups: Groups | None,
-    *,
     keep: int,
     on_commit: OnCommit,
     staged_final: bool = True,

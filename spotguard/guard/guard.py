@@ -24,7 +24,7 @@ from spotguard.checkpoint.engine import Tracked, make_engine
 from spotguard.events import Events
 from spotguard.guard import agreement, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
-from spotguard.guard.options import GuardOptions
+from spotguard.guard.options import BusyPolicy, GuardOptions
 from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
@@ -75,23 +75,11 @@ class Guard:
         self._tracked = Tracked({}, self.extra)
         self._stats = GuardStats(async_save=o.async_save if self.agreement is None else o.async_sharded)
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
-        engine = make_engine(
-            self.storage,
-            self.local,
-            self.agreement,
-            keep=o.keep,
-            staged_final=o.async_save,
-            reshard=o.reshard,
-            on_commit=lambda c: self.saves.committed(c),
-        )
         self.saves = Saves(
-            engine,
-            self._tracked,
-            self._stats,
-            self.events,
-            self.schedule,
-            o.busy,  # type: ignore[arg-type]
-            o.background_nice,
+            self._tracked, self._stats, self.events, self.schedule, BusyPolicy(o.busy), o.background_nice
+        )
+        self.saves.engine = make_engine(
+            self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard
         )
         self._step: int | None = None
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
@@ -144,20 +132,11 @@ class Guard:
         if self.agreement is not None:
             self.agreement.check()
         done = self.saves.engine.resume(self._tracked)
-        m = done.manifest if done else None
-        if done is not None and m is not None:
+        if done is not None:
             self.extra.clear()
-            self.extra.update(m.extra)
+            self.extra.update(done.manifest.extra)
             self._step = done.step
-            self.saves.resumed(done)
-        self.events.emit(
-            "resume",
-            step=done.step if done else 0,
-            checkpoint=done.where if done else None,
-            reason=m.reason if m else None,
-            checkpoint_time=m.time if m else None,
-            restore_s=done.seconds if done else None,
-        )
+        self.saves.resumed(done)
         return done.step if done else 0
 
     # -- the loop ----------------------------------------------------------------------------
@@ -258,16 +237,11 @@ class Guard:
         self.close(save=exc_type is None)
 
     def close(self, save: bool = True) -> None:
-        """Finish pending saves, after a clean finish checkpoint the last step, then stop the watcher.
+        """Finish pending saves, checkpoint the last step after a clean finish, then stop the watcher.
 
-        The watcher and its signal handlers stay until the final checkpoint has ended, so that a
-        notice or a Ctrl-C during it is recorded (``guard.notice``) instead of interrupting the write;
-        it starts no second save (only ``step()`` acts on a notice), and a second Ctrl-C still raises
-        KeyboardInterrupt. The watcher is stopped whatever happens. After a clean finish, the first
-        error of a background save is raised here (never lost). In a process group, the guard's own
-        gloo groups are destroyed last, whatever happened (see ``Agreement.close``), so nothing of
-        spotguard outlives the block; calling it again, or after ``dist.destroy_process_group()``,
-        is harmless.
+        A notice or Ctrl-C during the final checkpoint is recorded, never acted on. The first error of a
+        background save is raised here after a clean finish. In a process group the guard's own gloo
+        groups are destroyed last, whatever happened (``Agreement.close``). Calling it again is harmless.
         """
         dist, saves = self.agreement, self.saves
         try:

@@ -29,9 +29,11 @@ DESTROYED_GRACE_S = 5.0  # how long close() waits for a save whose process group
 class Saves:
     """The save in flight and the newest committed steps of one Guard (its loop's thread drives it)."""
 
+    #: The checkpoint engine, set by the Guard right after (it is given this object's ``committed``).
+    engine: Engine
+
     def __init__(
         self,
-        engine: Engine,
         tracked: Tracked,
         stats: GuardStats,
         events: Events,
@@ -39,7 +41,7 @@ class Saves:
         busy: BusyPolicy,
         nice: int | None,
     ) -> None:
-        self.engine, self.tracked, self.stats, self.events, self.schedule = engine, tracked, stats, events, schedule
+        self.tracked, self.stats, self.events, self.schedule = tracked, stats, events, schedule
         self.busy, self.nice = busy, nice
         self.pending: PendingSave | None = None
         #: [distributed] a save dropped for an emergency one, whose thread may still be ending
@@ -71,11 +73,21 @@ class Saves:
                 **st.as_dict(),
             )
 
-    def resumed(self, done: Resumed) -> None:
-        """The engine restored ``done``: the next save is planned from its step."""
-        self.saved_step, self.durable_step, self.last_saved = done.step, done.durable_step, done.manifest
-        self.stats.restore_s = done.seconds
-        self.schedule.after(done.step)
+    def resumed(self, done: Resumed | None) -> None:
+        """The engine restored ``done`` (None: nothing to resume): the next save is planned from its step."""
+        if done is not None:
+            self.saved_step, self.durable_step, self.last_saved = done.step, done.durable_step, done.manifest
+            self.stats.restore_s = done.seconds
+            self.schedule.after(done.step)
+        m = done.manifest if done else None
+        self.events.emit(
+            "resume",
+            step=done.step if done else 0,
+            checkpoint=done.where if done else None,
+            reason=m.reason if m else None,
+            checkpoint_time=m.time if m else None,
+            restore_s=done.seconds if done else None,
+        )
 
     # -- synchronous ---------------------------------------------------------------------------
     def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:
