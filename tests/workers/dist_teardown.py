@@ -147,8 +147,8 @@ def main() -> int:
     loader = StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=0))
     model = build(args.order)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dist.barrier()  # the default group's threads exist from here on
-    before = gloo_threads()
+    dist.barrier()  # the default group's threads exist from here on, though one may still be starting:
+    before = max(gloo_threads() for _ in range(10) if time.sleep(0.02) is None)  # the settled count
 
     guard = Guard(args.storage, every_steps=2, providers="signal")
     guard.track(model=model, optimizer=opt, loader=loader)
