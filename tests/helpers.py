@@ -146,6 +146,17 @@ def run(
     return _finish(*_start(cmd, env, cwd), timeout)
 
 
+def run_ranks(cmd: list[str], world: int = 2, timeout: float = WAIT_S) -> list[subprocess.CompletedProcess[str]]:
+    """``world`` plain processes of ``cmd`` as one job (rank 0 hosts the TCP store; no torchrun agent)."""
+    port = str(free_port())
+    envs = [
+        subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for r in range(world)
+    ]
+    started = [_start(cmd, env, None) for env in envs]
+    return [_finish(*s, timeout) for s in started]
+
+
 def stop_when(
     cmd: list[str],
     ready: Callable[[], bool],

@@ -30,7 +30,9 @@ class Groups(Protocol):
     rank: int
     world_size: int
     save_group: Any  # synchronous saves and resume, from the loop's thread
-    async_group: Any  # background saves, from the writer's thread (None: saves are synchronous)
+    store: Any  # the job's key-value store, for background saves (None: saves are synchronous)
+    uid: str  # this agreement's name in the store, the same on every rank
+    timeout_s: float  # how long a rank waits for a peer's part of a background save
 
     def reduce(self, code: int, group: Any = None) -> int:
         """MAX of every rank's ``code`` on ``group``."""

@@ -2,9 +2,9 @@
 
 ``<root>/step-00000100/`` holds ``shards/rank-NNNNN.distcp`` + ``shards/metadata.dcp`` (DCP,
 written by every rank without gathering onto one), ``rank-NNNNN.pt`` (what belongs to one rank:
-RNG streams, data loader position, other tracked objects) and ``manifest.json``. Order of a save,
-every step collective on one gloo group (the guard's save group for synchronous saves, its async
-group for periodic saves written in the background):
+RNG streams, data loader position, other tracked objects) and ``manifest.json``. Order of a
+synchronous save, every step collective on the guard's save group (a save written in the
+background takes the same steps, coordinated through the job's store: ``sharded_async``):
 
 0. every rank collects its state (``ShardedEngine.stage``/``save``; for an async save, into reused host buffers: the
    only part that blocks the training loop);
@@ -32,14 +32,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, sharded_load, state
-from spotguard.checkpoint.collective import Groups, broadcast, dcp_state, explain, failures, split
+from spotguard.checkpoint import data, layout, sharded_async, sharded_load, state
+from spotguard.checkpoint.collective import Groups, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import MANIFEST, FileEntry, HashingWriter, Manifest, Reshard, step_dir
 from spotguard.checkpoint.sharded_load import rank_file
 from spotguard.checkpoint.snapshot import Staging
-from spotguard.errors import SaveCancelled, StorageError
+from spotguard.errors import StorageError
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ class Staged:
 class ShardedEngine:
     """Checkpoints of a process group, every call collective (see the module docstring).
 
-    ``groups`` is the guard's ``Agreement``: synchronous saves and resume run on its save group,
-    staged saves on its async group, from the background writer's thread.
+    ``groups`` is the guard's ``Agreement``: synchronous saves and resume run on its save group;
+    staged saves are written by the background writer's thread through its store.
     """
 
     two_tiers = False  # straight to the durable storage: every rank writes its part there
@@ -71,6 +71,7 @@ class ShardedEngine:
         self.reshard = Reshard(reshard)
         self._on_commit = on_commit
         self._staging = Staging()
+        self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
 
     @property
     def staged_bytes(self) -> int:
@@ -109,19 +110,33 @@ class ShardedEngine:
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
         staged = self._collect(tracked, step)
-        manifest = self._write(self.groups.save_group, step, reason, staged, deadline)
+        manifest = self._write(step, reason, staged, deadline)
         if manifest is not None:
             self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
         return manifest
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
-        """Snapshot this rank's state into the reused buffers; the work writes it on the async group."""
+        """Snapshot this rank's state into the reused buffers; the work writes it, coordinated through
+        the store (``sharded_async``), never through a collective."""
         staged = self._collect(tracked, step, staging=self._staging)
+        self._staged += 1
+        prefix = f"{self.groups.uid}/{self._staged}/"
 
         def work(cancel: threading.Event) -> None:
             t0 = time.monotonic()
-            manifest = self._write(self.groups.async_group, step, reason, staged, None, cancel)
-            if manifest is not None:
+            g = self.groups
+            ex = sharded_async.Exchange(g.store, prefix, g.rank, g.world_size, cancel, g.timeout_s)
+            raw = sharded_async.write(
+                ex,
+                self.storage,
+                step,
+                staged.sd,
+                prepare=lambda: self._prepare(step),
+                write_rank_file=lambda: self._write_rank_file(step, staged, None),
+                commit=lambda files: self._commit(step, reason, files, staged.extra, None),
+            )
+            if raw is not None:
+                manifest = self._committed(raw, step, reason)
                 self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
 
         return work
@@ -129,101 +144,103 @@ class ShardedEngine:
     def resume(self, tracked: Tracked) -> Resumed | None:
         return sharded_load.resume(self.storage, self.groups, tracked, self.reshard)
 
-    def _write(
-        self,
-        group: Any,
-        step: int,
-        reason: str,
-        staged: Staged,
-        deadline: float | None,
-        cancel: threading.Event | None = None,
-    ) -> Manifest | None:
-        """Collective on ``group``: every rank calls it for the same step, in the same order of collectives
-        whatever happens (failures and ``cancel`` are agreed on, never acted on by one rank alone).
+    def _prepare(self, step: int) -> str:
+        """Rank 0, before any rank writes: "exists" when ``step`` is committed, "ok" once leftovers of
+        an interrupted save of it are cleared, else why it cannot be written."""
+        storage, name = self.storage, step_dir(step)
+        try:
+            existing = storage.list(name + "/")
+            if f"{name}/{MANIFEST}" in existing:
+                return "exists"
+            if existing:
+                logger.info(
+                    "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
+                )
+                storage.delete(existing)
+        except Exception as e:
+            return f"rank 0 cannot prepare {storage.describe(name)}: {e}"
+        return "ok"
 
-        Returns the manifest, or None when the step is already committed. Raises ``StorageError`` (any
-        rank failed) or ``SaveCancelled`` (any rank was cancelled) on all ranks alike.
-        """
-        storage, rank, world = self.storage, self.groups.rank, self.groups.world_size
-        name = step_dir(step)
-        status = "ok"
-        if rank == 0:
+    def _write_rank_file(self, step: int, staged: Staged, deadline: float | None) -> tuple[str, list[FileEntry]]:
+        """This rank's ``rank-NNNNN.pt``: (error, [its entry]); a failure is returned, to be agreed on."""
+        if staged.error:
+            return staged.error, []
+        rank = self.groups.rank
+        try:
+            with self.storage.open_write(f"{step_dir(step)}/{rank_file(rank)}", deadline=deadline) as raw:
+                out = HashingWriter(raw)
+                torch.save(staged.payload, out)  # type: ignore[arg-type]
+        except Exception as e:
+            return explain(e, rank), []
+        return "", [FileEntry(rank_file(rank), out.size, out.hexdigest(), out.chunk_size)]
+
+    def _commit(
+        self, step: int, reason: str, files: list[FileEntry], extra: dict[str, Any], deadline: float | None
+    ) -> bytes:
+        """Rank 0, once every rank succeeded: write the manifest, write-once. Raises on failure."""
+        manifest = Manifest(
+            step=step,
+            reason=reason,
+            files=tuple(sorted(files, key=lambda f: f.name)),
+            world_size=self.groups.world_size,
+            extra=extra,
+            torch_version=torch.__version__,
+        )
+        raw = manifest.to_bytes()
+        self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
+        return raw
+
+    def _committed(self, raw: bytes, step: int, reason: str) -> Manifest:
+        """Every rank, after the commit: the manifest; rank 0 prunes old checkpoints."""
+        manifest = Manifest.from_bytes(raw, where=step_dir(step))
+        world = self.groups.world_size
+        logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
+        if self.groups.rank == 0:
             try:
-                existing = storage.list(name + "/")
-                if f"{name}/{MANIFEST}" in existing:
-                    status = "exists"
-                elif existing:
-                    logger.info(
-                        "replacing %d leftover file(s) of an interrupted save in %s",
-                        len(existing),
-                        storage.describe(name),
-                    )
-                    storage.delete(existing)
+                layout.prune(self.storage, self.keep)
             except Exception as e:
-                status = f"rank 0 cannot prepare {storage.describe(name)}: {e}"
-        status = broadcast(status, group)
+                logger.warning("pruning old checkpoints failed: %s", e)
+        return manifest
+
+    def _write(self, step: int, reason: str, staged: Staged, deadline: float | None) -> Manifest | None:
+        """Collective on the save group: every rank calls it for the same step, in the same order of
+        collectives whatever happens (a failure is agreed on, never acted on by one rank alone).
+
+        Returns the manifest, or None when the step is already committed. Raises ``StorageError``
+        (any rank failed) on all ranks alike.
+        """
+        group, rank, world = self.groups.save_group, self.groups.rank, self.groups.world_size
+        name = step_dir(step)
+        status = broadcast(self._prepare(step) if rank == 0 else "", group)
         if status == "exists":
-            logger.info("%s is already committed; not writing it twice", storage.describe(name))
+            logger.info("%s is already committed; not writing it twice", self.storage.describe(name))
             return None
         if status != "ok":
             raise StorageError(status)
-
-        def cancelled() -> bool:
-            return cancel is not None and cancel.is_set()
-
-        error, entries = staged.error, []
-        if not error:
-            try:  # fails on this rank alone: caught, then agreed on below
-                with storage.open_write(f"{name}/{rank_file(rank)}", deadline=deadline) as raw:
-                    out = HashingWriter(raw)
-                    torch.save(staged.payload, out)  # type: ignore[arg-type]
-                entries.append(FileEntry(rank_file(rank), out.size, out.hexdigest(), out.chunk_size))
-            except Exception as e:
-                error = explain(e, rank)
-        # dcp.save is collective: every rank enters it, or (after a failure or cancel on any rank) none does
-        if not self.groups.reduce(2 if error else int(cancelled()), group):
-            writer = SpotguardWriter(storage, name, rank, deadline=deadline, cancel=cancel)
+        error, entries = self._write_rank_file(step, staged, deadline)
+        # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
+        if not self.groups.reduce(2 if error else 0, group):
+            writer = SpotguardWriter(self.storage, name, rank, deadline=deadline)
             try:
                 dcp.save(staged.sd, storage_writer=writer, process_group=group)
                 entries.extend(writer.entries)
             except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
-                if not all(isinstance(exc, SaveCancelled) for _, exc in failures(e, rank)):
-                    error = explain(e, rank)  # else: cancelled, reported as such by the rank that was
+                error = explain(e, rank)
         reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries], cancelled()), group=group)
+        dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
 
-        outcome: str | bytes | None = ""
+        outcome: str | bytes = ""
         if rank == 0:
-            failed = dict.fromkeys(err for err, _, _ in reports if err)  # DCP reports the same on every rank
+            failed = dict.fromkeys(err for err, _ in reports if err)  # DCP reports the same on every rank
             if failed:
                 outcome = "; ".join(failed)
-            elif cancelled() or any(c for _, _, c in reports):
-                outcome = None  # abandoned (an emergency save took over): never committed
             else:
-                files = sorted((FileEntry(*e) for _, es, _ in reports for e in es), key=lambda f: f.name)
-                manifest = Manifest(
-                    step=step,
-                    reason=reason,
-                    files=tuple(files),
-                    world_size=world,
-                    extra=staged.extra,
-                    torch_version=torch.__version__,
-                )
                 try:
-                    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
-                    outcome = manifest.to_bytes()
+                    files = [FileEntry(*e) for _, es in reports for e in es]
+                    outcome = self._commit(step, reason, files, staged.extra, deadline)
                 except Exception as e:
                     outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
         outcome = broadcast(outcome, group)
-        if outcome is None:
-            raise SaveCancelled(f"sharded save of {name} abandoned before its commit")
         if isinstance(outcome, str):
             raise StorageError(f"sharded checkpoint of step {step} not committed: {outcome}")
-        manifest = Manifest.from_bytes(outcome, where=name)
-        logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
-        if rank == 0:
-            try:
-                layout.prune(storage, self.keep)
-            except Exception as e:
-                logger.warning("pruning old checkpoints failed: %s", e)
-        return manifest
+        return self._committed(outcome, step, reason)

@@ -4,7 +4,9 @@ Each rank watches its own notice sources (signal handlers on every rank, cloud m
 rank 0 of each node by default). ``guard.step()`` then combines the local flags of all ranks with
 one all-reduce of one integer (MAX) on a dedicated gloo group, every ``sync_every`` steps: a
 separate group never interleaves with the training's NCCL collectives, nor with the save group
-that sharded checkpoints (``spotguard.checkpoint.sharded``) coordinate on. Only when the verdict is "stop" is
+that synchronous sharded checkpoints (``spotguard.checkpoint.sharded``) coordinate on. Background
+saves coordinate through the job's key-value store instead (``spotguard.checkpoint.sharded_async``):
+no collective from a second thread, none that a destroyed group can leave blocked. Only when the verdict is "stop" is
 a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
 wall clocks, because monotonic clocks differ between machines).
 
@@ -18,6 +20,7 @@ import atexit
 import datetime as dt
 import logging
 import math
+import uuid
 import weakref
 from typing import Any
 
@@ -30,12 +33,25 @@ from spotguard.notices.base import Notice
 
 logger = logging.getLogger(__name__)
 
+#: How long a background save waits for a peer's part (torch's default process-group timeout).
+STORE_TIMEOUT_S = 1800.0
+
 #: Verdicts, ordered so that MAX picks the most urgent one.
 NOTHING, PERIODIC, ADVISORY, STOP = 0, 1, 2, 3
 
 
 def _epoch(deadline: dt.datetime | None) -> float:
     return deadline.timestamp() if deadline is not None else math.inf
+
+
+def _job_store() -> Any:
+    """The store the default process group rendezvoused through (torchrun's TCPStore), or None when
+    this torch does not expose it (background sharded saves are then synchronous)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception as e:  # a private helper: absent or changed in some torch version
+        logger.warning("the process group's store is not reachable (%s): sharded saves are synchronous", e)
+        return None
 
 
 def _registered(group: Any) -> bool:
@@ -50,11 +66,10 @@ def _registered(group: Any) -> bool:
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
-    Creating it is itself collective (two ``new_group`` calls, three with ``async_save``): every
-    rank must construct its Guard in the same order. The async group is used only by the
-    background thread that writes periodic saves, so its collectives never interleave with the
-    loop's (the stop agreement, synchronous and emergency saves, resume). ``close()`` destroys
-    the groups (``Guard.close`` calls it; an ``atexit`` hook does it for a Guard never closed).
+    Creating it is itself collective (two ``new_group`` calls and, with ``async_save``, a broadcast
+    of the name its background saves use in the store): every rank must construct its Guard in
+    the same order. ``close()`` destroys the groups (``Guard.close`` calls it; an ``atexit`` hook
+    does it for a Guard never closed).
     """
 
     def __init__(self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False) -> None:
@@ -63,7 +78,13 @@ class Agreement:
             kwargs["timeout"] = dt.timedelta(seconds=timeout)
         self.group: Any = dist.new_group(**kwargs)
         self.save_group: Any = dist.new_group(**kwargs)
-        self.async_group: Any = dist.new_group(**kwargs) if async_save else None
+        self.timeout_s = STORE_TIMEOUT_S if timeout is None else timeout
+        self.store: Any = _job_store() if async_save else None
+        self.uid = ""
+        if self.store is not None:  # fresh per Guard and per job attempt: a restarted job's store holds old keys
+            box = [f"spotguard/{uuid.uuid4().hex}"]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            self.uid = box[0]
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.sync_every = sync_every
@@ -77,7 +98,7 @@ class Agreement:
         ``dist.destroy_process_group()`` (which destroys every group, ours included)."""
         return self.group is not None and _registered(self.group) and _registered(self.save_group)
 
-    def close(self, keep_async: bool = False) -> None:
+    def close(self) -> None:
         """Destroy the groups now, while the interpreter is whole. Idempotent, never raises.
 
         Why: ``dist.destroy_process_group()`` shuts groups down and forgets them, but a gloo group
@@ -85,15 +106,11 @@ class Agreement:
         interpreter shutdown, a worker that still had a tensor to release took the GIL while
         Python was finalizing, and the process aborted ("terminate called without an active
         exception"). Dropping the last references here joins those threads. Any order works: a
-        group the user already destroyed (with the default group) is only released.
-        ``keep_async``: a background writer thread still runs on the async group (abandoned and
-        not yet ended): that group is left to the ``atexit`` hook, never destroyed under it.
+        group the user already destroyed (with the default group) is only released. The store
+        stays: a background writer still ending (abandoned) polls it, and it is the job's.
         """
         groups, self.group, self.save_group = [self.group, self.save_group], None, None
-        if not keep_async:  # else this agreement stays registered: the atexit hook closes it again
-            _at_exit.discard(self)
-            groups.append(self.async_group)
-            self.async_group = None
+        _at_exit.discard(self)
         for group in groups:
             if group is None or not _registered(group):
                 continue

@@ -56,7 +56,7 @@ class Guard:
         local_dir = o.local_dir or os.environ.get(_env.LOCAL_DIR)  # set by `spotguard run --local-dir`
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
-        self.agreement = agreement.setup(o.sync_every, async_save=o.async_sharded)
+        self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded)
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         self.watcher = Watcher(
             providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory)
@@ -73,7 +73,7 @@ class Guard:
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
         self._tracked = Tracked({}, self.extra)
-        self._stats = GuardStats(async_save=o.async_save if self.agreement is None else o.async_sharded)
+        self._stats = GuardStats(async_save=o.async_save if self.agreement is None else self.agreement.store is not None)
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
         self.saves = Saves(
             self._tracked, self._stats, self.events, self.schedule, BusyPolicy(o.busy), o.background_nice
@@ -169,7 +169,7 @@ class Guard:
             return True
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
-        if not (self.options.async_save if dist is None else dist.async_group is not None):
+        if not (self.options.async_save if dist is None else dist.store is not None):
             self.saves.save_logged(step, reason)
         elif dist is None:
             self.saves.start(step, reason)
@@ -224,7 +224,7 @@ class Guard:
     def __enter__(self) -> Guard:
         if self.agreement is not None and self.agreement.group is None and ranks.is_distributed():
             # entered again after close(): collective too
-            self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.async_sharded)
+            self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
             self.saves.abandoned = None  # a writer of the closed agreement is that agreement's (atexit) business
         if self.metrics is not None:
@@ -253,8 +253,7 @@ class Guard:
                 self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling
             finally:
                 try:
-                    if dist is not None:  # the background writer's group goes with its thread, never under a live one
-                        writing = any(p is not None and not p.done() for p in (saves.abandoned, saves.pending))
-                        dist.close(keep_async=writing)
+                    if dist is not None:
+                        dist.close()
                 finally:
                     self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics pause on it

@@ -58,9 +58,13 @@ class GuardOptions:
     poll_on: str = "local-rank-0"
     reshard: str = "refuse"
     sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
-    # [distributed] sharded periodic saves in the background (opt-in: the program must then call
-    # dist.destroy_process_group() after the `with guard:` block, never inside it; see docs/distributed.md)
-    async_sharded: bool = False
+    # [distributed] sharded periodic saves in the background; None: as async_save
+    async_sharded: bool | None = None
+
+    @property
+    def background_sharded(self) -> bool:
+        """[distributed] Whether periodic sharded saves are written in the background."""
+        return self.async_save if self.async_sharded is None else self.async_sharded
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> GuardOptions:

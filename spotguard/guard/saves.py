@@ -23,8 +23,6 @@ from spotguard.guard.stats import GuardStats
 
 logger = logging.getLogger(__name__)
 
-DESTROYED_GRACE_S = 5.0  # how long close() waits for a save whose process group the program destroyed
-
 
 class Saves:
     """The save in flight and the newest committed steps of one Guard (its loop's thread drives it)."""
@@ -202,7 +200,8 @@ class Saves:
 
         ``final``: a final checkpoint is wanted (in a process group, only of a step without one).
         ``destroyed``: the program destroyed the process
-        group inside the block (no collective can run). ``collective``: saves are sharded; they are
+        group inside the block (no collective can run; a background save in flight still ends, as
+        it coordinates through the store). ``collective``: saves are sharded; they are
         never replaced, and a save in flight that was abandoned is given time to end on all ranks.
         """
         pending = self.pending
@@ -212,16 +211,6 @@ class Saves:
             else:
                 self.pending = None
         errors_before = len(self.errors)
-        if destroyed and self.pending is not None:
-            # An async sharded save in flight may be blocked in a collective that gloo never ends.
-            self.wait_pending(DESTROYED_GRACE_S)
-            if self.pending is not None:
-                logger.error(
-                    "the periodic checkpoint of step %d is stuck in a collective of the destroyed process "
-                    "group; abandoned (with async_sharded=True, destroy it after the `with guard:` block)",
-                    self.pending.step,
-                )
-                self.abandon(0)
         self.wait_pending()
         if destroyed:
             # A periodic save in flight failed with the group (logged when it did): not the run's failure.

@@ -180,9 +180,9 @@ class GatedStorage(LocalStorage):
         return super().open_write(key, deadline=deadline)
 
 
-def test_sharded_saves_are_synchronous_unless_async_sharded(tmp_path, group):
-    guard, *_ = make(tmp_path, every_steps=1)
-    assert guard.agreement.async_group is None and guard.stats().as_dict()["async"] is False
+def test_sharded_saves_are_synchronous_with_async_sharded_false(tmp_path, group):
+    guard, *_ = make(tmp_path, every_steps=1, async_sharded=False)
+    assert guard.agreement.store is None and guard.stats().as_dict()["async"] is False
     guard.step(1)
     assert guard.saves.pending is None and latest(guard.storage).step == 1  # committed before step() returned
     guard.close(save=False)
@@ -191,7 +191,7 @@ def test_sharded_saves_are_synchronous_unless_async_sharded(tmp_path, group):
 def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp_path, group):
     storage = GatedStorage(str(tmp_path))
     guard, model, opt, sched = make(storage, every_steps=1, busy="skip", save_on_exit=False, async_sharded=True)
-    assert guard.agreement.async_group is not None
+    assert guard.agreement.store is not None
     with guard:
         train(model, opt, sched, 1)
         want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -203,7 +203,7 @@ def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp
         guard.wait()
         assert guard.stats().as_dict()["async"] is True and guard.stats().snapshot_s is not None
     assert [i.step for i in scan(guard.storage)] == [1]
-    assert guard.agreement.async_group is None  # the background writer's group went with the Guard
+    assert guard.agreement.group is None  # the Guard's groups went with the block
     assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-save")]
     fresh, model2, *_ = make(tmp_path)
     assert fresh.resume() == 1

@@ -10,6 +10,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from tests.helpers import (
     ddp_example_cmd,
     read_losses,
     run,
+    run_ranks,
     stop_when,
     stopped_for_notice,
     subprocess_env,
@@ -269,3 +271,24 @@ def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_the
         model.load_state_dict(sd["model"])
         got = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
         assert got == runs[0]["states"][str(info.step)], info.step  # the snapshot, not a later state
+
+
+@pytest.mark.slow
+def test_a_background_save_in_flight_when_the_program_destroys_the_group_inside_the_block_still_commits(tmp_path):
+    """The background writer coordinates through the store, not a group: destroying every group inside
+    the block neither blocks it nor loses it, and the loop paid only the snapshot. Plain processes,
+    so that rank 0's process hosts the store: it must outlive rank 1's reading of the outcome."""
+    from tests.workers.dist_destroy_inflight import SLOW
+
+    root = tmp_path / "ckpt"
+    done = run_ranks([sys.executable, str(WORKERS / "dist_destroy_inflight.py"), str(root), str(tmp_path)], timeout=120)
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
+        assert "terminate called" not in d.stderr and "stuck" not in d.stderr, d.stderr[-3000:]
+    results = {r["rank"]: r for r in worker_results(tmp_path)}
+    for r in (0, 1):
+        assert results[r]["background"] is True
+        assert results[r]["step3_s"] < SLOW / 2, results  # the loop went on while rank 1 wrote
+    assert results[1]["close_s"] >= SLOW / 2  # leaving the block waited for the save in flight...
+    complete = [(i.step, i.manifest.reason) for i in scan(open_storage(str(root))) if i.complete]
+    assert complete == [(3, "periodic")], complete  # ...which committed after the groups were gone

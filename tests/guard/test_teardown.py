@@ -217,7 +217,7 @@ def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
         for before, after in re.findall(r"gloo threads before the guard: (\d+), after the block: (\d+)", run.out):
             assert before == after, f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
         # Destroyed inside the block, the group cannot write the final checkpoint: the last periodic
-        # one stays (sharded saves are synchronous unless async_sharded=True, see the README).
+        # one stays (written in the background, it needs no group, and close() waits for it).
         assert newest == (last - 1 if order == "inside" and kind != "sigterm" else last), (where, newest)
         resume_at = newest
     return [(KINDS[i % 3], run) for i, (run, _) in enumerate(done)]

@@ -150,7 +150,7 @@ def main() -> int:
     dist.barrier()  # the default group's threads exist from here on, though one may still be starting:
     before = max(gloo_threads() for _ in range(10) if time.sleep(0.02) is None)  # the settled count
 
-    guard = Guard(args.storage, every_steps=2, providers="signal")
+    guard = Guard(args.storage, every_steps=2, providers="signal", busy="wait")  # every periodic save is made
     guard.track(model=model, optimizer=opt, loader=loader)
     step = resumed = guard.resume()
     stopped = None
