@@ -73,7 +73,9 @@ class Guard:
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
         self._tracked = Tracked({}, self.extra)
-        self._stats = GuardStats(async_save=o.async_save if self.agreement is None else self.agreement.store is not None)
+        self._stats = GuardStats(
+            async_save=o.async_save if self.agreement is None else self.agreement.store is not None
+        )
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
         self.saves = Saves(
             self._tracked, self._stats, self.events, self.schedule, BusyPolicy(o.busy), o.background_nice
