@@ -223,6 +223,7 @@ class SingleEngine:
         )
         for info, storage in candidates:
             where = storage.describe(info.name)
+            reader.refuse_newer_format(storage, info)  # not skipped: an older one would lose its work
             if not info.complete or info.manifest is None:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
                 continue
