@@ -21,7 +21,7 @@ import torch
 
 from spotguard.checkpoint import data, layout, reader, state
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
+from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
 from spotguard.storage import Storage
@@ -188,6 +188,7 @@ class SingleEngine:
                     i
                     for i in reader.scan(self.local)
                     if i.step == step
+                    and i.status != NEWER_FORMAT  # a newer spotguard's: never deleted here
                     and (i.manifest is None or i.manifest.files != entries or i.manifest.extra != extra_json)
                 )
 

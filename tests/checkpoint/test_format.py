@@ -203,3 +203,16 @@ def test_sharded_resume_refuses_to_fall_back_past_a_newer_format(tmp_path, group
     with caplog.at_level(logging.WARNING, logger="spotguard"):
         assert guard.resume() == 1 and torch.all(model.weight == 1.0)
     assert "step-00000003" in caplog.text and "step-00000002" in caplog.text
+
+
+def test_a_final_save_keeps_a_newer_format_local_copy_of_its_step(tmp_path):
+    durable, local = tmp_path / "bucket", tmp_path / "nvme"
+    save_steps(local, 2)
+    as_newer_format(local / "step-00000002")
+    before = (local / "step-00000002" / "manifest.json").read_bytes()
+    guard, _ = make_guard(durable, 0.0, local_dir=str(local), every_steps=2, busy="wait")
+    with guard:
+        guard.step(1)
+        guard.step(2)
+    assert [(i.step, i.status) for i in checkpoint.scan(open_storage(str(durable)))] == [(2, "complete")]
+    assert (local / "step-00000002" / "manifest.json").read_bytes() == before
