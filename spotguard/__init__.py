@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .errors import (
         CheckpointCorruptError,
         CheckpointExistsError,
+        CheckpointFormatError,
         CheckpointMismatchError,
         ConfigError,
         MissingDependencyError,
@@ -38,6 +39,7 @@ _WHERE = {
     "Manifest": "spotguard.checkpoint",
     "CheckpointCorruptError": "spotguard.errors",
     "CheckpointExistsError": "spotguard.errors",
+    "CheckpointFormatError": "spotguard.errors",
     "CheckpointMismatchError": "spotguard.errors",
     "ConfigError": "spotguard.errors",
     "MissingDependencyError": "spotguard.errors",
@@ -55,6 +57,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "CheckpointCorruptError",
     "CheckpointExistsError",
+    "CheckpointFormatError",
     "CheckpointInfo",
     "CheckpointMismatchError",
     "ConfigError",

@@ -31,6 +31,14 @@ class CheckpointMismatchError(SpotguardError, ValueError):
     """A valid checkpoint does not fit the tracked objects (missing names, wrong shapes)."""
 
 
+class CheckpointFormatError(CheckpointMismatchError):
+    """A checkpoint written by a newer spotguard, in a manifest format this version cannot read.
+
+    Not a ``CheckpointCorruptError``: resume must stop and say to upgrade, not fall back to an older
+    checkpoint (losing the work since) as it does past a corrupt one.
+    """
+
+
 class MissingDependencyError(SpotguardError, ImportError):
     """An optional extra (``spotguard[aws]``, ``spotguard[gcp]`` ...) is needed but not installed."""
 

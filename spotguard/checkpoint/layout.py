@@ -28,7 +28,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from spotguard.checkpoint.reader import open_verified, scan
+from spotguard.checkpoint.reader import open_verified, require_manifest, scan
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -208,22 +208,21 @@ def copy(
     each file against the manifest on its way (``open_verified``: one read, not a verify then a
     copy) and raises ``CheckpointCorruptError`` before a bad file is stored.
     """
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    manifest = require_manifest(info)
     existing = dst.list(info.name + "/")
     if f"{info.name}/{MANIFEST}" in existing:
         raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
     if existing:
         dst.delete(existing)
-    for entry in info.manifest.files:
+    for entry in manifest.files:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
         with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
             dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
-    dst.put_bytes(f"{info.name}/{MANIFEST}", info.manifest.to_bytes(), exclusive=True, deadline=deadline)
-    return info.manifest
+    dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
 
 
 def delete(storage: Storage, name: str) -> None:
@@ -241,7 +240,8 @@ def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None
     """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
 
     Only directories carrying a valid spotguard manifest are ever deleted: incomplete or corrupt
-    ones are left for ``spotguard rm`` (or replaced when their step is saved again).
+    ones are left for ``spotguard rm`` (or replaced when their step is saved again), and so are
+    checkpoints of a newer spotguard (newer-format), which do not count among the ``keep`` either.
     """
     if keep < 1:
         raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")

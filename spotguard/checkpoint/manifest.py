@@ -1,7 +1,9 @@
 """What a checkpoint is on paper: its directory name, its manifest (the commit marker) and file entries.
 
 The manifest is JSON, never pickle: ``Manifest.from_bytes`` validates every field, and a file name
-that could leave its checkpoint directory is refused.
+that could leave its checkpoint directory is refused. A ``spotguard/N`` format newer than this
+version reads is not corrupt but a ``CheckpointFormatError`` (upgrade spotguard), so that a resume
+never falls back past it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from typing import Any, BinaryIO
 
 from spotguard._version import __version__
 from spotguard.checkpoint import digest
-from spotguard.errors import CheckpointCorruptError, ConfigError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 
 FORMAT = "spotguard/2"  # chunked checksums; readers take "spotguard/1" (whole-file SHA-256) too
 FORMATS = ("spotguard/1", FORMAT)
+NEWER_FORMAT = "newer-format"  # the status of a checkpoint written by a newer spotguard (see ``CheckpointInfo``)
+_NUMBERED_FORMAT = re.compile(r"^spotguard/([0-9]{1,6})$")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,39}$")
 MANIFEST = "manifest.json"
 REASONS = ("periodic", "emergency", "final", "advisory", "manual")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -87,10 +92,12 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
-        """Parse and validate; anything unexpected is a ``CheckpointCorruptError``."""
+        """Parse and validate; anything unexpected is a ``CheckpointCorruptError``, a ``spotguard/N``
+        format newer than this version reads a ``CheckpointFormatError``."""
         try:
             data = json.loads(raw)
             if not isinstance(data, dict) or data.get("format") not in FORMATS:
+                _refuse_newer_format(data, where)
                 raise ValueError(f"not a {' or '.join(FORMATS)} manifest")
             files = []
             for f in data["files"]:
@@ -121,8 +128,28 @@ class Manifest:
                 torch_version=str(data.get("torch_version", "")),
                 format=data["format"],
             )
+        except CheckpointFormatError:
+            raise
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointCorruptError(f"{where}: invalid manifest ({e})") from e
+
+
+def _refuse_newer_format(data: Any, where: str) -> None:
+    """Raise ``CheckpointFormatError`` for a ``spotguard/N`` manifest with N above the formats read here.
+
+    Only the format (and the writer's version, for the message) is read: a newer format may
+    change every other field. Anything else unknown stays an invalid manifest.
+    """
+    fmt = data.get("format") if isinstance(data, dict) else None
+    m = _NUMBERED_FORMAT.match(fmt) if isinstance(fmt, str) else None
+    if m is None or int(m.group(1)) <= max(int(f.partition("/")[2]) for f in FORMATS):
+        return
+    version = data.get("spotguard_version")
+    writer = f"spotguard {version}" if isinstance(version, str) and _VERSION.match(version) else "a newer spotguard"
+    raise CheckpointFormatError(
+        f"{where} was written by {writer} in manifest format {fmt}, which spotguard {__version__} cannot read "
+        f"(it reads {', '.join(FORMATS)}): upgrade spotguard (pip install -U spotguard)"
+    )
 
 
 @dataclass(frozen=True)
@@ -131,7 +158,7 @@ class CheckpointInfo:
 
     step: int
     name: str
-    status: str  # "complete" | "incomplete" | "corrupt"
+    status: str  # "complete" | "incomplete" | "corrupt" | "newer-format" (NEWER_FORMAT: upgrade spotguard)
     manifest: Manifest | None = None
     problem: str = ""
 

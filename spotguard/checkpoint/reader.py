@@ -1,7 +1,7 @@
 """Finding and reading checkpoints in a storage: scan, latest, verify, and verified local copies.
 
 A reader trusts nothing but a valid manifest: ``scan`` classifies every ``step-N/`` (complete,
-incomplete, corrupt) without reading file contents; ``open_verified`` checks a file's size and
+incomplete, corrupt, newer-format) without reading file contents; ``open_verified`` checks a file's size and
 checksum before handing out its local path, so a flipped byte is caught before anything loads it.
 """
 
@@ -17,12 +17,14 @@ from pathlib import Path
 from spotguard.checkpoint import digest
 from spotguard.checkpoint.manifest import (
     MANIFEST,
+    NEWER_FORMAT,
     CheckpointInfo,
     Manifest,
     parse_step_dir,
 )
 from spotguard.errors import (
     CheckpointCorruptError,
+    CheckpointFormatError,
     StorageError,
 )
 from spotguard.storage.base import Storage
@@ -60,6 +62,9 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
                     raise CheckpointCorruptError(
                         f"{name}/{f.name}: {groups[name][f.name]} bytes, the manifest says {f.size}"
                     )
+        except CheckpointFormatError as e:  # a newer spotguard's: neither corrupt nor readable here
+            infos.append(CheckpointInfo(step, name, NEWER_FORMAT, problem=str(e)))
+            continue
         except CheckpointCorruptError as e:
             infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
             continue
@@ -71,9 +76,37 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
 
 
 def latest(storage: Storage) -> CheckpointInfo | None:
-    """The newest checkpoint whose manifest is valid (file contents not yet verified)."""
-    complete = [i for i in scan(storage) if i.complete]
-    return complete[-1] if complete else None
+    """The newest checkpoint whose manifest is valid (file contents not yet verified).
+
+    Raises ``CheckpointFormatError`` when a newer spotguard wrote a later step: an older
+    checkpoint is not the newest one, and using it would lose the work since.
+    """
+    infos = [i for i in scan(storage) if i.complete or i.status == NEWER_FORMAT]
+    if infos:
+        refuse_newer_format(storage, infos[-1])
+    return infos[-1] if infos else None
+
+
+def refuse_newer_format(storage: Storage, info: CheckpointInfo) -> None:
+    """Raise ``CheckpointFormatError`` when ``info``, the newest candidate of a resume, is of a newer format.
+
+    Unlike a corrupt checkpoint it is not skipped: its state is fine, only this version cannot
+    read it, and falling back to an older one would silently redo (or lose) the steps since.
+    """
+    if info.status == NEWER_FORMAT:
+        raise CheckpointFormatError(
+            f"{storage.describe()}: the newest checkpoint {info.problem}. "
+            "Older checkpoints are not used in its place: that would lose the work since."
+        )
+
+
+def require_manifest(info: CheckpointInfo) -> Manifest:
+    """The manifest of a complete checkpoint; else the error its status calls for."""
+    if info.status == NEWER_FORMAT:
+        raise CheckpointFormatError(info.problem)
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
+    return info.manifest
 
 
 @contextmanager
@@ -83,9 +116,7 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
     Verifying reads the whole file (chunks hashed on several threads), which leaves it in the
     page cache for the caller's load.
     """
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
-    entry = next((f for f in info.manifest.files if f.name == fname), None)
+    entry = next((f for f in require_manifest(info).files if f.name == fname), None)
     if entry is None:
         raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")
     with storage.local_copy(f"{info.name}/{fname}") as path:
@@ -98,10 +129,9 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
 
 
 def verify(storage: Storage, info: CheckpointInfo) -> None:
-    """Check every file of a checkpoint against its manifest; raise ``CheckpointCorruptError``."""
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
-    for entry in info.manifest.files:
+    """Check every file of a checkpoint against its manifest; raise ``CheckpointCorruptError``
+    (``CheckpointFormatError`` for a checkpoint of a newer spotguard)."""
+    for entry in require_manifest(info).files:
         with open_verified(storage, info, entry.name):
             pass
 
@@ -112,11 +142,10 @@ def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
     For libraries that load a checkpoint folder themselves (``Trainer``'s ``resume_from_checkpoint``).
     A file is hard-linked where it can be (a local checkpoint, a download's temp file), else copied.
     """
-    if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or 'not complete'}")
+    manifest = require_manifest(info)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for entry in info.manifest.files:
+    for entry in manifest.files:
         target = dest / entry.name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)

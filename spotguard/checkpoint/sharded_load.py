@@ -24,7 +24,7 @@ from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state,
 from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardReader
 from spotguard.checkpoint.engine import Resumed, Tracked
 from spotguard.checkpoint.manifest import CheckpointInfo, Reshard, human_duration
-from spotguard.checkpoint.reader import open_verified, scan
+from spotguard.checkpoint.reader import open_verified, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from spotguard.storage.base import Storage
 
@@ -139,6 +139,7 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
     if isinstance(infos, str):
         raise StorageError(infos)
     for info in reversed(infos):
+        refuse_newer_format(storage, info)  # on every rank alike (rank 0's listing): never skipped
         if not info.complete or info.manifest is None:
             if agreement.rank == 0:
                 logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)

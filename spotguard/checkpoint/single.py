@@ -21,7 +21,7 @@ import torch
 
 from spotguard.checkpoint import data, layout, reader, state
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
+from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
 from spotguard.storage import Storage
@@ -188,6 +188,7 @@ class SingleEngine:
                     i
                     for i in reader.scan(self.local)
                     if i.step == step
+                    and i.status != NEWER_FORMAT  # a newer spotguard's: never deleted here
                     and (i.manifest is None or i.manifest.files != entries or i.manifest.extra != extra_json)
                 )
 
@@ -223,6 +224,7 @@ class SingleEngine:
         )
         for info, storage in candidates:
             where = storage.describe(info.name)
+            reader.refuse_newer_format(storage, info)  # not skipped: an older one would lose its work
             if not info.complete or info.manifest is None:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
                 continue

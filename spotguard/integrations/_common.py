@@ -22,6 +22,7 @@ import torch
 
 from spotguard import _env, checkpoint
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.reader import refuse_newer_format
 from spotguard.guard import ranks
 from spotguard.heartbeat import EXIT_PREEMPTED
 
@@ -190,10 +191,12 @@ class FolderCheckpoints:
         """The newest checkpoint whose files all match their manifest, as a local folder, and its step.
 
         Folders without a manifest (a save cut short), or whose files fail their checksums, are
-        skipped with a warning naming the reason, and the previous one is tried.
+        skipped with a warning naming the reason, and the previous one is tried; a newer spotguard's
+        checkpoint raises ``CheckpointFormatError`` (upgrade spotguard).
         """
         for info in reversed(checkpoint.scan(self.storage)):
             where = self.storage.describe(info.name)
+            refuse_newer_format(self.storage, info)  # a newer spotguard's: upgrade, never fall back past it
             if not info.complete:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
                 continue

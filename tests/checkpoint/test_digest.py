@@ -100,9 +100,10 @@ def test_new_manifests_are_chunked_and_a_flip_fails_verification(tmp_path):
 
 
 def test_an_unknown_manifest_format_is_corrupt(tmp_path):
+    """Not a spotguard/N format (a newer spotguard's is ``newer-format``: tests/checkpoint/test_format.py)."""
     guard, _ = guard_with_model(tmp_path, 1.0)
     guard.save(1)
     path = tmp_path / "step-00000001" / "manifest.json"
-    path.write_text(path.read_text().replace("spotguard/2", "spotguard/9"))
+    path.write_text(path.read_text().replace("spotguard/2", "spotguard/2.5"))
     (info,) = checkpoint.scan(open_storage(str(tmp_path)))
     assert info.status == "corrupt" and "not a spotguard/1 or spotguard/2 manifest" in info.problem

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from spotguard import EXIT_PREEMPTED, checkpoint
-from spotguard.errors import ConfigError
+from spotguard.errors import CheckpointFormatError, ConfigError
 from spotguard.integrations._common import FolderCheckpoints, NoticeWatch
 from spotguard.notices.base import Notice
 
@@ -44,6 +44,17 @@ def test_newest_verified_skips_a_folder_cut_short_and_one_that_fails_its_checksu
     assert "step-00000040: incomplete" in caplog.text and "SHA-256 does not match" in caplog.text
     ckpts.cleanup()
     assert not folder.exists() and (tmp_path / "ckpt" / "step-00000020").is_dir()
+
+
+def test_newest_verified_refuses_a_newer_spotguard_format_instead_of_an_older_folder(tmp_path):
+    ckpts = FolderCheckpoints(str(tmp_path / "ckpt"), keep=5, work_dir=str(tmp_path / "work"))
+    for step in (10, 20):
+        ckpts.commit(step, trainer_folder(tmp_path / "out", step), "periodic")
+    path = tmp_path / "ckpt" / "step-00000020" / "manifest.json"
+    path.write_text(path.read_text().replace('"spotguard/2"', '"spotguard/99"'))
+    with pytest.raises(CheckpointFormatError, match=r"step-00000020 .*spotguard/99.*pip install -U spotguard"):
+        ckpts.newest_verified()
+    assert not (tmp_path / "work").exists()  # step 10 was not fetched
 
 
 def test_commit_prunes_to_keep_and_a_committed_step_is_not_written_twice(tmp_path):

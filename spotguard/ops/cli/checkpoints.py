@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 from spotguard import checkpoint
-from spotguard.errors import CheckpointCorruptError
+from spotguard.checkpoint.manifest import NEWER_FORMAT
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError
 from spotguard.storage import Storage, open_storage
 
 from ._output import fail, report
@@ -65,7 +66,7 @@ def _problem(storage: Storage, info: checkpoint.CheckpointInfo) -> str:
     """The problem found by reading and hashing every file, or "" when it verifies."""
     try:
         checkpoint.verify(storage, info)
-    except CheckpointCorruptError as e:
+    except (CheckpointCorruptError, CheckpointFormatError) as e:
         return str(e)
     return ""
 
@@ -95,6 +96,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             status, text = "ok", f"{info.name}: ok"
         elif info.status == "incomplete" and name is None:
             status, text = "incomplete", f"{info.name}: incomplete (ignored by resume)"
+        elif info.status == NEWER_FORMAT:  # cannot be checked here; resume refuses it too
+            bad += 1
+            status, text = NEWER_FORMAT, f"{info.name}: NEWER FORMAT: {problem}"
         else:
             bad += 1
             status, text = "corrupt", f"{info.name}: CORRUPT: {problem}"
@@ -113,7 +117,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _find(storage: Storage, step: int | None) -> checkpoint.CheckpointInfo | None:
-    """The checkpoint of ``step`` (any status), or the newest complete one without a step."""
+    """The checkpoint of ``step`` (any status), or the newest complete one without a step
+    (``CheckpointFormatError`` when a newer spotguard wrote the newest)."""
     if step is None:
         return checkpoint.latest(storage)
     return next((i for i in checkpoint.scan(storage) if i.step == step), None)
@@ -221,14 +226,15 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "verify",
-        help="check checkpoints against their manifests (exit 1 when corrupt, or when there is nothing to verify)",
+        help="check checkpoints against their manifests (exit 1 when corrupt, of a newer spotguard's format, "
+        "or when there is nothing to verify)",
     )
     p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
     p.add_argument(
         "--json",
         action="store_true",
-        help="one JSON object per checkpoint (status ok, corrupt or "
-        "incomplete); an error object and exit 1 when there is nothing to verify",
+        help="one JSON object per checkpoint (status ok, corrupt, incomplete or "
+        "newer-format); an error object and exit 1 when there is nothing to verify",
     )
     p.set_defaults(func=cmd_verify)
 

@@ -69,7 +69,11 @@ class Supervisor:
         return self.options.storage or os.environ.get(STORAGE_ENV)
 
     def report_latest(self) -> checkpoint.CheckpointInfo | None:
-        """Log the newest complete checkpoint (step, age, size); None when there is none."""
+        """Log the newest complete checkpoint (step, age, size); None when there is none.
+
+        Raises ``CheckpointFormatError`` when a newer spotguard wrote the newest one: the job's resume
+        would refuse it too, and neither it nor an older checkpoint is prefetched.
+        """
         url = self._storage_url()
         if not url:
             logger.info("no --storage and no $%s: the command must name its own storage", STORAGE_ENV)
