@@ -22,7 +22,7 @@ from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked, make_engine
 from spotguard.events import Events
-from spotguard.guard import agreement, ranks
+from spotguard.guard import agreement, buckets, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.options import BusyPolicy, GuardOptions
 from spotguard.guard.saves import Saves
@@ -129,10 +129,13 @@ class Guard:
 
         A checkpoint that fails verification is skipped with a warning naming the reason, and the
         previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
-        In a process group it is collective: every rank restores the same step.
+        In a process group it is collective: every rank restores the same step, and a tracked DDP
+        model's gradient buckets are pinned first (``pin_ddp_buckets``; see ``guard.buckets``).
         """
         if self.agreement is not None:
             self.agreement.check()
+            if self.options.pin_ddp_buckets:  # before any step, in the fresh run and the resumed one alike
+                buckets.pin(self._tracked.objects.values())
         done = self.saves.engine.resume(self._tracked)
         if done is not None:
             self.extra.clear()

@@ -2,11 +2,11 @@
 metadata server: a spot notice on one node's metadata stops every rank of both after the same step,
 and the resumed job continues exactly as an uninterrupted one.
 
-One worker per node (world size 2): with 2 workers per node (4 ranks) the first step after the
-resume differed from the uninterrupted run in the last bits of the loss (2.07314134 vs 2.07314110).
-The likely cause, not yet confirmed: a fresh DDP buckets its first step's gradients in another
-layout than the one it rebuilt after step 1, so gloo adds 3+ ranks' values in another order
-(2 ranks' sums are the same in any order)."""
+One worker per node (world size 2), to share the 2-rank reference run. With 3+ ranks a resume was
+once off in the last bits of the loss (2.07314134 vs 2.07314110): a fresh DDP reduced the first
+step's gradients in another bucket layout than the one it rebuilt after step 1, so gloo added the
+ranks' values in another order. ``resume()`` now pins the layout (spotguard.guard.buckets);
+tests/guard/test_ddp_buckets.py checks 4 ranks resume bit for bit."""
 
 from __future__ import annotations
 

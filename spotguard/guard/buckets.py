@@ -1,0 +1,62 @@
+"""Pin a DistributedDataParallel model's gradient buckets, so that a resumed job adds like the one it replaces.
+
+DDP all-reduces gradients packed into flat buckets. A fresh DDP packs them in parameter order; after
+its first backward pass the Reducer rebuilds the buckets once, in the order the gradients became
+ready. The sum a collective computes for one element depends on where the element lies in the flat
+buffer (gloo's ring, NCCL's chunks start the sum at another rank), so with three ranks or more the
+two layouts give sums that differ in the last bits (two ranks add ``a + b``, the same in any order).
+A job resumed at step k runs step k+1 in the fresh layout where the uninterrupted one ran it in the
+rebuilt one: its weights drift apart from there.
+
+``pin()`` rebuilds the buckets of a DDP that has not rebuilt them yet, before its first step, in
+parameter order (the only order the Reducer can be given without a backward pass). Every run then
+reduces every step in the same layout. Called on every rank together: the Reducer broadcasts rank
+0's layout. The cost: a model over DDP's first bucket (1 MiB of gradients) no longer overlaps its
+all-reduces with the backward pass (they wait for the first parameters' gradients, computed last).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger(__name__)
+
+#: Below this many ranks every summation order gives the same bits: nothing to pin.
+MIN_RANKS = 3
+
+
+def pin(objects: Iterable[Any]) -> int:
+    """Pin the buckets of each DDP among ``objects`` that would still rebuild them; return how many."""
+    pinned = 0
+    for obj in objects:
+        if isinstance(obj, DistributedDataParallel) and _pin_one(obj):
+            pinned += 1
+    return pinned
+
+
+def _pin_one(ddp: DistributedDataParallel) -> bool:
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_push_all_rebuilt_params"):  # python reducer, or a future DDP
+        return False
+    if dist.get_world_size(ddp.process_group) < MIN_RANKS or getattr(ddp, "_has_rebuilt_buckets", False):
+        return False
+    # A no-op where the Reducer never rebuilds (find_unused_parameters=True) or already has.
+    reducer._push_all_rebuilt_params()
+    if not reducer._rebuild_buckets():
+        return False
+    ddp._has_rebuilt_buckets = True  # as DDP's forward would have set it
+    grads = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+    logger.info(
+        "pinned the DDP gradient buckets (%.1f MiB) to parameter order for an exact resume%s",
+        grads / 2**20,
+        ""
+        if grads <= dist._DEFAULT_FIRST_BUCKET_BYTES
+        else "; all-reduces no longer overlap the backward pass "
+        "(Guard(pin_ddp_buckets=False) keeps DDP's own order, and resumes that differ in the last bits)",
+    )
+    return True
