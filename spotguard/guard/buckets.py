@@ -55,7 +55,7 @@ def _pin_one(ddp: DistributedDataParallel) -> bool:
         "pinned the DDP gradient buckets (%.1f MiB) to parameter order for an exact resume%s",
         grads / 2**20,
         ""
-        if grads <= dist._DEFAULT_FIRST_BUCKET_BYTES
+        if grads <= getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
         else "; all-reduces no longer overlap the backward pass "
         "(Guard(pin_ddp_buckets=False) keeps DDP's own order, and resumes that differ in the last bits)",
     )
