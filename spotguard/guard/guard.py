@@ -134,8 +134,8 @@ class Guard:
         """
         if self.agreement is not None:
             self.agreement.check()
-            if self.options.pin_ddp_buckets:  # before any step, in the fresh run and the resumed one alike
-                buckets.pin(self._tracked.objects.values())
+            if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
+                buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
         done = self.saves.engine.resume(self._tracked)
         if done is not None:
             self.extra.clear()

@@ -57,9 +57,10 @@ class GuardOptions:
     sync_every: int = 1
     poll_on: str = "local-rank-0"
     reshard: str = "refuse"
-    # resume() pins a tracked DistributedDataParallel's gradient buckets (3+ ranks): exact resumes, at the
-    # cost of DDP's all-reduce/backward overlap for models over 1 MiB (spotguard.guard.buckets)
-    pin_ddp_buckets: bool = True
+    # resume() pins a tracked DistributedDataParallel's gradient buckets (3+ ranks) for exact resumes:
+    # None: when free (gradients within DDP's first bucket, 1 MiB); True: always, at the cost of the
+    # all-reduce/backward overlap over 1 MiB; False: never (spotguard.guard.buckets)
+    pin_ddp_buckets: bool | None = None
     sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
     # [distributed] sharded periodic saves in the background; None: as async_save
     async_sharded: bool | None = None

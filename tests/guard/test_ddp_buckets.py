@@ -53,3 +53,8 @@ def test_four_ranks_resumed_from_a_periodic_checkpoint_train_bit_for_bit_like_th
         assert [step for step, _ in got] == list(range(EVERY + 1, STEPS + 1))
         differ += [(r, step, loss, want[step]) for step, loss in got if loss != want[step]]
     assert differ == []
+
+
+def test_pinning_by_default_only_where_it_costs_no_overlap():
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP reduces this bucket after the whole backward pass
+    assert buckets.is_free(first) and not buckets.is_free(first + 1)
