@@ -43,10 +43,11 @@ def pin(objects: Iterable[Any], always: bool = False) -> int:
     return pinned
 
 
-def is_free(grad_bytes: int) -> bool:
-    """Whether pinning costs nothing: the gradients fit DDP's first bucket, reduced after the whole
-    backward pass whatever the layout."""
-    return grad_bytes <= getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
+def is_free(grad_bytes: int, first_bucket: int | None = None) -> bool:
+    """Whether pinning costs nothing: the gradients fit DDP's first bucket (1 MiB unless the DDP was
+    given ``bucket_cap_mb``), reduced after the whole backward pass whatever the layout."""
+    cap: int = first_bucket or getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
+    return grad_bytes <= cap
 
 
 def _pin_one(ddp: DistributedDataParallel, always: bool) -> bool:
@@ -56,7 +57,7 @@ def _pin_one(ddp: DistributedDataParallel, always: bool) -> bool:
     if dist.get_world_size(ddp.process_group) < MIN_RANKS or getattr(ddp, "_has_rebuilt_buckets", False):
         return False
     grads = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
-    free = is_free(grads)
+    free = is_free(grads, getattr(getattr(ddp, "_bucket_config", None), "first_bucket_bytes_cap", None))
     if not (free or always):
         logger.info(
             "DDP keeps its own gradient buckets (%.1f MiB of gradients): with %d ranks a resumed run may "

@@ -231,7 +231,7 @@ class Guard:
             # entered again after close(): collective too
             self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
-            self.saves.abandoned = None  # a writer of the closed agreement is that agreement's (atexit) business
+            self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel
         if self.metrics is not None:
             self.metrics.reopen()  # closed by the previous block's close(): this block is exported too
         self.watcher.start()

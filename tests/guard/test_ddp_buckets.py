@@ -58,3 +58,4 @@ def test_four_ranks_resumed_from_a_periodic_checkpoint_train_bit_for_bit_like_th
 def test_pinning_by_default_only_where_it_costs_no_overlap():
     first = dist._DEFAULT_FIRST_BUCKET_BYTES  # DDP reduces this bucket after the whole backward pass
     assert buckets.is_free(first) and not buckets.is_free(first + 1)
+    assert buckets.is_free(first // 4, first_bucket=first // 4) and not buckets.is_free(first // 2, first // 4)
