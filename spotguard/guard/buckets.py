@@ -46,7 +46,7 @@ def pin(objects: Iterable[Any], always: bool = False) -> int:
 def is_free(grad_bytes: int, first_bucket: int | None = None) -> bool:
     """Whether pinning costs nothing: the gradients fit DDP's first bucket (1 MiB unless the DDP was
     given ``bucket_cap_mb``), reduced after the whole backward pass whatever the layout."""
-    cap: int = first_bucket or getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
+    cap = int(first_bucket or getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None) or 2**20)
     return grad_bytes <= cap
 
 
