@@ -15,7 +15,9 @@ Keys, under ``<agreement>/<seq>/`` (``seq`` counts staged saves; every rank stag
 - ``gplan/R``: rank 0's global plan, rank R's part;
 - ``done/R``: rank R's shard written: its file entries and DCP write results;
 - ``outcome``: rank 0 committed the manifest (its bytes), or why it did not;
-- ``read``: a counter of ranks that read the outcome (rank 0 keeps the store up until all did).
+- ``left``: a counter of ranks done with the save, whatever its end; the last one forgets its keys
+  (never a timer: a rank whose store client is busy reads late, and must still find the outcome).
+  After a commit, rank 0 keeps the store up (it may live in its process) until the others left.
 
 A rank that stops early (error, cancel) publishes its status under every key it still owes, so no
 rank waits for it. Values are pickled, as ``all_gather_object`` would: they travel between the
@@ -39,7 +41,7 @@ from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage.base import Storage
 
 OK, FAILED, CANCELLED, EXISTS = "ok", "failed", "cancelled", "exists"
-READ_GRACE_S = 10.0  # how long rank 0 keeps waiting for the other ranks to read the outcome
+READ_GRACE_S = 10.0  # how long rank 0 keeps its process (the store) up for the others to read the outcome
 
 
 class Stopped(Exception):
@@ -147,9 +149,7 @@ def write(
         if rank != 0:
             ex.put(f"done/{rank}", OK, ([dataclasses.astuple(e) for e in entries], results))
             owed.remove(f"done/{rank}")
-            outcome = ex.get("outcome", cancellable=False)  # rank 0 decides, promptly: it has every report
-            ex.store.add(ex.prefix + "read", 1)
-            return outcome
+            return ex.get("outcome", cancellable=False)  # rank 0 decides, promptly: it has every report
         done = [ex.get(f"done/{r}") for r in range(1, world)]
         writer.finish(metadata, [results] + [res for _, res in done])
         entries.append(writer.entries[-1])  # the metadata file finish() wrote
@@ -173,6 +173,8 @@ def write(
         if isinstance(e, SaveCancelled):
             raise
         raise StorageError(f"sharded checkpoint of step {step} not committed: {reason}") from e
+    finally:
+        _leave(ex)
 
 
 def _settle(ex: Exchange, owed: list[str], stop: Stopped) -> None:
@@ -185,9 +187,19 @@ def _settle(ex: Exchange, owed: list[str], stop: Stopped) -> None:
 
 
 def _await_readers(ex: Exchange) -> None:
-    """Rank 0: keep the store up (it may live in this process) until every rank read the outcome,
-    then forget the save's keys."""
+    """Rank 0, after the commit: keep the store up (it may live in this process) until every other
+    rank read the outcome, or ``READ_GRACE_S``: a rank that reads later still finds it."""
     start = time.monotonic()
-    while ex.store.add(ex.prefix + "read", 0) < ex.world - 1 and time.monotonic() - start < READ_GRACE_S:
+    while ex.store.add(ex.prefix + "left", 0) < ex.world - 1 and time.monotonic() - start < READ_GRACE_S:
         time.sleep(0.002)
-    ex.forget(["prep", "outcome", "read"] + [f"{k}/{r}" for r in range(ex.world) for k in ("plan", "gplan", "done")])
+
+
+def _leave(ex: Exchange) -> None:
+    """This rank is done with the save's keys; the last rank to leave forgets them all."""
+    try:
+        if ex.store.add(ex.prefix + "left", 1) < ex.world:
+            return
+    except Exception:  # the store is gone (rank 0's process exited): nothing to forget
+        return
+    keys = ["prep", "outcome", "left"] + [f"{k}/{r}" for r in range(ex.world) for k in ("plan", "gplan", "done")]
+    ex.forget(keys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -15,20 +16,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotguard.checkpoint import scan
+from spotguard.checkpoint import scan, sharded_async
 from spotguard.checkpoint.engine import Tracked
+from spotguard.checkpoint.manifest import MANIFEST
 from spotguard.checkpoint.sharded import ShardedEngine
 from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage import LocalStorage
 
 
-def ranks(storage, store=None, world=2, timeout=30.0, step=1):
-    """One engine per rank, each with the state staged for ``step``; returns (engines, works, commits)."""
+def ranks(storage, store=None, world=2, timeout=30.0, step=1, stores=None):
+    """One engine per rank, each with the state staged for ``step``; returns (engines, works, commits).
+    ``stores``: each rank's own client of the store (default: ``store``, shared)."""
     store = store or dist.HashStore()
+    stores = stores or [store] * world
     commits: dict[int, list] = {r: [] for r in range(world)}
     engines, works = [], []
     for r in range(world):
-        groups = SimpleNamespace(rank=r, world_size=world, store=store, uid="t", timeout_s=timeout, save_group=None)
+        groups = SimpleNamespace(rank=r, world_size=world, store=stores[r], uid="t", timeout_s=timeout, save_group=None)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
         engine = ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append)
@@ -165,3 +169,69 @@ def test_any_world_size(tmp_path, world):
     _, works, commits = ranks(storage, world=world)
     assert run(works)[0] == dict.fromkeys(range(world), "ok")
     assert sum(f.name.startswith("rank-") for f in commits[0][0].manifest.files) == world
+
+
+def test_no_keys_are_left_behind_by_a_failed_a_cancelled_or_an_existing_save(tmp_path):
+    """Thousands of saves share the job's store (held in memory by torchrun's agent): a save that does
+    not commit forgets its keys too, once every rank is done with them."""
+    store = dist.HashStore()
+    _, works, _ = ranks(FailingRank(str(tmp_path / "failed")), store)
+    out, _ = run(works)
+    assert all(isinstance(out[r], StorageError) for r in (0, 1)), out
+    assert store.num_keys() == 0
+    _, works, _ = ranks(LocalStorage(str(tmp_path / "cancelled")), store)
+    cancels = [threading.Event(), threading.Event()]
+    cancels[1].set()
+    out, _ = run(works, cancels)
+    assert all(isinstance(out[r], SaveCancelled) for r in (0, 1)), out
+    assert store.num_keys() == 0
+    storage = LocalStorage(str(tmp_path / "exists"))
+    for _ in range(2):  # the second finds the step committed
+        _, works, _ = ranks(storage, store)
+        assert run(works)[0] == {0: "ok", 1: "ok"}
+        assert store.num_keys() == 0
+
+
+class CommitHook(LocalStorage):
+    """Calls ``before_commit()`` as rank 0 writes the manifest."""
+
+    def __init__(self, url, before_commit):
+        super().__init__(url)
+        self.before_commit = before_commit
+
+    def put_bytes(self, key, data, **kwargs):
+        if key.endswith(MANIFEST):
+            self.before_commit()
+        return super().put_bytes(key, data, **kwargs)
+
+
+def test_a_rank_whose_store_client_is_busy_when_the_outcome_lands_still_reads_it(tmp_path, monkeypatch):
+    """A TCPStore client runs one request at a time: while the loop's thread waits in a blocking store
+    call (a process group or NCCL communicator being set up, waiting for a slower rank 0), the
+    writer's polls on that rank wait behind it. Rank 0 must not forget the outcome before that rank
+    read it: that rank would wait out the timeout (30 min) for a save that committed, then call it
+    failed while rank 0 calls it committed."""
+    monkeypatch.setattr(sharded_async, "READ_GRACE_S", 0.3)
+    hold = 2.0  # > READ_GRACE_S: rank 1 reads the outcome late
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=timedelta(seconds=hold))
+    busy = threading.Event()
+
+    def rendezvous():  # rank 1's loop thread: a blocking get of a key nobody sets, until the client's timeout
+        busy.set()
+        try:
+            client.get("rendezvous/never")
+        except Exception:
+            pass
+
+    def before_commit():  # the outcome lands while rank 1's client is busy
+        threading.Thread(target=rendezvous, daemon=True).start()
+        busy.wait(5)
+        time.sleep(0.2)
+
+    storage = CommitHook(str(tmp_path), before_commit)
+    _, works, commits = ranks(storage, stores=[server, client], timeout=6.0)
+    out, _ = run(works)
+    assert out == {0: "ok", 1: "ok"}, out
+    assert [len(c) for c in commits.values()] == [1, 1]
+    assert not server.check(["t/1/outcome"])  # forgotten once both had read it
