@@ -46,12 +46,20 @@ def _epoch(deadline: dt.datetime | None) -> float:
 
 def _job_store() -> Any:
     """The store the default process group rendezvoused through (torchrun's TCPStore), or None when
-    this torch does not expose it (background sharded saves are then synchronous)."""
+    background sharded saves should be synchronous: this torch does not expose it, or it is a
+    ``FileStore`` (``init_method="file://"``), whose file only grows (a delete appends a tombstone)."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception as e:  # a private helper: absent or changed in some torch version
         logger.warning("the process group's store is not reachable (%s): sharded saves are synchronous", e)
         return None
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.FileStore):
+        logger.info("the process group rendezvoused through a file (FileStore): sharded saves are synchronous")
+        return None
+    return store
 
 
 def _registered(group: Any) -> bool:

@@ -235,3 +235,16 @@ def test_a_rank_whose_store_client_is_busy_when_the_outcome_lands_still_reads_it
     assert out == {0: "ok", 1: "ok"}, out
     assert [len(c) for c in commits.values()] == [1, 1]
     assert not server.check(["t/1/outcome"])  # forgotten once both had read it
+
+
+def test_a_job_that_rendezvoused_through_a_file_saves_synchronously(tmp_path):
+    """A FileStore only grows (deletes append tombstones): background saves would bloat it forever."""
+    from spotguard.guard.agreement import setup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        groups = setup(1, async_save=True)
+        assert groups is not None and groups.store is None
+        groups.close()
+    finally:
+        dist.destroy_process_group()
