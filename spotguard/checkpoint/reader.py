@@ -105,7 +105,8 @@ def require_manifest(info: CheckpointInfo) -> Manifest:
     if info.status == NEWER_FORMAT:
         raise CheckpointFormatError(info.problem)
     if info.manifest is None:
-        raise CheckpointCorruptError(f"{info.name}: {info.problem or info.status}")
+        problem = info.problem or info.status
+        raise CheckpointCorruptError(problem if problem.startswith(info.name) else f"{info.name}: {problem}")
     return info.manifest
 
 

@@ -95,3 +95,12 @@ def test_an_error_under_json_is_a_document_on_stdout_and_logs_stay_on_stderr(tmp
     assert proc.returncode == 2, proc.stderr
     (doc,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert doc["exit_code"] == 2 and doc["type"] == "ConfigError" and doc["error"] in proc.stderr
+
+
+def test_verify_names_a_checkpoint_with_an_unreadable_manifest_once(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    fill(root)
+    (root / "step-00000020" / "manifest.json").write_text("garbage")
+    assert main(["verify", str(root)]) == 1
+    line = next(t for t in capsys.readouterr().out.splitlines() if "step-00000020" in t)
+    assert line.startswith("step-00000020: CORRUPT: invalid manifest") and line.count("step-00000020") == 1, line

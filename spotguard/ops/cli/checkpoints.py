@@ -67,7 +67,8 @@ def _problem(storage: Storage, info: checkpoint.CheckpointInfo) -> str:
     try:
         checkpoint.verify(storage, info)
     except (CheckpointCorruptError, CheckpointFormatError) as e:
-        return str(e)
+        text = str(e)  # printed after the checkpoint's name: not twice
+        return text[len(info.name) + 2 :] if text.startswith(f"{info.name}: ") else text
     return ""
 
 
