@@ -59,7 +59,14 @@ def _job_store() -> Any:
     if isinstance(base, dist.FileStore):
         logger.info("the process group rendezvoused through a file (FileStore): sharded saves are synchronous")
         return None
-    return store
+    if isinstance(base, dist.TCPStore):
+        # A client of its own: one client serves one request at a time, so the writer's polls would
+        # wait behind any blocking call of the loop's thread on the shared one (a new_group).
+        try:
+            return dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False)
+        except Exception as e:  # the shared client then, with the same keys as the other ranks' own clients
+            logger.info("a second client of the job's store failed (%s): the writer shares the loop's", e)
+    return base
 
 
 def _registered(group: Any) -> bool:

@@ -248,3 +248,23 @@ def test_a_job_that_rendezvoused_through_a_file_saves_synchronously(tmp_path):
         groups.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_writer_gets_a_store_client_of_its_own(tmp_path):
+    """One TCPStore client serves one request at a time: the writer must not queue behind the loop's."""
+    from spotguard.guard.agreement import setup
+    from tests.helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        groups = setup(1, async_save=True)
+        shared = dist.distributed_c10d._get_default_store()
+        assert isinstance(groups.store, dist.TCPStore) and groups.store is not shared
+        groups.store.set("seen", "1")
+        base = shared
+        while isinstance(base, dist.PrefixStore):
+            base = base.underlying_store
+        assert base.get("seen") == b"1"  # the same server
+        groups.close()
+    finally:
+        dist.destroy_process_group()
