@@ -251,7 +251,13 @@ class Guard:
         dist, saves = self.agreement, self.saves
         try:
             destroyed = dist is not None and dist.group is not None and not dist.usable
-            final = save and self.options.save_on_exit and self.stopped_at is None and (dist is None or dist.usable)
+            # Wanted also where the program destroyed the group: finish() then says it cannot be written.
+            final = (
+                save
+                and self.options.save_on_exit
+                and self.stopped_at is None
+                and (dist is None or dist.group is not None)
+            )
             saves.finish(self._step, save, final, destroyed, collective=dist is not None)
         finally:
             try:

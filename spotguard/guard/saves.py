@@ -200,8 +200,9 @@ class Saves:
 
         ``final``: a final checkpoint is wanted (in a process group, only of a step without one).
         ``destroyed``: the program destroyed the process
-        group inside the block (no collective can run; a background save in flight still ends, as
-        it coordinates through the store). ``collective``: saves are sharded; they are
+        group inside the block (no collective can run, so a wanted final checkpoint is not written
+        and a warning says so; a background save in flight still ends, as it coordinates through
+        the store). ``collective``: saves are sharded; they are
         never replaced, and a save in flight that was abandoned is given time to end on all ranks.
         """
         pending = self.pending
@@ -216,12 +217,19 @@ class Saves:
             # A periodic save in flight failed with the group (logged when it did): not the run's failure.
             # Errors from before stay and are raised below.
             lost = len(self.errors) - errors_before
-            logger.warning(
-                "no final checkpoint of step %s: the process group was destroyed before the guard was "
-                "closed (call dist.destroy_process_group() after the `with guard:` block)%s",
-                step,
-                f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "",
-            )
+            if final:  # after a stop or an error none was wanted: nothing to warn of but lost saves
+                logger.warning(
+                    "no final checkpoint of step %s: the process group was destroyed before the guard was "
+                    "closed (call dist.destroy_process_group() after the `with guard:` block)%s",
+                    step,
+                    f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "",
+                )
+            elif lost:
+                logger.warning(
+                    "%d periodic checkpoint(s) in flight were lost with the process group, destroyed before "
+                    "the guard was closed (call dist.destroy_process_group() after the `with guard:` block)",
+                    lost,
+                )
             del self.errors[errors_before:]
         elif final and step is not None and not (collective and step == self.durable_step):
             # Single process: always, since the loop may have changed the state after its last guard.step()

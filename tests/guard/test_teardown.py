@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spotguard import Guard, SpotguardError
+from spotguard import EXIT_PREEMPTED, Guard, Notice, SpotguardError
 from spotguard.checkpoint import latest
 from spotguard.guard import agreement
 from tests.helpers import WORKERS, free_port, subprocess_env
@@ -81,6 +81,21 @@ def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp
     info = latest(guard.storage)
     assert info.step == 2 if not async_save else (info is None or info.step == 2)
     assert threads() <= group  # ours are gone (the default group too, unless something holds it)
+
+
+def test_process_group_destroyed_after_a_stop_inside_the_block_is_no_lost_final_checkpoint(tmp_path, group, caplog):
+    """After a stop the emergency checkpoint is the run's last: no final one is wanted, so a group destroyed
+    before `sys.exit(75)` in the block (a common habit) loses nothing and must not be warned about."""
+    guard = guarded(tmp_path, every_steps=2)
+    with pytest.raises(SystemExit), guard:
+        for step in range(1, 4):
+            if step == 3:
+                guard.watcher.report(Notice("test", "terminate"))
+            if guard.step(step):
+                dist.destroy_process_group()
+                sys.exit(EXIT_PREEMPTED)
+    assert latest(guard.storage).step == 3
+    assert "no final checkpoint" not in caplog.text and "were lost with" not in caplog.text
 
 
 def test_a_guard_never_closed_has_its_groups_destroyed_at_exit(tmp_path, group):
