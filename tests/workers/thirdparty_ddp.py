@@ -54,11 +54,10 @@ class GeneratorState:
         self.gen.set_state(state["state"])
 
 
-def make_data(n: int, gen: torch.Generator) -> TensorDataset:
-    """Points labelled by a noisy random linear teacher: learnable, not trivially."""
-    x = torch.randn(n, 16, generator=gen)
-    teacher = torch.randn(16, 4, generator=gen)
-    y = (x @ teacher + 0.5 * torch.randn(n, 4, generator=gen)).argmax(1)
+def make_data(n: int, teacher: torch.Tensor, gen: torch.Generator) -> TensorDataset:
+    """Points labelled by a noisy linear teacher: learnable, not trivially."""
+    x = torch.randn(n, teacher.shape[0], generator=gen)
+    y = (x @ teacher + 0.5 * torch.randn(n, teacher.shape[1], generator=gen)).argmax(1)
     return TensorDataset(x, y)
 
 
@@ -95,7 +94,8 @@ def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
 
     data_gen = torch.Generator().manual_seed(1234)
-    train_set, eval_set = make_data(200, data_gen), make_data(128, data_gen)
+    teacher = torch.randn(16, 4, generator=data_gen)
+    train_set, eval_set = make_data(200, teacher, data_gen), make_data(128, teacher, data_gen)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = StatefulDataLoader(train_set, batch_size=args.batch_size, sampler=sampler)  # last batch short
 
@@ -160,7 +160,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--accum", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--every-steps", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
