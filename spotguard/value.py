@@ -134,7 +134,13 @@ def adapt(name: str, obj: Any) -> Any:
             f"use guard.extra[{name!r}] for a JSON value, or {name} = spotguard.Value(...) "
             f"and read/assign {name}.value"
         )
+    way_out = (
+        "track an object whose state_dict() returns its get_state() and whose load_state_dict() calls set_state()"
+        if isinstance(obj, torch.Generator)
+        else "give it those two methods, or keep its state in a spotguard.Value"
+    )
     raise ConfigError(
-        f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); "
-        "tensors, dicts and lists are restored in place, spotguard.Value holds anything else"
+        f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); tensors, dicts "
+        "and lists are restored in place, and a spotguard.Value holds what the loop rebinds if it is made of "
+        f"tensors, numbers, strings and None; {way_out}"
     )

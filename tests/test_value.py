@@ -65,6 +65,8 @@ def test_values_that_cannot_be_restored_in_place_are_refused_with_the_way_out(tm
         g.track(w=torch.zeros(2, requires_grad=True))
     with pytest.raises(ConfigError, match="set"):
         g.track(seen={"ids": {1, 2}})
+    with pytest.raises(ConfigError, match=r"returns its get_state\(\) .* calls set_state\(\)"):
+        g.track(eval_rng=torch.Generator())  # a Value cannot hold it: its save would fail
     bad = spotguard.Value(object())
     g.track(bad=bad)
     with pytest.raises(ConfigError, match="object cannot be checkpointed"):
