@@ -4,12 +4,14 @@ a rank-0 evaluation with its own generator) stopped with SIGTERM to torchrun, as
 kubelet does, and resumed by running the same command again.
 
 Every rank's loss at every optimizer step, the evaluation losses and every rank's final weights and
-optimizer state must equal an uninterrupted run's, bit for bit; the stopped job exits non-zero
-(torchrun's own exit: docs/distributed.md) with an emergency checkpoint of its stop step.
+optimizer state must equal an uninterrupted run's, bit for bit; the stopped job exits 1 (torchrun's
+own exit: docs/distributed.md) with an emergency checkpoint of its stop step. The stop step is random:
+rerun one with ``THIRDPARTY_DDP_SEED=<the printed seed>``.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -28,15 +30,14 @@ pytestmark = pytest.mark.slow
 SCRIPT = WORKERS / "thirdparty_ddp.py"
 RANKS, EPOCHS, STEPS_PER_EPOCH, EVAL_EVERY = 2, 6, 3, 5  # 200 samples, 8 per batch, 4 micro-batches a step
 STEPS = EPOCHS * STEPS_PER_EPOCH
-_seed = random.randrange(1 << 32)
+_seed = int(os.environ.get("THIRDPARTY_DDP_SEED") or random.randrange(1 << 32))
 _rng = random.Random(_seed)  # the test's own randomness; the seed is printed with every stop
 
 
 def job(storage: Path, out: Path, destroy: str) -> list[str]:
     """The user's command line: the same for the first run and for the resume."""
-    return torchrun(
-        RANKS, SCRIPT, "--storage", str(storage), "--out", str(out), "--destroy", destroy, "--step-sleep", "0.05"
-    )
+    args = ("--storage", str(storage), "--out", str(out), "--destroy", destroy)
+    return torchrun(RANKS, SCRIPT, *args, "--step-sleep", "0.05")
 
 
 def results(out: Path) -> dict[str, Any]:
@@ -62,7 +63,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("destroy", ["after", "inside"])
 def test_a_third_party_ddp_script_stopped_by_sigterm_to_torchrun_resumes_exactly(tmp_path, reference, destroy):
     storage, out = tmp_path / "ckpt", tmp_path / "out"
-    at = _rng.randint(2, STEPS - 4)
+    # An odd step: the periodic save of the step before (every 2 steps) is then sometimes still being
+    # written when the stop comes (most often on a loaded machine), and the emergency save settles it first.
+    at = 2 * _rng.randint(1, (STEPS - 5) // 2) + 1
     where = f"SIGTERM to torchrun after step {at} (test seed {_seed}, --destroy {destroy})"
     print(where)
     first = stop_when(job(storage, out, destroy), after_step(out / "losses-0.jsonl", at), signal_to(signal.SIGTERM))
