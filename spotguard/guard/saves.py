@@ -211,26 +211,14 @@ class Saves:
                 self.abandon(CANCEL_GRACE_S * 5)  # its ranks drop it together, soon: let its thread end
             else:
                 self.pending = None
-        errors_before = len(self.errors)
-        self.wait_pending()
+        self.wait_pending()  # a background save needs no group: one in flight commits (or fails for real)
         if destroyed:
-            # A periodic save in flight failed with the group (logged when it did): not the run's failure.
-            # Errors from before stay and are raised below.
-            lost = len(self.errors) - errors_before
-            if final:  # after a stop or an error none was wanted: nothing to warn of but lost saves
+            if final:  # after a stop or an error none was wanted
                 logger.warning(
                     "no final checkpoint of step %s: the process group was destroyed before the guard was "
-                    "closed (call dist.destroy_process_group() after the `with guard:` block)%s",
+                    "closed (call dist.destroy_process_group() after the `with guard:` block)",
                     step,
-                    f"; {lost} periodic checkpoint(s) in flight were lost with it" if lost else "",
                 )
-            elif lost:
-                logger.warning(
-                    "%d periodic checkpoint(s) in flight were lost with the process group, destroyed before "
-                    "the guard was closed (call dist.destroy_process_group() after the `with guard:` block)",
-                    lost,
-                )
-            del self.errors[errors_before:]
         elif final and step is not None and not (collective and step == self.durable_step):
             # Single process: always, since the loop may have changed the state after its last guard.step()
             # (a scheduler stepped at the end of an epoch, guard.extra). An unchanged state is not written

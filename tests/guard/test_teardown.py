@@ -72,14 +72,14 @@ def test_leaving_the_block_destroys_the_guards_groups_and_joins_their_threads(tm
 @pytest.mark.parametrize("async_save", [False, True])
 def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp_path, group, caplog, async_save):
     guard = guarded(tmp_path, every_steps=2, async_save=async_save)
-    with guard:  # never raises: a periodic save in flight that the destroy broke is no error of the run
+    with guard:
         for step in range(1, 4):
             guard.step(step)
         dist.destroy_process_group()
     assert "no final checkpoint of step 3: the process group was destroyed" in caplog.text
-    # Synchronous: step 2 committed before the destroy. Async: it may have been in flight and lost.
-    info = latest(guard.storage)
-    assert info.step == 2 if not async_save else (info is None or info.step == 2)
+    # Synchronous: step 2 committed before the destroy. Async: maybe in flight, and it commits all the
+    # same (the background writer coordinates through the store, not a group).
+    assert latest(guard.storage).step == 2
     assert threads() <= group  # ours are gone (the default group too, unless something holds it)
 
 
@@ -95,7 +95,7 @@ def test_process_group_destroyed_after_a_stop_inside_the_block_is_no_lost_final_
                 dist.destroy_process_group()
                 sys.exit(EXIT_PREEMPTED)
     assert latest(guard.storage).step == 3
-    assert "no final checkpoint" not in caplog.text and "were lost with" not in caplog.text
+    assert "no final checkpoint" not in caplog.text
 
 
 def test_a_guard_never_closed_has_its_groups_destroyed_at_exit(tmp_path, group):
