@@ -116,11 +116,32 @@ class _InPlace:
             obj[:] = _like(state, obj, in_place=True)
 
 
+class _GeneratorState:
+    """A ``torch.Generator`` tracked: its ``get_state()``/``set_state()`` as a state dict (a uint8 tensor)."""
+
+    def __init__(self, gen: torch.Generator, name: str) -> None:
+        self.gen, self.name = gen, name
+
+    def state_dict(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    def load_state_dict(self, state: Any) -> None:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise ValueError(f"a generator's state (a uint8 tensor), checkpoint has {type(state).__name__}")
+        try:
+            self.gen.set_state(state)
+        except RuntimeError as e:  # another kind of generator (CPU vs CUDA), or a state of another size
+            raise ValueError(f"the checkpoint's generator state does not fit: {e}") from None
+
+
 def adapt(name: str, obj: Any) -> Any:
     """What ``Guard.track()`` keeps for ``obj``: the object itself when it has ``state_dict()`` and
-    ``load_state_dict()``, an in-place adapter for a tensor, dict or list, else a clear error."""
+    ``load_state_dict()``, an in-place adapter for a tensor, dict, list or ``torch.Generator``, else a
+    clear error."""
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return obj
+    if isinstance(obj, torch.Generator):  # an eval sampler's or a data augmentation's own stream
+        return _GeneratorState(obj, name)
     if isinstance(obj, (torch.Tensor, dict, list)):
         if isinstance(obj, torch.Tensor) and obj.requires_grad:
             raise ConfigError(
@@ -134,13 +155,9 @@ def adapt(name: str, obj: Any) -> Any:
             f"use guard.extra[{name!r}] for a JSON value, or {name} = spotguard.Value(...) "
             f"and read/assign {name}.value"
         )
-    way_out = (
-        "track an object whose state_dict() returns its get_state() and whose load_state_dict() calls set_state()"
-        if isinstance(obj, torch.Generator)
-        else "give it those two methods, or keep its state in a spotguard.Value"
-    )
     raise ConfigError(
-        f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); tensors, dicts "
-        "and lists are restored in place, and a spotguard.Value holds what the loop rebinds if it is made of "
-        f"tensors, numbers, strings and None; {way_out}"
+        f"cannot track {name!r}: {type(obj).__name__} has no state_dict()/load_state_dict(); tensors, dicts, "
+        "lists and torch.Generators are restored in place, and a spotguard.Value holds what the loop rebinds "
+        "if it is made of tensors, numbers, strings and None; give it those two methods, or keep its state "
+        "in a spotguard.Value"
     )

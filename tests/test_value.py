@@ -65,8 +65,8 @@ def test_values_that_cannot_be_restored_in_place_are_refused_with_the_way_out(tm
         g.track(w=torch.zeros(2, requires_grad=True))
     with pytest.raises(ConfigError, match="set"):
         g.track(seen={"ids": {1, 2}})
-    with pytest.raises(ConfigError, match=r"returns its get_state\(\) .* calls set_state\(\)"):
-        g.track(eval_rng=torch.Generator())  # a Value cannot hold it: its save would fail
+    with pytest.raises(ConfigError, match="give it those two methods"):
+        g.track(sampler=object())
     bad = spotguard.Value(object())
     g.track(bad=bad)
     with pytest.raises(ConfigError, match="object cannot be checkpointed"):
@@ -77,3 +77,19 @@ def test_a_tensor_of_another_shape_is_a_mismatch_not_a_silent_reshape(tmp_path):
     guard(tmp_path).track(h=torch.zeros(4)).save(1)
     with pytest.raises(CheckpointMismatchError, match="'h'.*shape"):
         guard(tmp_path).track(h=torch.zeros(5)).resume()
+
+
+def test_a_generator_is_tracked_and_continues_its_stream_after_resume(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    torch.rand(3, generator=gen)
+    guard(tmp_path).track(eval_rng=gen).save(1)
+    want = torch.rand(5, generator=gen)  # what the uninterrupted run draws next
+    fresh = torch.Generator().manual_seed(99)
+    assert guard(tmp_path).track(eval_rng=fresh).resume() == 1
+    assert torch.equal(torch.rand(5, generator=fresh), want)
+
+
+def test_a_generator_state_that_does_not_fit_is_a_mismatch(tmp_path):
+    guard(tmp_path).track(eval_rng=torch.zeros(3, dtype=torch.uint8)).save(1)
+    with pytest.raises(CheckpointMismatchError, match="eval_rng"):
+        guard(tmp_path).track(eval_rng=torch.Generator()).resume()
