@@ -41,6 +41,9 @@ from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage.base import Storage
 
 OK, FAILED, CANCELLED, EXISTS = "ok", "failed", "cancelled", "exists"
+#: Longest sleep between two polls of a key: each wait ends at most this long after the key lands
+#: (a store round trip costs ~0.1 ms; a blocking store.wait() would hold the client and log on timeout).
+POLL_MAX_S = 0.01
 READ_GRACE_S = 10.0  # how long rank 0 keeps its process (the store) up for the others to read the outcome
 
 
@@ -76,7 +79,7 @@ class Exchange:
             if time.monotonic() - start > self.timeout:
                 raise Stopped(FAILED, f"rank {self.rank}: no {key!r} from its peer within {self.timeout:.0f} s")
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, POLL_MAX_S)
         status, value = pickle.loads(self.store.get(full))
         if status != OK:
             raise Stopped(status, value or "")

@@ -73,7 +73,7 @@ def main() -> int:
             if guard.stats().skipped == skipped:  # every step is due: a save not skipped was started
                 started.append(step)
                 states[step] = flat(model)
-            time.sleep(0.01)
+            time.sleep(0.02)  # 40 steps outlast a save or two, even on a loaded machine
     final = guard.last_saved.step if guard.last_saved else None
     out = Path(root).parent
     emit(out, started=started, skipped=guard.stats().skipped, final=final, states=states)
