@@ -1,11 +1,17 @@
-"""What every trainer integration shares: the notice flag, and trainer folders as spotguard checkpoints.
+"""What every trainer integration shares: the notice flag, the rank vote, and trainer folders as checkpoints.
 
 Trainers write their checkpoint as a folder of files, with no commit marker and no checksums; a
 kill during the save leaves a folder that looks whole, and resuming from it fails or, worse,
 loads half a state. ``FolderCheckpoints`` commits such a folder to spotguard storage (files
-first, manifest with SHA-256 last, ``checkpoint.write_dir``), prunes, and finds the newest folder
-that verifies for the resume. ``NoticeWatch`` wraps spotguard's ``Watcher``: the trainer's loop
-reads one attribute per step (``due``) and does everything else only when it is set.
+first, manifest with SHA-256 last), prunes, and finds the newest folder that verifies for the
+resume. ``NoticeWatch`` wraps spotguard's ``Watcher``; its ``check(step)`` is the verdict of a
+step: one attribute read in a single process, one all-reduce of one integer in a process group
+(the ``Guard``'s agreement), so that every rank stops after the same step.
+
+In a process group (``torch.distributed`` initialised, world size > 1) both become collective
+through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
+(``spotguard.checkpoint.folders``), and the resume fetches one verified copy per node. Every rank
+must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 
 from spotguard import _env, checkpoint
+from spotguard.checkpoint import folders
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.reader import refuse_newer_format
-from spotguard.guard import ranks
+from spotguard.guard import agreement, ranks
+from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
 from spotguard.heartbeat import EXIT_PREEMPTED
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
@@ -57,28 +65,48 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         raise ConfigError(
             f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
         )
-    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"))
+    group = RankGroup()
+    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"), group=group)
     notices = NoticeWatch(
-        options.get("providers", "auto"), options.get("interval", 1.0), options.get("stop_on_advisory", False)
+        ranks.providers_for_rank(options.get("providers", "auto")),
+        options.get("interval", 1.0),
+        options.get("stop_on_advisory", False),
+        group=group,
     )
     return checkpoints, notices
 
 
-def refuse_process_group(what: str) -> None:
-    """The integrations stop one process; ranks that stop at different steps would hang each other."""
-    if ranks.is_distributed() and ranks.world_size() > 1:
-        raise ConfigError(
-            f"{what} supports a single training process for now; in a process group use "
-            "spotguard.Guard, whose ranks agree on the step to stop at"
-        )
+class RankGroup:
+    """An integration's share of the process group: the ``Guard``'s agreement (two small gloo
+    groups), made on first use, on every rank at the same point (making it is collective).
+    ``get()`` is None in a single process, or before ``torch.distributed`` is initialised."""
+
+    def __init__(self) -> None:
+        self._agreement: Agreement | None = None
+
+    def get(self) -> Agreement | None:
+        if self._agreement is None and ranks.is_distributed() and ranks.world_size() > 1:
+            self._agreement = agreement.setup(sync_every=1)
+        return self._agreement
+
+    @property
+    def rank(self) -> int:
+        return self._agreement.rank if self._agreement is not None else 0
+
+    def close(self) -> None:
+        """Destroy spotguard's groups (idempotent); a later ``get()`` makes new ones."""
+        if self._agreement is not None:
+            self._agreement.close()
+            self._agreement = None
 
 
 class NoticeWatch:
     """Notices from signals and cloud metadata as two flags the training loop can read for free.
 
-    ``due`` is True once any notice arrived (stop or advisory): the one check on the hot path.
-    ``preempted`` (an Event) is set for stop notices only. Call ``start()`` from the main thread
-    (signal handlers), ``stop()`` when training ends.
+    ``due`` is True once any notice arrived on this rank (stop or advisory). ``preempted`` (an
+    Event) is set for this rank's stop notices only; ``stopping`` once this rank or any other
+    saw one (``check`` agreed on it). Call ``start()`` from the main thread (signal handlers),
+    ``stop()`` when training ends.
     """
 
     def __init__(
@@ -86,11 +114,52 @@ class NoticeWatch:
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
         stop_on_advisory: bool = False,
+        group: RankGroup | None = None,
     ) -> None:
         self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
         self.preempted = self.watcher.preempted
         self.due = False
+        self.group = group or RankGroup()
+        #: True once the ranks agreed to stop (this rank's notice, or another rank's).
+        self.stopping = False
         self._advisory = False
+        self._peer: Notice | None = None
+        self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
+
+    def check(self, step: int, stop_only: bool = False) -> int:
+        """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
+
+        In a single process one attribute read when nothing is due. In a process group it is
+        collective (one all-reduce of one integer): every rank calls it at the same points and
+        gets the same verdict, also when only another rank saw the notice. An advisory verdict is
+        consumed (the next check says ``NOTHING`` until a new notice); ``stop_only`` (where no
+        checkpoint can be written, e.g. inside an evaluation) leaves advisories for later.
+        """
+        agreed = self.group.get()
+        if agreed is None:
+            if not self.due or (stop_only and not self.preempted.is_set()):
+                return NOTHING
+            verdict = STOP if self.preempted.is_set() else ADVISORY
+        else:
+            own = STOP if self.preempted.is_set() else ADVISORY if self._advisory and not stop_only else NOTHING
+            verdict = agreed.vote(own)
+            if stop_only and verdict != STOP:
+                return NOTHING
+        if verdict == STOP:
+            if not self.stopping:
+                self._agree_stop(agreed, step)
+        elif verdict == ADVISORY:
+            self.take_advisory()
+        return verdict
+
+    def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
+        self.stopping = True
+        if agreed is None:
+            return
+        left, self._peer = agreed.agree_stop(step, self.watcher.notice)
+        self._deadline = None if left is None else time.monotonic() + left
+        if self._peer is not None:
+            logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreed.rank, step)
 
     def _on_notice(self, notice: Notice) -> None:
         if not self.preempted.is_set():
@@ -99,7 +168,8 @@ class NoticeWatch:
 
     @property
     def notice(self) -> Notice | None:
-        return self.watcher.notice
+        """This rank's notice, or the one another rank saw (provider "peer") after a stop was agreed."""
+        return self.watcher.notice or self._peer
 
     def take_advisory(self) -> bool:
         """True once per advisory notice (checkpoint early, go on); re-arms ``due`` accordingly."""
@@ -108,8 +178,11 @@ class NoticeWatch:
         return advisory
 
     def deadline(self) -> float | None:
-        """The notice deadline as a ``time.monotonic()`` value (for storage retries), or None."""
-        left = self.notice.seconds_left() if self.notice else None
+        """The notice deadline as a ``time.monotonic()`` value (for storage retries), or None; in a
+        process group the earliest deadline of all ranks, once the stop is agreed."""
+        if self._deadline is not None:
+            return self._deadline
+        left = self.watcher.notice.seconds_left() if self.watcher.notice else None
         return None if left is None else time.monotonic() + left
 
     def start(self) -> None:
@@ -119,29 +192,34 @@ class NoticeWatch:
         self.watcher.stop()
 
     def acknowledge(self) -> None:
-        if self.notice is not None:
-            self.watcher.acknowledge(self.notice)  # e.g. Azure: approve the eviction, the state is safe
+        if self.watcher.notice is not None:
+            self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
 
     @property
     def exit_code(self) -> int:
-        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0: what the job should exit with."""
-        return EXIT_PREEMPTED if self.preempted.is_set() else 0
+        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (on any rank), else 0: the job's exit code."""
+        return EXIT_PREEMPTED if self.preempted.is_set() or self.stopping else 0
 
 
 class FolderCheckpoints:
     """A trainer's checkpoint folders, committed to spotguard storage as ``step-N/`` with a manifest.
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``work_dir``
-    holds the verified copies fetched for a resume (default: the system's temp directory).
+    holds the verified copies fetched for a resume (default: the system's temp directory). In a
+    process group (``group``) ``commit`` and ``newest_verified`` are collective: every rank passes
+    the folder it (or its node) wrote, and gets the folder its node fetched.
     """
 
-    def __init__(self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None) -> None:
+    def __init__(
+        self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None, group: RankGroup | None = None
+    ) -> None:
         storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
         self.keep = keep
         self.work_dir = work_dir
+        self.group = group or RankGroup()
         self.last_saved: Manifest | None = None
         self._fetched: list[Path] = []
 
@@ -153,18 +231,33 @@ class FolderCheckpoints:
         deadline: float | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Manifest | None:
-        """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed."""
+        """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed.
+
+        Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
+        agreed = self.group.get()
         try:
-            manifest = checkpoint.write_dir(
-                self.storage,
-                step,
-                Path(folder),
-                reason=reason,
-                extra=extra,
-                torch_version=torch.__version__,
-                deadline=deadline,
-            )
+            if agreed is None:
+                manifest = checkpoint.write_dir(
+                    self.storage,
+                    step,
+                    Path(folder),
+                    reason=reason,
+                    extra=extra,
+                    torch_version=torch.__version__,
+                    deadline=deadline,
+                )
+            else:
+                manifest = folders.commit(
+                    self.storage,
+                    agreed,
+                    step,
+                    Path(folder),
+                    reason=reason,
+                    extra=extra,
+                    torch_version=torch.__version__,
+                    deadline=deadline,
+                )
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
             return None
@@ -181,6 +274,8 @@ class FolderCheckpoints:
             manifest.size / 1e6,
             tail,
         )
+        if self.group.rank != 0:
+            return manifest  # rank 0 prunes for all
         try:
             checkpoint.prune(self.storage, self.keep)
         except Exception as e:
@@ -192,8 +287,15 @@ class FolderCheckpoints:
 
         Folders without a manifest (a save cut short), or whose files fail their checksums, are
         skipped with a warning naming the reason, and the previous one is tried; a newer spotguard's
-        checkpoint raises ``CheckpointFormatError`` (upgrade spotguard).
+        checkpoint raises ``CheckpointFormatError`` (upgrade spotguard). Collective in a process
+        group: the same step on every rank, one verified copy per node (``folders.fetch``).
         """
+        agreed = self.group.get()
+        if agreed is not None:
+            found = folders.fetch(self.storage, agreed, self.work_dir)
+            if found is not None and folders.is_node_leader():
+                self._fetched.append(found[1])
+            return found
         for info in reversed(checkpoint.scan(self.storage)):
             where = self.storage.describe(info.name)
             refuse_newer_format(self.storage, info)  # a newer spotguard's: upgrade, never fall back past it
@@ -217,8 +319,17 @@ class FolderCheckpoints:
         logger.info("no checkpoint in %s: starting from the beginning", self.storage.describe())
         return None
 
+    def loaded(self) -> None:
+        """After the trainer loaded the fetched copy on every rank: remove it. Collective in a process
+        group (a barrier first: the ranks of a node share one copy)."""
+        agreed = self.group.get()
+        if agreed is not None:
+            agreed.reduce(0, agreed.save_group)
+        self.cleanup()
+
     def cleanup(self) -> None:
-        """Remove the local copies fetched for a resume (the trainer has loaded them)."""
+        """Remove the local copies fetched for a resume (the trainer has loaded them; in a process
+        group, every rank of the node has: call it after a collective that follows the load)."""
         for path in self._fetched:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched.clear()

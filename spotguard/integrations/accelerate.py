@@ -31,9 +31,10 @@ from spotguard.checkpoint import data
 from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
+from ..guard.agreement import ADVISORY, STOP
 from ..notices.base import Notice
 from ..storage import Storage
-from ._common import WatchOptions, refuse_process_group, watch_parts
+from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -79,6 +80,7 @@ class AcceleratorGuard:
         self._step: int | None = None
         self._saved_step: int | None = None
         self._due_step: float = math.inf
+        self._grouped = False  # in a process group: every step is a vote
         self._schedule(0)
 
     @property
@@ -96,16 +98,19 @@ class AcceleratorGuard:
         return self
 
     def resume(self) -> int:
-        """``accelerator.load_state`` from the newest checkpoint that verifies; return its step (0 if none)."""
-        refuse_process_group("AcceleratorGuard")
+        """``accelerator.load_state`` from the newest checkpoint that verifies; return its step (0 if none).
+
+        Collective under ``accelerate launch``: every rank loads the same step, from its node's copy."""
         found = self.checkpoints.newest_verified()
         if found is None:
             return 0
         step, folder = found
         try:
             self.accelerator.load_state(str(folder))
-        finally:
+        except BaseException:
             self.checkpoints.cleanup()
+            raise
+        self.checkpoints.loaded()
         for loader in getattr(self.accelerator, "_dataloaders", []):
             # Its first iterator after the restore must not draw from the RNG streams just restored:
             # the uninterrupted run created it at the start of the epoch, not here.
@@ -118,20 +123,24 @@ class AcceleratorGuard:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
-        """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
-        if self._watch.due or step >= self._due_step:
+        """Call after each completed step, on every rank. Saves when due; True means stop (checkpoint
+        committed). In a process group the ranks vote (one all-reduce of one integer per step)."""
+        if self._watch.due or step >= self._due_step or self._grouped:
             return self._step_slow(step)
         self._step = step
         return False
 
     def _step_slow(self, step: int) -> bool:
         self._step = step
-        if self.notices.preempted.is_set():
+        verdict = self.notices.check(step)
+        if verdict == STOP:
             if self.stopped_at is None:
                 self.stopped_at = step
                 self._emergency(step)
             return True
-        reason = "advisory" if self.notices.take_advisory() else "periodic"
+        if verdict != ADVISORY and step < self._due_step:
+            return False
+        reason = "advisory" if verdict == ADVISORY else "periodic"
         try:
             self.save(step, reason)
         except Exception as e:  # a failed periodic save must not end the training
@@ -160,7 +169,10 @@ class AcceleratorGuard:
         self.notices.acknowledge()
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
-        """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now."""
+        """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.
+
+        Collective in a process group: each rank saves into a scratch folder of its own (no shared
+        filesystem assumed) and the folders are committed as one checkpoint."""
         with self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
             t0 = time.monotonic()
@@ -176,7 +188,7 @@ class AcceleratorGuard:
 
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> AcceleratorGuard:
-        refuse_process_group("AcceleratorGuard")
+        self._grouped = self.checkpoints.group.get() is not None
         self.notices.start()
         return self
 
@@ -186,11 +198,14 @@ class AcceleratorGuard:
     def close(self, save: bool = True) -> None:
         """Stop watching; after a clean finish, checkpoint the last step if it is not saved yet."""
         self.notices.stop()
-        if (
-            save
-            and self.save_on_exit
-            and self.stopped_at is None
-            and self._step is not None
-            and self._step != self._saved_step
-        ):
-            self.save(self._step, "final")
+        try:
+            if (
+                save
+                and self.save_on_exit
+                and self.stopped_at is None
+                and self._step is not None
+                and self._step != self._saved_step
+            ):
+                self.save(self._step, "final")
+        finally:
+            self.checkpoints.group.close()

@@ -18,6 +18,11 @@ A notice that comes while no training step runs: during an evaluation, the evalu
 short (``cb.train`` only; with a bare callback it runs to its end) and the checkpoint written at
 once; before the first step of this run (loading, warm-up), the run stops at once when its state
 is the checkpoint it resumed from, and after its first step otherwise.
+
+Under torchrun (DDP) every rank runs the callback: the ranks vote at each step end (one all-reduce
+of one integer), so a notice seen by one rank stops all after the same step; the Trainer's save runs
+on every rank, and the folders of all ranks (of all nodes, with no shared filesystem) are committed
+as one checkpoint, its manifest written by rank 0 after every rank stored its files.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 from spotguard import checkpoint
 
 from ..errors import MissingDependencyError
+from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
-from ._common import WatchOptions, refuse_process_group, watch_parts
+from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -102,12 +108,12 @@ class SpotguardCallback(TrainerCallback):
         """Stop watching and remove the fetched resume copy (``on_train_end`` does it too)."""
         self.notices.stop()
         self.checkpoints.cleanup()
+        self.notices.group.close()
 
     # -- Trainer events ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        refuse_process_group("SpotguardCallback")
         self._resumed_step = state.global_step
-        newest = checkpoint.latest(self.checkpoints.storage)
+        newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:
             logger.warning(
                 "%s holds step %d but training starts at step %d: pass resume_from_checkpoint="
@@ -118,19 +124,20 @@ class SpotguardCallback(TrainerCallback):
             )
         self.notices.start()
 
+    # Every hook below runs on every rank at the same point, and so does every ``check`` (a
+    # collective in a process group): their conditions depend on nothing one rank sees alone.
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if (
-            self.notices.due
-            and self._trainer is not None
+            self._trainer is not None
             and state.global_step == self._resumed_step
-            and self.notices.preempted.is_set()
+            and self.notices.check(state.global_step, stop_only=True) == STOP
         ):
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.notices.due:
-            self._due(state, control)
-        elif control.should_save and state.global_step == self._committed_step:
+        if not self._act(self.notices.check(state.global_step), state, control) and (
+            control.should_save and state.global_step == self._committed_step
+        ):
             control.should_save = False
         return control
 
@@ -138,19 +145,19 @@ class SpotguardCallback(TrainerCallback):
         if self.stopped_at is not None:
             # The Trainer evaluates and saves at every epoch end, also after a stop mid-epoch: skip both.
             control.should_save = control.should_evaluate = False
-        elif self.notices.due:
-            self._due(state, control)
+        else:
+            self._act(self.notices.check(state.global_step), state, control)
         if control.should_save and state.global_step == self._committed_step:
             control.should_save = False  # committed files may be hard links: never rewrite them
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.notices.due and self.stopped_at is None:
-            self._due(state, control)  # the Trainer saves right after the evaluation
+        if self.stopped_at is None:
+            self._act(self.notices.check(state.global_step), state, control)  # the Trainer saves next
         return control
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.notices.due and self._trainer is not None and self.notices.preempted.is_set():
+        if self._trainer is not None and self.notices.check(state.global_step, stop_only=True) == STOP:
             raise _Interrupt  # cut the evaluation short: the checkpoint must make the deadline
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -162,8 +169,9 @@ class SpotguardCallback(TrainerCallback):
         self.close()
 
     # -- inside ------------------------------------------------------------------------------
-    def _due(self, state: Any, control: Any) -> None:
-        if self.notices.preempted.is_set():
+    def _act(self, verdict: int, state: Any, control: Any) -> bool:
+        """Set the Trainer's controls for a verdict; False when there is nothing to do."""
+        if verdict == STOP:
             if self.stopped_at is None:
                 self.stopped_at = state.global_step
                 self._reason = "emergency"
@@ -172,14 +180,18 @@ class SpotguardCallback(TrainerCallback):
                     "stopping after step %d for a notice: writing the emergency checkpoint", state.global_step
                 )
             control.should_training_stop = True
-        elif self.notices.take_advisory():
+            return True
+        if verdict == ADVISORY:
             self._reason = "advisory"
             control.should_save = True
+            return True
+        return False
 
     def _commit(self, step: int, folder: Path, reason: str) -> None:
+        """Commit the Trainer's folder; collective in a process group (a rank without it stores nothing)."""
         emergency = reason == "emergency"
         try:
-            if not folder.is_dir():
+            if self.checkpoints.group.get() is None and not folder.is_dir():
                 raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
             self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step

@@ -14,21 +14,32 @@ the first step of a resumed run stops it at once, its state being the checkpoint
 Lightning does not save the global RNG streams; this callback's own state does (in the ``.ckpt``),
 and restores them where an uninterrupted run would have had them, so dropout continues exactly.
 Data positions are Lightning's: use torchdata's ``StatefulDataLoader`` for mid-epoch resumes.
+
+Under torchrun (``strategy="ddp"``) the ranks vote after every optimizer step (one all-reduce of
+one integer), so a notice seen by one rank stops all after the same step. Lightning writes only
+rank 0's ``.ckpt``, but seeds each rank's dropout apart: every rank also writes its RNG streams
+(``rng-rank-NNNNN.pt``) and the folders of all ranks are committed as one checkpoint. Lightning's
+own SIGTERM handling (a broadcast from inside its signal handler, a stop on the rank that got the
+signal) is bypassed in a process group: the vote does its job.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from spotguard.checkpoint import state
 from spotguard.heartbeat import EXIT_PREEMPTED
 
 from ..errors import MissingDependencyError
+from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
-from ._common import WatchOptions, refuse_process_group, watch_parts
+from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -46,6 +57,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["SpotguardCallback"]
 
 CKPT_NAME = "lightning.ckpt"
+
+
+def rng_file(rank: int) -> str:
+    """Each rank's RNG streams beside the ``.ckpt`` (in a process group)."""
+    return f"rng-rank-{rank:05d}.pt"
 
 
 class _Interrupt(Exception):
@@ -75,6 +91,7 @@ class SpotguardCallback(Callback):
         self._committed_step: int | None = None
         self._rng_before_validation: dict[str, Any] | None = None
         self._rng_after_iterator: dict[str, Any] | None = None
+        self._resume_folder: Path | None = None
 
     @property
     def state_key(self) -> str:
@@ -84,6 +101,7 @@ class SpotguardCallback(Callback):
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local ``.ckpt`` path for ``trainer.fit(ckpt_path=...)``."""
         found = self.checkpoints.newest_verified()
+        self._resume_folder = found[1] if found else None
         return str(found[1] / CKPT_NAME) if found else None
 
     def fit(self, trainer: Any, model: Any, **kwargs: Any) -> int:
@@ -103,11 +121,12 @@ class SpotguardCallback(Callback):
     @property
     def exit_code(self) -> int:
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (or Lightning's own SIGTERM stop), else 0."""
-        return EXIT_PREEMPTED if self.stopped_at is not None or self.notices.preempted.is_set() else 0
+        return EXIT_PREEMPTED if self.stopped_at is not None or self.notices.exit_code else 0
 
     def close(self) -> None:
         self.notices.stop()
         self.checkpoints.cleanup()
+        self.notices.group.close()
 
     # -- checkpoint state: the RNG streams Lightning leaves out ------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -117,24 +136,35 @@ class SpotguardCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Set now, and again once the resumed loader's first iterator exists (on_train_start): the
         # uninterrupted run created no iterator at this point, so creating one must leave no trace.
-        state.restore_rng(state_dict["rng"])
-        self._rng_after_iterator = state_dict["rng"]
+        rng = state_dict["rng"]
+        own = self._resume_folder / rng_file(self._rank()) if self._resume_folder is not None else None
+        if own is not None and own.is_file():  # saved in a process group: this rank's own streams
+            rng = torch.load(own, weights_only=True)
+        state.restore_rng(rng)
+        self._rng_after_iterator = rng
+
+    def _rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
 
     # -- Lightning events --------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            refuse_process_group("the Lightning SpotguardCallback")
             self._trainer = trainer
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpoints.group.get() is not None:
+            self._bypass_lightning_sigterm(trainer)
+        self.checkpoints.loaded()  # every rank has loaded its node's copy (collective in a group)
         self._resumed_step = self._steps = self._seen_steps = trainer.global_step
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
 
+    # The hooks below run on every rank at the same point, and so does every ``check`` (a
+    # collective in a process group): their conditions depend on nothing one rank sees alone.
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._watch.due and self.notices.preempted.is_set() and trainer.global_step == self._resumed_step:
+        if self._steps == self._resumed_step and self.notices.check(self._steps, stop_only=True) == STOP:
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -144,8 +174,11 @@ class SpotguardCallback(Callback):
         if self._steps == self._seen_steps:
             return  # accumulating gradients: no optimizer step yet, nothing to stop or save at
         self._seen_steps = self._steps
-        if self._watch.due:
-            self._due(trainer)
+        verdict = self.notices.check(self._steps)
+        if verdict == STOP:
+            self._stop(trainer)
+        elif verdict == ADVISORY:
+            self._save(trainer, "advisory")
         elif self.every_steps and self._steps % self.every_steps == 0 and trainer.global_step != self._committed_step:
             self._save(trainer, "periodic")
 
@@ -156,7 +189,7 @@ class SpotguardCallback(Callback):
     def on_validation_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._watch.due and self.notices.preempted.is_set() and not trainer.sanity_checking:
+        if not trainer.sanity_checking and self.notices.check(self._steps, stop_only=True) == STOP:
             raise _Interrupt  # cut the validation short: the checkpoint must make the deadline
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -182,18 +215,22 @@ class SpotguardCallback(Callback):
             self.close()
 
     # -- inside ------------------------------------------------------------------------------
-    def _due(self, trainer: Any) -> None:
-        if self.notices.preempted.is_set():
-            trainer.should_stop = True
-            if self.stopped_at is None:
-                self.stopped_at = trainer.global_step
-                logger.warning(
-                    "stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step
-                )
-                if trainer.global_step != self._committed_step:
-                    self._save(trainer, "emergency")
-        elif self.notices.take_advisory():
-            self._save(trainer, "advisory")
+    def _stop(self, trainer: Any) -> None:
+        trainer.should_stop = True
+        if self.stopped_at is None:
+            self.stopped_at = trainer.global_step
+            logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step)
+            if trainer.global_step != self._committed_step:
+                self._save(trainer, "emergency")
+
+    def _bypass_lightning_sigterm(self, trainer: Any) -> None:
+        """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).
+
+        Lightning's handler broadcasts from inside the signal handler and stops the rank that got
+        the signal on its own; with a signal to one rank only the ranks fall out of step."""
+        original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}).get(signal.SIGTERM)
+        if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
+            signal.signal(signal.SIGTERM, original)
 
     def _save(self, trainer: Any, reason: str) -> None:
         step, emergency = trainer.global_step, reason == "emergency"
@@ -202,6 +239,11 @@ class SpotguardCallback(Callback):
                 folder = scratch / "lightning"
                 t0 = time.monotonic()
                 trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
+                if self.checkpoints.group.get() is not None:  # Lightning wrote rank 0's streams only
+                    folder.mkdir(parents=True, exist_ok=True)
+                    torch.save(
+                        self._rng_before_validation or state.capture_rng(), folder / rng_file(trainer.global_rank)
+                    )
                 logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
                 self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step

@@ -1,0 +1,265 @@
+"""A trainer's checkpoint folder written by several ranks or nodes, committed as one checkpoint.
+
+A trainer in a process group writes its checkpoint collectively: under DDP rank 0 writes the model
+and optimizer and every rank its own RNG file; DeepSpeed ZeRO writes one optimizer shard per rank.
+Without a shared filesystem each node's folder holds only what its own ranks wrote. The commit
+follows the sharded engine's rule (files first, manifest last, after every rank reported), every
+step collective on the agreement's save group, in the same order whatever happens:
+
+1. rank 0 checks that the step is not committed and clears leftovers of an interrupted save; its
+   verdict is broadcast (this first collective is also the barrier: every rank's trainer save
+   has returned, so every file is whole);
+2. every rank lists its folder and the lists are gathered; each file goes to the lowest rank that
+   has it (on a shared filesystem rank 0 stores them all, on separate nodes each node its own);
+3. every rank hashes and stores its files, then every rank reports (error, entries) to all;
+4. rank 0 writes the manifest only when every rank succeeded, and broadcasts the outcome.
+
+The resume goes the other way (``fetch``): rank 0 proposes the newest complete checkpoint, local
+rank 0 of every node fetches and verifies what its ranks need into a folder of that node, and when
+any node failed (a corrupt file) all ranks move to the next older checkpoint together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from spotguard.checkpoint import digest, layout
+from spotguard.checkpoint.collective import Groups, broadcast
+from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
+from spotguard.checkpoint.reader import open_verified, refuse_newer_format, require_manifest, scan
+from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def list_folder(root: Path) -> dict[str, int]:
+    """Every regular file below ``root`` (relative posix name -> size); an absent folder is empty."""
+    if not root.is_dir():
+        return {}
+    return {
+        p.relative_to(root).as_posix(): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def assign(listings: list[dict[str, int]]) -> dict[str, int]:
+    """Which rank stores each file: the lowest rank that has it (file name -> rank)."""
+    owners: dict[str, int] = {}
+    for rank, files in enumerate(listings):
+        for name, size in files.items():
+            if name not in owners:
+                owners[name] = rank
+            elif listings[owners[name]][name] != size:
+                logger.warning(
+                    "%s differs between rank %d (%d bytes) and rank %d (%d bytes): rank %d's is stored",
+                    name,
+                    owners[name],
+                    listings[owners[name]][name],
+                    rank,
+                    size,
+                    owners[name],
+                )
+    return owners
+
+
+def commit(
+    storage: Storage,
+    groups: Groups,
+    step: int,
+    folder: Path,
+    *,
+    reason: str,
+    extra: Mapping[str, Any] | None = None,
+    torch_version: str = "",
+    deadline: float | None = None,
+) -> Manifest:
+    """Collective: commit the folders every rank holds for ``step`` as one checkpoint (module docstring).
+
+    Returns the manifest on every rank. Raises ``CheckpointExistsError`` on every rank when ``step``
+    is already committed, ``StorageError`` on every rank when any rank failed (nothing committed),
+    ``ConfigError`` when no rank holds a file.
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    group, rank = groups.save_group, groups.rank
+    name = layout.step_dir(step)
+    status = broadcast(_prepare(storage, name) if rank == 0 else "", group)
+    if status == "exists":
+        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
+    if status != "ok":
+        raise StorageError(status)
+
+    mine = list_folder(Path(folder))
+    listings: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(listings, mine, group=group)
+    owners = assign(listings)
+    error, entries = "", []
+    try:
+        if not owners:
+            raise ConfigError(f"cannot commit step {step}: no rank holds a file in its checkpoint folder")
+        for fname in sorted(n for n, r in owners.items() if r == rank):
+            check_file_name(fname)
+            path = Path(folder) / fname
+            entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
+            storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    except Exception as e:
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    reports: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
+
+    outcome: str | bytes = ""
+    if rank == 0:
+        failed = [err for err, _ in reports if err]
+        if failed:
+            outcome = "; ".join(failed)
+        else:
+            files = sorted((FileEntry(*e) for _, es in reports for e in es), key=lambda f: f.name)
+            manifest = Manifest(
+                step,
+                reason,
+                tuple(files),
+                world_size=groups.world_size,
+                extra=dict(extra or {}),
+                torch_version=torch_version,
+            )
+            try:
+                storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+                outcome = manifest.to_bytes()
+            except Exception as e:
+                outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
+    outcome = broadcast(outcome, group)
+    if isinstance(outcome, str):
+        if not outcome.startswith("rank 0: manifest") and any(err.startswith("ConfigError") for err, _ in reports):
+            raise ConfigError(outcome)
+        raise StorageError(f"checkpoint of step {step} not committed: {outcome}")
+    return Manifest.from_bytes(outcome, where=name)
+
+
+def _prepare(storage: Storage, name: str) -> str:
+    """Rank 0, before any rank stores a file: "exists", "ok" (leftovers cleared), or why not."""
+    try:
+        existing = storage.list(name + "/")
+        if f"{name}/{MANIFEST}" in existing:
+            return "exists"
+        if existing:
+            logger.info(
+                "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
+            )
+            storage.delete(existing)
+    except Exception as e:
+        return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def node_rank() -> int:
+    """This process's node (torchrun's ``GROUP_RANK``; else the rank over the local world size)."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) or 1
+    return int(os.environ.get("RANK", 0)) // local_world
+
+
+def is_node_leader() -> bool:
+    """Whether this rank fetches for its node (torchrun's ``LOCAL_RANK`` 0)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0
+
+
+def node_folder(storage: Storage, step: int, work_dir: str | None) -> Path:
+    """Where a node keeps its verified copy of ``step``: the same path for every rank of the node."""
+    tag = hashlib.sha256(storage.describe().encode()).hexdigest()[:12]
+    return Path(work_dir or tempfile.gettempdir()) / f"spotguard-{tag}-node{node_rank()}-{layout.step_dir(step)}"
+
+
+def fetch(
+    storage: Storage,
+    groups: Groups,
+    work_dir: str | None = None,
+    select: Callable[[str], bool] | None = None,
+) -> tuple[int, Path] | None:
+    """Collective: the newest checkpoint every node could fetch and verify, as (step, local folder).
+
+    Local rank 0 of each node fetches the files ``select`` accepts (all by default) into
+    ``node_folder``; the other ranks of the node read the same folder once this returns. A
+    checkpoint whose files fail their checksums on any node is skipped by every rank, with a
+    warning, and the next older one tried; a newer spotguard's raises ``CheckpointFormatError``.
+    """
+    group, rank = groups.save_group, groups.rank
+    tried: set[int] = set()
+    while True:
+        proposal: Any = None
+        if rank == 0:
+            try:
+                proposal = _propose(storage, tried)
+            except Exception as e:
+                proposal = e
+        proposal = broadcast(proposal, group)
+        if isinstance(proposal, BaseException):
+            raise proposal
+        if proposal is None:
+            logger.info("no checkpoint in %s: starting from the beginning", storage.describe())
+            return None
+        info: CheckpointInfo = proposal
+        dest = node_folder(storage, info.step, work_dir)
+        error = ""
+        if is_node_leader():
+            try:
+                _fetch_into(storage, info, dest, select)
+            except CheckpointCorruptError as e:
+                error = str(e)
+            except Exception as e:  # a storage error: every rank raises it, nothing older is tried
+                error = f"!{type(e).__name__}: {e}"
+        reports: list[Any] = [None] * groups.world_size
+        dist.all_gather_object(reports, error, group=group)
+        failed = [(r, err) for r, err in enumerate(reports) if err]
+        if not failed:
+            logger.info("resuming from %s (step %d)", storage.describe(info.name), info.step)
+            return info.step, dest
+        shutil.rmtree(dest, ignore_errors=True)
+        fatal = [f"rank {r}: {err[1:]}" for r, err in failed if err.startswith("!")]
+        if fatal:
+            raise StorageError(f"cannot fetch {storage.describe(info.name)}: {'; '.join(fatal)}")
+        logger.warning(
+            "skipping %s: %s", storage.describe(info.name), "; ".join(f"rank {r}: {err}" for r, err in failed)
+        )
+        tried.add(info.step)
+
+
+def _propose(storage: Storage, tried: set[int]) -> CheckpointInfo | None:
+    """Rank 0: the newest complete checkpoint not tried yet (incomplete ones are named and skipped)."""
+    for info in reversed(scan(storage)):
+        if info.step in tried:
+            continue
+        refuse_newer_format(storage, info)
+        if info.complete:
+            return info
+        logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)
+        tried.add(info.step)
+    return None
+
+
+def _fetch_into(storage: Storage, info: CheckpointInfo, dest: Path, select: Callable[[str], bool] | None) -> None:
+    """The verified files of ``info`` that ``select`` accepts, in ``dest`` (emptied first)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for entry in require_manifest(info).files:
+        if select is not None and not select(entry.name):
+            continue
+        target = dest / entry.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open_verified(storage, info, entry.name) as path:
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copyfile(path, target)
