@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..guard.agreement import ADVISORY, STOP
 from ..notices.base import Notice
 from ..storage import Storage
+from . import _accelerate_loaders as loaders
 from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
@@ -105,12 +106,15 @@ class AcceleratorGuard:
         if found is None:
             return 0
         step, folder = found
+        prepared = getattr(self.accelerator, "_dataloaders", [])
         try:
             self.accelerator.load_state(str(folder))
+            loaders.restore(prepared, folder, self.accelerator.process_index)
         except BaseException:
             self.checkpoints.cleanup()
             raise
         self.checkpoints.loaded()
+        loaders.watch(prepared)
         for loader in getattr(self.accelerator, "_dataloaders", []):
             # Its first iterator after the restore must not draw from the RNG streams just restored:
             # the uninterrupted run created it at the start of the epoch, not here.
@@ -177,6 +181,7 @@ class AcceleratorGuard:
             folder = scratch / "state"
             t0 = time.monotonic()
             self.accelerator.save_state(str(folder))
+            loaders.save(getattr(self.accelerator, "_dataloaders", []), folder, self.accelerator.process_index)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
             manifest = self.checkpoints.commit(step, folder, reason, deadline)
         self._saved_step = step
@@ -189,6 +194,7 @@ class AcceleratorGuard:
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> AcceleratorGuard:
         self._grouped = self.checkpoints.group.get() is not None
+        loaders.watch(getattr(self.accelerator, "_dataloaders", []))
         self.notices.start()
         return self
 

@@ -44,11 +44,35 @@ def torchrun_args(nnodes: int, nproc: int, port: int, job: str) -> list[str]:
     ]
 
 
-class Job:
-    """One training job of ``script`` on ``nodes`` torchrun agents x ``nproc`` ranks, in ``run_dir``.
+def accelerate_args(nnodes: int, nproc: int, port: int, node: int) -> list[str]:
+    """``accelerate launch`` of ``nproc`` processes on machine ``node`` of ``nnodes`` (``--multi_gpu``
+    is its torchrun launcher; the scripts ask for the CPU themselves, and ``--cpu`` would run one process)."""
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(nnodes * nproc),
+        "--num_machines",
+        str(nnodes),
+        "--machine_rank",
+        str(node),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--monitor_interval",
+        "0.2",
+    ]
 
-    ``local_args(node)`` gives the arguments naming a node's own local folders (e.g. the Trainer's
-    ``--output-dir``); every node gets its own ``TMPDIR`` (spotguard's resume copy lives there).
+
+class Job:
+    """One training job of ``script`` on ``nodes`` launcher agents x ``nproc`` ranks, in ``run_dir``.
+
+    ``launcher``: "torchrun" or "accelerate" (``accelerate launch``). ``local_args(node)`` gives the
+    arguments naming a node's own local folders (e.g. the Trainer's ``--output-dir``); every node
+    gets its own ``TMPDIR`` (spotguard's resume copy lives there).
     """
 
     def __init__(
@@ -60,8 +84,9 @@ class Job:
         nodes: int = 1,
         nproc: int = 2,
         local_args: Callable[[Path], tuple[str, ...]] = lambda node: (),
+        launcher: str = "torchrun",
     ) -> None:
-        self.script, self.run_dir, self.args = script, run_dir, args
+        self.script, self.run_dir, self.args, self.launcher = script, run_dir, args, launcher
         self.nodes, self.nproc, self.local_args = nodes, nproc, local_args
         self.losses = run_dir / "losses.jsonl"
         self.final = run_dir / "final.pt"
@@ -79,8 +104,13 @@ class Job:
         out = []
         for node in range(self.nodes):
             local = self.node_dir(node)
+            launch = (
+                accelerate_args(self.nodes, self.nproc, port, node)
+                if self.launcher == "accelerate"
+                else torchrun_args(self.nodes, self.nproc, port, job)
+            )
             cmd = [
-                *torchrun_args(self.nodes, self.nproc, port, job),
+                *launch,
                 str(REPO / "examples" / self.script),
                 "--storage",
                 str(self.run_dir / "ckpt"),
