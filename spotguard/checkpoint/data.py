@@ -37,13 +37,20 @@ def is_stateful_loader(obj: Any) -> bool:
     )
 
 
-def warn_if_plain_loader(name: str, obj: Any) -> bool:
+#: What an Accelerate user must add: ``prepare()`` turns any loader into a plain one without it.
+ACCELERATE_HINT = (
+    " With Accelerate, also pass Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)):"
+    " without it prepare() makes a plain DataLoader of a StatefulDataLoader too."
+)
+
+
+def warn_if_plain_loader(name: str, obj: Any, hint: str = "") -> bool:
     """Warn about a plain DataLoader (a ``UserWarning``, shown once per call site); True when ``obj`` is one."""
     if isinstance(obj, DataLoader) and not is_stateful_loader(obj):
         msg = (
             f"spotguard: {name!r} is a plain torch DataLoader; its position cannot be saved, so a resumed "
             "run restarts its epoch from the beginning. Use torchdata.stateful_dataloader."
-            "StatefulDataLoader (pip install 'spotguard[data]') for an exact resume."
+            "StatefulDataLoader (pip install 'spotguard[data]') for an exact resume." + hint
         )
         warnings.warn(msg, UserWarning, stacklevel=3)  # one channel only: not logged as well
         return True
