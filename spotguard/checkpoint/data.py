@@ -6,9 +6,10 @@ the global torch RNG. The resumed run creates an iterator at a point where the u
 did not (mid-epoch), so every later random number (dropout, the next epoch's seed) would shift.
 After a restore, the loader's first iterator is therefore created without a trace on any stream.
 
-A restore is also refused where the loader changed in a way its state cannot follow (``check_loaders``,
-before anything is restored): another ``num_workers`` (torchdata would fail with a bare
-``AssertionError`` at the first batch of every restart), or another batch size (``Rebatch``).
+A restore is also checked against what changed in the loader (``check_loaders``, before anything is
+restored): another ``num_workers`` is moved to the new count where that is well defined
+(``workers``) and refused otherwise (torchdata would fail with a bare ``AssertionError`` at the
+first batch of every restart); another batch size is refused or accepted (``Rebatch``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from spotguard.checkpoint.state import rng_isolated
+from spotguard.checkpoint.workers import convert as convert_workers
 from spotguard.errors import CheckpointMismatchError
 
 logger = logging.getLogger(__name__)
@@ -126,14 +128,15 @@ def saved_workers(state: Any) -> int | None:
 
 def check_loaders(
     objects: Mapping[str, Any],
-    states: Mapping[str, Any],
+    states: MutableMapping[str, Any],
     facts: Mapping[str, Mapping[str, Any]],
     where: str,
     rebatch: Rebatch | str = Rebatch.REFUSE,
 ) -> None:
     """Refuse (``CheckpointMismatchError``) a tracked loader that changed in a way its saved state cannot follow.
 
-    Call before anything is restored. ``facts``: ``loader_facts()`` as saved (empty for checkpoints
+    Call before anything is restored. A state saved with another ``num_workers`` is rewritten in
+    ``states`` for the new count where that is well defined (``workers.convert``), with a warning. ``facts``: ``loader_facts()`` as saved (empty for checkpoints
     older than it: the worker count is then read from the state's layout, the batch size not checked).
     """
     for name, obj in objects.items():
@@ -142,11 +145,23 @@ def check_loaders(
         saved = facts.get(name, {})
         workers = saved.get("num_workers", saved_workers(states[name]))
         if isinstance(workers, int) and workers != obj.num_workers:
-            raise CheckpointMismatchError(
-                f"{where}: data loader {name!r} was saved with num_workers={workers} and has num_workers="
-                f"{obj.num_workers} now; its position cannot be restored into another number of workers "
-                f"(torchdata fails at the first batch). Resume with num_workers={workers}: change the count "
-                "only in a run that starts fresh"
+            moved, why = convert_workers(states[name], obj.num_workers)
+            if moved is None:
+                raise CheckpointMismatchError(
+                    f"{where}: data loader {name!r} was saved with num_workers={workers} and has num_workers="
+                    f"{obj.num_workers} now; its position cannot be moved to another number of workers: {why} "
+                    f"(torchdata would fail at the first batch). Resume with num_workers={workers}, or change "
+                    "the count only in a run that starts fresh"
+                )
+            states[name] = moved
+            logger.warning(
+                "%s: data loader %r was saved with num_workers=%d and has num_workers=%d now: it continues at "
+                "the same sample; random draws inside its workers (augmentations) come from other streams than "
+                "an uninterrupted run's",
+                where,
+                name,
+                workers,
+                obj.num_workers,
             )
         size, now = saved.get("batch_size"), _batch_size(obj)
         if size is None or now is None or size == now:

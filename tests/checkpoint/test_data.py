@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import spotguard
 from spotguard import heartbeat
-from spotguard.checkpoint import data
+from spotguard.checkpoint import data, workers
 from spotguard.errors import CheckpointMismatchError
 
 DATA = list(range(24))
@@ -42,26 +42,48 @@ def resumed(tmp_path, new: StatefulDataLoader, **kw) -> spotguard.Guard:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 1)])
-def test_another_number_of_workers_is_refused_once_with_both_counts(tmp_path, before, after):
-    saved_after(tmp_path, 3, workers=before)
-    guard = spotguard.Guard(str(tmp_path), providers=[]).track(loader=loader(after))
+@pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 1), (1, 2)])
+def test_another_number_of_workers_continues_at_the_same_sample(tmp_path, caplog, before, after):
+    rest = saved_after(tmp_path, 3, workers=before)
+    new = loader(after)
+    with caplog.at_level(logging.WARNING, logger="spotguard"):
+        resumed(tmp_path, new)  # was: torchdata's bare AssertionError at the first batch, on every restart
+    assert f"saved with num_workers={before} and has num_workers={after} now: it continues at the same sample" in (
+        caplog.text
+    )
+    assert [x for b in new for x in b.tolist()] == rest
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(12))
+
+
+def test_a_position_that_cannot_move_to_another_worker_count_is_refused_once_with_both_counts(tmp_path):
+    first = StatefulDataLoader(Stream(), batch_size=2)
+    guard = spotguard.Guard(str(tmp_path), providers=[]).track(loader=first)
+    it = iter(first)
+    next(it)
+    guard.save(1)
+    again = spotguard.Guard(str(tmp_path), providers=[]).track(
+        loader=StatefulDataLoader(Stream(), batch_size=2, num_workers=1)
+    )
     with pytest.raises(
         CheckpointMismatchError,
-        match=rf"'loader' was saved with num_workers={before} and has num_workers={after} now.*"
-        rf"Resume with num_workers={before}",
+        match=r"'loader' was saved with num_workers=0 and has num_workers=1 now; .*its dataset keeps a state "
+        r".*Resume with num_workers=0",
     ):
-        guard.resume()  # was: resumed, then torchdata's bare AssertionError at the first batch, every restart
-    assert guard._beat[1] & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
+        again.resume()
+    assert again._beat[1] & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
 
 
 @pytest.mark.timeout(120)
 def test_the_worker_count_is_read_from_the_state_of_a_checkpoint_that_did_not_record_it():
-    for workers in (0, 2):
-        ld = loader(workers)
+    for count in (0, 2):
+        ld = loader(count)
         it = iter(ld)
         next(it)
-        assert data.saved_workers(ld.state_dict()) == workers
+        assert data.saved_workers(ld.state_dict()) == count
         del it
     assert data.saved_workers({"something": 1}) is None
 
@@ -113,3 +135,14 @@ def test_sharded_resume_refuses_another_batch_size_on_every_rank(tmp_path, group
             again.resume()
     finally:
         again.close(save=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_older_than_the_last_batch_is_not_moved():
+    ld = StatefulDataLoader(DATA, batch_size=2, num_workers=1, snapshot_every_n_steps=3)
+    it = iter(ld)
+    for _ in range(4):
+        next(it)
+    moved, why = workers.convert(ld.state_dict(), 0)
+    assert moved is None and "snapshot_every_n_steps" in why
+    assert workers.convert({"what": 1}, 2) == (None, "its state is not in a layout this spotguard knows")
