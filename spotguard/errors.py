@@ -48,6 +48,10 @@ class NoLoadableCheckpointError(SpotguardError, RuntimeError):
     """Checkpoints exist but none of them loads: ``resume()`` stops rather than start again from step 0,
     which would silently redo (or lose) their work. ``Guard(..., on_unloadable="fresh")`` starts fresh on purpose."""
 
+    def __init__(self, message: str, skipped: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.skipped = skipped  # "<checkpoint>: <why it was skipped>", newest first
+
 
 class MissingDependencyError(SpotguardError, ImportError):
     """An optional extra (``spotguard[aws]``, ``spotguard[gcp]`` ...) is needed but not installed."""

@@ -108,7 +108,8 @@ def none_loads(storage: Storage, skipped: list[str]) -> NoLoadableCheckpointErro
         + "; ".join(skipped)
         + ". Starting again from step 0 would silently redo their work, so resume() stops. Fix the cause (a "
         "class refused by torch.load(weights_only=True): torch.serialization.add_safe_globals([...]) before "
-        "resume(), if it is safe to unpickle), or start from step 0 on purpose with Guard(..., on_unloadable='fresh')"
+        "resume(), if it is safe to unpickle), or start from step 0 on purpose with Guard(..., on_unloadable='fresh')",
+        tuple(skipped),
     )
 
 

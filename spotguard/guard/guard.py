@@ -145,7 +145,11 @@ class Guard:
             if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
                 self._permanent(e)
                 raise
-            logger.warning("%s; starting from step 0 (on_unloadable='fresh')", str(e).split(". Starting again")[0])
+            logger.warning(
+                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
+                self.storage.describe(),
+                "; ".join(e.skipped),
+            )
             done = None
         except PERMANENT as e:
             self._permanent(e)
