@@ -102,6 +102,10 @@ class AcceleratorGuard:
         """``accelerator.load_state`` from the newest checkpoint that verifies; return its step (0 if none).
 
         Collective under ``accelerate launch``: every rank loads the same step, from its node's copy."""
+        for i, loader in enumerate(getattr(self.accelerator, "_dataloaders", [])):  # as Guard.track() warns
+            data.warn_if_plain_loader(
+                f"prepared loader {i}", getattr(loader, "base_dataloader", loader), data.ACCELERATE_HINT
+            )
         found = self.checkpoints.newest_verified()
         if found is None:
             return 0
