@@ -17,11 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint import scan
+from spotguard.checkpoint import CheckpointInfo, scan
 from spotguard.storage import open_storage
 
 from ..helpers import REPO, WAIT_S, assert_same_run, last_step, read_jsonl, read_losses, subprocess_env
@@ -67,11 +68,18 @@ def _reap(sid: int, grace: float = 5.0) -> list[str]:
     return killed
 
 
-def _run(run_dir: Path, notice_after: int | None = None) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+@dataclass
+class Run:
+    done: subprocess.CompletedProcess[str]
+    left: list[str]  # processes of the driver's session alive 5 s after it exited (killed then)
+    committed: list[CheckpointInfo]  # the checkpoints in storage when the ranks had stopped for the notice
+
+
+def _run(run_dir: Path, notice_after: int | None = None) -> Run:
     """One run of the example; with ``notice_after``, a notice file for rank 1 once rank 1 logged that step,
     removed once the ranks stopped (before Ray's restart polls it, or the restart stops once more).
 
-    Returns the finished driver and the processes of its session that outlived it by more than 5 s."""
+    """
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's unix sockets need a short path
     notice = run_dir / "notice-1"
     env = subprocess_env(
@@ -81,6 +89,7 @@ def _run(run_dir: Path, notice_after: int | None = None) -> tuple[subprocess.Com
         RAY_USAGE_STATS_ENABLED="0",
         RAY_AUTH_MODE="disabled",  # no token written to ~/.ray
         RAY_DEDUP_LOGS="0",
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5",  # the controller sees the stopped workers sooner (default 2)
     )
     cmd = [
         sys.executable,
@@ -99,6 +108,7 @@ def _run(run_dir: Path, notice_after: int | None = None) -> tuple[subprocess.Com
         str(run_dir / "final.pt"),
         *ARGS,
     ]
+    committed: list[CheckpointInfo] = []
     with open(run_dir / "out.txt", "w+") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=run_dir, start_new_session=True)
         try:
@@ -113,6 +123,8 @@ def _run(run_dir: Path, notice_after: int | None = None) -> tuple[subprocess.Com
                     notice_after = None
                 if notice.exists() and any(e["event"] == "preempted" for e in read_jsonl(run_dir / "trace-1.jsonl")):
                     notice.unlink()
+                    # committed before the ranks raised; later saves of the resumed run may rotate it out (keep=3)
+                    committed.extend(scan(open_storage(str(run_dir / "ckpt"))))
                 time.sleep(0.01)
             timed_out = proc.poll() is None
         finally:
@@ -124,7 +136,7 @@ def _run(run_dir: Path, notice_after: int | None = None) -> tuple[subprocess.Com
         out.seek(0)
         text = out.read()
     assert not timed_out, f"still running after {2 * WAIT_S:.0f}s\n{text[-6000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, text, ""), left
+    return Run(subprocess.CompletedProcess(cmd, proc.returncode, text, ""), left, committed)
 
 
 def _attempts(run_dir: Path, rank: int) -> list[dict]:
@@ -138,28 +150,23 @@ def _attempts(run_dir: Path, rank: int) -> list[dict]:
     return attempts
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ray-reference")
-    done, left = _run(run_dir)
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert not left, left
-    assert [a["begin"] for a in _attempts(run_dir, 0)] == [0]
-    return run_dir
-
-
-def test_ray_train_notice_to_one_worker_restarts_both_and_resumes_identically(tmp_path, reference):
+def test_ray_train_notice_to_one_worker_restarts_both_and_resumes_identically(tmp_path):
     at = _rng.randint(5, 30)
-    done, left = _run(tmp_path, notice_after=at)
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert "stop notice from file" in done.stdout and "stop notice from peer" in done.stdout, done.stdout[-6000:]
+    reference, cut_dir = tmp_path / "reference", tmp_path / "cut"
+    reference.mkdir()
+    cut_dir.mkdir()
+    ref = _run(reference)  # run beside the stopped one (two local clusters), it saved nothing on 2 cores
+    assert ref.done.returncode == 0, ref.done.stdout[-6000:]
+    assert [a["begin"] for a in _attempts(reference, 0)] == [0]
+    cut = _run(cut_dir, notice_after=at)
+    out = cut.done.stdout
+    assert cut.done.returncode == 0, out[-6000:]
+    assert "stop notice from file" in out and "stop notice from peer" in out, out[-6000:]
 
     # Both ranks stopped after the same step, in the first attempt; Ray started new worker processes
     # that resumed there (a restart that raced the notice's removal stops once more, at once: allowed).
-    ranks = [_attempts(tmp_path, rank) for rank in (0, 1)]
-    assert [[(a["begin"], a["stopped"]) for a in attempts] for attempts in ranks][0] == [
-        (a["begin"], a["stopped"]) for a in ranks[1]
-    ]
+    ranks = [_attempts(cut_dir, rank) for rank in (0, 1)]
+    assert [(a["begin"], a["stopped"]) for a in ranks[0]] == [(a["begin"], a["stopped"]) for a in ranks[1]], ranks
     first, *restarts = ranks[0]
     stopped = first["stopped"]
     assert first["begin"] == 0 and stopped is not None and at <= stopped < STEPS, ranks
@@ -170,10 +177,10 @@ def test_ray_train_notice_to_one_worker_restarts_both_and_resumes_identically(tm
             assert after["begin"] == before["stopped"]
     assert restarts[-1]["stopped"] is None
 
-    (info,) = [i for i in scan(open_storage(str(tmp_path / "ckpt"))) if i.step == stopped]
+    (info,) = [i for i in cut.committed if i.step == stopped]
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
 
     for rank in (0, 1):
-        ref = (read_losses(reference / f"losses-{rank}.jsonl"), reference / "final.pt")
-        assert_same_run(tmp_path / f"losses-{rank}.jsonl", tmp_path / "final.pt", ref)
-    assert not left, f"Ray processes outlived the driver: {left}"
+        want = (read_losses(reference / f"losses-{rank}.jsonl"), reference / "final.pt")
+        assert_same_run(cut_dir / f"losses-{rank}.jsonl", cut_dir / "final.pt", want)
+    assert not cut.left and not ref.left, f"Ray processes outlived the driver: {cut.left + ref.left}"
