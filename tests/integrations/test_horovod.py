@@ -4,8 +4,9 @@ ranks after the same step with one committed checkpoint, and the next horovodrun
 
 Horovod is not a dependency: its last release (0.28.1) builds against torch 2.1+ only with its C++
 standard raised to 17 (docs/distributed.md, "Horovod"). The test runs where the Python named by
-``$HOROVOD_PYTHON`` (default: this one) imports ``horovod.torch`` and has ``horovodrun`` beside it, and
-is skipped elsewhere, CI included.
+``$HOROVOD_PYTHON`` (default: this one) imports ``horovod.torch`` and ``torchdata`` and has ``horovodrun``
+beside it (spotguard comes from this checkout; its own dependencies must be installed there too), and is
+skipped elsewhere, CI included.
 """
 
 from __future__ import annotations
