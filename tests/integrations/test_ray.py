@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = REPO / "examples" / "ray" / "train_ray.py"
 STEPS = 60  # 32 batches per epoch and rank: the run crosses an epoch end
-ARGS = ("--steps", str(STEPS), "--every-steps", "20", "--interval", "0.2", "--step-sleep", "0.05")
+ARGS = ("--steps", str(STEPS), "--every-steps", "20", "--interval", "0.2")
+SLOW = ("--step-sleep", "0.05")  # the stopped run: a notice sent after step N lands a few steps later
 _rng = random.Random()
 
 
@@ -107,6 +108,7 @@ def _run(run_dir: Path, notice_after: int | None = None) -> Run:
         "--final",
         str(run_dir / "final.pt"),
         *ARGS,
+        *(SLOW if notice_after is not None else ()),
     ]
     committed: list[CheckpointInfo] = []
     with open(run_dir / "out.txt", "w+") as out:
