@@ -78,9 +78,7 @@ class Run:
 
 def _run(run_dir: Path, notice_after: int | None = None) -> Run:
     """One run of the example; with ``notice_after``, a notice file for rank 1 once rank 1 logged that step,
-    removed once the ranks stopped (before Ray's restart polls it, or the restart stops once more).
-
-    """
+    removed once the ranks stopped (before Ray's restart polls it, or the restart stops once more)."""
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's unix sockets need a short path
     notice = run_dir / "notice-1"
     env = subprocess_env(
