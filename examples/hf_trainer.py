@@ -28,15 +28,17 @@ from spotguard.integrations.hf import SpotguardCallback
 class Tokens(torch.utils.data.Dataset):
     """Random token sequences from a private generator (the global RNG streams stay the Trainer's)."""
 
-    def __init__(self, n: int, seq_len: int, vocab: int, seed: int) -> None:
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+        self.augment = augment  # test-time augmentation: a random roll, from the global stream
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        ids = self.ids[i].roll(int(torch.randint(0, len(self.ids[i]), (1,)))) if self.augment else self.ids[i]
+        return {"input_ids": ids, "labels": ids}
 
 
 class Rehearsal(TrainerCallback):
@@ -86,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
+    p.add_argument("--eval-augment", action="store_true", help="evaluations draw random numbers (a random roll)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
-    train, evaluation = Tokens(256, 16, 64, seed=1), Tokens(32, 16, 64, seed=2)
+    train, evaluation = Tokens(256, 16, 64, seed=1), Tokens(32, 16, 64, seed=2, augment=args.eval_augment)
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,

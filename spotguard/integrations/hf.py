@@ -27,11 +27,13 @@ as one checkpoint, its manifest written by rank 0 after every rank stored its fi
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard import checkpoint
+from spotguard.checkpoint import state as state_module
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
@@ -50,6 +52,9 @@ except ImportError as e:
 logger = logging.getLogger(__name__)
 
 __all__ = ["SpotguardCallback"]
+
+#: In a checkpoint written during an evaluation: the resume runs that evaluation again first.
+EVAL_CUT = "spotguard-evaluation-cut.json"
 
 
 class _Interrupt(Exception):
@@ -74,12 +79,15 @@ class SpotguardCallback(TrainerCallback):
         self._resumed_step = 0
         self._committed_step: int | None = None
         self._reason: str | None = None
+        self._rng_before_eval: dict[str, Any] | None = None  # while cb.train's Trainer evaluates
+        self._replay_eval = False  # resumed from an evaluation cut short: run it again first
 
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local folder for ``trainer.train(resume_from_checkpoint=...)``."""
         found = self.checkpoints.newest_verified()
         self._resumed_step = found[0] if found else 0
+        self._replay_eval = found is not None and (found[1] / EVAL_CUT).is_file()
         return str(found[1]) if found else None
 
     def train(self, trainer: Any, **kwargs: Any) -> int:
@@ -92,6 +100,16 @@ class SpotguardCallback(TrainerCallback):
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         self._trainer = trainer
+        evaluate = trainer.evaluate
+
+        def evaluate_from_its_start(*args: Any, **kw: Any) -> Any:
+            # The RNG streams an evaluation starts with: a cut one is run again from them on resume.
+            self._rng_before_eval = state_module.capture_rng()
+            result = evaluate(*args, **kw)  # cut short (_Interrupt): the streams stay for the save
+            self._rng_before_eval = None
+            return result
+
+        trainer.evaluate = evaluate_from_its_start
         try:
             try:
                 resume = self.resume_from_checkpoint()
@@ -102,6 +120,7 @@ class SpotguardCallback(TrainerCallback):
         except _Interrupt:
             self._save_interrupted(trainer)
         finally:
+            del trainer.evaluate  # the class's method again
             self._trainer = None
             self.close()
         return self.exit_code
@@ -134,12 +153,16 @@ class SpotguardCallback(TrainerCallback):
     # Every hook below runs on every rank at the same point, and so does every ``check`` (a
     # collective in a process group): their conditions depend on nothing one rank sees alone.
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if (
-            self._trainer is not None
-            and state.global_step == self._resumed_step
-            and self.notices.check(state.global_step, stop_only=True) == STOP
-        ):
+        if self._trainer is None or state.global_step != self._resumed_step:
+            return
+        if self.notices.check(state.global_step, stop_only=True) == STOP:
             raise _Interrupt  # a notice before the first step: the state is the resume point, stop now
+        if self._replay_eval:
+            # The uninterrupted run evaluated here, drawing from the streams the checkpoint holds:
+            # run that evaluation again (its metrics are logged), so the next step draws as it did.
+            self._replay_eval = False
+            logger.warning("running the evaluation of step %d again: a notice cut it short", state.global_step)
+            self._trainer.evaluate()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if not self._act(self.notices.check(state.global_step), state, control) and (
@@ -227,6 +250,12 @@ class SpotguardCallback(TrainerCallback):
         logger.warning(
             "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step
         )
+        folder = Path(trainer.args.output_dir) / f"checkpoint-{step}"
+        if self._rng_before_eval is not None:  # the streams the cut evaluation started with: it is run again
+            state_module.restore_rng(self._rng_before_eval)
         # The Trainer's own save (its private method: the public save_model() writes no optimizer/RNG state).
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        self._commit(step, Path(trainer.args.output_dir) / f"checkpoint-{step}", "emergency")
+        if self._rng_before_eval is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / EVAL_CUT).write_text(json.dumps({"step": step}))
+        self._commit(step, folder, "emergency")

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = "hf_trainer.py"
 STEPS = 40
 # Saves every 15 steps, evaluations (4 batches) every 10, 32 batches per epoch: notices meet saves,
-# evaluations and an epoch end.
-ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2")
+# evaluations and an epoch end. The evaluations draw random numbers (test-time augmentation).
+ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2", "--eval-augment")
 _rng = random.Random()  # the test's own randomness
 
 
@@ -61,4 +61,6 @@ def test_hf_trainer_notice_during_evaluation_and_warmup_still_checkpoints(tmp_pa
     args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
     in_eval = runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, args, [10, 20], 4, _rng)
     assert "during an evaluation" in in_eval.stderr
-    runs.finish_identically(SCRIPT, tmp_path, args, reference)
+    last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
+    # The cut evaluation ran again first, from the streams it started with (else the next steps differ).
+    assert "running the evaluation of step" in last.stderr and "'eval_loss'" in last.stdout
