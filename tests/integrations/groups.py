@@ -189,8 +189,13 @@ def stop_one_rank_then_finish(job: Job, steps: int, ref, rng: random.Random) -> 
     resume finishes exactly like the reference. Returns the stop step and its checkpoint's files."""
     at = rng.randint(3, steps - 6)
     stopped = assert_all_stopped(job, job.stop_rank_at(1, at), at)
+    finish(job, ref)
+    return stopped
+
+
+def finish(job: Job, ref) -> None:
+    """The resume, uninterrupted to the end: every logged loss and the final weights equal ``ref``."""
     last = job.run("--final", str(job.final))
     for proc in last:
         assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_run(job.losses, job.final, ref)
-    return stopped

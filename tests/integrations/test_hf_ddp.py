@@ -44,11 +44,13 @@ def test_hf_trainer_under_torchrun_stops_every_rank_for_one_ranks_notice_and_res
 
 def test_hf_trainer_on_two_nodes_without_a_shared_folder_commits_one_checkpoint(tmp_path, reference_two_nodes):
     job = groups.Job(SCRIPT, tmp_path, ARGS, nodes=2, nproc=1, local_args=output_dir)
-    stopped, names = groups.stop_one_rank_then_finish(job, STEPS, reference_two_nodes, _rng)
-    # Node 1's own Trainer folder held only its RNG file; the checkpoint has both ranks' files.
-    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= names
-    # c10d numbers the nodes as they arrive: find rank 1's node by its file.
+    at = _rng.randint(3, STEPS - 6)
+    stopped, names = groups.assert_all_stopped(job, job.stop_rank_at(1, at), at)
+    # Each node's Trainer folder holds what its rank wrote; the checkpoint holds both. c10d numbers
+    # the nodes as they arrive: find rank 1's node by its file.
     a, b = (tmp_path / f"node{n}" / "hf-output" / f"checkpoint-{stopped}" for n in (0, 1))
     rank1, rank0 = (a, b) if (a / "rng_state_1.pth").exists() else (b, a)
     assert (rank1 / "rng_state_1.pth").exists() and not (rank1 / "model.safetensors").exists()
     assert (rank0 / "model.safetensors").exists() and not (rank0 / "rng_state_1.pth").exists()
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= names
+    groups.finish(job, reference_two_nodes)
