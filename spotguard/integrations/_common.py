@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from spotguard import _env, checkpoint
+from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.reader import refuse_newer_format
 from spotguard.guard import ranks
@@ -87,14 +87,20 @@ class NoticeWatch:
         interval: float = 1.0,
         stop_on_advisory: bool = False,
     ) -> None:
-        self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
+        # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
+        self.watcher = Watcher(
+            providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory, sigint=True
+        )
         self.preempted = self.watcher.preempted
         self.due = False
         self._advisory = False
+        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
 
     def _on_notice(self, notice: Notice) -> None:
         if not self.preempted.is_set():
             self._advisory = True
+        else:  # the job exits 75 now (exit_code): `spotguard run` reads it here when a launcher hides it
+            self._beat[1] = heartbeat.STOPPED_FOR_NOTICE
         self.due = True  # last: the loop's reader sees the reason already set
 
     @property
