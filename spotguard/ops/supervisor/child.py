@@ -129,6 +129,7 @@ def _after_exit(job: Job, code: int, beat: Path, opts: SupervisorOptions, stops:
     left = job.leftovers()
     if not left:
         return Outcome(code, flags)
+    described = job.describe(left)  # before the signal: a process that dies of it has no command line
     stopping = stops.stopping.is_set()
     if stopping:
         sig = stops.forwarded or signal.SIGTERM
@@ -142,7 +143,7 @@ def _after_exit(job: Job, code: int, beat: Path, opts: SupervisorOptions, stops:
         "the job's launcher exited with code %d and left %d process(es) running: %s; %s, waiting up to %.0fs",
         Outcome(code).exit_code,
         len(left),
-        job.describe(left),
+        described,
         f"sent {signame(sig)} to {', '.join(map(str, sent))}" if sent else "they are stopping already",
         max(until - time.monotonic(), 0.0),
     )
