@@ -22,13 +22,25 @@ import psutil
 import pytest
 
 from spotguard import EXIT_PREEMPTED
-from tests.helpers import EXAMPLE_DDP, WAIT_S, WORKERS, ddp_example_cmd, free_port, last_step, run, subprocess_env
+from tests.helpers import (
+    EXAMPLE_DDP,
+    REPO,
+    WAIT_S,
+    WORKERS,
+    ddp_example_cmd,
+    free_port,
+    last_step,
+    read_losses,
+    run,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no"]
 ACCELERATE += ["--dynamo_backend", "no"]
 SLOW = ("--step-sleep", "0.05")
+EXAMPLES = REPO / "examples"
 
 
 def supervised(storage: Path, *child: str, restarts: int = 0) -> list[str]:
@@ -165,36 +177,49 @@ def test_torchrun_ranks_left_by_a_dead_launcher_checkpoint_before_the_restart_an
     assert second > first and committed(storage, first) and committed(storage, second)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["one-process", "two-processes"])
-def test_accelerate_launch_stops_every_process_with_a_checkpoint(tmp_path, world):
-    """One process (`--cpu`, as on one GPU): `accelerate launch` dies of the SIGTERM at once (143), its
-    trainer must get it all the same (it did not: it trained on). Two (`--multi_gpu` on CPU, gloo): the
-    torchrun inside the launcher passes it on (this case passed before; the torchrun test above has the
-    ranks of a launcher that died). Exit 75, a checkpoint of the stop step, no process left; in one process
-    `spotguard run` again then resumes there and finishes (a group's resume: the torchrun test)."""
-    storage = tmp_path / "ckpt"
-    how = ["--cpu", "--num_processes", "1"] if world == 1 else ["--multi_gpu", "--num_processes", "2"]
-    how += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
-    cmd = supervised(storage, *ACCELERATE, *how, str(WORKERS / "accelerate_guard.py"), str(tmp_path), "--steps", "40")
-    cmd += SLOW
-    with Supervised(cmd, tmp_path) as job:
-        job.until(lambda: all((last_step(tmp_path / f"losses-{r}.jsonl") or 0) >= 3 for r in range(world)), "step 3")
+def accelerate_launch(*how: str) -> list[str]:
+    return [*ACCELERATE, *how, "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+
+
+def test_accelerate_launch_in_one_process_leaves_no_trainer_behind_and_the_restart_resumes(tmp_path):
+    """`accelerate launch --cpu` (one process, as on one GPU) dies of the SIGTERM at once (143); its
+    trainer (examples/accelerate_train.py, AcceleratorGuard) must get the SIGTERM all the same (it trained
+    on), and its exit 75, which no launcher reports, must reach `spotguard run` (the heartbeat flag):
+    exit 75, a checkpoint of the stop step, no process left; `spotguard run` again resumes there."""
+    storage, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
+    script = [str(EXAMPLES / "accelerate_train.py"), "--steps", "40", "--every-steps", "0", "--interval", "0.2"]
+    cmd = supervised(storage, *accelerate_launch("--cpu", "--num_processes", "1"), *script, "--losses", str(losses))
+    with Supervised([*cmd, *SLOW, "--quiet"], tmp_path) as job:
+        job.until(lambda: (last_step(losses) or 0) >= 3, "step 3")
         job.proc.send_signal(signal.SIGTERM)
         done = job.finish()
         assert job.survivors() == []
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-4000:]
-    stops = re.findall(r"stopped at step (\d+)", done.stdout)
-    assert len(stops) == world and len(set(stops)) == 1, done.stdout  # every rank, at the same step
-    stop = int(stops[0])
-    assert committed(storage, stop) and stop < 40
-    if world > 1:
-        return
+    assert "the job's launcher exited with code 143 and left 1 process(es) running" in done.stderr
+    (stop,) = map(int, re.findall(r"stopped at step (\d+)", done.stdout))
+    assert committed(storage, stop) and last_step(losses) == stop < 40
 
-    again = run(cmd, env=subprocess_env(), cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert f"starting at step {stop}" in again.stdout and "finished 40 steps" in again.stdout
-    steps = [int(s) for s in re.findall(r'"step": (\d+)', (tmp_path / "losses-0.jsonl").read_text())]
-    assert steps == list(range(1, 41)), stop  # resumed after the stop step: none twice, none missing
+    again = run([*cmd, "--quiet"], env=subprocess_env(), cwd=tmp_path)
+    assert again.returncode == 0 and "finished 40 steps" in again.stdout, again.stderr[-4000:]
+    assert [s for s, _ in read_losses(losses)] == list(range(1, 41)), stop  # resumed after the stop step
+
+
+def test_accelerate_launch_with_two_processes_stops_both_with_a_checkpoint(tmp_path):
+    """`accelerate launch --multi_gpu` on CPU (gloo) runs torchrun inside itself, which passes the SIGINT on
+    to both ranks and exits 1 (this case passed before; a launcher that died: the torchrun test): exit 75,
+    one checkpoint of the step both stopped at, no process left."""
+    storage = tmp_path / "ckpt"
+    worker = [str(WORKERS / "accelerate_guard.py"), str(tmp_path), "--steps", "400", *SLOW]
+    cmd = supervised(storage, *accelerate_launch("--multi_gpu", "--num_processes", "2"), *worker)
+    with Supervised(cmd, tmp_path) as job:
+        job.until(lambda: all((last_step(tmp_path / f"losses-{r}.jsonl") or 0) >= 3 for r in (0, 1)), "step 3")
+        job.proc.send_signal(signal.SIGINT)
+        done = job.finish()
+        assert job.survivors() == []
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-4000:]
+    stops = re.findall(r"stopped at step (\d+)", done.stdout)
+    assert len(stops) == 2 and len(set(stops)) == 1, done.stdout  # both ranks, at the same step
+    assert committed(storage, int(stops[0]))
 
 
 def test_deepspeed_launcher_left_by_its_runner_passes_the_stop_to_the_ranks(tmp_path):
