@@ -187,7 +187,7 @@ def test_accelerate_launch_in_one_process_leaves_no_trainer_behind_and_the_resta
     on), and its exit 75, which no launcher reports, must reach `spotguard run` (the heartbeat flag):
     exit 75, a checkpoint of the stop step, no process left; `spotguard run` again resumes there."""
     storage, losses = tmp_path / "ckpt", tmp_path / "losses.jsonl"
-    script = [str(EXAMPLES / "accelerate_train.py"), "--steps", "40", "--every-steps", "0", "--interval", "0.2"]
+    script = [str(EXAMPLES / "accelerate_train.py"), "--steps", "80", "--every-steps", "0", "--interval", "0.2"]
     cmd = supervised(storage, *accelerate_launch("--cpu", "--num_processes", "1"), *script, "--losses", str(losses))
     with Supervised([*cmd, *SLOW, "--quiet"], tmp_path) as job:
         job.until(lambda: (last_step(losses) or 0) >= 3, "step 3")
@@ -197,11 +197,11 @@ def test_accelerate_launch_in_one_process_leaves_no_trainer_behind_and_the_resta
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-4000:]
     assert "the job's launcher exited with code 143 and left 1 process(es) running" in done.stderr
     (stop,) = map(int, re.findall(r"stopped at step (\d+)", done.stdout))
-    assert committed(storage, stop) and last_step(losses) == stop < 40
+    assert committed(storage, stop) and last_step(losses) == stop < 80
 
     again = run([*cmd, "--quiet"], env=subprocess_env(), cwd=tmp_path)
-    assert again.returncode == 0 and "finished 40 steps" in again.stdout, again.stderr[-4000:]
-    assert [s for s, _ in read_losses(losses)] == list(range(1, 41)), stop  # resumed after the stop step
+    assert again.returncode == 0 and "finished 80 steps" in again.stdout, again.stderr[-4000:]
+    assert [s for s, _ in read_losses(losses)] == list(range(1, 81)), stop  # resumed after the stop step
 
 
 def test_accelerate_launch_with_two_processes_stops_both_with_a_checkpoint(tmp_path):
