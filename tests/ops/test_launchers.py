@@ -151,6 +151,34 @@ def test_a_process_the_job_left_in_a_session_of_its_own_is_stopped_before_a_rest
         pass
 
 
+def test_a_hung_job_under_a_launcher_has_its_ranks_stacks_dumped_and_every_process_killed(tmp_path):
+    """A hang under a launcher: the rank (here in a session of its own, as under torchrun) is the one
+    stuck, so its stacks are dumped too, and it is killed with the launcher (before: only the launcher
+    got SIGUSR2, died of it, and the rank hung on forever)."""
+    pid_file = tmp_path / "pid"
+    rank = (
+        "import faulthandler, signal, time\n"  # what a Guard registers under `spotguard run`
+        "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+        "def stuck_in_a_collective():\n    time.sleep(120)\n"
+        "stuck_in_a_collective()\n"
+    )
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n"
+    )
+    cmd = supervised(tmp_path / "ckpt", sys.executable, "-c", launcher)
+    cmd[cmd.index("--") : cmd.index("--")] = ["--startup-timeout", "3"]
+    done = run(cmd, env=subprocess_env(), cwd=tmp_path)
+    assert done.returncode == 2 and "the job hung" in done.stderr, done.stderr
+    assert "in stuck_in_a_collective" in done.stderr, done.stderr  # the rank's stack, from its faulthandler
+    try:
+        assert psutil.Process(int(pid_file.read_text())).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+
+
 def test_torchrun_ranks_left_by_a_dead_launcher_checkpoint_before_the_restart_and_a_stop_reaches_them(tmp_path):
     """torchrun killed (OOM killer, a crash): its ranks, in sessions of their own, are stopped with a
     checkpoint before the restart instead of training on beside the new ones; the restart resumes from

@@ -1,8 +1,8 @@
 """One attempt: start the job in its own process group and watch it until it exits, hangs or overstays.
 
 A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
-the first one; either works alone): the child's Python stacks are dumped to the log (faulthandler,
-on ``SIGUSR2``), then its process group is killed. After a stop signal the child gets ``grace``
+the first one; either works alone): the Python stacks of the job's processes are dumped to the log
+(faulthandler, on ``SIGUSR2``), then every process of the job is killed. After a stop signal the child gets ``grace``
 seconds to checkpoint and exit; a job writing its emergency checkpoint (heartbeat flag) makes no
 steps and gets the same grace instead of the hang timeout.
 
@@ -113,7 +113,7 @@ def _watch(job: Job, beat: Path, opts: SupervisorOptions, stops: Forwarder) -> O
                 now - last_change,
                 where,
             )
-            _dump_stacks(proc, opts.stack_wait)
+            _dump_stacks(job, opts.stack_wait)
             _kill(job)
             return Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True, stepped=seen_step)
 
@@ -154,14 +154,20 @@ def _after_exit(job: Job, code: int, beat: Path, opts: SupervisorOptions, stops:
     return Outcome(code, heartbeat.read(beat)[1] if stopping else flags, killed_after_grace=killed and stopping)
 
 
-def _dump_stacks(proc: subprocess.Popen[bytes], wait: float) -> None:
-    """faulthandler in the child (registered by its Guard) writes every thread's stack to stderr."""
-    try:
-        os.kill(proc.pid, heartbeat.STACKS_SIGNAL)
-    except ProcessLookupError:
+def _dump_stacks(job: Job, wait: float) -> None:
+    """faulthandler (registered by the Guard) writes every thread's stack to stderr, in every process of
+    the job: under a launcher the ranks are the ones stuck. A process without the handler dies of it."""
+    pids = set(job.processes()) | {job.proc.pid}
+    for pid in pids:
+        try:
+            os.kill(pid, heartbeat.STACKS_SIGNAL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if len(pids) > 1:
+        time.sleep(wait)  # the ranks' handlers run when they run; the launcher may die of it at once
         return
     try:
-        proc.wait(timeout=wait)  # a child without the handler dies of the signal
+        job.proc.wait(timeout=wait)  # a child without the handler dies of the signal
     except subprocess.TimeoutExpired:
         pass
 
