@@ -151,6 +151,35 @@ def test_a_process_the_job_left_in_a_session_of_its_own_is_stopped_before_a_rest
         pass
 
 
+def test_a_leftover_already_told_to_stop_is_not_signalled_twice_by_a_stop_that_follows(tmp_path):
+    """A crashed launcher's leftover got SIGTERM and is writing its checkpoint when `spotguard run` is
+    stopped too: that stop must not reach it a second time, which a Guard takes for "stop now"."""
+    got, ready = tmp_path / "signals.txt", tmp_path / "ready"
+    rank = (
+        "import signal, sys, time\n"
+        f"def record(signum, frame):\n    open({str(got)!r}, 'a').write('TERM\\n')\n"
+        "signal.signal(signal.SIGTERM, record)\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "deadline = time.monotonic() + 60\n"
+        f"while time.monotonic() < deadline and not open({str(got)!r}, 'a+').tell():\n    time.sleep(0.01)\n"
+        "time.sleep(3)\n"  # the emergency checkpoint
+        "sys.exit(75)\n"
+    )
+    launcher = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}])\n"
+        f"while not os.path.exists({str(ready)!r}):\n    time.sleep(0.01)\n"
+        "sys.exit(3)\n"
+    )
+    with Supervised(supervised(tmp_path / "ckpt", sys.executable, "-c", launcher), tmp_path) as job:
+        job.until(lambda: got.exists() and got.read_text() == "TERM\n", "the leftover's SIGTERM")
+        job.proc.send_signal(signal.SIGTERM)
+        done = job.finish()
+        assert job.survivors() == []
+    assert "SIGTERM received: forwarding it to the job" in done.stderr, done.stderr
+    assert got.read_text() == "TERM\n", done.stderr  # once
+
+
 def test_a_hung_job_under_a_launcher_has_its_ranks_stacks_dumped_and_every_process_killed(tmp_path):
     """A hang under a launcher: the rank (here in a session of its own, as under torchrun) is the one
     stuck, so its stacks are dumped too, and it is killed with the launcher (before: only the launcher

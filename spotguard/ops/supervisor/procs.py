@@ -33,6 +33,7 @@ class Job:
         self.proc = proc
         self._marker = f"{heartbeat.HEARTBEAT_ENV}={beat}".encode() + b"\0"
         self._seen: dict[tuple[int, bytes], bool] = {}  # (pid, start time) -> carries the marker
+        self._sent: set[tuple[int, int]] = set()  # (pid, signal) we delivered
 
     # -- finding them ------------------------------------------------------------------------
     def processes(self) -> dict[int, int]:
@@ -83,11 +84,18 @@ class Job:
         return sorted(pid for pid, ppid in procs.items() if ppid not in procs)
 
     # -- acting on them ----------------------------------------------------------------------
-    def signal_top(self, sig: int) -> list[int]:
-        """Send ``sig`` to the topmost processes (launchers forward it to their ranks); the pids reached."""
+    def signal_top(self, sig: int, again: bool = False) -> list[int]:
+        """Send ``sig`` to the topmost processes (launchers forward it to their ranks); the pids reached.
+
+        A process that already had ``sig`` from us is skipped unless ``again``: to a Guard a second
+        delivery means "stop now", so only a stop signal repeated on purpose may be one.
+        """
         group = self.proc.returncode is not None and not PROC.is_dir()  # no /proc: the whole group
         reached = []
         for pid in self.top():
+            if (pid, sig) in self._sent and not again:
+                continue
+            self._sent.add((pid, sig))
             try:
                 os.killpg(pid, sig) if group else os.kill(pid, sig)
                 reached.append(pid)

@@ -67,7 +67,8 @@ class Forwarder:
         if self.stopping.is_set() and signum == self.signal and time.monotonic() - self.at < DUPLICATE_WINDOW:
             logger.info("%s again within %.0fs: the same stop, not forwarded twice", signame(signum), DUPLICATE_WINDOW)
             return
-        if not self.stopping.is_set():
+        again = self.stopping.is_set()  # a repeat after the duplicate window: the sender insists
+        if not again:
             self.signal, self.at = signum, time.monotonic()
             logger.warning(
                 "%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
@@ -79,7 +80,7 @@ class Forwarder:
         if job is None:
             self._unforwarded = sig  # a child being started gets it from attach()
         else:
-            job.signal_top(sig)  # a second delivery means "now" to the child's Guard too
+            job.signal_top(sig, again)  # a second delivery means "now" to the child's Guard too
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
