@@ -12,7 +12,6 @@ signal goes: the launcher while it runs, then what it left behind. Nothing here 
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -20,8 +19,6 @@ import time
 from pathlib import Path
 
 from spotguard import heartbeat
-
-logger = logging.getLogger("spotguard.ops.supervisor")
 
 PROC = Path("/proc")
 
@@ -64,7 +61,8 @@ class Job:
         key = (pid, started)  # the start time tells a reused pid apart
         if key not in self._seen:
             try:
-                self._seen[key] = self._marker in (PROC / str(pid) / "environ").read_bytes()
+                environ = b"\0" + (PROC / str(pid) / "environ").read_bytes()  # NUL-separated NAME=value
+                self._seen[key] = b"\0" + self._marker in environ
             except OSError:
                 self._seen[key] = False  # another user's, or gone
         return self._seen[key]
