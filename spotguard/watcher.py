@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from spotguard.errors import ConfigError
 
 from . import notices
+from .notices import signals
 from .notices.base import Notice, NoticeProvider
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,10 @@ class Watcher:
     watcher thread. Advisory notices (``rebalance``, ``migrate``) set ``preempted`` only when
     ``stop_on_advisory`` is True; otherwise they are kept in ``advisories``. ``max_backoff`` caps
     the wait after failed polls (never below ``interval``); ``warn_every`` is how often a provider
-    that keeps failing is reported again at WARNING level.
+    that keeps failing is reported again at WARNING level. ``sigint``: while the watcher runs, the
+    first SIGINT (Ctrl-C, or ``spotguard run`` forwarding one) is a stop notice too, whatever the
+    providers (``signals.cover_sigint``); what a training loop wants, and what ``Guard`` and the
+    trainer integrations ask for. Off by default: a plain watcher leaves Ctrl-C to the program.
     """
 
     def __init__(
@@ -51,12 +55,15 @@ class Watcher:
         stop_on_advisory: bool = False,
         max_backoff: float = 1.0,
         warn_every: float = 300.0,
+        sigint: bool = False,
     ) -> None:
         if interval <= 0:
             raise ConfigError("interval must be positive")
         if warn_every <= 0:
             raise ConfigError("warn_every must be positive")
         self.providers: list[NoticeProvider] = notices.build(providers)
+        if sigint:
+            signals.cover_sigint(self.providers)
         self.interval = interval
         self.on_notice = on_notice
         self.stop_on_advisory = stop_on_advisory

@@ -103,3 +103,17 @@ def test_backoff_after_failures_never_exceeds_about_a_second():
     assert max(slow_delays) <= 1.0 and min(slow_delays) >= 0.5
     assert max(w._backoff(fast, 5, 1.0) for _ in range(200)) <= 0.2  # first seconds of an outage: fast
     assert min(w._backoff(fast, 5, 3.5) for _ in range(200)) >= 0.5
+
+
+def test_sigint_is_a_stop_notice_when_asked_and_left_alone_otherwise():
+    """Guard and the trainer integrations ask for it (Ctrl-C, or `spotguard run` forwarding one); a
+    plain watcher leaves Ctrl-C to the program."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with Watcher([Scripted([])], interval=0.05) as w:
+        assert signal.getsignal(signal.SIGINT) is before
+    with Watcher([Scripted([])], interval=0.05, sigint=True) as w:
+        signal.raise_signal(signal.SIGINT)
+        assert w.preempted.wait(5) and w.notice is not None and w.notice.raw == {"signal": "SIGINT"}
+    assert signal.getsignal(signal.SIGINT) is before

@@ -30,7 +30,6 @@ from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import Emergency
-from spotguard.notices import signals
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
@@ -59,11 +58,14 @@ class Guard:
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded)
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
+        # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
         self.watcher = Watcher(
-            providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory)
+            providers,
+            o.interval,
+            on_notice=self._on_notice,
+            stop_on_advisory=bool(o.stop_on_advisory),
+            sigint=o.sigint,
         )
-        if o.sigint:  # Ctrl-C, or `spotguard run` forwarding one: stop with a checkpoint, not KeyboardInterrupt
-            signals.cover_sigint(self.watcher.providers)
         self.preempted = self.watcher.preempted
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from spotguard import _env, checkpoint
+from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import folders
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
@@ -131,7 +131,10 @@ class NoticeWatch:
         stop_on_advisory: bool = False,
         group: RankGroup | None = None,
     ) -> None:
-        self.watcher = Watcher(providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory)
+        # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
+        self.watcher = Watcher(
+            providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory, sigint=True
+        )
         self.preempted = self.watcher.preempted
         self.due = False
         self.group = group or RankGroup()
@@ -140,6 +143,7 @@ class NoticeWatch:
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
+        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
 
     def check(self, step: int, stop_only: bool = False) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
@@ -169,6 +173,7 @@ class NoticeWatch:
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
+        self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # also where only another rank saw the notice
         if agreed is None:
             return
         left, self._peer = agreed.agree_stop(step, self.watcher.notice)
@@ -179,6 +184,8 @@ class NoticeWatch:
     def _on_notice(self, notice: Notice) -> None:
         if not self.preempted.is_set():
             self._advisory = True
+        else:  # the job exits 75 now (exit_code): `spotguard run` reads it here when a launcher hides it
+            self._beat[1] = heartbeat.STOPPED_FOR_NOTICE
         self.due = True  # last: the loop's reader sees the reason already set
 
     @property

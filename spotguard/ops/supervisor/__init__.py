@@ -2,7 +2,8 @@
 
 Order of one run: report the newest complete checkpoint -> start the child in its own process
 group with ``$SPOTGUARD_STORAGE`` and ``$SPOTGUARD_HEARTBEAT`` set (``child``) -> watch its exit,
-its heartbeat and our stop signals (``child``, ``signals``) -> decide (``loop``):
+its heartbeat and our stop signals (``child``, ``signals``) -> once it exited, stop whatever it
+left running, ranks of a launcher included (``procs``) -> decide (``loop``):
 
 =====================================================  ============================================
 child outcome                                          supervisor
@@ -10,13 +11,15 @@ child outcome                                          supervisor
 exit 0                                                 exit 0 (finished)
 exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the machine can go
 for a notice (heartbeat flag), whatever the code
+(a launcher's own code, e.g. torchrun's 1)
 exit 78 (``EXIT_CONFIG``) or its Guard raised an       exit 78, no restart: a restart meets the same
 error a restart meets again (heartbeat flag)           error (unloadable state, changed data loader)
 any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
                                                        then ``RestartBudgetExhausted`` (CLI: exit 2)
-we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits (128+N if signal
-child, which writes its emergency checkpoint)          N killed it); after ``grace`` seconds its group
-                                                       is killed, exit 128+signal
+we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it and all it left
+child, which writes its emergency checkpoint)          running exited (128+N if signal N killed it);
+                                                       after ``grace`` seconds every process of the
+                                                       job is killed, exit 128+signal
 =====================================================  ============================================
 
 ``spotguard.metrics.run`` exports the starts and exits; ``Supervisor.summary()`` is the document

@@ -1,10 +1,15 @@
 """One attempt: start the job in its own process group and watch it until it exits, hangs or overstays.
 
 A hang is ``hang_timeout`` seconds without a new step in the heartbeat (``startup_timeout`` before
-the first one; either works alone): the child's Python stacks are dumped to the log (faulthandler,
-on ``SIGUSR2``), then its process group is killed. After a stop signal the child gets ``grace``
+the first one; either works alone): the Python stacks of the job's processes are dumped to the log
+(faulthandler, on ``SIGUSR2``), then every process of the job is killed. After a stop signal the child gets ``grace``
 seconds to checkpoint and exit; a job writing its emergency checkpoint (heartbeat flag) makes no
 steps and gets the same grace instead of the hang timeout.
+
+An attempt ends when the launcher has exited and nothing it started is left (``procs.Job``): what
+a launcher leaves behind gets the stop signal (after our own stop) or SIGTERM (after any other
+exit), the rest of the grace to checkpoint and exit, then SIGKILL. So a restart never trains beside
+a trainer of the previous attempt, and a killed job leaves nothing running.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from spotguard._env import STORAGE as STORAGE_ENV
 from spotguard.errors import ConfigError
 
 from .options import SupervisorOptions, signame
+from .procs import Job
 from .signals import Forwarder
 
 logger = logging.getLogger("spotguard.ops.supervisor")
@@ -61,19 +67,20 @@ def run_once(opts: SupervisorOptions, beat: Path, stops: Forwarder) -> Outcome:
         )
     except OSError as e:
         raise ConfigError(f"cannot start {opts.command[0]!r}: {e}") from e
-    stops.attach(proc)  # forwards a stop signal that came while Popen ran
+    job = Job(proc, beat)
+    stops.attach(job)  # forwards a stop signal that came while Popen ran
     try:
-        return _watch(proc, beat, opts, stops)
+        return _watch(job, beat, opts, stops)
     finally:
         stops.detach()
 
 
-def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, stops: Forwarder) -> Outcome:
+def _watch(job: Job, beat: Path, opts: SupervisorOptions, stops: Forwarder) -> Outcome:
+    proc = job.proc
     last_step, last_change, seen_step = 0, time.monotonic(), False
     while True:
         try:
-            code = proc.wait(timeout=opts.poll)
-            return Outcome(code, heartbeat.read(beat)[1])
+            return _after_exit(job, proc.wait(timeout=opts.poll), beat, opts, stops)
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
@@ -82,7 +89,7 @@ def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, s
                 logger.error(
                     "the job did not exit within %.0fs of %s: killing it", opts.grace, signame(stops.signal or 0)
                 )
-                _kill_group(proc)
+                _kill(job)
                 return Outcome(proc.wait(), heartbeat.read(beat)[1], killed_after_grace=True)
             continue
         if opts.hang_timeout is None and opts.startup_timeout is None:
@@ -106,25 +113,68 @@ def _watch(proc: subprocess.Popen[bytes], beat: Path, opts: SupervisorOptions, s
                 now - last_change,
                 where,
             )
-            _dump_stacks(proc, opts.stack_wait)
-            _kill_group(proc)
+            _dump_stacks(job, opts.stack_wait)
+            _kill(job)
             return Outcome(proc.wait(), heartbeat.read(beat)[1], hung=True, stepped=seen_step)
 
 
-def _dump_stacks(proc: subprocess.Popen[bytes], wait: float) -> None:
-    """faulthandler in the child (registered by its Guard) writes every thread's stack to stderr."""
-    try:
-        os.kill(proc.pid, heartbeat.STACKS_SIGNAL)
-    except ProcessLookupError:
+def _after_exit(job: Job, code: int, beat: Path, opts: SupervisorOptions, stops: Forwarder) -> Outcome:
+    """The launcher exited with ``code``: stop what it left running before the attempt counts as over.
+
+    After our stop signal the leftovers are the job stopping (their heartbeat flag decides whether it
+    stopped for the notice, whatever the launcher's code); after any other exit the outcome is the
+    launcher's, read before the leftovers are told to stop (their stop is ours, not a notice).
+    """
+    flags = heartbeat.read(beat)[1]
+    left = job.leftovers()
+    if not left:
+        return Outcome(code, flags)
+    described = job.describe(left)  # before the signal: a process that dies of it has no command line
+    stopping = stops.stopping.is_set()
+    if stopping:
+        sig = stops.forwarded or signal.SIGTERM
+        until = stops.at + opts.grace
+        # Stopped for the notice already: it got the signal; a second one would mean "stop now".
+        sent = [] if flags & heartbeat.STOPPED_FOR_NOTICE else job.signal_top(sig)
+    else:
+        sig, until = signal.SIGTERM, time.monotonic() + opts.grace
+        sent = job.signal_top(sig)
+    logger.warning(
+        "the job's launcher exited with code %d and left %d process(es) running: %s; %s, waiting up to %.0fs",
+        Outcome(code).exit_code,
+        len(left),
+        described,
+        f"sent {signame(sig)} to {', '.join(map(str, sent))}" if sent else "they are stopping already",
+        max(until - time.monotonic(), 0.0),
+    )
+    killed = not job.wait_gone(until, opts.poll)
+    if killed:
+        logger.error("processes of the job still running after the grace period: killing them")
+        _kill(job)
+    return Outcome(code, heartbeat.read(beat)[1] if stopping else flags, killed_after_grace=killed and stopping)
+
+
+def _dump_stacks(job: Job, wait: float) -> None:
+    """faulthandler (registered by the Guard) writes every thread's stack to stderr, in every process of
+    the job: under a launcher the ranks are the ones stuck. A process without the handler dies of it."""
+    pids = set(job.processes()) | {job.proc.pid}
+    for pid in pids:
+        try:
+            os.kill(pid, heartbeat.STACKS_SIGNAL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if len(pids) > 1:
+        time.sleep(wait)  # the ranks' handlers run when they run; the launcher may die of it at once
         return
     try:
-        proc.wait(timeout=wait)  # a child without the handler dies of the signal
+        job.proc.wait(timeout=wait)  # a child without the handler dies of the signal
     except subprocess.TimeoutExpired:
         pass
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+def _kill(job: Job) -> None:
+    """SIGKILL every process of the job and reap the launcher; the next attempt starts on a clean slate."""
+    job.kill_all()
+    job.proc.wait()
+    if not job.wait_gone(time.monotonic() + 5.0, 0.05):
+        logger.error("still running after SIGKILL: %s", job.describe(job.leftovers()))

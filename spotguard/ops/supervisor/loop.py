@@ -73,7 +73,7 @@ class Supervisor:
     @property
     def running(self) -> subprocess.Popen[bytes] | None:
         """The child process while one runs."""
-        return self.stops.proc
+        return self.stops.job.proc if self.stops.job else None
 
     # -- checkpoints -------------------------------------------------------------------------
     def _storage_url(self) -> str | None:
@@ -188,7 +188,8 @@ class Supervisor:
                 if self.stops.stopping.is_set():
                     return self.stops.stop_code()
                 self.starts += 1
-                self.beat = heartbeat.create(workdir / "heartbeat")
+                # One file per attempt: its path in the environment marks this attempt's processes (procs)
+                self.beat = heartbeat.create(workdir / f"heartbeat-{self.starts}")
                 self._started_at = time.time()
                 self.events.emit("start", attempt=self.starts, checkpoint_step=info.step if info else None)
                 decided = self._decide(run_once(self.options, self.beat, self.stops))

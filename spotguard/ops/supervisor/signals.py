@@ -4,19 +4,21 @@ A repeat of the same signal within ``DUPLICATE_WINDOW`` is the same broadcast (S
 control-group mode signal every process, a wrapper shell may forward too) and is not forwarded
 again; a later one is (the child's Guard then stops at once). ``forward_as`` (e.g. SIGUSR1) keeps
 our delivery distinct from the platform's own where it signals the child directly as well.
+The signal goes to the job's topmost processes (``procs.Job.signal_top``): the launcher while it
+runs (torchrun, ``deepspeed``'s per-node launcher pass it on to the ranks), then whatever it left
+running when it exited (``accelerate launch`` in one process dies of SIGTERM before its trainer).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
 import threading
 import time
 from types import FrameType
 
 from .options import signame
+from .procs import Job
 
 logger = logging.getLogger("spotguard.ops.supervisor")
 
@@ -38,29 +40,35 @@ class Forwarder:
         self.stopping = threading.Event()
         self.signal: int | None = None  # the first stop signal
         self.at = 0.0  # its monotonic time
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._job: Job | None = None
         self._unforwarded: int | None = None
         self._previous: dict[int, object] = {}
 
     @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        """The child being watched, None between attempts."""
-        return self._proc
+    def job(self) -> Job | None:
+        """The attempt being watched, None between attempts."""
+        return self._job
 
-    def attach(self, proc: subprocess.Popen[bytes]) -> None:
-        self._proc = proc
+    @property
+    def forwarded(self) -> int | None:
+        """The signal the job is sent for our first stop signal (``forward_as`` or that one)."""
+        return self.forward_as or self.signal
+
+    def attach(self, job: Job) -> None:
+        self._job = job
         sig, self._unforwarded = self._unforwarded, None
         if sig is not None:
-            send(proc, sig)
+            job.signal_top(sig)
 
     def detach(self) -> None:
-        self._proc = None
+        self._job = None
 
     def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
         if self.stopping.is_set() and signum == self.signal and time.monotonic() - self.at < DUPLICATE_WINDOW:
             logger.info("%s again within %.0fs: the same stop, not forwarded twice", signame(signum), DUPLICATE_WINDOW)
             return
-        if not self.stopping.is_set():
+        again = self.stopping.is_set()  # a repeat after the duplicate window: the sender insists
+        if not again:
             self.signal, self.at = signum, time.monotonic()
             logger.warning(
                 "%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
@@ -68,11 +76,11 @@ class Forwarder:
                 self.grace,
             )
             self.stopping.set()
-        proc, sig = self._proc, self.forward_as or signum
-        if proc is None:
+        job, sig = self._job, self.forward_as or signum
+        if job is None:
             self._unforwarded = sig  # a child being started gets it from attach()
-        elif proc.returncode is None:
-            send(proc, sig)  # a second delivery means "now" to the child's Guard too
+        else:
+            job.signal_top(sig, again)  # a second delivery means "now" to the child's Guard too
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -88,10 +96,3 @@ class Forwarder:
     def stop_code(self, default: int = 0) -> int:
         """128 + the stop signal: what we exit with when a stop ends the run."""
         return 128 + (self.signal or default)
-
-
-def send(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.kill(proc.pid, sig)
-    except ProcessLookupError:
-        pass
