@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,23 +66,11 @@ def ds_config(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rank_tag = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s [rank " + rank_tag + "] %(name)s: %(message)s",
-    )
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    import deepspeed  # after DS_ACCELERATOR: it picks its accelerator at import
-    from deepspeed.utils import logger as ds_logger
+def make_job(args: argparse.Namespace) -> tuple[Any, StatefulDataLoader, StatefulDistributedSampler]:
+    """The engine, the loader and its sampler; the same weights on every rank, dropout seeded per rank."""
+    import deepspeed
 
-    if args.quiet:
-        ds_logger.setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.set_num_threads(1)
-
     g = torch.Generator().manual_seed(1)  # the data: made here, from its own generator
     dataset = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
@@ -90,7 +79,66 @@ def main(argv: list[str] | None = None) -> int:
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.width, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     torch.manual_seed(args.seed + 1000 + rank)  # each rank its own dropout stream
+    return engine, loader, sampler
 
+
+def train(
+    args: argparse.Namespace, engine: Any, loader: Any, sampler: Any, guard: DeepSpeedGuard, step: int, log: Any
+) -> int:
+    """Train from ``step`` to ``args.steps`` or a notice; the last step done."""
+    epoch = int(guard.extra.get("epoch", 0))
+    stopped = guard.step(step)  # a notice during the start-up stops before the first step
+    while step < args.steps and not stopped:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            step += 1
+            if log:
+                log.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
+                log.flush()
+            time.sleep(args.step_sleep)
+            if guard.step(step):
+                stopped = True
+                break
+            if step >= args.steps:
+                break
+        else:
+            epoch += 1
+            guard.extra["epoch"] = epoch
+    return step
+
+
+def final_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The whole model's weights (collective: ZeRO-3 gathers its partitioned parameters on every rank)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def setup(args: argparse.Namespace) -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s [rank " + rank + "] %(name)s: %(message)s",
+    )
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed  # after DS_ACCELERATOR: it picks its accelerator at import
+    from deepspeed.utils import logger as ds_logger
+
+    if args.quiet:
+        ds_logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    torch.set_num_threads(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup(args)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    engine, loader, sampler = make_job(args)
     guard = DeepSpeedGuard(
         engine,
         args.storage,
@@ -101,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         work_dir=args.work_dir.format(rank=rank) if args.work_dir else None,
     )
     guard.track(loader=loader)
-    step = start = guard.resume()  # 0 when there is no checkpoint
-    epoch = int(guard.extra.get("epoch", 0))
+    start = guard.resume()  # 0 when there is no checkpoint
     if rank == 0:
         print(f"[deepspeed] {world} ranks, ZeRO-{args.zero_stage}, starting at step {start}", flush=True)
     log = None
@@ -110,42 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         log = open(args.losses.format(rank=rank), "a")
     t0 = time.monotonic()
     with guard:
-        stopped = guard.step(step)  # a notice during the start-up stops before the first step
-        while step < args.steps and not stopped:
-            sampler.set_epoch(epoch)
-            for x, y in loader:
-                loss = nn.functional.mse_loss(engine(x), y)
-                engine.backward(loss)
-                engine.step()
-                step += 1
-                if log:
-                    log.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
-                    log.flush()
-                time.sleep(args.step_sleep)
-                if guard.step(step):
-                    stopped = True
-                    break
-                if step >= args.steps:
-                    break
-            else:
-                epoch += 1
-                guard.extra["epoch"] = epoch
+        step = train(args, engine, loader, sampler, guard, start, log)
     if log:
         log.close()
     if guard.exit_code:
         n = guard.notice
-        if rank == 0:
-            print(
-                f"[deepspeed] all {world} ranks stopped at step {step} ({n.kind if n else '?'} notice from "
-                f"{n.provider if n else '?'}); exiting {guard.exit_code}",
-                flush=True,
-            )
+        print(
+            f"[deepspeed] rank {rank} of {world} stopped at step {step} ({n.kind if n else '?'} notice from "
+            f"{n.provider if n else '?'}); exiting {guard.exit_code}",
+            flush=True,
+        )
         torch.distributed.destroy_process_group()
         return guard.exit_code
     if args.final:
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # ZeRO-3: whole weights on every rank
-            weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        weights = final_weights(engine)
         if rank == 0:
             torch.save(weights, args.final)
     if rank == 0:
