@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedGuard", "rank_file", "tag_for"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch colours parts of its weights_only error
 
 
 def tag_for(step: int) -> str:
@@ -132,14 +135,19 @@ class DeepSpeedGuard(LoopGuard):
         }
 
     def _check_loadable(self, own: dict[str, Any]) -> None:
-        """Once: every rank's state must load with ``weights_only=True``, or the save fails on all ranks."""
+        """Once: every rank's state must load with ``weights_only=True``, or the save fails on all ranks
+        (each naming the first rank's problem), before any file is committed."""
         if self._checked:
             return
-        problem = unloadable(own)
+        problems = [unloadable(own)]
         agreed = self.checkpoints.group.get()
-        failed = bool(problem) if agreed is None else bool(agreed.reduce(int(bool(problem)), agreed.save_group))
+        if agreed is not None:
+            problems = [""] * agreed.world_size
+            torch.distributed.all_gather_object(problems, unloadable(own), group=agreed.save_group)
+        failed = [(r, p) for r, p in enumerate(problems) if p]
         if failed:
-            raise ConfigError(problem or "another rank's tracked state does not load with weights_only=True (its log)")
+            rank, problem = failed[0]
+            raise ConfigError(problem if agreed is None else f"rank {rank}: {problem}")
         self._checked = True
 
     # -- resuming ----------------------------------------------------------------------------
@@ -199,10 +207,11 @@ def unloadable(own: dict[str, Any]) -> str:
             buf.seek(0)
             torch.load(buf, weights_only=True)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()] or [type(e).__name__]
+            why = next((ln for ln in lines if "Unsupported global" in ln), lines[0]).split(" Please use")[0]
             return (
                 f"{what} cannot be checkpointed: it does not load with torch.load(weights_only=True) "
-                f"({first}); keep tensors, numbers, strings, lists and dicts in it (DeepSpeed's own objects, "
+                f"({why}); keep tensors, numbers, strings, lists and dicts in it (DeepSpeed's own objects, "
                 "e.g. its loss scaler, are in the engine's checkpoint already)"
             )
     return ""

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from spotguard import EXIT_PREEMPTED
-from spotguard.checkpoint import latest
+from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
 from tests.helpers import (
     REPO,
@@ -129,7 +129,8 @@ def run_job(
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Path:
     """One torchrun launch (each costs ~20 s here): the uninterrupted ZeRO-2 and ZeRO-3 reference runs
-    (``zero<N>/loss-{rank}.jsonl``, ``zero<N>/final.pt``), and stages 0 and 1 saved and resumed."""
+    (``zero<N>/loss-{rank}.jsonl``, ``zero<N>/final.pt``), stages 0 and 1 saved and resumed, and a first
+    save refused for state that would not load."""
     out = tmp_path_factory.mktemp("deepspeed-references")
     worker = WORKERS / "deepspeed_stages.py"
     cmd = torchrun(
@@ -205,3 +206,13 @@ def test_zero_stages_0_and_1_resume_a_fresh_engine_exactly(launch):
         assert r["resumed"] == 12, r
         assert len(r["first"]) == 20 and r["second"] == r["first"][12:], r  # steps 13..20, bit for bit
         assert r["weights_same"], r
+
+
+def test_first_save_refuses_state_that_would_not_load_on_any_rank(launch):
+    # Rank 1 alone tracks DeepSpeed's LossScaler (pickled, refused by torch.load(weights_only=True)): the
+    # save fails on both ranks at once, naming the object, and nothing is committed that the resume would skip.
+    refused = {r["rank"]: r["refused"] for r in worker_results(launch) if "refused" in r}
+    for rank in (0, 1):  # both name rank 1's object and its class
+        assert refused[rank].startswith("ConfigError: rank 1: tracked object 'scaler' cannot be checkpointed"), refused
+        assert "LossScaler" in refused[rank], refused
+    assert scan(open_storage(str(launch / "refused"))) == []
