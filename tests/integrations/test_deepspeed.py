@@ -133,21 +133,8 @@ def launch(tmp_path_factory) -> Path:
     save refused for state that would not load."""
     out = tmp_path_factory.mktemp("deepspeed-references")
     worker = WORKERS / "deepspeed_stages.py"
-    cmd = torchrun(
-        2,
-        worker,
-        str(out),
-        "--resume",
-        "0",
-        "1",
-        "--reference",
-        "2",
-        "3",
-        "--steps",
-        str(STEPS),
-        "--every-steps",
-        str(EVERY),
-    )
+    jobs = ("--resume", "0", "1", "--reference", "2", "3", "--steps", str(STEPS), "--every-steps", str(EVERY))
+    cmd = torchrun(2, worker, str(out), *jobs, "--refuse")
     done = run(cmd, env=env(out))
     assert done.returncode == 0, done.stderr[-4000:]
     return out
