@@ -130,6 +130,8 @@ def setup(args: argparse.Namespace) -> None:
 
     if args.quiet:
         ds_logger.setLevel(logging.ERROR)
+    if "RANK" not in os.environ:  # plain `python deepspeed_train.py`: a group of one (no MPI discovery)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     torch.set_num_threads(1)
 
