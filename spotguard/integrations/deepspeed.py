@@ -113,7 +113,7 @@ class DeepSpeedGuard(LoopGuard):
         rank = ranks.rank()
         with self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "deepspeed"
-            (folder / tag_for(step)).mkdir(parents=True)  # DeepSpeed makes it on rank 0 only
+            (folder / tag_for(step)).mkdir(parents=True)  # ZeRO-0: DeepSpeed writes nothing on rank 1+
             t0 = time.monotonic()
             self.engine.save_checkpoint(str(folder), tag=tag_for(step))
             own = self._rank_state(step)
