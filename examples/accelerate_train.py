@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     guard.track(progress)
     step = guard.resume()  # 0 when there is no checkpoint
-    log = open(args.losses, "a") if args.losses else None
+    log = open(args.losses, "a") if args.losses and accelerator.is_main_process else None  # one writer
     trace_file = open(args.trace, "a") if args.trace else None
 
     def trace(event: str) -> None:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return guard.exit_code
     print(f"[accelerate] finished {step} steps ({progress.samples} samples seen)", flush=True)
-    if args.final:
+    if args.final and accelerator.is_main_process:
         torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, args.final)
     return 0
 

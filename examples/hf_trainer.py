@@ -57,7 +57,7 @@ class Rehearsal(TrainerCallback):
         time.sleep(self.args.warmup_sleep)  # e.g. compiling, loading data
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.log and logs and "loss" in logs:
+        if self.log and logs and "loss" in logs and state.is_world_process_zero:  # under torchrun: once
             self.log.write(json.dumps({"step": state.global_step, "loss": float(logs["loss"]).hex()}) + "\n")
             self.log.flush()
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return code
     print(f"[hf] finished {trainer.state.global_step} steps", flush=True)
-    if args.final:
+    if args.final and trainer.is_world_process_zero():
         torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, args.final)
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -20,6 +21,7 @@ import lightning as L
 import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from spotguard.integrations.lightning import SpotguardCallback
 
@@ -44,7 +46,9 @@ class Regressor(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.log_file:  # the step's exact loss, after the optimizer step (global_step counts it)
+        if (
+            self.log_file and self.trainer.is_global_zero
+        ):  # the step's exact loss, after the optimizer step (global_step counts it)
             self.log_file.write(
                 json.dumps({"step": self.trainer.global_step, "loss": outputs["loss"].item().hex()}) + "\n"
             )
@@ -97,6 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     train = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     held_out = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
     model = Regressor(args)
+    # Under torchrun: one Lightning process per rank (DDP over gloo). Lightning's own distributed
+    # sampler keeps no shuffle state: torchdata's StatefulDistributedSampler resumes exactly.
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    sampler = (
+        StatefulDistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+        if world > 1
+        else None
+    )
 
     spot = SpotguardCallback(
         args.storage, every_steps=args.every_steps or None, providers=args.providers, interval=args.interval
@@ -104,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
-        devices=1,
+        devices=local,
+        num_nodes=world // local,
+        strategy="ddp" if world > 1 else "auto",
+        use_distributed_sampler=False,
         callbacks=[spot],
         logger=False,
         enable_checkpointing=False,  # spotguard commits the checkpoints (ModelCheckpoint may be kept too)
@@ -118,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     code = spot.fit(
         trainer,
         model,
-        train_dataloaders=StatefulDataLoader(train, batch_size=8, shuffle=True),
+        train_dataloaders=StatefulDataLoader(train, batch_size=8, shuffle=sampler is None, sampler=sampler),
         val_dataloaders=StatefulDataLoader(held_out, batch_size=8),
     )
     if code:
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return code
     print(f"[lightning] finished {trainer.global_step} steps", flush=True)
-    if args.final:
+    if args.final and trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.net.state_dict().items()}, args.final)
     return 0
 

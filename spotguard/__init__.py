@@ -21,10 +21,12 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         ConfigError,
         MissingDependencyError,
+        NoLoadableCheckpointError,
         SpotguardError,
         StorageError,
+        UnloadableStateError,
     )
-    from .guard import EXIT_PREEMPTED, Guard, GuardOptions
+    from .guard import EXIT_CONFIG, EXIT_PREEMPTED, Guard, GuardOptions
     from .notices.base import Notice, NoticeProvider
     from .storage import Storage, open_storage
     from .value import Value
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 #: Public name -> the module that defines it (imported when the name is first read).
 _WHERE = {
+    "EXIT_CONFIG": "spotguard.guard",
     "EXIT_PREEMPTED": "spotguard.guard",
     "Guard": "spotguard.guard",
     "GuardOptions": "spotguard.guard",
@@ -43,6 +46,8 @@ _WHERE = {
     "CheckpointMismatchError": "spotguard.errors",
     "ConfigError": "spotguard.errors",
     "MissingDependencyError": "spotguard.errors",
+    "NoLoadableCheckpointError": "spotguard.errors",
+    "UnloadableStateError": "spotguard.errors",
     "SpotguardError": "spotguard.errors",
     "StorageError": "spotguard.errors",
     "Notice": "spotguard.notices.base",
@@ -54,6 +59,7 @@ _WHERE = {
 }
 
 __all__ = [
+    "EXIT_CONFIG",
     "EXIT_PREEMPTED",
     "CheckpointCorruptError",
     "CheckpointExistsError",
@@ -65,11 +71,13 @@ __all__ = [
     "GuardOptions",
     "Manifest",
     "MissingDependencyError",
+    "NoLoadableCheckpointError",
     "Notice",
     "NoticeProvider",
     "SpotguardError",
     "Storage",
     "StorageError",
+    "UnloadableStateError",
     "Value",
     "Watcher",
     "__version__",

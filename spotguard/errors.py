@@ -15,6 +15,11 @@ class ConfigError(SpotguardError, ValueError):
     """An option, URL or provider name that cannot be used as given."""
 
 
+class UnloadableStateError(ConfigError):
+    """The tracked state holds a value that ``torch.load(weights_only=True)`` refuses (a custom class, an enum,
+    a NumPy array): found at a Guard's first save, before anything is written, since no resume could load it."""
+
+
 class StorageError(SpotguardError, OSError):
     """A storage backend could not read, write, list or delete."""
 
@@ -39,9 +44,24 @@ class CheckpointFormatError(CheckpointMismatchError):
     """
 
 
+class NoLoadableCheckpointError(SpotguardError, RuntimeError):
+    """Checkpoints exist but none of them loads: ``resume()`` stops rather than start again from step 0,
+    which would silently redo (or lose) their work. ``Guard(..., on_unloadable="fresh")`` starts fresh on purpose."""
+
+    def __init__(self, message: str, skipped: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.skipped = skipped  # "<checkpoint>: <why it was skipped>", newest first
+
+
 class MissingDependencyError(SpotguardError, ImportError):
     """An optional extra (``spotguard[aws]``, ``spotguard[gcp]`` ...) is needed but not installed."""
 
 
 class SaveCancelled(SpotguardError):
     """A background save was abandoned (an emergency save needed the bandwidth)."""
+
+
+#: Errors a restart would meet again unchanged: the tracked state or the options, not a passing fault. A Guard
+#: that raises one from ``resume()`` or a save marks its heartbeat, and ``spotguard run`` exits
+#: ``EXIT_CONFIG`` (78) instead of restarting the job into the same error until its budget is used up.
+PERMANENT = (ConfigError, CheckpointMismatchError, NoLoadableCheckpointError)

@@ -4,7 +4,8 @@ The supervisor creates the file and passes its path in ``$SPOTGUARD_HEARTBEAT``.
 ``Guard`` maps it with ``mmap`` and, on every ``guard.step(n)``, stores ``n`` in the first slot: one
 memory write, no system call, so the hot path stays well under a microsecond. The second slot is
 set to ``STOPPED_FOR_NOTICE`` when the Guard stops for a notice, so the supervisor knows not to
-restart even when the child's exit code says nothing. The supervisor reads the file (the page cache
+restart even when the child's exit code says nothing; ``CONFIG_ERROR`` is added when the Guard raised
+an error that a restart would meet again (a checkpoint that no resume can load, a changed data loader). The supervisor reads the file (the page cache
 is shared) and measures time on its own clock: the child never calls a clock for the heartbeat.
 
 When the variable is set, the Guard also registers ``faulthandler`` on ``STACKS_SIGNAL`` so a hung
@@ -26,10 +27,14 @@ logger = logging.getLogger(__name__)
 
 #: Exit code of a job that stopped for a notice (EX_TEMPFAIL): "stopped on purpose, resume elsewhere".
 EXIT_PREEMPTED = 75
+#: Exit code of ``spotguard run`` when its job failed on a configuration error (EX_CONFIG): a restart would
+#: meet the same error (``errors.PERMANENT``), so it is not restarted. A job may exit with it too.
+EXIT_CONFIG = 78
 HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
 STACKS_SIGNAL = signal.SIGUSR2
 SIZE = 16  # two native int64 slots: [last completed step, flags]
 STOPPED_FOR_NOTICE = 1
+CONFIG_ERROR = 2  # the Guard raised an error a restart would meet again (``errors.PERMANENT``)
 _LAYOUT = struct.Struct("=qq")
 
 

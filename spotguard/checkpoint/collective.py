@@ -91,7 +91,7 @@ def kind(error: BaseException) -> str:
     return next((c.__name__ for c in type(error).__mro__ if c.__module__ == errors.__name__), "SpotguardError")
 
 
-def agree(agreement: Groups, where: str, error: BaseException | None) -> None:
+def agree(agreement: Groups, where: str, error: BaseException | None, what: str = "cannot be loaded") -> None:
     """Collective: raise on every rank when any rank failed, naming each rank's error.
 
     Corruption everywhere it failed is a ``CheckpointCorruptError`` (the caller tries an older
@@ -108,4 +108,4 @@ def agree(agreement: Groups, where: str, error: BaseException | None) -> None:
     found = sorted({f for per_rank in reports for f in per_rank})  # DCP reports the same on every rank
     name = next((k for _, k, _ in found if k != corrupt), corrupt)
     text = "; ".join(f"rank {r}: {msg}" for r, _, msg in found)
-    raise getattr(errors, name)(f"{where} cannot be loaded: {text}") from error
+    raise getattr(errors, name)(f"{where} {what}: {text}") from error

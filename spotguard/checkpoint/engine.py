@@ -95,13 +95,15 @@ def make_engine(
     on_commit: OnCommit,
     staged_final: bool = True,
     reshard: Reshard | str = Reshard.REFUSE,
+    rebatch: str = "refuse",
 ) -> Engine:
     """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
-    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier."""
+    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
+    ``data.Rebatch``."""
     if groups is None:
         from spotguard.checkpoint.single import SingleEngine
 
-        return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final)
+        return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch)
     from spotguard.checkpoint.sharded import ShardedEngine
 
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard)
+    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

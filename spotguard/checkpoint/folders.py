@@ -36,7 +36,7 @@ import torch.distributed as dist
 from spotguard.checkpoint import digest, layout
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
-from spotguard.checkpoint.reader import open_verified, refuse_newer_format, require_manifest, scan
+from spotguard.checkpoint.reader import none_loads, open_verified, refuse_newer_format, require_manifest, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from spotguard.storage.base import Storage
 
@@ -187,6 +187,7 @@ def fetch(
     groups: Groups,
     work_dir: str | None = None,
     select: Callable[[str], bool] | None = None,
+    fresh_ok: bool = False,
 ) -> tuple[int, Path] | None:
     """Collective: the newest checkpoint every node could fetch and verify, as (step, local folder).
 
@@ -194,21 +195,30 @@ def fetch(
     ``node_folder``; the other ranks of the node read the same folder once this returns. A
     checkpoint whose files fail their checksums on any node is skipped by every rank, with a
     warning, and the next older one tried; a newer spotguard's raises ``CheckpointFormatError``.
+    When checkpoints exist but none loads, every rank raises ``NoLoadableCheckpointError`` (None with
+    a warning when ``fresh_ok``): starting again from step 0 would silently redo their work.
     """
     group, rank = groups.save_group, groups.rank
     tried: set[int] = set()
+    skipped: list[str] = []  # corrupt checkpoints (rank 0's list decides)
     while True:
         proposal: Any = None
         if rank == 0:
             try:
-                proposal = _propose(storage, tried)
+                proposal = _propose(storage, tried, skipped)
+                if proposal is None and skipped and not fresh_ok:
+                    proposal = none_loads(storage, skipped)
             except Exception as e:
                 proposal = e
         proposal = broadcast(proposal, group)
         if isinstance(proposal, BaseException):
             raise proposal
         if proposal is None:
-            logger.info("no checkpoint in %s: starting from the beginning", storage.describe())
+            logger.log(
+                logging.WARNING if skipped else logging.INFO,
+                "no checkpoint that loads in %s: starting from the beginning",
+                storage.describe(),
+            )
             return None
         info: CheckpointInfo = proposal
         dest = node_folder(storage, info.step, work_dir)
@@ -230,14 +240,15 @@ def fetch(
         fatal = [f"rank {r}: {err[1:]}" for r, err in failed if err.startswith("!")]
         if fatal:
             raise StorageError(f"cannot fetch {storage.describe(info.name)}: {'; '.join(fatal)}")
-        logger.warning(
-            "skipping %s: %s", storage.describe(info.name), "; ".join(f"rank {r}: {err}" for r, err in failed)
-        )
+        why = "; ".join(f"rank {r}: {err}" for r, err in failed)
+        logger.warning("skipping %s: %s", storage.describe(info.name), why)
+        skipped.append(f"{storage.describe(info.name)}: {why}")
         tried.add(info.step)
 
 
-def _propose(storage: Storage, tried: set[int]) -> CheckpointInfo | None:
-    """Rank 0: the newest complete checkpoint not tried yet (incomplete ones are named and skipped)."""
+def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> CheckpointInfo | None:
+    """Rank 0: the newest complete checkpoint not tried yet. Incomplete ones (a save cut short) are
+    named and passed over; corrupt ones are also counted in ``skipped``."""
     for info in reversed(scan(storage)):
         if info.step in tried:
             continue
@@ -245,6 +256,8 @@ def _propose(storage: Storage, tried: set[int]) -> CheckpointInfo | None:
         if info.complete:
             return info
         logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)
+        if info.status != "incomplete":
+            skipped.append(f"{storage.describe(info.name)}: {info.status} ({info.problem})")
         tried.add(info.step)
     return None
 

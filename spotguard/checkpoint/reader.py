@@ -25,6 +25,7 @@ from spotguard.checkpoint.manifest import (
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
+    NoLoadableCheckpointError,
     StorageError,
 )
 from spotguard.storage.base import Storage
@@ -98,6 +99,18 @@ def refuse_newer_format(storage: Storage, info: CheckpointInfo) -> None:
             f"{storage.describe()}: the newest checkpoint {info.problem}. "
             "Older checkpoints are not used in its place: that would lose the work since."
         )
+
+
+def none_loads(storage: Storage, skipped: list[str]) -> NoLoadableCheckpointError:
+    """The error of a resume that found checkpoints (``skipped``: each one and why) but could load none."""
+    return NoLoadableCheckpointError(
+        f"{storage.describe()} holds {len(skipped)} checkpoint(s) and none of them loads: "
+        + "; ".join(skipped)
+        + ". Starting again from step 0 would silently redo their work, so resume() stops. Fix the cause (a "
+        "class refused by torch.load(weights_only=True): torch.serialization.add_safe_globals([...]) before "
+        "resume(), if it is safe to unpickle), or start from step 0 on purpose with Guard(..., on_unloadable='fresh')",
+        tuple(skipped),
+    )
 
 
 def require_manifest(info: CheckpointInfo) -> Manifest:

@@ -32,14 +32,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, sharded_async, sharded_load, state
-from spotguard.checkpoint.collective import Groups, broadcast, dcp_state, explain, split
+from spotguard.checkpoint import data, layout, loadable, sharded_async, sharded_load, state
+from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import MANIFEST, FileEntry, HashingWriter, Manifest, Reshard, step_dir
 from spotguard.checkpoint.sharded_load import rank_file
 from spotguard.checkpoint.snapshot import Staging
-from spotguard.errors import StorageError
+from spotguard.errors import StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,18 @@ class ShardedEngine:
     two_tiers = False  # straight to the durable storage: every rank writes its part there
 
     def __init__(
-        self, storage: Storage, groups: Groups, keep: int, on_commit: OnCommit, reshard: Reshard | str = Reshard.REFUSE
+        self,
+        storage: Storage,
+        groups: Groups,
+        keep: int,
+        on_commit: OnCommit,
+        reshard: Reshard | str = Reshard.REFUSE,
+        rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
     ) -> None:
         self.storage, self.groups, self.keep = storage, groups, keep
         self.reshard = Reshard(reshard)
+        self.rebatch = data.Rebatch(rebatch)
+        self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
         self._on_commit = on_commit
         self._staging = Staging()
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
@@ -94,6 +102,7 @@ class ShardedEngine:
                     "rng": state.capture_rng(),  # first: collecting a loader's state may draw
                     "objects": state.collect(rest),
                     "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None},
+                    "loaders": data.loader_facts(rest),  # what a resume compares (worker count, batch size)
                 }
                 sd = dcp_state(tracked.objects)
                 if staging is not None:
@@ -110,6 +119,7 @@ class ShardedEngine:
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
         staged = self._collect(tracked, step)
+        self._check_once(staged, step, collective=True)
         manifest = self._write(step, reason, staged, deadline)
         if manifest is not None:
             self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
@@ -119,6 +129,7 @@ class ShardedEngine:
         """Snapshot this rank's state into the reused buffers; the work writes it, coordinated through
         the store (``sharded_async``), never through a collective."""
         staged = self._collect(tracked, step, staging=self._staging)
+        self._check_once(staged, step, collective=False)
         self._staged += 1
         prefix = f"{self.groups.uid}/{self._staged}/"
 
@@ -141,8 +152,31 @@ class ShardedEngine:
 
         return work
 
+    def _check_once(self, staged: Staged, step: int, collective: bool) -> None:
+        """At the first save only: raise ``UnloadableStateError`` when this rank's state holds a value a resume
+        could not load (``loadable.check``), before anything is written.
+
+        ``collective`` (a synchronous save, itself collective): every rank raises when any rank failed. A staged
+        save raises on the ranks that failed only, which is every rank when they track the same kinds of
+        objects; another rank's background write then ends at its timeout, with nothing committed.
+        """
+        if self._checked:
+            return
+        error: UnloadableStateError | None = None
+        if not staged.error:  # a failed collection is reported by the save itself
+            try:
+                loadable.check(staged.payload["objects"])
+                loadable.check(staged.sd, as_items=True)  # DCP writes every tensor as an item of its own
+            except UnloadableStateError as e:
+                error = e
+        if collective:
+            agree(self.groups, f"the checkpoint of step {step}", error, what="cannot be written")
+        elif error is not None:
+            raise error
+        self._checked = True
+
     def resume(self, tracked: Tracked) -> Resumed | None:
-        return sharded_load.resume(self.storage, self.groups, tracked, self.reshard)
+        return sharded_load.resume(self.storage, self.groups, tracked, self.reshard, self.rebatch)
 
     def _prepare(self, step: int) -> str:
         """Rank 0, before any rank writes: "exists" when ``step`` is committed, "ok" once leftovers of

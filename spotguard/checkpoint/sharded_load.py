@@ -24,7 +24,7 @@ from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state,
 from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardReader
 from spotguard.checkpoint.engine import Resumed, Tracked
 from spotguard.checkpoint.manifest import CheckpointInfo, Reshard, human_duration
-from spotguard.checkpoint.reader import open_verified, refuse_newer_format, scan
+from spotguard.checkpoint.reader import none_loads, open_verified, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from spotguard.storage.base import Storage
 
@@ -55,7 +55,7 @@ def _open_sized(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[
         yield path
 
 
-def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: CheckpointInfo) -> None:
+def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: CheckpointInfo, rebatch: data.Rebatch) -> None:
     """Load one checkpoint on every rank; raises on every rank alike (see ``collective.agree``).
 
     This rank's reads come first and are agreed on before ``dcp.load``, the restore after it: a
@@ -95,6 +95,8 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
                     ) from e
             if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
                 raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
+            if not resharding:  # resharded loaders start afresh: nothing of theirs is restored
+                data.check_loaders(rest, payload["objects"], payload.get("loaders", {}), info.name, rebatch)
             sd = dcp_state(tracked.objects)
         except Exception as e:
             error = e
@@ -126,7 +128,9 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
         agree(agreement, info.name, error)
 
 
-def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Reshard) -> Resumed | None:
+def resume(
+    storage: Storage, agreement: Groups, tracked: Tracked, reshard: Reshard, rebatch: data.Rebatch = data.Rebatch.REFUSE
+) -> Resumed | None:
     """Collective ``Guard.resume``: rank 0's view of storage is everyone's; failures are agreed on."""
     world = agreement.world_size
     listing: list[CheckpointInfo] | str = ""
@@ -138,11 +142,14 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
     infos = broadcast(listing, agreement.save_group)
     if isinstance(infos, str):
         raise StorageError(infos)
+    skipped: list[str] = []  # committed checkpoints that did not load, and why: the same on every rank
     for info in reversed(infos):
         refuse_newer_format(storage, info)  # on every rank alike (rank 0's listing): never skipped
         if not info.complete or info.manifest is None:
             if agreement.rank == 0:
                 logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)
+            if info.status != "incomplete":  # a save killed before its commit was never a checkpoint
+                skipped.append(f"{storage.describe(info.name)}: {info.problem or info.status}")
             continue
         names = {f.name for f in info.manifest.files}
         if f"shards/{METADATA_FILE}" not in names:
@@ -155,9 +162,10 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
             raise CheckpointMismatchError(_refusal(info, world, sorted(rest)))
         try:
             t0 = time.monotonic()
-            _load(storage, agreement, tracked, info)
+            _load(storage, agreement, tracked, info, rebatch)
         except CheckpointCorruptError as e:
             logger.warning("skipping %s: %s", storage.describe(info.name), e)
+            skipped.append(f"{storage.describe(info.name)}: {e}")
             continue
         if agreement.rank == 0:
             logger.info(
@@ -169,6 +177,8 @@ def resume(storage: Storage, agreement: Groups, tracked: Tracked, reshard: Resha
                 storage.describe(info.name),
             )
         return Resumed(info.step, info.manifest, storage.describe(info.name), time.monotonic() - t0, info.step)
+    if skipped:
+        raise none_loads(storage, skipped)
     if agreement.rank == 0:
         logger.info("no checkpoint in %s: starting from step 0", storage.describe())
     return None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, reader, state
+from spotguard.checkpoint import data, layout, loadable, reader, state
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
@@ -51,14 +51,22 @@ class SingleEngine:
     so that an unchanged state serialises to the same bytes (and is not written again)."""
 
     def __init__(
-        self, storage: Storage, local: Storage | None, keep: int, on_commit: OnCommit, staged_final: bool = True
+        self,
+        storage: Storage,
+        local: Storage | None,
+        keep: int,
+        on_commit: OnCommit,
+        staged_final: bool = True,
+        rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
     ) -> None:
         self.storage, self.local, self.keep = storage, local, keep
+        self.rebatch = data.Rebatch(rebatch)
         self.two_tiers = local is not None
         self._on_commit = on_commit
         self._staged_final = staged_final
         self._staging = Staging()
         self._lock = threading.Lock()  # the loop's thread and the background writer may both prune
+        self._checked = False  # the state was found loadable (``loadable.check``, at the first save)
 
     @property
     def staged_bytes(self) -> int:
@@ -70,14 +78,21 @@ class SingleEngine:
         save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so."""
         rng = state.capture_rng()  # first: collecting a loader's state may draw (the loop's streams are these)
         objects = state.collect(tracked.objects)
+        if not self._checked:  # once: a state a resume cannot load must fail here, before anything is written
+            loadable.check(objects)
+            self._checked = True
         generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
+        loaders = data.loader_facts(tracked.objects)  # what a resume compares (worker count, batch size)
         if not staged:
-            return canonical({"step": step, "rng": rng, "objects": objects, "generators": generators})
+            return canonical(
+                {"step": step, "rng": rng, "objects": objects, "generators": generators, "loaders": loaders}
+            )
         return {
             "step": step,
             "rng": canonical(rng),
             "objects": self._staging.snapshot(objects),
             "generators": canonical(generators),
+            "loaders": canonical(loaders),
         }
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
@@ -222,17 +237,21 @@ class SingleEngine:
             key=lambda c: (c[0].step, _committed_at(c[0])),
             reverse=True,
         )
+        skipped: list[str] = []  # committed checkpoints that did not load, and why
         for info, storage in candidates:
             where = storage.describe(info.name)
             reader.refuse_newer_format(storage, info)  # not skipped: an older one would lose its work
             if not info.complete or info.manifest is None:
                 logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
+                if info.status != "incomplete":  # a save killed before its commit was never a checkpoint
+                    skipped.append(f"{where}: {info.problem or info.status}")
                 continue
             t0 = time.monotonic()
             try:
                 payload = self._load(storage, info)
             except CheckpointCorruptError as e:
                 logger.warning("skipping %s: %s", where, e)
+                skipped.append(f"{where}: {e}")
                 continue
             self._restore(tracked, info, payload)
             m = info.manifest
@@ -241,6 +260,8 @@ class SingleEngine:
             )
             _drop_killed_saves(tiers, info.step)
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
+        if skipped:
+            raise reader.none_loads(self.storage, skipped)
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
         return None
 
@@ -255,8 +276,8 @@ class SingleEngine:
             raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
         return payload
 
-    @staticmethod
-    def _restore(tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
+    def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
+        data.check_loaders(tracked.objects, payload["objects"], payload.get("loaders", {}), info.name, self.rebatch)
         state.restore(tracked.objects, payload["objects"], where=info.name)
         generators = payload.get("generators", {})
         for name, obj in tracked.objects.items():

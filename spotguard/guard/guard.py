@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked, make_engine
+from spotguard.errors import PERMANENT, NoLoadableCheckpointError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
-from spotguard.guard.options import BusyPolicy, GuardOptions
+from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
 from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
@@ -81,7 +82,7 @@ class Guard:
             self._tracked, self._stats, self.events, self.schedule, BusyPolicy(o.busy), o.background_nice
         )
         self.saves.engine = make_engine(
-            self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard
+            self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard, o.rebatch
         )
         self._step: int | None = None
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
@@ -128,7 +129,9 @@ class Guard:
         """Restore the newest checkpoint that verifies, from either tier; return its step (0 if none).
 
         A checkpoint that fails verification is skipped with a warning naming the reason, and the
-        previous one is tried. A valid checkpoint that does not fit the tracked objects raises.
+        previous one is tried; when checkpoints exist but none loads, ``NoLoadableCheckpointError``
+        (``on_unloadable="fresh"``: a warning, and 0). A valid checkpoint that does not fit the
+        tracked objects (or a tracked data loader: ``data.check_loaders``) raises.
         In a process group it is collective: every rank restores the same step, and a tracked DDP
         model's gradient buckets are pinned first (``pin_ddp_buckets``; see ``guard.buckets``).
         """
@@ -136,7 +139,21 @@ class Guard:
             self.agreement.check()
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
-        done = self.saves.engine.resume(self._tracked)
+        try:
+            done = self.saves.engine.resume(self._tracked)
+        except NoLoadableCheckpointError as e:
+            if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
+                self._permanent(e)
+                raise
+            logger.warning(
+                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
+                self.storage.describe(),
+                "; ".join(e.skipped),
+            )
+            done = None
+        except PERMANENT as e:
+            self._permanent(e)
+            raise
         if done is not None:
             self.extra.clear()
             self.extra.update(done.manifest.extra)
@@ -174,13 +191,22 @@ class Guard:
             return True
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
-        if not (self.options.async_save if dist is None else dist.store is not None):
-            self.saves.save_logged(step, reason)
-        elif dist is None:
-            self.saves.start(step, reason)
-        else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides
-            self.saves.start(step, reason, busy=dist.busy(self.saves.in_flight() is not None))
+        try:
+            if not (self.options.async_save if dist is None else dist.store is not None):
+                self.saves.save_logged(step, reason)
+            elif dist is None:
+                self.saves.start(step, reason)
+            else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides
+                self.saves.start(step, reason, busy=dist.busy(self.saves.in_flight() is not None))
+        except PERMANENT as e:  # a state no resume could load (the first save checks it)
+            self._permanent(e)
+            raise
         return False
+
+    def _permanent(self, error: BaseException) -> None:
+        """Mark the heartbeat: ``error`` would come back after a restart, so ``spotguard run`` must not restart."""
+        self._beat[1] |= heartbeat.CONFIG_ERROR
+        logger.debug("marked the heartbeat: %s is not retried", type(error).__name__)
 
     def _stop(self, step: int) -> None:
         """Stop at ``step``: the emergency checkpoint, before the earliest deadline of all ranks."""
@@ -213,7 +239,11 @@ class Guard:
             return None
         if self.agreement is not None:
             self.agreement.check()
-        return self.saves.save(step, reason, deadline)
+        try:
+            return self.saves.save(step, reason, deadline)
+        except PERMANENT as e:
+            self._permanent(e)
+            raise
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise the first background error, if any."""
@@ -258,7 +288,11 @@ class Guard:
                 and self.stopped_at is None
                 and (dist is None or dist.group is not None)
             )
-            saves.finish(self._step, save, final, destroyed, collective=dist is not None)
+            try:
+                saves.finish(self._step, save, final, destroyed, collective=dist is not None)
+            except PERMANENT as e:
+                self._permanent(e)
+                raise
         finally:
             try:
                 self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotguard import _env
+from spotguard.checkpoint.data import Rebatch
 from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
@@ -23,6 +24,13 @@ class BusyPolicy(str, enum.Enum):
     WAIT = "wait"  # block until the previous one is committed, then snapshot
 
 
+class Unloadable(str, enum.Enum):
+    """What ``resume()`` does when checkpoints exist but none of them loads (every one corrupt or refused)."""
+
+    RAISE = "raise"  # NoLoadableCheckpointError, naming each checkpoint and why it was skipped
+    FRESH = "fresh"  # a warning, and step 0: their work is redone on purpose
+
+
 @dataclass
 class GuardOptions:
     """When to checkpoint, where, and what to watch: ``Guard(storage, **options)``. Validated on creation.
@@ -34,6 +42,9 @@ class GuardOptions:
     (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
     ``sigint``: while the ``with`` block runs, the first SIGINT (Ctrl-C) is a stop notice like
     SIGTERM and a second one raises ``KeyboardInterrupt``; False keeps Python's default.
+    ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
+    from step 0 with a warning (``"fresh"``). ``rebatch``: a tracked data loader saved with another batch
+    size is refused (``"refuse"``) or continued at the same sample in batches of the new size (``"accept"``).
     """
 
     every_steps: int | None = None
@@ -64,6 +75,8 @@ class GuardOptions:
     sigint: bool = True  # while active, the first SIGINT is a stop notice (False: KeyboardInterrupt)
     # [distributed] sharded periodic saves in the background; None: as async_save
     async_sharded: bool | None = None
+    on_unloadable: Unloadable | str = Unloadable.RAISE
+    rebatch: Rebatch | str = Rebatch.REFUSE
 
     @property
     def background_sharded(self) -> bool:
@@ -113,7 +126,12 @@ class GuardOptions:
             raise ConfigError(f"metrics_port must be an int from 0 to 65535 or None, got {self.metrics_port!r}")
         if not isinstance(self.sync_every, int) or self.sync_every < 1:  # [distributed]
             raise ConfigError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
-        for value, enum_cls in ((self.poll_on, PollOn), (self.reshard, Reshard)):
+        for value, enum_cls in (
+            (self.poll_on, PollOn),
+            (self.reshard, Reshard),
+            (self.on_unloadable, Unloadable),
+            (self.rebatch, Rebatch),
+        ):
             try:
                 enum_cls(value)
             except ValueError:

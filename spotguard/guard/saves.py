@@ -14,6 +14,7 @@ import time
 
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.errors import UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
 from spotguard.guard.options import BusyPolicy
@@ -99,10 +100,13 @@ class Saves:
         return manifest
 
     def save_logged(self, step: int, reason: str, final: bool = False) -> None:
-        """``save()``, a failure logged and kept (raised by ``wait()``): training goes on."""
+        """``save()``, a failure logged and kept (raised by ``wait()``): training goes on. Not after a state
+        that no resume could load (``UnloadableStateError``): every later save would fail alike, so it is raised."""
         try:
             if final or self.saved_step != step:
                 self.save(step, reason, final=final)
+        except UnloadableStateError:
+            raise
         except Exception as e:
             self.failed(step, reason, e)
             logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)

@@ -31,6 +31,7 @@ from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
 from ..storage import Storage
+from . import _accelerate_loaders as loaders
 from ._common import WatchOptions
 from ._loop import LoopGuard
 
@@ -77,16 +78,23 @@ class AcceleratorGuard(LoopGuard):
         """``accelerator.load_state`` from the newest checkpoint that verifies; return its step (0 if none).
 
         Collective under ``accelerate launch``: every rank loads the same step, from its node's copy."""
+        for i, loader in enumerate(getattr(self.accelerator, "_dataloaders", [])):  # as Guard.track() warns
+            data.warn_if_plain_loader(
+                f"prepared loader {i}", getattr(loader, "base_dataloader", loader), data.ACCELERATE_HINT
+            )
         found = self.checkpoints.newest_verified()
         if found is None:
             return 0
         step, folder = found
+        prepared = getattr(self.accelerator, "_dataloaders", [])
         try:
             self.accelerator.load_state(str(folder))
+            loaders.restore(prepared, folder, self.accelerator.process_index)
         except BaseException:
             self.checkpoints.cleanup()
             raise
         self.checkpoints.loaded()
+        loaders.watch(prepared)
         for loader in getattr(self.accelerator, "_dataloaders", []):
             # Its first iterator after the restore must not draw from the RNG streams just restored:
             # the uninterrupted run created it at the start of the epoch, not here.
@@ -105,7 +113,12 @@ class AcceleratorGuard(LoopGuard):
             folder = scratch / "state"
             t0 = time.monotonic()
             self.accelerator.save_state(str(folder))
+            loaders.save(getattr(self.accelerator, "_dataloaders", []), folder, self.accelerator.process_index)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
             manifest = self.checkpoints.commit(step, folder, reason, deadline)
         self._saved(step)
         return manifest
+
+    def __enter__(self) -> AcceleratorGuard:
+        loaders.watch(getattr(self.accelerator, "_dataloaders", []))
+        return super().__enter__()

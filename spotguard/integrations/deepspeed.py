@@ -20,26 +20,25 @@ checkpoint ``step-N/``, the manifest written last once every rank stored its fil
 fetches the newest checkpoint that verifies (one copy per node) and loads it with
 ``engine.load_checkpoint`` on every rank, then restores each rank's own file. ZeRO stages 0-3.
 
-spotguard's per-rank files load with ``torch.load(weights_only=True)`` (checked at the first save,
-naming what does not); DeepSpeed's own files hold pickled objects and DeepSpeed loads them with
+spotguard's per-rank files load with ``torch.load(weights_only=True)`` (checked at the first save on
+every rank, ``spotguard.checkpoint.loadable``, naming what does not); DeepSpeed's own files hold pickled objects and DeepSpeed loads them with
 ``weights_only=False``: the manifest's checksums are verified before they are read.
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spotguard.checkpoint import data, state
+from spotguard.checkpoint import data, loadable, state
+from spotguard.checkpoint.collective import agree
 from spotguard.checkpoint.manifest import Manifest
 
-from ..errors import CheckpointMismatchError, ConfigError
+from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError
 from ..guard import ranks
 from ..storage import Storage
 from ._common import WatchOptions
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeepSpeedGuard", "rank_file", "tag_for"]
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch colours parts of its weights_only error
 
 
 def tag_for(step: int) -> str:
@@ -117,7 +114,7 @@ class DeepSpeedGuard(LoopGuard):
             t0 = time.monotonic()
             self.engine.save_checkpoint(str(folder), tag=tag_for(step))
             own = self._rank_state(step)
-            self._check_loadable(own)
+            self._check_loadable(own, step)
             torch.save(own, folder / tag_for(step) / rank_file(rank))
             logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
             manifest = self.checkpoints.commit(step, folder, reason, deadline)
@@ -134,20 +131,21 @@ class DeepSpeedGuard(LoopGuard):
             "rng": state.capture_rng(),
         }
 
-    def _check_loadable(self, own: dict[str, Any]) -> None:
-        """Once: every rank's state must load with ``weights_only=True``, or the save fails on all ranks
-        (each naming the first rank's problem), before any file is committed."""
+    def _check_loadable(self, own: dict[str, Any], step: int) -> None:
+        """Once: every rank's state must load with ``weights_only=True``, or the save raises
+        ``UnloadableStateError`` on every rank (naming each failing rank's object), before any commit."""
         if self._checked:
             return
-        problems = [unloadable(own)]
+        error: UnloadableStateError | None = None
+        try:
+            loadable.check({**own["objects"], "guard.extra": own["extra"], "RNG streams": own["rng"]})
+        except UnloadableStateError as e:
+            error = e
         agreed = self.checkpoints.group.get()
         if agreed is not None:
-            problems = [""] * agreed.world_size
-            torch.distributed.all_gather_object(problems, unloadable(own), group=agreed.save_group)
-        failed = [(r, p) for r, p in enumerate(problems) if p]
-        if failed:
-            rank, problem = failed[0]
-            raise ConfigError(problem if agreed is None else f"rank {rank}: {problem}")
+            agree(agreed, f"the checkpoint of step {step}", error, what="cannot be written")
+        elif error is not None:
+            raise error
         self._checked = True
 
     # -- resuming ----------------------------------------------------------------------------
@@ -193,25 +191,3 @@ class DeepSpeedGuard(LoopGuard):
             raise CheckpointMismatchError(f"DeepSpeed found no checkpoint in {folder / tag}")
         own: dict[str, Any] = torch.load(folder / tag / rank_file(rank), weights_only=True)
         return own
-
-
-def unloadable(own: dict[str, Any]) -> str:
-    """Why ``own`` would not load with ``torch.load(weights_only=True)``, naming the part; "" if it would."""
-    parts = {f"tracked object {k!r}": v for k, v in own["objects"].items()}
-    parts.update({f"guard.extra[{k!r}]": v for k, v in own["extra"].items()})
-    parts["the RNG streams"] = own["rng"]
-    for what, value in parts.items():
-        buf = io.BytesIO()
-        try:
-            torch.save(value, buf)
-            buf.seek(0)
-            torch.load(buf, weights_only=True)
-        except Exception as e:
-            lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()] or [type(e).__name__]
-            why = next((ln for ln in lines if "Unsupported global" in ln), lines[0]).split(" Please use")[0]
-            return (
-                f"{what} cannot be checkpointed: it does not load with torch.load(weights_only=True) "
-                f"({why}); keep tensors, numbers, strings, lists and dicts in it (DeepSpeed's own objects, "
-                "e.g. its loss scaler, are in the engine's checkpoint already)"
-            )
-    return ""

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import checkpoint
 
-from ..errors import MissingDependencyError
+from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
+from ..heartbeat import EXIT_CONFIG
 from ..storage import Storage
 from ._common import WatchOptions, watch_parts
 
@@ -84,14 +85,20 @@ class SpotguardCallback(TrainerCallback):
     def train(self, trainer: Any, **kwargs: Any) -> int:
         """``trainer.train`` from the newest verified checkpoint; returns the exit code for the job.
 
-        ``spotguard.EXIT_PREEMPTED`` (75) after a notice (the checkpoint is committed), else 0.
-        Other keyword arguments go to ``trainer.train``.
+        ``spotguard.EXIT_PREEMPTED`` (75) after a notice (the checkpoint is committed), else 0;
+        ``spotguard.EXIT_CONFIG`` (78) when no checkpoint in the storage loads (``spotguard run``
+        does not restart it). Other keyword arguments go to ``trainer.train``.
         """
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         self._trainer = trainer
         try:
-            trainer.train(resume_from_checkpoint=self.resume_from_checkpoint(), **kwargs)
+            try:
+                resume = self.resume_from_checkpoint()
+            except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
+                logger.error("cannot resume: %s: %s", type(e).__name__, e)
+                return EXIT_CONFIG
+            trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Interrupt:
             self._save_interrupted(trainer)
         finally:

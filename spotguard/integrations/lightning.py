@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from spotguard.checkpoint import state
-from spotguard.heartbeat import EXIT_PREEMPTED
+from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 
-from ..errors import MissingDependencyError
+from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
 from ._common import WatchOptions, watch_parts
@@ -110,7 +110,12 @@ class SpotguardCallback(Callback):
             trainer.callbacks.append(self)
         kwargs.setdefault("weights_only", True)  # torch.load's safe mode: the checkpoint holds no code
         try:
-            trainer.fit(model, ckpt_path=self.resume_from_checkpoint(), **kwargs)
+            try:
+                ckpt_path = self.resume_from_checkpoint()
+            except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
+                logger.error("cannot resume: %s: %s", type(e).__name__, e)
+                return EXIT_CONFIG
+            trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
         except (_Interrupt, SIGTERMException):
             if self.stopped_at is None:
                 raise

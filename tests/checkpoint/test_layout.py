@@ -12,7 +12,7 @@ import torch
 
 import spotguard
 from spotguard import checkpoint
-from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError
+from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError, NoLoadableCheckpointError
 from spotguard.storage import open_storage
 from tests.helpers import chunked_sha256
 
@@ -91,14 +91,17 @@ def test_corrupted_newest_checkpoint_falls_back_to_previous(tmp_path, corrupt, c
     assert any("step-00000020" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_all_checkpoints_corrupt_starts_from_zero_with_warnings(tmp_path, caplog):
+def test_all_checkpoints_corrupt_refuses_to_start_over_unless_asked_to(tmp_path, caplog):
     guard, _ = make_guard(tmp_path)
     guard.save(5, "periodic")
     corrupt_flip(tmp_path / "step-00000005")
     fresh, _ = make_guard(tmp_path)
+    with pytest.raises(NoLoadableCheckpointError, match=r"step-00000005: .*SHA-256 does not match"):
+        fresh.resume()  # step 0 would silently redo the work of step 5
+    on_purpose, _ = make_guard(tmp_path, on_unloadable="fresh")
     with caplog.at_level(logging.WARNING, logger="spotguard"):
-        assert fresh.resume() == 0
-    assert "SHA-256" in caplog.text
+        assert on_purpose.resume() == 0
+    assert "SHA-256" in caplog.text and "on_unloadable='fresh'" in caplog.text
 
 
 def test_retention_keeps_exactly_keep_and_ignores_foreign_directories(tmp_path):

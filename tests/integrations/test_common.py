@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from spotguard import EXIT_PREEMPTED, checkpoint
-from spotguard.errors import CheckpointFormatError, ConfigError
+from spotguard.errors import CheckpointFormatError, ConfigError, NoLoadableCheckpointError
 from spotguard.integrations._common import FolderCheckpoints, NoticeWatch
 from spotguard.notices.base import Notice
 
@@ -55,6 +55,23 @@ def test_newest_verified_refuses_a_newer_spotguard_format_instead_of_an_older_fo
     with pytest.raises(CheckpointFormatError, match=r"step-00000020 .*spotguard/99.*pip install -U spotguard"):
         ckpts.newest_verified()
     assert not (tmp_path / "work").exists()  # step 10 was not fetched
+
+
+def test_newest_verified_raises_when_checkpoints_exist_but_none_loads_unless_fresh_is_asked(tmp_path, caplog):
+    ckpts = FolderCheckpoints(str(tmp_path / "ckpt"), keep=5, work_dir=str(tmp_path / "work"))
+    for step in (10, 20):
+        ckpts.commit(step, trainer_folder(tmp_path / "out", step), "periodic")
+        stored = tmp_path / "ckpt" / f"step-{step:08d}" / "model.safetensors"
+        stored.unlink()
+        stored.write_bytes(b"\xff" * 64)  # both fail their checksums
+    (tmp_path / "ckpt" / "step-00000030").mkdir()  # and a save cut short, which counts for nothing
+    with pytest.raises(NoLoadableCheckpointError, match=r"2 checkpoint\(s\) and none of them loads") as e:
+        ckpts.newest_verified()
+    assert [s.split(":")[0].rsplit("/", 1)[-1] for s in e.value.skipped] == ["step-00000020", "step-00000010"]
+    ckpts.fresh_ok = True  # on_unloadable="fresh"
+    with caplog.at_level(logging.WARNING):
+        assert ckpts.newest_verified() is None
+    assert "no checkpoint that loads" in caplog.text
 
 
 def test_commit_prunes_to_keep_and_a_committed_step_is_not_written_twice(tmp_path):

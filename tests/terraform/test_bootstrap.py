@@ -188,7 +188,7 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     unit = (root / "etc/systemd/system/spotguard-job.service").read_text()
     for line in (
         "KillMode=mixed",
-        "RestartPreventExitStatus=75",
+        "RestartPreventExitStatus=75 78",
         "SuccessExitStatus=75",
         "TimeoutStopSec=45",
         "WorkingDirectory=/opt/spotguard/code",

@@ -81,7 +81,7 @@ def refuse_unloadable(out: Path) -> None:
             guard.save(1)
             outcome = "saved"
         except ConfigError as e:
-            outcome = f"ConfigError: {e}"
+            outcome = f"{type(e).__name__}: {e}"
     emit(out, refused=outcome)
 
 

@@ -92,7 +92,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "run",
         help="run a training command; restart it after a crash or hang, not after a preemption",
-        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), "
+        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), 78 the job failed on "
+        "an error a restart would meet again (a checkpoint no resume can load, a changed data loader), "
         "2 restart budget used up, bad options or a newer spotguard's checkpoint, 128+N stopped by signal N "
         "(the job died of it or did not exit in time); after a stop signal, "
         "otherwise the job's own exit code.",

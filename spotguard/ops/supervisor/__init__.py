@@ -10,6 +10,8 @@ child outcome                                          supervisor
 exit 0                                                 exit 0 (finished)
 exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the machine can go
 for a notice (heartbeat flag), whatever the code
+exit 78 (``EXIT_CONFIG``) or its Guard raised an       exit 78, no restart: a restart meets the same
+error a restart meets again (heartbeat flag)           error (unloadable state, changed data loader)
 any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
                                                        then ``RestartBudgetExhausted`` (CLI: exit 2)
 we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it exits (128+N if signal

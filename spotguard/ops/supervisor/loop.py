@@ -22,7 +22,7 @@ from spotguard import checkpoint, heartbeat
 from spotguard._env import STORAGE as STORAGE_ENV
 from spotguard.errors import SpotguardError, StorageError
 from spotguard.events import Events, Record
-from spotguard.heartbeat import EXIT_PREEMPTED
+from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
 
 from .child import Outcome, run_once
@@ -34,8 +34,19 @@ logger = logging.getLogger("spotguard.ops.supervisor")
 #: Why a child exited. Restarted: ``exit_code`` (non-zero), ``signal`` (killed by one), ``hang`` (no step
 #: for hang_timeout), ``startup_timeout`` (no first step in time). Not restarted: ``finished``,
 #: ``preempted`` (exit 75 or its Guard stopped for a notice), ``stopped`` (it exited after our stop
-#: signal), ``grace_exceeded`` (killed: it did not exit within the grace after our stop signal).
-CAUSES = ("exit_code", "signal", "hang", "startup_timeout", "finished", "preempted", "stopped", "grace_exceeded")
+#: signal), ``grace_exceeded`` (killed: it did not exit within the grace after our stop signal),
+#: ``config_error`` (exit 78 or its Guard raised an error a restart would meet again).
+CAUSES = (
+    "exit_code",
+    "signal",
+    "hang",
+    "startup_timeout",
+    "finished",
+    "preempted",
+    "stopped",
+    "grace_exceeded",
+    "config_error",
+)
 RESTARTED = CAUSES[:4]
 
 
@@ -230,6 +241,15 @@ class Supervisor:
             )
             self._exited(out, "preempted", restart=False)
             return EXIT_PREEMPTED
+        if code == EXIT_CONFIG or out.flags & heartbeat.CONFIG_ERROR:
+            logger.error(
+                "the job failed on an error a restart would meet again (exit code %d; see its message above): "
+                "not restarting, exiting %d",
+                code,
+                EXIT_CONFIG,
+            )
+            self._exited(out, "config_error", restart=False)
+            return EXIT_CONFIG
         if self.stops.stopping.is_set():
             logger.warning("the job exited with code %d after a stop signal: not restarting", code)
             self._exited(out, "stopped", restart=False)

@@ -1,0 +1,78 @@
+"""Where Accelerate's prepared data loaders are in their epochs, which ``save_state`` leaves out.
+
+A prepared loader (``DataLoaderShard``) counts its epochs in ``iteration`` and sets the sampler's
+epoch from it at each ``__iter__``; in a process group it also shuffles with a generator that rank
+0 broadcasts to all ranks at the start of each epoch. ``save_state`` keeps neither: resumed in its
+second epoch, a job reshuffles as in its first (seen here: a 2-rank resume diverged at the first
+step after it). So each save writes, per rank, every prepared loader's epoch count and its shuffle
+generator as it was when the current epoch began (captured as the epoch starts, before the
+permutation is drawn), and the resume puts both back before the loader's next iterator.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def file_name(process_index: int) -> str:
+    return f"spotguard-loaders-{process_index:05d}.pt"
+
+
+def watch(loaders: list[Any]) -> None:
+    """Record, at each epoch's start, the shuffle generator before it draws (idempotent)."""
+    for loader in loaders:
+        if not hasattr(loader, "iteration") or getattr(loader, "_spotguard_watched", False):
+            continue
+        original = loader.set_epoch  # called by __iter__ after the generator is synchronised
+
+        def set_epoch(epoch: int, _loader: Any = loader, _original: Any = original) -> None:
+            generator = getattr(_loader, "synchronized_generator", None)
+            _loader._spotguard_epoch_start = generator.get_state() if generator is not None else None
+            _original(epoch)
+
+        loader.set_epoch = set_epoch
+        loader._spotguard_watched = True
+
+
+def save(loaders: list[Any], folder: Path, process_index: int) -> None:
+    """Write each prepared loader's epoch count and epoch-start generator into ``folder``."""
+    states = []
+    for loader in loaders:
+        iteration, generator = int(getattr(loader, "iteration", 0)), getattr(loader, "synchronized_generator", None)
+        if getattr(loader, "end_of_dataloader", False):
+            # Saved after the epoch's last batch: the resume begins the next epoch, with the generator as it is now.
+            states.append({"iteration": iteration + 1, "generator": generator.get_state() if generator else None})
+        else:
+            states.append({"iteration": iteration, "generator": getattr(loader, "_spotguard_epoch_start", None)})
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"loaders": states}, folder / file_name(process_index))
+
+
+def restore(loaders: list[Any], folder: Path, process_index: int) -> None:
+    """Put the epoch counts and epoch-start generators of ``folder`` back (a checkpoint of an older
+    spotguard has none: the loaders start at epoch 0, as before)."""
+    path = folder / file_name(process_index)
+    if not path.is_file():
+        logger.debug("%s has no loader positions (an older spotguard's checkpoint)", folder)
+        return
+    states = torch.load(path, weights_only=True)["loaders"]
+    if len(states) != len(loaders):
+        logger.warning(
+            "the checkpoint has %d prepared data loader(s), this run %d: their epochs are not restored",
+            len(states),
+            len(loaders),
+        )
+        return
+    for loader, saved in zip(loaders, states, strict=True):
+        if hasattr(loader, "iteration"):
+            loader.iteration = saved["iteration"]
+        generator = getattr(loader, "synchronized_generator", None)
+        if generator is not None and saved["generator"] is not None:
+            generator.set_state(saved["generator"])
+            loader._spotguard_epoch_start = saved["generator"]

@@ -1,0 +1,72 @@
+"""`spotguard run` does not restart a job into an error a restart would meet again: it exits 78 once."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from spotguard.heartbeat import EXIT_CONFIG
+from tests.helpers import run, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+import sys
+import torch
+import spotguard
+
+class LossScaler:
+    pass
+
+class Engine:
+    def state_dict(self):
+        return {"loss_scaler": LossScaler()}
+    def load_state_dict(self, sd):
+        pass
+
+guard = spotguard.Guard(every_steps=3, providers=[], async_save={async_save})
+guard.track(model=torch.nn.Linear(2, 2), engine=Engine())
+guard.resume()
+with guard:
+    for step in range(1, 10):
+        guard.step(step)
+sys.exit(0)
+"""
+
+
+def supervise(tmp_path, child: list[str]):
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotguard",
+        "run",
+        "--storage",
+        str(tmp_path / "ckpt"),
+        "--backoff",
+        "0.05",
+        "--max-restarts",
+        "2",
+    ]
+    return run([*cmd, "--", *child], env=subprocess_env(), timeout=120)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_job_whose_state_no_resume_could_load_is_not_restarted(tmp_path, async_save):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB.replace("{async_save}", str(async_save))))
+    proc = supervise(tmp_path, [sys.executable, str(script)])
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    assert proc.stderr.count("starting: ") == 1  # not restarted into the same error
+    assert "UnloadableStateError: cannot checkpoint tracked object 'engine'" in proc.stderr
+    assert "a restart would meet again (exit code 1" in proc.stderr
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_exits_78_itself_is_not_restarted(tmp_path):
+    proc = supervise(tmp_path, [sys.executable, "-c", "import sys; sys.exit(78)"])
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    assert proc.stderr.count("starting: ") == 1
