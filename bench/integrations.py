@@ -7,6 +7,8 @@ ones, with the Trainer's real ``TrainerState``/``TrainerControl``; for Accelerat
 ``on_train_batch_start`` + ``on_before_optimizer_step`` + ``on_train_batch_end`` against
 ``Callback``'s empty ones, with a real ``lightning.Trainer``. Target: the overhead, value minus
 baseline, < 1 us per step (both measured in the same run: a loaded machine inflates both alike).
+In a process group every integration votes once per step (``NoticeWatch.check``: one all-reduce of
+one int on a gloo group): measured on 2 real gloo ranks against the bare all-reduce it wraps.
 """
 
 from __future__ import annotations
@@ -108,12 +110,63 @@ def lightning(root: str, n: int) -> dict:
     )
 
 
+def _group_rank(rank: int, port: int, n: int, out: str) -> None:
+    """One of 2 gloo ranks: ``NoticeWatch.check`` (the vote every integration runs per step in a process
+    group) against the bare all-reduce of one int64 it is built on, on a group of the same kind."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from spotguard.integrations._common import NoticeWatch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    watch = NoticeWatch(providers=[])
+    watch.group.settle()
+    bare, flag = dist.new_group(backend="gloo"), torch.zeros(1, dtype=torch.int64)
+    for _ in range(200):  # warm both
+        watch.check(1), dist.all_reduce(flag, group=bare)
+    ours = per_call_ns(lambda: watch.check(1), n, repeat=3)
+    base = per_call_ns(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=bare), n, repeat=3)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump([ours, base], f)
+    watch.group.close()
+    dist.destroy_process_group()
+
+
+def group_vote(n: int) -> dict:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s, tempfile.NamedTemporaryFile(suffix=".json") as out:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        mp.spawn(_group_rank, args=(port, n, out.name), nprocs=2)
+        ours, base = json.load(open(out.name))
+    return row(
+        "any integration per step in a 2-rank process group, nothing due (the vote)",
+        ours,
+        "ns",
+        baseline=base,
+        baseline_label="bare gloo all-reduce of one int",
+        target=TARGET,
+        passed=lambda v, r: v - base < TARGET_NS,
+    )
+
+
 def main() -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=300_000)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         rows = [hf(root, args.number), accelerate(root, args.number), lightning(root, args.number)]
+    rows.append(group_vote(max(1000, args.number // 100)))
     emit(rows, args.json)
     return 0
 

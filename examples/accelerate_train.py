@@ -49,7 +49,7 @@ def evaluate(model: nn.Module, data: torch.utils.data.TensorDataset, stop: objec
             if stop.is_set():  # guard.notices.preempted
                 model.train()
                 return None
-            x, y = data[i : i + 8]
+            x, y = (t.to(next(model.parameters()).device) for t in data[i : i + 8])
             total += nn.functional.mse_loss(model(x), y).item()
             trace("eval_batch")
     model.train()
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch (rehearsals)")
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(1)  # the data: made here, from its own generator
     train = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     held_out = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    accelerator = Accelerator(
+        cpu=not args.cuda, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+    )
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=max(1, args.steps // 10))

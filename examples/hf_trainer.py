@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch (rehearsals)")
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=3e-3,
         warmup_steps=10,
         seed=args.seed,
-        use_cpu=True,
+        use_cpu=not args.cuda,
         report_to=[],
         save_strategy="steps" if args.every_steps else "no",
         save_steps=args.every_steps or 500,

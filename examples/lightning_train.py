@@ -86,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per validation batch (rehearsals)")
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer = L.Trainer(
         max_steps=args.steps,
-        accelerator="cpu",
+        accelerator="cuda" if args.cuda else "cpu",
         devices=local,
         num_nodes=world // local,
         strategy="ddp" if world > 1 else "auto",

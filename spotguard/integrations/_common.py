@@ -89,11 +89,19 @@ class RankGroup:
 
     def __init__(self) -> None:
         self._agreement: Agreement | None = None
+        self._settled = False
 
     def get(self) -> Agreement | None:
+        if self._settled:
+            return self._agreement  # the per-step path: no look at torch.distributed
         if self._agreement is None and ranks.is_distributed() and ranks.world_size() > 1:
             self._agreement = agreement.setup(sync_every=1)
         return self._agreement
+
+    def settle(self) -> None:
+        """From now on (training runs: the process group, if any, is up) ``get()`` is one attribute read."""
+        self.get()
+        self._settled = True
 
     @property
     def rank(self) -> int:
@@ -101,6 +109,7 @@ class RankGroup:
 
     def close(self) -> None:
         """Destroy spotguard's groups (idempotent); a later ``get()`` makes new ones."""
+        self._settled = False
         if self._agreement is not None:
             self._agreement.close()
             self._agreement = None
@@ -192,6 +201,7 @@ class NoticeWatch:
         return None if left is None else time.monotonic() + left
 
     def start(self) -> None:
+        self.group.settle()
         self.watcher.start()
 
     def stop(self) -> None:
