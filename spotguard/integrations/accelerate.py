@@ -23,7 +23,6 @@ model, optimizers, schedulers, registered objects, the RNG streams and, with
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +30,10 @@ from spotguard.checkpoint import data
 from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
-from ..guard.agreement import ADVISORY, STOP
-from ..notices.base import Notice
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
-from ._common import WatchOptions, watch_parts
+from ._common import WatchOptions
+from ._loop import LoopGuard
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -45,7 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AcceleratorGuard"]
 
 
-class AcceleratorGuard:
+class AcceleratorGuard(LoopGuard):
     """Checkpoints an Accelerate training loop periodically and on a notice, and resumes it exactly.
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
@@ -62,36 +60,14 @@ class AcceleratorGuard:
         save_on_exit: bool = True,
         **options: Unpack[WatchOptions],
     ) -> None:
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
         project = getattr(accelerator, "project_configuration", None)
         if getattr(project, "automatic_checkpoint_naming", False):
             raise ConfigError(
                 "ProjectConfiguration(automatic_checkpoint_naming=True) makes save_state ignore its "
                 "folder: turn it off, spotguard names, commits and prunes the checkpoints"
             )
+        super().__init__(storage, every_steps, save_on_exit, options)
         self.accelerator = accelerator
-        self.checkpoints, self.notices = watch_parts(storage, options)
-        self.every_steps = every_steps
-        self.save_on_exit = save_on_exit
-        #: The step this run stopped at for a notice, or None.
-        self.stopped_at: int | None = None
-        self.emergency_error: BaseException | None = None
-        self._watch = self.notices  # one attribute lookup less on the hot path
-        self._step: int | None = None
-        self._saved_step: int | None = None
-        self._due_step: float = math.inf
-        self._grouped = False  # in a process group: every step is a vote
-        self._schedule(0)
-
-    @property
-    def notice(self) -> Notice | None:
-        return self.notices.notice
-
-    @property
-    def exit_code(self) -> int:
-        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0."""
-        return self.notices.exit_code
 
     def track(self, *objects: Any) -> AcceleratorGuard:
         """Save and restore ``objects`` too (``accelerator.register_for_checkpointing``)."""
@@ -125,56 +101,8 @@ class AcceleratorGuard:
             base = getattr(loader, "base_dataloader", loader)
             if data.is_stateful_loader(base):
                 data.neutralize_next_iterator(base)
-        self._step = self._saved_step = step
-        self._schedule(step)
+        self._resumed(step)
         return step
-
-    # -- the loop ----------------------------------------------------------------------------
-    def step(self, step: int) -> bool:
-        """Call after each completed step, on every rank. Saves when due; True means stop (checkpoint
-        committed). In a process group the ranks vote (one all-reduce of one integer per step)."""
-        if self._watch.due or step >= self._due_step or self._grouped:
-            return self._step_slow(step)
-        self._step = step
-        return False
-
-    def _step_slow(self, step: int) -> bool:
-        self._step = step
-        verdict = self.notices.check(step)
-        if verdict == STOP:
-            if self.stopped_at is None:
-                self.stopped_at = step
-                self._emergency(step)
-            return True
-        if verdict != ADVISORY and step < self._due_step:
-            return False
-        reason = "advisory" if verdict == ADVISORY else "periodic"
-        try:
-            self.save(step, reason)
-        except Exception as e:  # a failed periodic save must not end the training
-            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
-            self._schedule(step)
-        return False
-
-    def _emergency(self, step: int) -> None:
-        if self._saved_step == step:
-            logger.warning("stop at step %d: already checkpointed", step)
-            self.notices.acknowledge()
-            return
-        logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
-        try:
-            self.save(step, "emergency", deadline=self.notices.deadline())
-        except Exception as e:
-            self.emergency_error = e
-            logger.error(
-                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
-                step,
-                type(e).__name__,
-                e,
-                self._saved_step,
-            )
-            return
-        self.notices.acknowledge()
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.
@@ -188,34 +116,9 @@ class AcceleratorGuard:
             loaders.save(getattr(self.accelerator, "_dataloaders", []), folder, self.accelerator.process_index)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
             manifest = self.checkpoints.commit(step, folder, reason, deadline)
-        self._saved_step = step
-        self._schedule(step)
+        self._saved(step)
         return manifest
 
-    def _schedule(self, step: int) -> None:
-        self._due_step = step + self.every_steps if self.every_steps else math.inf
-
-    # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> AcceleratorGuard:
-        self._grouped = self.checkpoints.group.get() is not None
         loaders.watch(getattr(self.accelerator, "_dataloaders", []))
-        self.notices.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self.close(save=exc_type is None)
-
-    def close(self, save: bool = True) -> None:
-        """Stop watching; after a clean finish, checkpoint the last step if it is not saved yet."""
-        self.notices.stop()
-        try:
-            if (
-                save
-                and self.save_on_exit
-                and self.stopped_at is None
-                and self._step is not None
-                and self._step != self._saved_step
-            ):
-                self.save(self._step, "final")
-        finally:
-            self.checkpoints.group.close()
+        return super().__enter__()

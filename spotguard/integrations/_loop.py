@@ -1,0 +1,157 @@
+"""The loop side of an integration for a training loop the user writes (Accelerate, DeepSpeed).
+
+``guard.step(n)`` after every step: nearly free when nothing is due in a single process, one vote
+in a process group; a periodic or advisory checkpoint when due, the emergency checkpoint and True
+(stop) after a notice on any rank. Subclasses say how a checkpoint is written (``save``) and read
+(``resume``); the schedule, the emergency and the lifetime (``with guard:``) are the same for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, TypeVar
+
+from spotguard.checkpoint.manifest import Manifest
+
+from ..errors import ConfigError
+from ..guard.agreement import ADVISORY, STOP
+from ..notices.base import Notice
+from ..storage import Storage
+from ._common import WatchOptions, watch_parts
+
+logger = logging.getLogger(__name__)
+
+G = TypeVar("G", bound="LoopGuard")
+
+
+class LoopGuard:
+    """Checkpoints a hand-written training loop periodically and on a notice (subclass: ``save``/``resume``).
+
+    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``every_steps``:
+    periodic checkpoints (None: only on notices and at the end). ``save_on_exit``: a clean exit from
+    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions``, as for ``spotguard.Guard``.
+    """
+
+    def __init__(
+        self,
+        storage: str | Storage | None,
+        every_steps: int | None,
+        save_on_exit: bool,
+        options: WatchOptions,
+    ) -> None:
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
+        self.checkpoints, self.notices = watch_parts(storage, options)
+        self.every_steps = every_steps
+        self.save_on_exit = save_on_exit
+        #: The step this run stopped at for a notice, or None.
+        self.stopped_at: int | None = None
+        self.emergency_error: BaseException | None = None
+        self._watch = self.notices  # one attribute lookup less on the hot path
+        self._step: int | None = None
+        self._saved_step: int | None = None
+        self._due_step: float = math.inf
+        self._grouped = False  # in a process group: every step is a vote
+        self._schedule(0)
+
+    @property
+    def notice(self) -> Notice | None:
+        return self.notices.notice
+
+    @property
+    def exit_code(self) -> int:
+        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (on any rank), else 0."""
+        return self.notices.exit_code
+
+    def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
+        raise NotImplementedError
+
+    def resume(self) -> int:
+        raise NotImplementedError
+
+    def _resumed(self, step: int) -> None:
+        """Subclasses' ``resume``, once the state of ``step`` is loaded."""
+        self._step = self._saved_step = step
+        self._schedule(step)
+
+    def _saved(self, step: int) -> None:
+        """Subclasses' ``save``, once checkpoint ``step`` is committed."""
+        self._saved_step = step
+        self._schedule(step)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self, step: int) -> bool:
+        """Call after each completed step, on every rank. Saves when due; True means stop (checkpoint
+        committed). In a process group the ranks vote (one all-reduce of one integer per step)."""
+        if self._watch.due or step >= self._due_step or self._grouped:
+            return self._step_slow(step)
+        self._step = step
+        return False
+
+    def _step_slow(self, step: int) -> bool:
+        self._step = step
+        verdict = self.notices.check(step)
+        if verdict == STOP:
+            if self.stopped_at is None:
+                self.stopped_at = step
+                self._emergency(step)
+            return True
+        if verdict != ADVISORY and step < self._due_step:
+            return False
+        reason = "advisory" if verdict == ADVISORY else "periodic"
+        try:
+            self.save(step, reason)
+        except ConfigError:  # the state cannot be checkpointed at all (the same on every rank): say so now
+            raise
+        except Exception as e:  # a failed periodic save must not end the training
+            logger.error("%s checkpoint of step %d failed: %s: %s; training goes on", reason, step, type(e).__name__, e)
+            self._schedule(step)
+        return False
+
+    def _emergency(self, step: int) -> None:
+        if self._saved_step == step:
+            logger.warning("stop at step %d: already checkpointed", step)
+            self.notices.acknowledge()
+            return
+        logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
+        try:
+            self.save(step, "emergency", deadline=self.notices.deadline())
+        except Exception as e:
+            self.emergency_error = e
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
+                step,
+                type(e).__name__,
+                e,
+                self._saved_step,
+            )
+            return
+        self.notices.acknowledge()
+
+    def _schedule(self, step: int) -> None:
+        self._due_step = step + self.every_steps if self.every_steps else math.inf
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def __enter__(self: G) -> G:
+        self._grouped = self.checkpoints.group.get() is not None
+        self.notices.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(save=exc_type is None)
+
+    def close(self, save: bool = True) -> None:
+        """Stop watching; after a clean finish, checkpoint the last step if it is not saved yet."""
+        self.notices.stop()
+        try:
+            if (
+                save
+                and self.save_on_exit
+                and self.stopped_at is None
+                and self._step is not None
+                and self._step != self._saved_step
+            ):
+                self.save(self._step, "final")
+        finally:
+            self.checkpoints.group.close()
