@@ -95,7 +95,7 @@ def commit(
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
     group, rank = groups.save_group, groups.rank
     name = layout.step_dir(step)
-    status = broadcast(_prepare(storage, name) if rank == 0 else "", group)
+    status = broadcast(layout.prepare(storage, name) if rank == 0 else "", group)
     if status == "exists":
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if status != "ok":
@@ -145,22 +145,6 @@ def commit(
             raise ConfigError(outcome)
         raise StorageError(f"checkpoint of step {step} not committed: {outcome}")
     return Manifest.from_bytes(outcome, where=name)
-
-
-def _prepare(storage: Storage, name: str) -> str:
-    """Rank 0, before any rank stores a file: "exists", "ok" (leftovers cleared), or why not."""
-    try:
-        existing = storage.list(name + "/")
-        if f"{name}/{MANIFEST}" in existing:
-            return "exists"
-        if existing:
-            logger.info(
-                "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
-            )
-            storage.delete(existing)
-    except Exception as e:
-        return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
-    return "ok"
 
 
 def node_rank() -> int:

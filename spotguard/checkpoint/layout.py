@@ -186,6 +186,24 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
     return committed
 
 
+def prepare(storage: Storage, name: str) -> str:
+    """Rank 0 of a collective save, before any rank stores a file: "exists" when ``name`` is
+    committed, "ok" once leftovers of an interrupted save are cleared, else why it cannot be written
+    (a string, for every rank to agree on: never raises)."""
+    try:
+        existing = storage.list(name + "/")
+        if f"{name}/{MANIFEST}" in existing:
+            return "exists"
+        if existing:
+            logger.info(
+                "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
+            )
+            storage.delete(existing)
+    except Exception as e:
+        return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
+    return "ok"
+
+
 def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
     try:
         return Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)

@@ -179,21 +179,8 @@ class ShardedEngine:
         return sharded_load.resume(self.storage, self.groups, tracked, self.reshard, self.rebatch)
 
     def _prepare(self, step: int) -> str:
-        """Rank 0, before any rank writes: "exists" when ``step`` is committed, "ok" once leftovers of
-        an interrupted save of it are cleared, else why it cannot be written."""
-        storage, name = self.storage, step_dir(step)
-        try:
-            existing = storage.list(name + "/")
-            if f"{name}/{MANIFEST}" in existing:
-                return "exists"
-            if existing:
-                logger.info(
-                    "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
-                )
-                storage.delete(existing)
-        except Exception as e:
-            return f"rank 0 cannot prepare {storage.describe(name)}: {e}"
-        return "ok"
+        """Rank 0, before any rank writes (``layout.prepare``)."""
+        return layout.prepare(self.storage, step_dir(step))
 
     def _write_rank_file(self, step: int, staged: Staged, deadline: float | None) -> tuple[str, list[FileEntry]]:
         """This rank's ``rank-NNNNN.pt``: (error, [its entry]); a failure is returned, to be agreed on."""

@@ -266,28 +266,12 @@ class FolderCheckpoints:
         Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
         agreed = self.group.get()
+        how = dict(reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline)
         try:
             if agreed is None:
-                manifest = checkpoint.write_dir(
-                    self.storage,
-                    step,
-                    Path(folder),
-                    reason=reason,
-                    extra=extra,
-                    torch_version=torch.__version__,
-                    deadline=deadline,
-                )
+                manifest = checkpoint.write_dir(self.storage, step, Path(folder), **how)  # type: ignore[arg-type]
             else:
-                manifest = folders.commit(
-                    self.storage,
-                    agreed,
-                    step,
-                    Path(folder),
-                    reason=reason,
-                    extra=extra,
-                    torch_version=torch.__version__,
-                    deadline=deadline,
-                )
+                manifest = folders.commit(self.storage, agreed, step, Path(folder), **how)  # type: ignore[arg-type]
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
             return None
