@@ -113,7 +113,9 @@ def stop_by_signal_then_cloud_notice(
     assert "notice from aws" in second.stdout, second.stdout
     stopped = assert_stopped(second, run_dir)
     assert at <= stopped < steps
-    assert "before the deadline" in second.stderr  # the AWS notice carries one: the commit reports its margin
+    # The AWS notice carries a deadline: the commit reports its margin (unless the stop step was
+    # just committed by a periodic save, one in 15 here: then nothing is written twice).
+    assert "before the deadline" in second.stderr or "already checkpointed" in second.stderr, second.stderr[-3000:]
     return stopped
 
 

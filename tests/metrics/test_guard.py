@@ -71,6 +71,8 @@ def test_endpoint_reports_steps_checkpoints_notices_by_kind_and_the_stop(tmp_pat
             guard.step(step)
             if step % 5 == 0:
                 guard.wait()  # the background save commits: the figures below are settled
+        # The metrics hear of a commit through a queue (the guard's thread never waits): let it drain.
+        wait_for(lambda: value(scrape(url), "spotguard_last_checkpoint_step") == 10)
         got, st = scrape(url), guard.stats()
         assert value(got, "spotguard_step") == 12
         assert value(got, "spotguard_step_timestamp_seconds") == pytest.approx(time.time(), abs=30)
