@@ -133,13 +133,18 @@ class Job:
 
     def stop_rank_at(self, rank: int, at: int, *extra: str) -> list[subprocess.CompletedProcess[str]]:
         """Run with a notice file for ``rank`` only, written once rank 0 logged step ``at``."""
+        return self.stop_rank_when(rank, lambda: (last_step(self.losses) or 0) >= at, *extra)
+
+    def stop_rank_when(
+        self, rank: int, ready: Callable[[], bool], *extra: str
+    ) -> list[subprocess.CompletedProcess[str]]:
+        """Run with a notice file for ``rank`` only, written once ``ready()`` holds."""
         (self.notices / f"notice-{rank}").unlink(missing_ok=True)
 
         def notify(proc: object) -> None:
             (self.notices / f"notice-{rank}").write_text(json.dumps({"deadline_in": 120}))
 
         cmds = self.commands(*SLOW, *extra)
-        ready = lambda: (last_step(self.losses) or 0) >= at  # noqa: E731
         watched, others = cmds[0], cmds[1:]
         with ThreadPoolExecutor(max(1, len(others))) as pool:
             rest = [pool.submit(run, c, env=e, cwd=self.run_dir) for c, e in others]

@@ -16,7 +16,11 @@ pytestmark = pytest.mark.slow
 SCRIPT = "hf_trainer.py"
 STEPS = 24
 # Saves every 10 steps, 16 batches per epoch (2 ranks x 8): notices meet saves and an epoch end.
-ARGS = ("--steps", str(STEPS), "--every-steps", "10", "--interval", "0.2", "--providers", "signal,file")
+# Evaluations every 6 steps draw random numbers (test-time augmentation).
+ARGS = (
+    *("--steps", str(STEPS), "--every-steps", "10", "--eval-steps", "6", "--eval-augment"),
+    *("--interval", "0.2", "--providers", "signal,file"),
+)
 _rng = random.Random()
 
 
@@ -40,6 +44,23 @@ def reference_two_nodes(tmp_path_factory):
 def test_hf_trainer_under_torchrun_stops_every_rank_for_one_ranks_notice_and_resumes_exactly(tmp_path, reference):
     job = groups.Job(SCRIPT, tmp_path, ARGS, local_args=output_dir)
     groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
+
+
+def test_hf_trainer_under_torchrun_cut_in_an_evaluation_by_one_rank_runs_it_again_exactly(tmp_path, reference):
+    """Rank 1's notice comes during an evaluation: every rank leaves it at the same batch (the vote runs
+    per evaluation batch), the checkpoint holds the streams it started with, and the resume runs it
+    again first: the evaluation's random draws leave the streams where the uninterrupted run had them."""
+    job = groups.Job(SCRIPT, tmp_path, ARGS, local_args=output_dir)
+    at, trace = _rng.choice([6, 12, 18]), tmp_path / "trace.jsonl"
+
+    def in_eval() -> bool:
+        lines = trace.read_text().splitlines() if trace.exists() else []
+        return any('"eval_batch"' in line and f'"step": {at}}}' in line for line in lines)
+
+    procs = job.stop_rank_when(1, in_eval, "--trace", str(trace), "--eval-sleep", "1")
+    stopped, _ = groups.assert_all_stopped(job, procs, at)
+    assert stopped == at and "during an evaluation" in procs[0].stderr
+    groups.finish(job, reference)
 
 
 def test_hf_trainer_on_two_nodes_without_a_shared_folder_commits_one_checkpoint(tmp_path, reference_two_nodes):
