@@ -57,6 +57,8 @@ class Regressor(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
+        if self.args.eval_augment:  # test-time augmentation: random numbers drawn during validation
+            x = x + 0.1 * torch.randn_like(x)
         self.trace("eval_batch")
         time.sleep(self.args.eval_sleep)
         return nn.functional.mse_loss(self.net(x), y)
@@ -86,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per validation batch (rehearsals)")
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
+    p.add_argument("--eval-augment", action="store_true", help="validation draws random numbers (noisy inputs)")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)

@@ -138,6 +138,31 @@ class SpotguardCallback(Callback):
         # Saved mid-validation, the resumed run repeats the validation: give it the streams it started with.
         return {"rng": self._rng_before_validation or state.capture_rng()}
 
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Saved during a validation: make the resumed run repeat it from its first batch.
+
+        Lightning resumes a cut validation as "mid-evaluation" but iterates its loader afresh and
+        runs only the batches it counts as left: a shortened validation from the start, which
+        draws fewer random numbers than the uninterrupted run's. Its progress is rewound here to
+        "first batch started, none done", so the whole validation runs again, from the streams it
+        started with (``state_dict``)."""
+        if self._rng_before_validation is None:
+            return
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+        if not progress or "current" not in progress or "total" not in progress:
+            logger.warning("Lightning's validation progress is not where expected: a cut validation is not repeated")
+            return
+        current, total = progress["current"], progress["total"]
+        before = {k: total[k] - current.get(k, 0) for k in total}  # the totals when this validation began
+        progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+        progress["total"] = {
+            "ready": before["ready"] + 1,
+            "started": before["started"] + 1,
+            "processed": before["processed"],
+            "completed": before["completed"],
+        }
+        progress["is_last_batch"] = False
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Set now, and again once the resumed loader's first iterator exists (on_train_start): the
         # uninterrupted run created no iterator at this point, so creating one must leave no trace.
@@ -155,6 +180,7 @@ class SpotguardCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._trainer = trainer
+            self._capture_before_validations(trainer)
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -188,8 +214,27 @@ class SpotguardCallback(Callback):
             self._save(trainer, "periodic")
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.sanity_checking:
-            self._rng_before_validation = state.capture_rng()
+        if not trainer.sanity_checking and self._rng_before_validation is None:
+            self._rng_before_validation = state.capture_rng()  # when the loop could not be wrapped
+
+    def _capture_before_validations(self, trainer: Any) -> None:
+        """Capture the streams as each validation of ``fit`` begins, before its loader's iterator exists.
+
+        ``on_validation_start`` comes after Lightning created that iterator, and creating one draws
+        (a loader's base seed): a validation repeated from streams captured there would draw once
+        more than the uninterrupted run did. So the fit loop's validation loop is wrapped."""
+        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
+        if loop is None or getattr(loop, "_spotguard_wrapped", False):
+            return
+        run = loop.run
+
+        def run_from_its_start(*args: Any, **kwargs: Any) -> Any:
+            if not trainer.sanity_checking:
+                self._rng_before_validation = state.capture_rng()
+            return run(*args, **kwargs)
+
+        loop.run = run_from_its_start
+        loop._spotguard_wrapped = True
 
     def on_validation_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = "lightning_train.py"
 STEPS = 70
 # 32 batches per epoch: the run crosses two epoch ends; saves every 15 steps, validations (4 batches) every 10.
-ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2")
+ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2", "--eval-augment")
 _rng = random.Random()
 
 
