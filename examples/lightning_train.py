@@ -67,6 +67,12 @@ class Regressor(L.LightningModule):
         self.trace("train_begin")
         time.sleep(self.args.warmup_sleep)  # e.g. compiling, loading data
 
+    def setup(self, stage):
+        # Each rank its own dropout (after Lightning's per-fit reseed; DDP takes the weights from rank 0):
+        # a resume must bring back every rank's streams, not rank 0's only.
+        if self.trainer.world_size > 1:
+            torch.manual_seed(self.args.seed + 1000 * self.global_rank)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
         sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=max(1, self.args.steps // 10))
