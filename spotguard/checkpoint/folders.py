@@ -101,12 +101,17 @@ def commit(
     if status != "ok":
         raise StorageError(status)
 
-    mine = list_folder(Path(folder))
+    error, entries = "", []
+    try:
+        mine = list_folder(Path(folder))
+    except OSError as e:  # reported after the gather: every rank must reach it
+        mine, error = {}, f"rank {rank}: cannot list {folder}: {type(e).__name__}: {e}"
     listings: list[Any] = [None] * groups.world_size
     dist.all_gather_object(listings, mine, group=group)
     owners = assign(listings)
-    error, entries = "", []
     try:
+        if error:
+            raise StorageError(error)
         if not owners:
             raise ConfigError(f"cannot commit step {step}: no rank holds a file in its checkpoint folder")
         for fname in sorted(n for n, r in owners.items() if r == rank):
@@ -114,6 +119,8 @@ def commit(
             path = Path(folder) / fname
             entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
             storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    except StorageError as e:
+        error = str(e) if str(e).startswith("rank ") else f"rank {rank}: StorageError: {e}"
     except Exception as e:
         error = f"rank {rank}: {type(e).__name__}: {e}"
     reports: list[Any] = [None] * groups.world_size
@@ -141,23 +148,24 @@ def commit(
                 outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
     outcome = broadcast(outcome, group)
     if isinstance(outcome, str):
-        if not outcome.startswith("rank 0: manifest") and any(err.startswith("ConfigError") for err, _ in reports):
+        if not outcome.startswith("rank 0: manifest") and any(": ConfigError: " in err for err, _ in reports):
             raise ConfigError(outcome)
         raise StorageError(f"checkpoint of step {step} not committed: {outcome}")
     return Manifest.from_bytes(outcome, where=name)
 
 
 def node_rank() -> int:
-    """This process's node (torchrun's ``GROUP_RANK``; else the rank over the local world size)."""
-    if "GROUP_RANK" in os.environ:
-        return int(os.environ["GROUP_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) or 1
-    return int(os.environ.get("RANK", 0)) // local_world
+    """This process's node, named by the global rank of its local rank 0 (``RANK - LOCAL_RANK``: launchers
+    number a node's ranks contiguously); without ``LOCAL_RANK`` every rank is a node of its own."""
+    return int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
 
 
 def is_node_leader() -> bool:
-    """Whether this rank fetches for its node (torchrun's ``LOCAL_RANK`` 0)."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))) == 0
+    """Whether this rank fetches for its node: ``LOCAL_RANK`` 0, or every rank when no launcher set
+    ``LOCAL_RANK`` (each then fetches its own copy: more downloads, never a missing one)."""
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    return int(os.environ["LOCAL_RANK"]) == 0
 
 
 def node_folder(storage: Storage, step: int, work_dir: str | None) -> Path:

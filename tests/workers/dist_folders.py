@@ -1,0 +1,87 @@
+"""Worker for tests/checkpoint/test_folders.py (2 plain processes, gloo): trainer folders committed
+across ranks that share no folder, and fetched back per node.
+
+Each rank writes its own folder: a file both ranks have (the same bytes, as a model every rank saves
+would be) and a file of its own. Cases, reported with ``emit`` as ``{case, kind, ...}``:
+``commit`` (one checkpoint with every rank's files), ``failing-rank`` (rank 1 holds a file no
+checkpoint may hold: every rank raises, nothing committed), ``fetch`` (the newest is corrupt on disk:
+every rank skips it and gets step 1's files, from the one copy the node's local rank 0 fetched into
+the shared ``work_dir``), ``none-loads`` (every checkpoint corrupt: every rank raises).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from spotguard.checkpoint import folders
+from spotguard.errors import ConfigError, NoLoadableCheckpointError
+from spotguard.guard import agreement
+from spotguard.storage import LocalStorage
+from tests.workers.results import emit
+
+
+def write_folder(folder: Path, rank: int, step: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "shared.bin").write_bytes(bytes([step]) * 100)
+    (folder / "sub").mkdir(exist_ok=True)
+    (folder / "sub" / f"own-{rank}.bin").write_bytes(bytes([rank, step]) * 10)
+    return folder
+
+
+def main(root: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = agreement.setup(sync_every=1)
+    assert groups is not None
+    storage = LocalStorage(root)
+    local = Path(out) / f"local-{rank}"
+
+    for step in (1, 2):
+        manifest = folders.commit(
+            storage, groups, step, write_folder(local / f"s{step}", rank, step), reason="periodic"
+        )
+        emit(out, case="commit", step=step, files=sorted(f.name for f in manifest.files), world=manifest.world_size)
+
+    bad = write_folder(local / "s3", rank, 3)
+    if rank == 1:
+        (bad / "manifest.json").write_text("{}")  # a name no checkpoint file may have
+    try:
+        folders.commit(storage, groups, 3, bad, reason="periodic")
+        emit(out, case="failing-rank", kind="ok")
+    except ConfigError as e:
+        emit(out, case="failing-rank", kind=type(e).__name__, message=str(e))
+
+    dist.barrier()
+    if rank == 0:  # step 2's own file of rank 1 flipped on the durable storage
+        stored = Path(root) / "step-00000002" / "sub" / "own-1.bin"
+        data = bytearray(stored.read_bytes())
+        data[0] ^= 0xFF
+        stored.unlink()
+        stored.write_bytes(bytes(data))
+    dist.barrier()
+    found = folders.fetch(storage, groups, work_dir=str(Path(out) / "work"))
+    assert found is not None
+    step, folder = found
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    emit(out, case="fetch", step=step, files=names, shared=(folder / "shared.bin").read_bytes()[0])
+
+    dist.barrier()
+    if rank == 0:
+        stored = Path(root) / "step-00000001" / "shared.bin"
+        stored.unlink()
+        stored.write_bytes(b"\0" * 100)
+    dist.barrier()
+    try:
+        folders.fetch(storage, groups, work_dir=str(Path(out) / "work"))
+        emit(out, case="none-loads", kind="ok")
+    except NoLoadableCheckpointError as e:
+        emit(out, case="none-loads", kind=type(e).__name__, skipped=len(e.skipped))
+    groups.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
