@@ -27,9 +27,8 @@ _rng = random.Random()
 
 class _AwayFromTheEpochEnd:
     """Stop steps that never land on step 16, the last batch of epoch 0 (16 batches per rank): a
-    checkpoint written there resumes epoch 1 in the wrong data order (Lightning restores the loader
-    as mid-epoch 0, its sampler at its end), a known gap left open in issue 21. A notice sent after
-    step N lands by N + 2."""
+    checkpoint written there resumes differently from step 17 on, a known gap left open in issue 21
+    (docs/integrations.md). A notice sent after step N lands by N + 2."""
 
     def randint(self, a: int, b: int) -> int:
         return _rng.choice([*range(max(a, 3), 13), 17, 18])
