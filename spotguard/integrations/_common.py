@@ -143,7 +143,8 @@ class NoticeWatch:
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
-        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
+        #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags].
+        self._beat = heartbeat.attach()
 
     def check(self, step: int, stop_only: bool = False) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
@@ -154,6 +155,7 @@ class NoticeWatch:
         consumed (the next check says ``NOTHING`` until a new notice); ``stop_only`` (where no
         checkpoint can be written, e.g. inside an evaluation) leaves advisories for later.
         """
+        self._beat[0] = step  # `spotguard run`'s hang watchdog: one memory write
         agreed = self.group.get()
         if agreed is None:
             if not self.due or (stop_only and not self.preempted.is_set()):

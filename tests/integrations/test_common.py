@@ -106,6 +106,18 @@ def test_notice_watch_flags_stop_and_advisory_notices():
     assert 100 < watch.deadline() - time.monotonic() <= 120
 
 
+def test_notice_watch_beats_the_step_and_marks_a_stop_for_spotguard_run(tmp_path, monkeypatch):
+    from spotguard import heartbeat
+
+    path = heartbeat.create(tmp_path / "beat")
+    monkeypatch.setenv(heartbeat.HEARTBEAT_ENV, str(path))
+    watch = NoticeWatch(providers=[])
+    assert watch.check(7) == 0 and heartbeat.read(path) == (7, 0)  # the hang watchdog sees step 7
+    watch.preempted.set()  # a stop notice, as the watcher reports one: preempted first, then the callback
+    watch._on_notice(Notice("signal", "signal"))
+    assert watch.check(8) != 0 and heartbeat.read(path) == (8, heartbeat.STOPPED_FOR_NOTICE)
+
+
 def test_spotguard_never_imports_a_trainer_and_names_the_extra_when_one_is_missing():
     code = (
         "import sys, spotguard, spotguard.integrations, spotguard.integrations.accelerate\n"
