@@ -33,10 +33,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import digest, layout
+from spotguard.checkpoint import layout
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
-from spotguard.checkpoint.reader import none_loads, open_verified, refuse_newer_format, require_manifest, scan
+from spotguard.checkpoint.reader import fetch as fetch_checkpoint
+from spotguard.checkpoint.reader import none_loads, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
 from spotguard.storage.base import Storage
 
@@ -114,11 +115,10 @@ def commit(
             raise StorageError(error)
         if not owners:
             raise ConfigError(f"cannot commit step {step}: no rank holds a file in its checkpoint folder")
-        for fname in sorted(n for n, r in owners.items() if r == rank):
+        mine_to_store = {n: Path(folder) / n for n in sorted(owners) if owners[n] == rank}
+        for fname in mine_to_store:
             check_file_name(fname)
-            path = Path(folder) / fname
-            entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
-            storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+        entries = layout.store_files(storage, name, mine_to_store, deadline)
     except StorageError as e:
         error = str(e) if str(e).startswith("rank ") else f"rank {rank}: StorageError: {e}"
     except Exception as e:
@@ -257,14 +257,4 @@ def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> Checkpoin
 def _fetch_into(storage: Storage, info: CheckpointInfo, dest: Path, select: Callable[[str], bool] | None) -> None:
     """The verified files of ``info`` that ``select`` accepts, in ``dest`` (emptied first)."""
     shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for entry in require_manifest(info).files:
-        if select is not None and not select(entry.name):
-            continue
-        target = dest / entry.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open_verified(storage, info, entry.name) as path:
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copyfile(path, target)
+    fetch_checkpoint(storage, info, dest, select)

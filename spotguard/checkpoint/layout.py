@@ -157,14 +157,20 @@ def write_dir(
     except (TypeError, ValueError) as e:
         raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
     _clear_leftovers(storage, name)
-    entries = []
-    for fname, path in files.items():
-        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
-        storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    entries = store_files(storage, name, files, deadline)
     manifest = Manifest(
         step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
     )
     return _commit(storage, name, manifest, deadline)
+
+
+def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
+    """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``."""
+    entries = []
+    for fname, path in files.items():
+        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
+        storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    return entries
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:

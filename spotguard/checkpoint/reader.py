@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -150,8 +150,9 @@ def verify(storage: Storage, info: CheckpointInfo) -> None:
             pass
 
 
-def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
-    """Every file of a complete checkpoint, verified, in the local folder ``dest`` (created); returns it.
+def fetch(storage: Storage, info: CheckpointInfo, dest: Path, select: Callable[[str], bool] | None = None) -> Path:
+    """Every file of a complete checkpoint (those ``select`` accepts), verified, in the local folder
+    ``dest`` (created); returns it.
 
     For libraries that load a checkpoint folder themselves (``Trainer``'s ``resume_from_checkpoint``).
     A file is hard-linked where it can be (a local checkpoint, a download's temp file), else copied.
@@ -160,6 +161,8 @@ def fetch(storage: Storage, info: CheckpointInfo, dest: Path) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for entry in manifest.files:
+        if select is not None and not select(entry.name):
+            continue
         target = dest / entry.name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)

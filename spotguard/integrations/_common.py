@@ -16,6 +16,7 @@ must then call ``check``, ``commit`` and ``newest_verified`` at the same points,
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import shutil
@@ -71,8 +72,8 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
             f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
         )
     group = RankGroup()
-    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"), group=group)
-    checkpoints.fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
+    fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
+    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"), group, fresh_ok)
     notices = NoticeWatch(
         ranks.providers_for_rank(options.get("providers", "auto")),
         options.get("interval", 1.0),
@@ -242,7 +243,12 @@ class FolderCheckpoints:
     """
 
     def __init__(
-        self, storage: str | Storage | None, keep: int = 3, work_dir: str | None = None, group: RankGroup | None = None
+        self,
+        storage: str | Storage | None,
+        keep: int = 3,
+        work_dir: str | None = None,
+        group: RankGroup | None = None,
+        fresh_ok: bool = False,
     ) -> None:
         storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
@@ -251,7 +257,7 @@ class FolderCheckpoints:
         self.keep = keep
         self.work_dir = work_dir
         self.group = group or RankGroup()
-        self.fresh_ok = False  # on_unloadable="fresh": checkpoints that all fail to load mean a fresh start
+        self.fresh_ok = fresh_ok  # on_unloadable="fresh": checkpoints that all fail to load mean a fresh start
         self.last_saved: Manifest | None = None
         self._fetched: list[Path] = []
 
@@ -268,12 +274,15 @@ class FolderCheckpoints:
         Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
         agreed = self.group.get()
-        how = dict(reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline)
+        write = (
+            functools.partial(checkpoint.write_dir, self.storage)
+            if agreed is None
+            else functools.partial(folders.commit, self.storage, agreed)
+        )
         try:
-            if agreed is None:
-                manifest = checkpoint.write_dir(self.storage, step, Path(folder), **how)  # type: ignore[arg-type]
-            else:
-                manifest = folders.commit(self.storage, agreed, step, Path(folder), **how)  # type: ignore[arg-type]
+            manifest = write(
+                step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline
+            )
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
             return None

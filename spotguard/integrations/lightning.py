@@ -84,7 +84,6 @@ class SpotguardCallback(Callback):
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self.emergency_error: BaseException | None = None
-        self._watch = self.notices
         self._trainer: Any = None
         self._resumed_step = 0
         self._steps = self._seen_steps = 0  # optimizer steps (as trainer.global_step), and the last one acted on
