@@ -18,9 +18,19 @@ from spotguard.errors import CheckpointMismatchError
 DATA = list(range(24))
 
 
+# Workers start by forkserver, not fork: the pytest worker may already run threads (a watcher, gloo)
+# from earlier tests, and a forked child can deadlock on a lock one of them held (seen once: a hang).
+WORKER_START = {"multiprocessing_context": "forkserver"}
+
+
 def loader(workers: int = 0, batch_size: int = 2) -> StatefulDataLoader:
     return StatefulDataLoader(
-        DATA, batch_size=batch_size, shuffle=True, num_workers=workers, generator=torch.Generator().manual_seed(3)
+        DATA,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(3),
+        **(WORKER_START if workers else {}),
     )
 
 
@@ -139,7 +149,7 @@ def test_sharded_resume_refuses_another_batch_size_on_every_rank(tmp_path, group
 
 @pytest.mark.timeout(120)
 def test_a_snapshot_older_than_the_last_batch_is_not_moved():
-    ld = StatefulDataLoader(DATA, batch_size=2, num_workers=1, snapshot_every_n_steps=3)
+    ld = StatefulDataLoader(DATA, batch_size=2, num_workers=1, snapshot_every_n_steps=3, **WORKER_START)
     it = iter(ld)
     for _ in range(4):
         next(it)
