@@ -89,6 +89,20 @@ def neutralize_next_iterator(loader: Any) -> None:
     loader._get_iterator = get_iterator_once
 
 
+def as_at_last_batch(objects: Mapping[str, Any], states: MutableMapping[str, Any]) -> None:
+    """Rewrite each stateful loader's state in ``states`` from "epoch ended" to "last batch yielded".
+
+    The two differ only in ``_iterator_finished``, and a resume from an ended epoch starts a new one
+    at once: a stop between the loader's last batch and the next epoch (an evaluation) would train one
+    epoch too many. As at its last batch, the resumed loader yields nothing for that epoch, so the
+    loop's end-of-epoch code (the cut evaluation) runs again, then the next epoch starts as it would have.
+    """
+    for name, obj in objects.items():
+        state = states.get(name)
+        if is_stateful_loader(obj) and isinstance(state, Mapping) and state.get("_iterator_finished") is True:
+            states[name] = {**state, "_iterator_finished": False}
+
+
 class Rebatch(str, enum.Enum):
     """What a resume does with a tracked loader saved with another batch size than it has now."""
 

@@ -10,6 +10,7 @@ was built with, from whichever thread wrote it.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,12 +23,43 @@ if TYPE_CHECKING:
     from spotguard.storage.base import Storage
 
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """An evaluation cut short by a stop after training step ``step`` (``Guard.evaluation``): a save of
+    that step keeps the RNG streams as the evaluation found them, and each loader as at its last batch,
+    so the resumed run evaluates again from the start with the same random draws."""
+
+    step: int | None
+    rng: dict[str, Any]
+    extra: dict[str, Any]  # ``guard.extra`` when it began: a change means the loop went past the evaluation
+
+
 @dataclass
 class Tracked:
     """What a Guard tracks: the objects under their names, and ``guard.extra`` (JSON values)."""
 
     objects: dict[str, Any]
     extra: dict[str, Any]
+    cut: Cut | None = None  # an evaluation begun after the last training step (``Guard.evaluation``)
+
+    def cut_at(self, step: int, final: bool = False) -> Cut | None:
+        """The evaluation a save of ``step`` must undo, if any: one begun after training step ``step``,
+        for any save but the final one, as long as the loop has not changed ``guard.extra`` since (its
+        end-of-epoch code ran: the state is no longer the step's)."""
+        cut = self.cut
+        if cut is None or final or cut.step != step:
+            return None
+        if cut.extra != self.extra:
+            logger.warning(
+                "checkpoint of step %d: guard.extra changed after the evaluation began, so the loop went on "
+                "past it; saved as it is now (stop right after the evaluation for an exact resume)",
+                step,
+            )
+            return None
+        return cut
 
 
 @dataclass(frozen=True)

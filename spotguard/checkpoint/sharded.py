@@ -85,7 +85,7 @@ class ShardedEngine:
     def staged_bytes(self) -> int:
         return self._staging.nbytes
 
-    def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None) -> Staged:
+    def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None, final: bool = False) -> Staged:
         """This rank's state, never raising (a failure is carried, then agreed on by ``_write``).
 
         With ``staging`` (async saves) every tensor is copied into its reused host buffers, so that
@@ -93,14 +93,19 @@ class ShardedEngine:
         """
         rank, world = self.groups.rank, self.groups.world_size
         _, _, rest = split(tracked.objects)
+        cut = tracked.cut_at(step, final)
         with state.rng_isolated():
             try:
+                rng = cut.rng if cut else state.capture_rng()  # first: collecting a loader's state may draw
+                objects = state.collect(rest)
+                if cut:
+                    data.as_at_last_batch(rest, objects)
                 payload = {
                     "step": step,
                     "rank": rank,
                     "world_size": world,
-                    "rng": state.capture_rng(),  # first: collecting a loader's state may draw
-                    "objects": state.collect(rest),
+                    "rng": rng,
+                    "objects": objects,
                     "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None},
                     "loaders": data.loader_facts(rest),  # what a resume compares (worker count, batch size)
                 }
@@ -118,7 +123,7 @@ class ShardedEngine:
         """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
-        staged = self._collect(tracked, step)
+        staged = self._collect(tracked, step, final=final)
         self._check_once(staged, step, collective=True)
         manifest = self._write(step, reason, staged, deadline)
         if manifest is not None:

@@ -73,11 +73,14 @@ class SingleEngine:
         return self._staging.nbytes
 
     # -- saving --------------------------------------------------------------------------------
-    def _payload(self, tracked: Tracked, step: int, staged: bool) -> dict[str, Any]:
+    def _payload(self, tracked: Tracked, step: int, staged: bool, final: bool = False) -> dict[str, Any]:
         """The state as one canonical structure: the same state serialises to the same bytes (the final
         save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so."""
-        rng = state.capture_rng()  # first: collecting a loader's state may draw (the loop's streams are these)
+        cut = tracked.cut_at(step, final)
+        rng = cut.rng if cut else state.capture_rng()  # first: collecting a loader's state may draw
         objects = state.collect(tracked.objects)
+        if cut:
+            data.as_at_last_batch(tracked.objects, objects)
         if not self._checked:  # once: a state a resume cannot load must fail here, before anything is written
             loadable.check(objects)
             self._checked = True
@@ -107,7 +110,7 @@ class SingleEngine:
         t0 = time.monotonic()
         stale: list[CheckpointInfo] = []
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
-            payload = self._payload(tracked, step, staged=final and self._staged_final)
+            payload = self._payload(tracked, step, staged=final and self._staged_final, final=final)
             on_content = self._find_stale_local(step, tracked.extra, stale) if final else None
             manifest = self._write(
                 self.storage, step, reason, payload, tracked.extra, deadline=deadline, on_content=on_content

@@ -25,6 +25,7 @@ from spotguard.errors import PERMANENT, NoLoadableCheckpointError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
+from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
 from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
@@ -174,6 +175,26 @@ class Guard:
         if self.preempted.is_set() or step >= s.due_step or (s.timed and time.monotonic() >= s.due_time):
             return self._act(STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC, step)
         return False
+
+    def evaluation(self) -> Evaluation:
+        """Mark an evaluation run after training step ``last_step``; leave it when ``should_stop()`` says so.
+
+        ::
+
+            with guard.evaluation() as ev:
+                for batch in val_loader:
+                    if ev.should_stop():
+                        break
+                    ...
+            if guard.step(step):   # the same step again: stops after a notice, else nearly free
+                sys.exit(spotguard.EXIT_PREEMPTED)
+
+        The emergency checkpoint of that step then holds the RNG streams as the evaluation found them
+        and each loader as at its last batch: the resumed run evaluates again from the start with the
+        same random draws, as the uninterrupted run did. Call ``step()`` right after the block, before
+        the loop's end-of-epoch code changes anything (``guard.extra``, a scheduler).
+        """
+        return Evaluation(self._tracked, self._step, self.preempted, self.agreement)
 
     def _vote(self, step: int) -> bool:
         """[distributed] The same verdict, hence the same step, on every rank (on sync steps only)."""

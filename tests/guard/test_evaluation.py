@@ -1,0 +1,68 @@
+"""A notice during an evaluation (``guard.evaluation()``): the resumed run evaluates again from the
+start with the same random draws, then trains on exactly as an uninterrupted run does.
+
+The evaluation comes after the loader's last batch of an epoch, where a stop used to resume into one
+extra epoch (the loader's state said "epoch ended") with the RNG streams as the evaluation left them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard import EXIT_PREEMPTED
+from spotguard.checkpoint.engine import Cut, Tracked
+
+from ..helpers import WORKERS, run
+
+pytestmark = pytest.mark.slow
+
+
+def job(storage: Path, log: Path, *args: str) -> int:
+    cmd = [sys.executable, str(WORKERS / "eval_cut.py"), "--storage", str(storage), "--log", str(log), *args]
+    return run(cmd).returncode
+
+
+def rows(log: Path) -> list[list]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_notice_during_an_evaluation_resumes_it_from_its_start_exactly(tmp_path: Path, workers: str) -> None:
+    ref_log, cut_log, resumed_log = tmp_path / "ref.jsonl", tmp_path / "cut.jsonl", tmp_path / "resumed.jsonl"
+    common = ("--num-workers", workers)
+    assert job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common) == 0
+    storage = tmp_path / "run"
+    assert job(storage, cut_log, "--notice-epoch", "1", *common) == EXIT_PREEMPTED
+    assert job(storage, resumed_log, "--final", str(tmp_path / "resumed.pt"), *common) == 0
+
+    ref, cut, resumed = rows(ref_log), rows(cut_log), rows(resumed_log)
+    assert cut == ref[: len(cut)]  # the same run up to the notice
+    assert cut[-1][0] == "eval" and cut[-1][1] == 1, "the notice fell inside epoch 1's evaluation"
+    begun = next(i for i, r in enumerate(ref) if r[:2] == ["eval", 1])
+    assert len(cut) - begun == 1, "the evaluation was left at its second batch"
+    # The resumed run starts with the cut evaluation, from its start, with the same draws; then the rest.
+    assert resumed == ref[begun:]
+    got, want = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_cut_applies_only_to_its_own_step_and_never_to_the_final_checkpoint() -> None:
+    tracked = Tracked({}, {"epoch": 1})
+    tracked.cut = Cut(12, {"torch": torch.get_rng_state()}, {"epoch": 1})
+    assert tracked.cut_at(12) is tracked.cut
+    assert tracked.cut_at(13) is None  # a later step: the state is that step's
+    assert tracked.cut_at(12, final=True) is None  # the end of the run: as it is
+
+
+def test_a_cut_does_not_apply_once_the_loop_went_past_the_evaluation(caplog: pytest.LogCaptureFixture) -> None:
+    tracked = Tracked({}, {"epoch": 1})
+    tracked.cut = Cut(12, {"torch": torch.get_rng_state()}, {"epoch": 1})
+    tracked.extra["epoch"] = 2  # the end-of-epoch code ran before the stop
+    assert tracked.cut_at(12) is None
+    assert "guard.extra changed after the evaluation began" in caplog.text
