@@ -91,6 +91,7 @@ class SpotguardCallback(Callback):
         self._rng_before_validation: dict[str, Any] | None = None
         self._rng_after_iterator: dict[str, Any] | None = None
         self._resume_folder: Path | None = None
+        self._validation_next = False  # the save in progress is of a step whose validation has not run yet
 
     @property
     def state_key(self) -> str:
@@ -138,21 +139,26 @@ class SpotguardCallback(Callback):
         return {"rng": self._rng_before_validation or state.capture_rng()}
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        """Saved during a validation: make the resumed run repeat it from its first batch.
+        """Saved during a validation, or at a step whose validation comes next: make the resumed run
+        run it from its first batch.
 
         Lightning resumes a cut validation as "mid-evaluation" but iterates its loader afresh and
         runs only the batches it counts as left: a shortened validation from the start, which
-        draws fewer random numbers than the uninterrupted run's. Its progress is rewound here to
-        "first batch started, none done", so the whole validation runs again, from the streams it
-        started with (``state_dict``)."""
-        if self._rng_before_validation is None:
+        draws fewer random numbers than the uninterrupted run's. A checkpoint of a step whose
+        validation has not begun (saved at the batch's end, before Lightning validates) resumes
+        past that validation: Lightning fast-forwards it. In both cases the progress is rewound
+        here to "first batch started, none done", so the whole validation runs, from the streams
+        it starts with (``state_dict``)."""
+        begun = self._rng_before_validation is not None
+        if not begun and not self._validation_next:
             return
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
         if not progress or "current" not in progress or "total" not in progress:
             logger.warning("Lightning's validation progress is not where expected: a cut validation is not repeated")
             return
         current, total = progress["current"], progress["total"]
-        before = {k: total[k] - current.get(k, 0) for k in total}  # the totals when this validation began
+        # the totals when this validation began (or begins: ``current`` is the previous one's then)
+        before = {k: total[k] - current.get(k, 0) for k in total} if begun else dict(total)
         progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
         progress["total"] = {
             "ready": before["ready"] + 1,
@@ -208,9 +214,9 @@ class SpotguardCallback(Callback):
         if verdict == STOP:
             self._stop(trainer)
         elif verdict == ADVISORY:
-            self._save(trainer, "advisory")
+            self._save(trainer, "advisory", batch_end=True)
         elif self.every_steps and self._steps % self.every_steps == 0 and trainer.global_step != self._committed_step:
-            self._save(trainer, "periodic")
+            self._save(trainer, "periodic", batch_end=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking and self._rng_before_validation is None:
@@ -270,7 +276,7 @@ class SpotguardCallback(Callback):
             self.stopped_at = trainer.global_step
             logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step)
             if trainer.global_step != self._committed_step:
-                self._save(trainer, "emergency")
+                self._save(trainer, "emergency", batch_end=True)
 
     def _bypass_lightning_sigterm(self, trainer: Any) -> None:
         """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).
@@ -281,13 +287,17 @@ class SpotguardCallback(Callback):
         if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
             signal.signal(signal.SIGTERM, original)
 
-    def _save(self, trainer: Any, reason: str) -> None:
+    def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
         step, emergency = trainer.global_step, reason == "emergency"
+        self._validation_next = batch_end and _validation_due(trainer)
         try:
             with self.checkpoints.storage.scratch() as scratch:
                 folder = scratch / "lightning"
                 t0 = time.monotonic()
-                trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
+                try:
+                    trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
+                finally:
+                    self._validation_next = False
                 if self.checkpoints.group.get() is not None:  # Lightning wrote rank 0's streams only
                     folder.mkdir(parents=True, exist_ok=True)
                     torch.save(
@@ -303,3 +313,24 @@ class SpotguardCallback(Callback):
             return
         if emergency:
             self.notices.acknowledge()
+
+
+def _validation_due(trainer: Any) -> bool:
+    """Whether Lightning validates right after the batch now ending, as an uninterrupted run would.
+
+    Asked at the batch's end, before a stop's ``trainer.should_stop`` counts: Lightning would also
+    validate for that (an early stop), which a run that is not stopped does not do."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    loop = getattr(fit_loop, "epoch_loop", None)
+    check = getattr(loop, "_should_check_val_fx", None)
+    if check is None or trainer.sanity_checking:
+        return False
+    should_stop = trainer.should_stop
+    try:
+        trainer.should_stop = False
+        return bool(check(getattr(fit_loop, "_data_fetcher", None)))
+    except Exception as e:  # a private API of Lightning: a change there must not end the training
+        logger.debug("cannot tell whether a validation follows this step: %s", e)
+        return False
+    finally:
+        trainer.should_stop = should_stop

@@ -4,9 +4,11 @@ warm-up, resumed each time with ckpt_path, and equal to an uninterrupted run bit
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
+from ..helpers import last_step
 from . import runs
 
 pytest.importorskip("lightning")
@@ -17,9 +19,8 @@ SCRIPT = "lightning_train.py"
 STEPS = 70
 # 32 batches per epoch: the run crosses two epoch ends; saves every 15 steps, validations (4 batches) every 10.
 ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--interval", "0.2")
-# Validations that draw random numbers (noisy inputs). Not in ARGS: a checkpoint at a step that also
-# validates (30, 60: the save comes first) resumes past that validation (Lightning skips it), so its
-# draws are missing from the resumed run: a known gap (docs/integrations.md).
+# Validations that draw random numbers (noisy inputs): a validation skipped or shortened by a resume
+# leaves the streams elsewhere, and every later step differs.
 AUGMENTED = (*ARGS, "--eval-augment")
 _rng = random.Random()
 
@@ -44,4 +45,17 @@ def test_lightning_notice_during_validation_and_warmup_still_checkpoints(tmp_pat
     # The cut validation draws random numbers: the resume repeats it whole, from the streams it began with.
     in_eval = runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, AUGMENTED, [20, 40], 4, _rng)
     assert "during validation" in in_eval.stderr
+    runs.finish_identically(SCRIPT, tmp_path, AUGMENTED, reference_augmented)
+
+
+def test_lightning_resumes_a_checkpoint_of_a_step_that_validates_into_that_validation(tmp_path, reference_augmented):
+    # Step 30 saves (every 15) and validates (every 10); the save comes first. A crash after it
+    # resumes from 30, and Lightning's own resume would skip that validation and its random draws.
+    def past_30() -> bool:
+        return (last_step(tmp_path / "losses.jsonl") or 0) >= 32
+
+    crashed = runs.stop_when(SCRIPT, tmp_path, AUGMENTED, past_30, lambda p: p.send_signal(signal.SIGKILL))
+    assert crashed.returncode == -signal.SIGKILL
+    complete = [i.step for i in runs.checkpoints(tmp_path) if i.status == "complete"]
+    assert max(complete) == 30, complete  # the resume point is the step that validates
     runs.finish_identically(SCRIPT, tmp_path, AUGMENTED, reference_augmented)
