@@ -1,4 +1,5 @@
-"""Run a script with file permissions enforced, also as root: ``python obey_permissions.py SCRIPT ARGS...``.
+"""Run a script with file permissions enforced, also as root: ``python obey_permissions.py SCRIPT ARGS...``
+(or ``-m MODULE ARGS...``).
 
 Root ignores ``chmod 000`` through two capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); this
 drops them from this process (uid 0 stays, so the interpreter's files stay readable), then runs
@@ -32,5 +33,9 @@ def drop_dac() -> bool:
 if __name__ == "__main__":
     if not drop_dac():
         sys.exit(77)
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    if sys.argv[1] == "-m":
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
