@@ -213,8 +213,10 @@ class LocalStorage(Storage):
                 raise StorageError(f"cannot list {e.filename or start}: {e.strerror or e}") from e
 
         for dirpath, dirs, files in os.walk(start, onerror=unreadable):
-            dirs[:] = [d for d in dirs if TMP_MARK not in d]  # scratch directories of running saves
             rel = Path(dirpath).relative_to(self.root).as_posix()
+            # Scratch directories of running saves; a file system's lost+found where the root is a
+            # mount point (unreadable to others, never ours: it must not make every listing fail).
+            dirs[:] = [d for d in dirs if TMP_MARK not in d and not (rel == "." and d == "lost+found")]
             for name in files:
                 if TMP_MARK in name:
                     continue

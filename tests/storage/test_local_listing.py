@@ -80,3 +80,27 @@ def test_an_unreadable_folder_fails_resume_and_ls_with_a_clear_message(tmp_path,
     assert "resume failed: cannot list" in proc.stdout and "Permission denied" in proc.stdout, proc
     assert proc.returncode == 2 and "spotguard: error: cannot list" in proc.stderr, proc
     assert "Traceback" not in proc.stderr and "no checkpoints" not in proc.stdout, proc
+
+
+def test_a_lost_and_found_folder_at_a_mount_point_root_is_not_ours_and_not_an_error(tmp_path):
+    """Where the root is a file system's mount point: its lost+found is unreadable to all but root
+    (the listing runs with permissions enforced, see above)."""
+    a_checkpoint(tmp_path)
+    (tmp_path / "lost+found").mkdir(mode=0)
+    script = tmp_path / "list.py"
+    script.write_text(
+        f"from spotguard.storage import open_storage\nprint(sorted(open_storage({str(tmp_path)!r}).list()))\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(WORKERS / "obey_permissions.py"), str(script)],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        (tmp_path / "lost+found").chmod(0o755)
+    if proc.returncode == 77:
+        pytest.skip("cannot drop CAP_DAC_OVERRIDE here")
+    assert proc.returncode == 0 and "step-00000007/manifest.json" in proc.stdout and "list.py" in proc.stdout, proc
