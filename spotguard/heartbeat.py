@@ -4,9 +4,12 @@ The supervisor creates the file and passes its path in ``$SPOTGUARD_HEARTBEAT``.
 ``Guard`` maps it with ``mmap`` and, on every ``guard.step(n)``, stores ``n`` in the first slot: one
 memory write, no system call, so the hot path stays well under a microsecond. The second slot is
 set to ``STOPPED_FOR_NOTICE`` when the Guard stops for a notice, so the supervisor knows not to
-restart even when the child's exit code says nothing; ``CONFIG_ERROR`` is added when the Guard raised
-an error that a restart would meet again (a checkpoint that no resume can load, a changed data loader). The supervisor reads the file (the page cache
-is shared) and measures time on its own clock: the child never calls a clock for the heartbeat.
+restart even when the child's exit code says nothing; ``COMMITTED`` is added once that stop's
+checkpoint is committed (written, or there already), so the supervisor exits 75 ("checkpoint
+written") only when it is true; ``CONFIG_ERROR`` is added when the Guard raised an error that a
+restart would meet again (a checkpoint that no resume can load, a changed data loader). The
+supervisor reads the file (the page cache is shared) and measures time on its own clock: the child
+never calls a clock for the heartbeat.
 
 When the variable is set, the Guard also registers ``faulthandler`` on ``STACKS_SIGNAL`` so a hung
 child prints every thread's Python stack to its stderr (the supervisor's log) when asked, even while
@@ -35,6 +38,7 @@ STACKS_SIGNAL = signal.SIGUSR2
 SIZE = 16  # two native int64 slots: [last completed step, flags]
 STOPPED_FOR_NOTICE = 1
 CONFIG_ERROR = 2  # the Guard raised an error a restart would meet again (``errors.PERMANENT``)
+COMMITTED = 4  # with STOPPED_FOR_NOTICE: the stop's checkpoint is committed, the resume point is safe
 _LAYOUT = struct.Struct("=qq")
 
 

@@ -239,7 +239,7 @@ class Guard:
             left, peer = self.agreement.agree_stop(step, self.notice)
             if peer is not None:  # another rank saw it: make this rank's guard say so too
                 self.watcher.report(peer)
-        self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
+        self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
         stop = Emergency(
             self.saves,
             step,
@@ -251,6 +251,8 @@ class Guard:
             stop.run(left)
         finally:
             self.emergency_error = stop.error
+            if stop.committed:  # the supervisor exits 75 ("checkpoint written") only on this
+                self._beat[1] |= heartbeat.COMMITTED
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.

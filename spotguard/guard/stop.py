@@ -31,6 +31,9 @@ class Emergency:
     acknowledge: Callable[[Notice], None]
     agree: Callable[[int], int] | None = None
     error: BaseException | None = None
+    #: After ``run()``: the stop left a committed resume point, the stop step's checkpoint or (when it
+    #: could not fit) the save that was in flight; what the job tells ``spotguard run`` (``heartbeat``).
+    committed: bool = False
 
     def estimate(self) -> float | None:
         """Seconds to write the state straight to the durable tier, from its measured throughput."""
@@ -54,6 +57,7 @@ class Emergency:
             self._run(left)
         finally:
             n, resume_at = self.notice, self.saves.durable_step
+            self.committed = self.committed or resume_at == self.step
             self.saves.events.emit(
                 "stop",
                 step=self.step,
@@ -164,6 +168,7 @@ class Emergency:
             saves.wait_pending(left())
             if saves.pending is not None:
                 pending.cancel()  # missed the deadline too: never hold the exit for it
+            self.committed = pending.committed  # the resume point this stop chose
             return False
         # The worker stops at its next file or before its manifest; never wait long for that,
         # its leftovers are swept by a later run.

@@ -176,7 +176,7 @@ class NoticeWatch:
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
-        self._beat[1] = heartbeat.STOPPED_FOR_NOTICE  # also where only another rank saw the notice
+        self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # also where only another rank saw the notice
         if agreed is None:
             return
         left, self._peer = agreed.agree_stop(step, self.watcher.notice)
@@ -188,7 +188,7 @@ class NoticeWatch:
         if not self.preempted.is_set():
             self._advisory = True
         else:  # the job exits 75 now (exit_code): `spotguard run` reads it here when a launcher hides it
-            self._beat[1] = heartbeat.STOPPED_FOR_NOTICE
+            self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE
         self.due = True  # last: the loop's reader sees the reason already set
 
     @property
@@ -224,6 +224,8 @@ class NoticeWatch:
             gc.freeze()
 
     def acknowledge(self) -> None:
+        """The stop's checkpoint is committed: tell ``spotguard run`` (it exits 75 only then) and the cloud."""
+        self._beat[1] |= heartbeat.COMMITTED
         if self.watcher.notice is not None:
             self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
 

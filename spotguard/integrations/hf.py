@@ -206,6 +206,8 @@ class SpotguardCallback(TrainerCallback):
                 self.stopped_at = state.global_step
                 self._reason = "emergency"
                 control.should_save = state.global_step != self._committed_step
+                if not control.should_save:
+                    self.notices.acknowledge()  # already committed: the resume point is safe
                 logger.warning(
                     "stopping after step %d for a notice: writing the emergency checkpoint", state.global_step
                 )
@@ -246,6 +248,7 @@ class SpotguardCallback(TrainerCallback):
         self.stopped_at = step
         if step == self._resumed_step or step == self._committed_step:
             logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
+            self.notices.acknowledge()
             return
         logger.warning(
             "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step

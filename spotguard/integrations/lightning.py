@@ -257,6 +257,7 @@ class SpotguardCallback(Callback):
             self.stopped_at = trainer.global_step
             if trainer.global_step in (self._resumed_step, self._committed_step):
                 logger.warning("stopped for a notice at step %d: it is already checkpointed", trainer.global_step)
+                self.notices.acknowledge()
                 return
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"
             logger.warning(
@@ -277,6 +278,8 @@ class SpotguardCallback(Callback):
             logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step)
             if trainer.global_step != self._committed_step:
                 self._save(trainer, "emergency", batch_end=True)
+            else:
+                self.notices.acknowledge()  # already committed: the resume point is safe
 
     def _bypass_lightning_sigterm(self, trainer: Any) -> None:
         """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).

@@ -11,6 +11,7 @@ import importlib
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, MissingDependencyError
+from . import timeouts
 from .base import ObjectNotFoundError, Storage, check_key
 from .local import LocalStorage
 
@@ -32,8 +33,13 @@ def register(scheme: str, target: str, extra: str = "") -> None:
     _BACKENDS[scheme] = (target, extra)
 
 
-def open_storage(url: str | Storage) -> Storage:
-    """The backend for ``url`` (a path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``abfs[s]://``), or ``url`` itself."""
+def open_storage(url: str | Storage, *, timeout: float | None = None) -> Storage:
+    """The backend for ``url`` (a path, ``file://``, ``s3://``, ``gs://``, ``az://``, ``abfs[s]://``), or ``url`` itself.
+
+    ``timeout`` (seconds) bounds a cloud backend's requests and retries (``storage.timeouts``); local
+    paths have none."""
+    if timeout is not None:
+        timeouts.check(timeout)
     if isinstance(url, Storage):
         return url
     if not isinstance(url, str) or not url.strip():
@@ -54,4 +60,5 @@ def open_storage(url: str | Storage) -> Storage:
         raise MissingDependencyError(
             f"{url!r} needs an optional dependency ({e.name or e}): pip install 'spotguard[{extra}]'"
         ) from e
-    return cls(url)
+    options = None if timeout is None else timeouts.options_for(cls, timeout)
+    return cls(url) if options is None else cls(url, options)  # type: ignore[no-any-return]

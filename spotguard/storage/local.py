@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -198,15 +199,24 @@ class LocalStorage(Storage):
         yield path
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """A folder that cannot be read raises ``StorageError`` (as S3's listing does): read as "no
+        checkpoints", it would make a resume train from step 0 silently."""
         start = self.root
         if "/" in prefix:  # walk only the directory the prefix names
             start = self.root / check_key(prefix.rsplit("/", 1)[0])
-        if not start.is_dir():
+        if not self._listable(start):
             return {}
         sizes = {}
-        for dirpath, dirs, files in os.walk(start):
-            dirs[:] = [d for d in dirs if TMP_MARK not in d]  # scratch directories of running saves
+
+        def unreadable(e: OSError) -> None:
+            if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # not deleted meanwhile
+                raise StorageError(f"cannot list {e.filename or start}: {e.strerror or e}") from e
+
+        for dirpath, dirs, files in os.walk(start, onerror=unreadable):
             rel = Path(dirpath).relative_to(self.root).as_posix()
+            # Scratch directories of running saves; a file system's lost+found where the root is a
+            # mount point (unreadable to others, never ours: it must not make every listing fail).
+            dirs[:] = [d for d in dirs if TMP_MARK not in d and not (rel == "." and d == "lost+found")]
             for name in files:
                 if TMP_MARK in name:
                     continue
@@ -216,7 +226,23 @@ class LocalStorage(Storage):
                         sizes[key] = os.stat(os.path.join(dirpath, name)).st_size
                     except FileNotFoundError:  # deleted since the walk saw it
                         pass
+                    except OSError as e:
+                        raise StorageError(f"cannot read {os.path.join(dirpath, name)}: {e.strerror or e}") from e
         return sizes
+
+    def _listable(self, start: Path) -> bool:
+        """True for a folder; False where nothing is stored yet (the root or the prefix's folder does not
+        exist). Raises ``StorageError`` where the root cannot be reached or is no folder."""
+        try:
+            if not stat.S_ISDIR(os.stat(start).st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(start))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if start != self.root and isinstance(e, NotADirectoryError):
+                return False  # a prefix naming a file's "folder": nothing under it
+            raise StorageError(f"cannot list {self.describe()}: {e.filename or start}: {e.strerror or e}") from e
+        return True
 
     def delete(self, keys: Iterable[str]) -> None:
         parents = set()

@@ -299,3 +299,36 @@ def test_deepspeed_launcher_left_by_its_runner_passes_the_stop_to_the_ranks(tmp_
     assert re.search(r"left \d+ process\(es\) running: \d+ \([^)]*deepspeed.launcher.launch", done.stderr)
     (stop,) = re.findall(r"all 2 ranks stopped at step (\d+)", done.stdout)
     assert committed(storage, int(stop))
+
+
+def test_workers_of_a_launcher_that_exits_1_are_not_left_running_when_spotguard_run_gives_up(tmp_path):
+    """The issue's case: a launcher starts three workers in its own process group and exits 1, twice
+    (one restart). Before, `spotguard run` gave up with every worker still running, re-parented to
+    PID 1; now each attempt's workers are stopped (SIGTERM, then SIGKILL for the one that ignores it)."""
+    pids = tmp_path / "pids"
+    worker = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(120)\n"
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"ws = [subprocess.Popen(['sleep', '120']) for _ in range(2)]\n"
+        f"ws.append(subprocess.Popen([sys.executable, '-c', {worker!r}]))\n"
+        f"open({str(pids)!r}, 'a').write(''.join(f'{{w.pid}}\\n' for w in ws))\n"
+        "time.sleep(0.5)\n"  # the workers are running (and the last one ignores SIGTERM)
+        "sys.exit(1)\n"
+    )
+    cmd = supervised(tmp_path / "ckpt", sys.executable, "-c", launcher, restarts=1)
+    with Supervised(cmd[:4] + ["--grace", "1"] + cmd[4:], tmp_path) as job:
+        done = job.finish()
+        started = [int(p) for p in pids.read_text().split()]
+        alive = []
+        for pid in started:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {p.cmdline()} (parent {p.ppid()})")
+            except psutil.NoSuchProcess:
+                pass
+            else:
+                job.seen.setdefault(pid, p)  # killed by __exit__ whatever happens
+    assert done.returncode == 2 and "crashed with exit code 1 and the restart budget is used up" in done.stderr
+    assert len(started) == 6 and alive == [], done.stderr
+    assert done.stderr.count("left 3 process(es) running") == 2, done.stderr

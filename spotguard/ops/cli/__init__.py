@@ -2,8 +2,8 @@
 
 Each module holds a group of subcommands, each parser next to its handler: ``checkpoints`` (ls,
 verify, pull, rm), ``plan``, ``run`` (run, watch) and ``rehearse`` (mock-metadata,
-simulate-preemption). A handler returns the exit code; a ``SpotguardError`` it raises is printed as
-``spotguard: error: ...`` with exit code 2. Logging is configured here (a library never configures
+simulate-preemption). A handler returns the exit code; a ``SpotguardError`` (or an ``OSError``: a
+file it cannot read or write) it raises is printed as ``spotguard: error: ...`` with exit code 2. Logging is configured here (a library never configures
 handlers). Nothing imported at startup needs torch.
 """
 
@@ -42,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except SpotguardError as e:
+    except (SpotguardError, OSError) as e:
+        # OSError: a file or folder the command cannot read or write; said in one line, never a traceback
+        logging.getLogger("spotguard.ops.cli").debug("the error in full", exc_info=True)
         print(f"spotguard: error: {e}", file=sys.stderr)
         if getattr(args, "json", False):
             print(json.dumps({"error": str(e), "exit_code": 2, "type": type(e).__name__}))

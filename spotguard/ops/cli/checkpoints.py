@@ -5,21 +5,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from spotguard import checkpoint
 from spotguard.checkpoint.manifest import NEWER_FORMAT
-from spotguard.errors import CheckpointCorruptError, CheckpointFormatError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, StorageError
 from spotguard.storage import Storage, open_storage
+from spotguard.storage.timeouts import DEFAULT_TIMEOUT
 
 from ._output import fail, report
 
 _URL = "storage URL (path, file://, s3://, gs://, az://)"
+UNREADABLE = "unreadable"
+
+
+def _open(args: argparse.Namespace, url: str) -> Storage:
+    """The storage at ``url``, its cloud requests bounded by ``--timeout``."""
+    return open_storage(url, timeout=args.timeout)
+
+
+def _missing_folder(storage: Storage) -> bool:
+    """A local storage root that does not exist (a cloud prefix has no existence of its own)."""
+    root = getattr(storage, "root", None)
+    if root is None:
+        return False
+    try:
+        os.stat(root)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # there but unusable (below a file, unreadable): the listing says why
+    return False
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = open_storage(args.url)
+    storage = _open(args, args.url)
+    if _missing_folder(storage):  # a typo must not look like an empty run
+        return fail(args, f"{storage.describe()} does not exist", url=storage.describe())
     infos = checkpoint.scan(storage)
     # The listing checks manifests and sizes only; contents are read and hashed with --verify.
     verified = {i.name: _problem(storage, i) for i in infos if i.complete} if args.verify else {}
@@ -32,7 +56,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     {
                         "step": info.step,
                         "name": info.name,
-                        "status": "corrupt" if bad else info.status,
+                        "status": _bad_status(bad) if bad else info.status,
                         "problem": bad or info.problem or None,
                         "verified": (not bad) if info.name in verified else None,
                         "time": m.time if m else None,
@@ -55,20 +79,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
         elif not args.verify:
             status = "complete (unverified)"
         else:
-            status = f"corrupt ({verified[info.name]})" if verified[info.name] else "complete (verified)"
+            bad = verified[info.name]
+            status = f"{_bad_status(bad)} ({bad.removeprefix(UNREADABLE + ': ')})" if bad else "complete (verified)"
         print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
     if not args.verify and any(i.complete for i in infos):
         print("(unverified: manifest and sizes checked; --verify reads every file and checks its SHA-256)")
     return 0
 
 
+def _bad_status(problem: str) -> str:
+    return UNREADABLE if problem.startswith(f"{UNREADABLE}: ") else "corrupt"
+
+
 def _problem(storage: Storage, info: checkpoint.CheckpointInfo) -> str:
-    """The problem found by reading and hashing every file, or "" when it verifies."""
+    """The problem found by reading and hashing every file, or "" when it verifies. A file that cannot
+    be read (permissions, the service failing) is ``unreadable: ...``: not corrupt, not verified either."""
     try:
         checkpoint.verify(storage, info)
     except (CheckpointCorruptError, CheckpointFormatError) as e:
         text = str(e)  # printed after the checkpoint's name: not twice
         return text[len(info.name) + 2 :] if text.startswith(f"{info.name}: ") else text
+    except (StorageError, OSError) as e:
+        return f"{UNREADABLE}: {e}"
     return ""
 
 
@@ -82,7 +114,7 @@ def _split_step(url: str) -> tuple[str, str | None]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     root, name = _split_step(args.url)
-    storage = open_storage(root)
+    storage = _open(args, root)
     infos = [i for i in checkpoint.scan(storage) if name is None or i.name == name]
     if name is not None and not infos:
         return fail(args, f"{storage.describe(name)}: no such checkpoint", url=storage.describe(name))
@@ -100,6 +132,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         elif info.status == NEWER_FORMAT:  # cannot be checked here; resume refuses it too
             bad += 1
             status, text = NEWER_FORMAT, f"{info.name}: NEWER FORMAT: {problem}"
+        elif problem.startswith(f"{UNREADABLE}: "):
+            bad += 1
+            problem = problem[len(UNREADABLE) + 2 :]
+            status, text = UNREADABLE, f"{info.name}: UNREADABLE: {problem}"
         else:
             bad += 1
             status, text = "corrupt", f"{info.name}: CORRUPT: {problem}"
@@ -114,6 +150,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "problem": problem or None,
             },
         )
+    if not bad and all(i.status == "incomplete" for i in infos):  # nothing was verified: no clean bill
+        return fail(args, f"no complete checkpoint in {storage.describe()}: nothing verified", url=storage.describe())
     return 1 if bad else 0
 
 
@@ -142,7 +180,7 @@ def _progress_bar(total: int, desc: str) -> Any:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """Copy one checkpoint (verified) into DEST/step-N/, a local checkpoint root spotguard can resume from."""
-    storage = open_storage(args.url)
+    storage = _open(args, args.url)
     info = _find(storage, args.step)
     if info is None:
         what = "no complete checkpoint" if args.step is None else f"no checkpoint of step {args.step}"
@@ -151,9 +189,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
         return fail(
             args, f"{storage.describe(info.name)} is {info.status}: {info.problem}", url=storage.describe(info.name)
         )
-    dest = open_storage(args.dest)
+    dest = _open(args, args.dest)
+    where = dest.describe(info.name)
     if dest.list(info.name + "/"):
-        return fail(args, f"{dest.describe(info.name)} already exists", url=dest.describe(info.name))
+        return fail(args, f"{where} already exists", url=where)
     bar = _progress_bar(info.manifest.size, info.name)
     counts = hasattr(storage, "progress")  # cloud backends report the bytes they download
     if counts:
@@ -162,9 +201,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
         checkpoint.copy(storage, dest, info, verify=True)
         if not counts:
             bar.update(info.manifest.size)
+    except (OSError, StorageError) as e:  # a folder that cannot be written, a file that cannot be read
+        _remove_partial(dest, info.name)
+        return fail(args, f"cannot pull {storage.describe(info.name)} into {where}: {e}", url=where)
     finally:
         bar.close()
-    where = dest.describe(info.name)
     report(
         args,
         f"{where}: pulled step {info.step} ({info.manifest.size / 1e6:.1f} MB, verified)",
@@ -180,8 +221,17 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remove_partial(dest: Storage, name: str) -> None:
+    """What a failed pull wrote: never left to look like a checkpoint being written (a retry would
+    find it "already exists")."""
+    try:
+        checkpoint.delete(dest, name)
+    except (OSError, StorageError) as e:
+        print(f"spotguard: could not remove the partial copy {dest.describe(name)}: {e}", file=sys.stderr)
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
-    storage = open_storage(args.url)
+    storage = _open(args, args.url)
     if args.step is not None:
         info = _find(storage, args.step)
         if info is None:
@@ -213,6 +263,17 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"give up on a cloud storage operation after about this long: each request waits at most this "
+        f"long to connect and for each read, and no retry starts after it (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
 def register(sub: Any) -> None:
     """Add ``ls``, ``verify``, ``pull`` and ``rm`` to the ``spotguard`` subcommands."""
     p = sub.add_parser("ls", help="list the checkpoints under a storage URL")
@@ -223,6 +284,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="read every file and check its SHA-256 (default: manifests and sizes only; contents unverified)",
     )
+    _add_timeout(p)
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(
@@ -237,6 +299,7 @@ def register(sub: Any) -> None:
         help="one JSON object per checkpoint (status ok, corrupt, incomplete or "
         "newer-format); an error object and exit 1 when there is nothing to verify",
     )
+    _add_timeout(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
@@ -244,6 +307,7 @@ def register(sub: Any) -> None:
     p.add_argument("dest", help="local checkpoint root; the checkpoint lands in DEST/step-NNNNNNNN/")
     p.add_argument("--step", type=int, help="which step (default: the newest complete checkpoint)")
     p.add_argument("--json", action="store_true", help="one JSON object: the pulled checkpoint, or an error")
+    _add_timeout(p)
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("rm", help="delete one checkpoint, or the leftovers of interrupted saves")
@@ -254,4 +318,5 @@ def register(sub: Any) -> None:
         "--incomplete", action="store_true", help="delete checkpoints without a manifest and unfinished uploads"
     )
     p.add_argument("--json", action="store_true", help="one JSON object per thing deleted, or an error")
+    _add_timeout(p)
     p.set_defaults(func=cmd_rm)

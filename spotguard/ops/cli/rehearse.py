@@ -4,6 +4,7 @@ and ``spotguard simulate-preemption`` (drive it, signal a process, or write a no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -65,11 +66,20 @@ def _signal_process(pid: int, name: str) -> int:
 
 
 def _write_notice_file(path: str, kind: str | None, deadline_in: float) -> int:
+    from spotguard.errors import ConfigError
+
     payload = {"kind": kind or "terminate", "deadline_in": deadline_in}
+    if os.path.isdir(path):
+        raise ConfigError(f"--file {path} is a folder: give the path of the notice file the job watches")
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)  # atomic: the watcher never reads half a notice
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, path)  # atomic: the watcher never reads half a notice
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # never leave PATH.tmp behind
+        raise ConfigError(f"cannot write the notice file {path}: {e.strerror or e}") from e
     print(f"wrote notice file {path}: {json.dumps(payload)}")
     return 0
 

@@ -122,7 +122,12 @@ class MockMetadataServer:
         #: Called with each storm answer's name (from a server thread), e.g. to end a storm in a test.
         self.on_storm: Callable[[str], None] | None = None
         self.storm_answers = 0
-        self._httpd = _Server((host, port), _Handler)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"port must be within 0..65535 (0: any free port), got {port!r}")
+        try:
+            self._httpd = _Server((host, port), _Handler)
+        except OSError as e:  # in use, a host that is not ours, a name that does not resolve
+            raise ConfigError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
         self._httpd.owner = self
         self._thread: threading.Thread | None = None
 

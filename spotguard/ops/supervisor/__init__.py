@@ -9,9 +9,13 @@ left running, ranks of a launcher included (``procs``) -> decide (``loop``):
 child outcome                                          supervisor
 =====================================================  ============================================
 exit 0                                                 exit 0 (finished)
-exit 75 (``EXIT_PREEMPTED``) or its Guard stopped      exit 75, no restart: the machine can go
-for a notice (heartbeat flag), whatever the code
-(a launcher's own code, e.g. torchrun's 1)
+its Guard stopped for a notice and committed its       exit 75, no restart: the machine can go
+checkpoint (heartbeat flags), whatever the code
+(a launcher's own code, e.g. torchrun's 1); or exit
+75 from a job without a Guard
+its Guard stopped for a notice but reported no         its own code (1 for a 0 or 75 that would
+committed checkpoint (killed mid-save, save failed)    claim one), no restart; the log says what
+                                                       was lost
 exit 78 (``EXIT_CONFIG``) or its Guard raised an       exit 78, no restart: a restart meets the same
 error a restart meets again (heartbeat flag)           error (unloadable state, changed data loader)
 any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,

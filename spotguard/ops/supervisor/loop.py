@@ -230,18 +230,42 @@ class Supervisor:
             self.restart_causes[cause] += 1
         self.events.emit("exit", **record)
 
+    def _stopped_uncommitted(self, out: Outcome) -> int:
+        """The job stopped for a notice but never reported its checkpoint committed (killed mid-save, the
+        save failed): not restarted (the machine is going), and never 75. Its own code, or 1 where that
+        would claim a checkpoint (75) or a finish (0); the log says what was lost."""
+        code = out.exit_code
+        exit_code = 1 if code in (0, EXIT_PREEMPTED) else code
+        step = heartbeat.read(self.beat)[0] if self.beat else 0
+        newest = self._newest_checkpoint()
+        logger.error(
+            "the job stopped for a notice at step %d but reported no committed checkpoint (exit code %d): "
+            "the resume point stays %s, %d step(s) lost; not restarting, exiting %d",
+            step,
+            code,
+            f"step {newest[0]}" if newest else "the start (no checkpoint)",
+            max(step - (newest[0] if newest else 0), 0),
+            exit_code,
+        )
+        self._exited(out, "stopped" if self.stops.stopping.is_set() else "preempted", restart=False)
+        return exit_code
+
     def _decide(self, out: Outcome) -> int | None:
         """The exit code to stop with, or None to restart (counts against the budget)."""
         if out.killed_after_grace:
             self._exited(out, "grace_exceeded", restart=False)
             return self.stops.stop_code(signal.SIGTERM)
         code = out.exit_code
-        if code == EXIT_PREEMPTED or out.flags & heartbeat.STOPPED_FOR_NOTICE:
+        stopped = bool(out.flags & heartbeat.STOPPED_FOR_NOTICE)
+        # 75 says "checkpoint written": from a Guard's word (the heartbeat), or from a job without one.
+        if (stopped and out.flags & heartbeat.COMMITTED) or (code == EXIT_PREEMPTED and not stopped):
             logger.warning(
                 "the job stopped for a notice (exit code %d): not restarting, exiting %d", code, EXIT_PREEMPTED
             )
             self._exited(out, "preempted", restart=False)
             return EXIT_PREEMPTED
+        if stopped:
+            return self._stopped_uncommitted(out)
         if code == EXIT_CONFIG or out.flags & heartbeat.CONFIG_ERROR:
             logger.error(
                 "the job failed on an error a restart would meet again (exit code %d; see its message above): "

@@ -1,8 +1,11 @@
 """Our stop signals, forwarded to the job once: the job writes its emergency checkpoint, we wait.
 
-A repeat of the same signal within ``DUPLICATE_WINDOW`` is the same broadcast (Slurm and systemd's
-control-group mode signal every process, a wrapper shell may forward too) and is not forwarded
-again; a later one is (the child's Guard then stops at once). ``forward_as`` (e.g. SIGUSR1) keeps
+A repeat of the same signal within ``DUPLICATE_WINDOW`` of the previous one is the same broadcast
+(Slurm and systemd's control-group mode signal every process, a wrapper shell may forward too, an
+agent may repeat it every 0.1 s) and is not forwarded again; only a repeat after a quiet
+``DUPLICATE_WINDOW`` is (the child's Guard then stops at once). The window counts from the latest
+signal, not the first: a storm that lasts longer than the window never becomes "stop now" and so
+never kills a job in the middle of its emergency checkpoint. ``forward_as`` (e.g. SIGUSR1) keeps
 our delivery distinct from the platform's own where it signals the child directly as well.
 The signal goes to the job's topmost processes (``procs.Job.signal_top``): the launcher while it
 runs (torchrun, ``deepspeed``'s per-node launcher pass it on to the ranks), then whatever it left
@@ -23,7 +26,7 @@ from .procs import Job
 logger = logging.getLogger("spotguard.ops.supervisor")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-#: A repeat of the first stop signal this soon is the same broadcast, not a user insisting.
+#: A repeat of the stop signal this soon after the previous one is the same broadcast, not a user insisting.
 DUPLICATE_WINDOW = 2.0
 
 
@@ -40,6 +43,8 @@ class Forwarder:
         self.stopping = threading.Event()
         self.signal: int | None = None  # the first stop signal
         self.at = 0.0  # its monotonic time
+        self.latest = 0.0  # the monotonic time of the latest one, duplicates included
+        self.duplicates = 0  # repeats not forwarded
         self._job: Job | None = None
         self._unforwarded: int | None = None
         self._previous: dict[int, object] = {}
@@ -64,12 +69,21 @@ class Forwarder:
         self._job = None
 
     def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
-        if self.stopping.is_set() and signum == self.signal and time.monotonic() - self.at < DUPLICATE_WINDOW:
-            logger.info("%s again within %.0fs: the same stop, not forwarded twice", signame(signum), DUPLICATE_WINDOW)
+        now = time.monotonic()
+        previous, self.latest = self.latest, now
+        if self.stopping.is_set() and signum == self.signal and now - previous < DUPLICATE_WINDOW:
+            self.duplicates += 1
+            if self.duplicates == 1:  # a storm would fill the log: the first repeat says it for all
+                logger.info(
+                    "%s again within %.0fs: the same stop, not forwarded (nor any repeat less than %.0fs apart)",
+                    signame(signum),
+                    DUPLICATE_WINDOW,
+                    DUPLICATE_WINDOW,
+                )
             return
-        again = self.stopping.is_set()  # a repeat after the duplicate window: the sender insists
+        again = self.stopping.is_set()  # a repeat after a quiet duplicate window: the sender insists
         if not again:
-            self.signal, self.at = signum, time.monotonic()
+            self.signal, self.at = signum, now
             logger.warning(
                 "%s received: forwarding it to the job and waiting up to %.0fs for its checkpoint",
                 signame(signum),
