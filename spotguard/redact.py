@@ -37,7 +37,8 @@ _NAMES = (
     r"|x-ms-copy-source-authorization|sig|signature|access_token|refresh_token|id_token|client_secret"
     r"|assertion|subject_token|private_key|secretaccesskey|sessiontoken|secret_access_key|session_token"
     r"|aws_secret_access_key|aws_session_token|aws_security_token|accountkey|account_key"
-    r"|sharedaccesssignature|sas_token|password|token"
+    r"|sharedaccesssignature|sas_token|password|token|x-aws-ec2-metadata-token"
+    r"|x-amz-server-side-encryption-customer-key|x-goog-encryption-key|x-ms-encryption-key"
 )
 _PATTERNS = [
     # Header line or canonical request line: "Authorization: AWS4-HMAC..." / "x-amz-security-token:VALUE".

@@ -27,6 +27,8 @@ SIG = "RlDkzNXP%2B7zHX8LrhZaNgquNnZ1u8E0Het6FcBsZygQ%3D"
         f"<Credentials><SessionToken>{TOKEN}</SessionToken><SecretAccessKey>{TOKEN}</SecretAccessKey>",
         f"BlobEndpoint=http://h/a;AccountKey={TOKEN};",
         f"SharedKey devstoreaccount1:{TOKEN}",
+        f"headers: {{'X-aws-ec2-metadata-token': '{TOKEN}'}}",
+        f"x-ms-encryption-key: {TOKEN}",
     ],
 )
 def test_secret_shapes_are_masked(text):

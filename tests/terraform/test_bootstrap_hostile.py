@@ -148,7 +148,9 @@ REQUIRED = {
         "subnet_ids": ["subnet-1"],
         "security_group_ids": ["sg-1"],
         "bucket_name": "my-checkpoints",
-        "command": "python train.py",
+        "command": "python train.py --name 'a b' --pct 50% --cost $$5",
+        "code_repo": "https://github.com/example/train.git",
+        "code_ref": "release/v1.0",
     },
     "gcp": {
         "project": "my-project",
@@ -159,6 +161,7 @@ REQUIRED = {
         "subnetwork": "default",
         "bucket_name": "my-checkpoints",
         "command": "python train.py",
+        "code_repo": "git@github.com:example/train.git",
     },
     "azure": {
         "resource_group_name": "rg",
@@ -168,6 +171,7 @@ REQUIRED = {
         "admin_ssh_public_key": "ssh-ed25519 AAAA",
         "storage_account_name": "mycheckpoints",
         "command": "python train.py",
+        "code_repo": "ssh://git@example.com/team/train.git",
     },
 }
 HOSTILE_VARS = {
@@ -195,6 +199,7 @@ def _variables_only(module: str, dest: Path) -> str:
 def test_module_validation_refuses_each_hostile_value(module, tmp_path):
     declared = variables(load_module(TERRAFORM / module))
     missing = [name for name, body in declared.items() if "default" not in body and name not in REQUIRED[module]]
+    assert set(REQUIRED[module]) <= set(declared)
     assert not missing, f"add valid values for {missing}"
     config = _variables_only(module, tmp_path / "ok")
     rc, out = terraform_apply(tmp_path / "ok", config, REQUIRED[module])
