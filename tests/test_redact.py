@@ -73,3 +73,13 @@ def test_filter_on_a_handler_cleans_third_party_records_and_tracebacks():
     out = stream.getvalue()
     assert TOKEN not in out
     assert "Sending http request" in out and "RuntimeError: refused" in out
+
+
+def test_cli_error_lines_are_masked_too(capsys):
+    from argparse import Namespace
+
+    from spotguard.ops.cli._output import fail
+
+    assert fail(Namespace(json=True), f"cannot read http://h/a/c/b?sv=1&sig={SIG}: 403") == 1
+    out, err = capsys.readouterr()
+    assert SIG not in out + err and f"sig={MASK}" in err and f"sig={MASK}" in out
