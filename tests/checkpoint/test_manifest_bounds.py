@@ -85,7 +85,8 @@ def test_a_hostile_manifest_is_corrupt_everywhere_and_resume_falls_back(case, tm
     assert guard.resume() == 1 and torch.all(model.weight == 1.0)
 
 
-def test_a_manifest_listing_too_many_files_is_corrupt():
+def test_a_manifest_listing_too_many_files_is_corrupt(monkeypatch):
+    monkeypatch.setattr(bounds, "MAX_FILES", 10)  # the rule, not 200,000 entries' worth of JSON
     entry = {"name": "f", "size": 1, "sha256": "0" * 64, "chunk_size": 16 << 20}
     doc = {"format": "spotguard/2", "step": 1, "reason": "periodic", "time": "t"}
     doc["files"] = [dict(entry, name=f"f{i}") for i in range(bounds.MAX_FILES + 1)]
