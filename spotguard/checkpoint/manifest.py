@@ -1,7 +1,8 @@
 """What a checkpoint is on paper: its directory name, its manifest (the commit marker) and file entries.
 
 The manifest is JSON, never pickle: ``Manifest.from_bytes`` validates every field, and a file name
-that could leave its checkpoint directory is refused. A ``spotguard/N`` format newer than this
+that could leave its checkpoint directory is refused. Its size, nesting and numbers are bounded
+(``bounds``): a manifest outside them is corrupt, and writers refuse to commit one. A ``spotguard/N`` format newer than this
 version reads is not corrupt but a ``CheckpointFormatError`` (upgrade spotguard), so that a resume
 never falls back past it.
 """
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 from spotguard._version import __version__
-from spotguard.checkpoint import digest
+from spotguard.checkpoint import bounds, digest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 
 FORMAT = "spotguard/2"  # chunked checksums; readers take "spotguard/1" (whole-file SHA-256) too
@@ -86,19 +87,27 @@ class Manifest:
         return (dt.datetime.now(dt.timezone.utc) - written).total_seconds()
 
     def to_bytes(self) -> bytes:
-        data = asdict(self)
-        data["files"] = [asdict(f) for f in self.files]
-        return json.dumps(data, indent=1, sort_keys=True).encode()
+        try:
+            data = asdict(self)
+            data["files"] = [asdict(f) for f in self.files]
+            raw = json.dumps(data, indent=1, sort_keys=True).encode()
+            bounds.check_written(raw, data)
+        except RecursionError as e:
+            raise ConfigError(f"checkpoint of step {self.step} not written: guard.extra nested too deep") from e
+        except ValueError as e:
+            raise ConfigError(f"checkpoint of step {self.step} not written: {e}") from e
+        return raw
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
         """Parse and validate; anything unexpected is a ``CheckpointCorruptError``, a ``spotguard/N``
         format newer than this version reads a ``CheckpointFormatError``."""
         try:
-            data = json.loads(raw)
+            data = bounds.load_json(raw)
             if not isinstance(data, dict) or data.get("format") not in FORMATS:
                 _refuse_newer_format(data, where)
                 raise ValueError(f"not a {' or '.join(FORMATS)} manifest")
+            bounds.check_manifest(data)
             files = []
             for f in data["files"]:
                 name, size, sha, chunk = f["name"], f["size"], f["sha256"], f.get("chunk_size", 0)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from spotguard.checkpoint import digest
+from spotguard.checkpoint import bounds, digest
 from spotguard.checkpoint.manifest import (
     MANIFEST,
     NEWER_FORMAT,
@@ -52,6 +52,10 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
             infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
             continue
         try:
+            if groups[name][MANIFEST] > bounds.MAX_BYTES:  # refused before it is downloaded
+                raise CheckpointCorruptError(
+                    f"{name}: invalid manifest ({groups[name][MANIFEST]} bytes, more than {bounds.MAX_BYTES})"
+                )
             manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
             if manifest.step != step:
                 raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")

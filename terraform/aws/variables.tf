@@ -91,8 +91,8 @@ variable "command" {
   description = "The training command, run by `spotguard run` in the code checkout. One line, systemd ExecStart syntax: write $$ for a literal $."
   type        = string
   validation {
-    condition     = length(trimspace(var.command)) > 0 && !strcontains(var.command, "\n")
-    error_message = "command: one non-empty line."
+    condition     = length(trimspace(var.command)) > 0 && !can(regex("[[:cntrl:]]", var.command)) && !endswith(var.command, "\\")
+    error_message = "command: one non-empty line without control characters, not ending in a backslash (systemd would join the next unit line to it)."
   }
 }
 
@@ -101,8 +101,8 @@ variable "code_repo" {
   type        = string
   default     = ""
   validation {
-    condition     = !strcontains(var.code_repo, "'")
-    error_message = "code_repo: no single quotes."
+    condition     = var.code_repo == "" || can(regex("^((https?|ssh|git|file)://|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:)[A-Za-z0-9._~:/?#@!$&()*+,;=%-]+$", var.code_repo))
+    error_message = "code_repo: an https://, ssh://, git://, file:// or user@host: git URL, without spaces or quotes."
   }
 }
 
@@ -111,8 +111,8 @@ variable "code_ref" {
   type        = string
   default     = "main"
   validation {
-    condition     = can(regex("^[A-Za-z0-9._/-]+$", var.code_ref))
-    error_message = "code_ref: a branch or tag name."
+    condition     = can(regex("^[A-Za-z0-9_][A-Za-z0-9._/-]{0,199}$", var.code_ref)) && !strcontains(var.code_ref, "..")
+    error_message = "code_ref: a branch or tag name (letters, digits, . _ - /; not starting with - or .)."
   }
 }
 
@@ -131,15 +131,19 @@ variable "python" {
   type        = string
   default     = "python3"
   validation {
-    condition     = can(regex("^[A-Za-z0-9_./-]+$", var.python))
+    condition     = can(regex("^[A-Za-z0-9_./][A-Za-z0-9_./-]*$", var.python))
     error_message = "python: a command name or path."
   }
 }
 
 variable "run_as" {
-  description = "User that runs the job."
+  description = "User that runs the job: created at boot (a system account) when the image has none of that name. Not root by default."
   type        = string
-  default     = "root"
+  default     = "spotguard"
+  validation {
+    condition     = can(regex("^[a-z_][a-z0-9_-]{0,31}$", var.run_as))
+    error_message = "run_as: a user name (lowercase letters, digits, _ or -, at most 32, starting with a letter or _)."
+  }
 }
 
 variable "capacity_rebalance" {
@@ -152,18 +156,30 @@ variable "max_restarts" {
   description = "Restarts of the job after crashes or hangs on one machine (spotguard run --max-restarts)."
   type        = number
   default     = 10
+  validation {
+    condition     = var.max_restarts == floor(var.max_restarts) && var.max_restarts >= 0 && var.max_restarts <= 10000
+    error_message = "max_restarts: a whole number from 0 to 10000."
+  }
 }
 
 variable "hang_timeout" {
   description = "Seconds without a completed step before the job counts as hung; 0 turns the watchdog off."
   type        = number
   default     = 1800
+  validation {
+    condition     = var.hang_timeout == floor(var.hang_timeout) && var.hang_timeout >= 0 && var.hang_timeout <= 604800
+    error_message = "hang_timeout: whole seconds from 0 (off) to 604800 (a week)."
+  }
 }
 
 variable "grace" {
   description = "Seconds the job gets for its emergency checkpoint after a stop signal (AWS notices come 120 s ahead)."
   type        = number
   default     = 100
+  validation {
+    condition     = var.grace == floor(var.grace) && var.grace >= 1 && var.grace <= 3600
+    error_message = "grace: whole seconds from 1 to 3600."
+  }
 }
 
 variable "tags" {

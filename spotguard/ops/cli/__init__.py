@@ -3,8 +3,10 @@
 Each module holds a group of subcommands, each parser next to its handler: ``checkpoints`` (ls,
 verify, pull, rm), ``plan``, ``run`` (run, watch) and ``rehearse`` (mock-metadata,
 simulate-preemption). A handler returns the exit code; a ``SpotguardError`` (or an ``OSError``: a
-file it cannot read or write) it raises is printed as ``spotguard: error: ...`` with exit code 2. Logging is configured here (a library never configures
-handlers). Nothing imported at startup needs torch.
+file it cannot read or write) it raises is printed as ``spotguard: error: ...`` with exit code 2.
+Logging is configured here (a library never configures handlers): one stderr handler whose
+``RedactingFilter`` masks credentials in every record, the cloud SDKs' included; their wire logs
+(every request and header) only from ``-vvv``. Nothing imported at startup needs torch.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from spotguard import redact
 from spotguard._version import __version__
 from spotguard.errors import SpotguardError
 
 from . import checkpoints, plan, rehearse, run
 
 __all__ = ["build_parser", "main"]
+
+#: Loggers of the SDKs that log each request on the wire at DEBUG: capped at INFO below -vvv.
+WIRE_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "requests", "azure", "google", "msal")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,25 +35,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="Keep PyTorch training alive on spot machines: checkpoints, rehearsals and a supervisor.",
     )
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more logging: -v info, -vv debug, -vvv also the cloud SDKs' requests (secrets are masked)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (checkpoints, plan, run, rehearse):
         group.register(sub)
     return parser
 
 
+def configure_logging(verbose: int) -> None:
+    """Root at WARNING / INFO / DEBUG for 0 / 1 / 2+ ``-v``; the SDKs' wire loggers at INFO below 3."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact.install()
+    for name in WIRE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if verbose < 3 else logging.NOTSET)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except (SpotguardError, OSError) as e:
         # OSError: a file or folder the command cannot read or write; said in one line, never a traceback
         logging.getLogger("spotguard.ops.cli").debug("the error in full", exc_info=True)
-        print(f"spotguard: error: {e}", file=sys.stderr)
+        message = redact.redact(str(e), redact.secret_values())
+        print(f"spotguard: error: {message}", file=sys.stderr)
         if getattr(args, "json", False):
-            print(json.dumps({"error": str(e), "exit_code": 2, "type": type(e).__name__}))
+            print(json.dumps({"error": message, "exit_code": 2, "type": type(e).__name__}))
         return 2
 
 

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from spotguard import redact
+
 
 def report(args: argparse.Namespace, text: str, doc: dict[str, Any]) -> None:
     """One result: ``doc`` as a JSON line with ``--json``, else ``text``."""
@@ -14,7 +16,8 @@ def report(args: argparse.Namespace, text: str, doc: dict[str, Any]) -> None:
 
 
 def fail(args: argparse.Namespace, message: str, code: int = 1, **fields: object) -> int:
-    """An error result: the message on stderr and, with ``--json``, as a document on stdout."""
+    """An error result: the message (credentials masked) on stderr and, with ``--json``, as a document on stdout."""
+    message = redact.redact(message, redact.secret_values())
     print(f"spotguard: {message}", file=sys.stderr)
     if getattr(args, "json", False):
         print(json.dumps({"error": message, "exit_code": code, **fields}))

@@ -9,6 +9,7 @@ import logging
 import sys
 from typing import Any
 
+from spotguard import redact
 from spotguard.errors import SpotguardError
 from spotguard.notices.base import Notice
 
@@ -44,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SpotguardError as e:
         if not args.json:
             raise
-        print(f"spotguard: error: {e}", file=sys.stderr)
+        print(f"spotguard: error: {redact.redact(str(e), redact.secret_values())}", file=sys.stderr)
         return 2
     finally:
         if exporter is not None:
