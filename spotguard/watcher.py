@@ -1,9 +1,10 @@
 """The background watcher: one daemon thread per provider (per channel of one), one shared flag.
 
 Why one thread per provider: a GCP hanging GET or a signal queue wait blocks inside ``poll()``,
-and must not delay the other sources (nor GCP's other hanging GET: ``NoticeProvider.channels()``). The watcher owns timing, error logging and backoff; nothing
-a provider raises ever reaches the training loop. Checking ``preempted.is_set()`` costs tens of
-nanoseconds, and ``stop()`` returns within one interval because every wait is an Event wait.
+and must not delay the other sources (nor GCP's other hanging GET: ``NoticeProvider.channels()``).
+The watcher owns timing, error logging and backoff; nothing a provider raises ever reaches the
+training loop. Checking ``preempted.is_set()`` costs tens of nanoseconds, and ``stop()`` returns
+within one interval because every wait is an Event wait.
 
 Backoff after a failed poll is capped near the polling interval (1 s by default): a notice that
 appears during a storm of metadata errors must still be seen within about two seconds, and one
@@ -154,7 +155,8 @@ class Watcher:
                 self.advisories.append(notice)
                 del self.advisories[:-MAX_ADVISORIES]
                 now, key = time.monotonic(), (notice.provider, notice.kind)
-                if now - self._advised.get(key, -self.warn_every) < self.warn_every:
+                last = self._advised.get(key)
+                if last is not None and now - last < self.warn_every:
                     level = logging.DEBUG  # the same kind of advice again soon: said already
                 else:
                     self._advised[key] = now
