@@ -53,10 +53,15 @@ class HangingGet:
         warn: Callable[..., None],
     ) -> None:
         self.client, self.path, self.hang, self.wake, self.warn = client, path, hang, wake, warn
+        self.reset()
+
+    def reset(self) -> None:
+        """Start again with a plain GET (a watcher started again: the value may have changed and
+        changed back since the ETag was read, and a hanging GET on that ETag would wait it out)."""
         self.etag: str | None = None
         self._read_at: dt.datetime | None = None  # when the last successful read returned
         self._next_at = 0.0  # monotonic: no request before this (pacing)
-        self._quick = False  # the last read came back without waiting
+        self._quick = False  # the last hanging GET came back without waiting
 
     def read(self) -> Reading | None:
         """The value now (or at its next change, within ``hang`` seconds); None when woken."""
@@ -84,11 +89,12 @@ class HangingGet:
         if etag is not None and not _ETAG.fullmatch(etag):
             self.warn("%s: unusable ETag %r; reading once a second instead of waiting", self.path, etag[:100])
             etag = None
-        # No ETag: plain GETs, once a second. At once twice in a row, or unchanged without waiting:
-        # the value changes on every read or the server does not hold requests; once a second too.
+        # No ETag: plain GETs, once a second. Hanging GETs back at once twice in a row, or unchanged
+        # without waiting: the value changes on every read, or the server does not hold requests;
+        # once a second too. (One change at once costs nothing: the next read is not delayed.)
         if etag is None or (not waited and (etag == sent or self._quick)):
             self._next_at = started + 1.0
         else:
             self._next_at = 0.0
-        self.etag, self._read_at, self._quick = etag, now, not waited
+        self.etag, self._read_at, self._quick = etag, now, sent is not None and not waited
         return Reading(resp.text.strip(), since)

@@ -120,7 +120,9 @@ class GcpProvider(MetadataProvider):
         return None
 
     def open(self, report: Report) -> None:
-        self._wake.clear()  # a watcher may be started again after a stop
+        self._wake.clear()  # a watcher may be started again after a stop: from plain GETs
+        self._preempted.reset()
+        self.maintenance.watch.reset()
 
     def wakeup(self) -> None:
         self._wake.set()

@@ -386,3 +386,20 @@ def test_both_gcp_watcher_threads_stop_at_once(mock_metadata):
     time.sleep(1.0)
     watcher.stop()
     assert [n.kind for n in watcher.advisories] == ["migrate"]
+
+
+def test_a_watcher_started_again_reads_afresh_not_on_an_old_etag(mock_metadata):
+    """The value may have changed and changed back while nobody watched: a hanging GET on the old
+    ETag would wait out its whole ``hang`` on a notice that is there."""
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=5)
+    with Watcher([p]) as first:
+        time.sleep(0.3)
+        server.mock.trigger("preempt")
+        assert first.preempted.wait(5)
+    server.mock.clear()
+    server.mock.trigger("preempt")  # TRUE again: the ETag the provider last read
+    t0 = time.monotonic()
+    with Watcher([p]) as second:
+        assert second.preempted.wait(10)
+    assert time.monotonic() - t0 < 2.0, time.monotonic() - t0
