@@ -1,15 +1,21 @@
-"""The background watcher: one daemon thread per provider, one shared flag.
+"""The background watcher: one daemon thread per provider (per channel of one), one shared flag.
 
 Why one thread per provider: a GCP hanging GET or a signal queue wait blocks inside ``poll()``,
-and must not delay the other sources. The watcher owns timing, error logging and backoff; nothing
-a provider raises ever reaches the training loop. Checking ``preempted.is_set()`` costs tens of
-nanoseconds, and ``stop()`` returns within one interval because every wait is an Event wait.
+and must not delay the other sources (nor GCP's other hanging GET: ``NoticeProvider.channels()``).
+The watcher owns timing, error logging and backoff; nothing a provider raises ever reaches the
+training loop. Checking ``preempted.is_set()`` costs tens of nanoseconds, and ``stop()`` returns
+within one interval because every wait is an Event wait.
 
 Backoff after a failed poll is capped near the polling interval (1 s by default): a notice that
 appears during a storm of metadata errors must still be seen within about two seconds, and one
 poll a second never hammers a metadata service. A provider that asks for it (``fast_retry``, GCP)
 is retried every 0.1-0.2 s in the first seconds of a failure. A provider that keeps failing is
 reported at WARNING level again every ``warn_every`` seconds, so a lasting problem stays visible.
+
+A source that produces a new advisory notice on every read costs bounded memory and log: the
+``advisories`` kept are the latest ``MAX_ADVISORIES``, the notice ids remembered the latest
+``MAX_SEEN`` (a notice still being seen stays remembered), and advisories of one provider and kind
+are logged at WARNING at most once every ``warn_every`` seconds (DEBUG in between).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from spotguard.errors import ConfigError
@@ -31,6 +38,8 @@ logger = logging.getLogger(__name__)
 # Our own generator: the training's global random streams must never be touched by spotguard.
 _jitter = random.Random()
 FAST_RETRY = 0.2  # at most this long between retries in the first ``provider.fast_retry`` seconds of a failure
+MAX_ADVISORIES = 64  # the latest advisory notices kept in ``Watcher.advisories``
+MAX_SEEN = 1024  # notice ids remembered for deduplication (the least recently seen are forgotten)
 
 
 class Watcher:
@@ -72,11 +81,13 @@ class Watcher:
         self.preempted = threading.Event()
         self.notice: Notice | None = None
         self.advisories: list[Notice] = []
-        self._seen: set[str] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # an ordered set: least recently seen first
+        self._advised: dict[tuple[str, str], float] = {}  # (provider, kind) -> when last logged at WARNING
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._opened: list[NoticeProvider] = []
+        self._channels: list[NoticeProvider] = []
 
     @property
     def running(self) -> bool:
@@ -90,26 +101,29 @@ class Watcher:
         for provider in self.providers:
             try:
                 provider.open(self.report)
+                channels = provider.channels()
             except Exception:
                 logger.exception("notice provider %s failed to open; it will not be watched", provider.name)
                 continue
             self._opened.append(provider)
-            thread = threading.Thread(
-                target=self._run, args=(provider,), daemon=True, name=f"spotguard-watch-{provider.name}"
-            )
-            self._threads.append(thread)
-            thread.start()
+            for channel in channels:
+                self._channels.append(channel)
+                thread = threading.Thread(
+                    target=self._run, args=(channel,), daemon=True, name=f"spotguard-watch-{channel.name}"
+                )
+                self._threads.append(thread)
+                thread.start()
         logger.debug("watching %s every %.2fs", [p.name for p in self._opened], self.interval)
         return self
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop polling, wait for the threads, and close the providers (from this thread)."""
         self._stopping.set()
-        for provider in self._opened:
+        for channel in self._channels:
             try:
-                provider.wakeup()
+                channel.wakeup()
             except Exception:
-                logger.debug("wakeup of %s failed", provider.name, exc_info=True)
+                logger.debug("wakeup of %s failed", channel.name, exc_info=True)
         join_timeout = timeout if timeout is not None else self.interval + 5.0
         for thread in self._threads:
             thread.join(join_timeout)
@@ -122,20 +136,33 @@ class Watcher:
                 logger.warning("closing notice provider %s failed", provider.name, exc_info=True)
         self._threads.clear()
         self._opened.clear()
+        self._channels.clear()
 
     def report(self, notice: Notice) -> None:
         """Deliver a notice as if a provider had found it (also usable by callers and tests)."""
+        level = logging.WARNING
         with self._lock:
             if notice.event_id in self._seen:
+                self._seen.move_to_end(notice.event_id)  # still seen: never the one forgotten
                 return
-            self._seen.add(notice.event_id)
+            self._seen[notice.event_id] = None
+            if len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
             stops = self.stop_on_advisory or not notice.advisory
             if stops and self.notice is None:
                 self.notice = notice
             if not stops:
                 self.advisories.append(notice)
+                del self.advisories[:-MAX_ADVISORIES]
+                now, key = time.monotonic(), (notice.provider, notice.kind)
+                last = self._advised.get(key)
+                if last is not None and now - last < self.warn_every:
+                    level = logging.DEBUG  # the same kind of advice again soon: said already
+                else:
+                    self._advised[key] = now
         left = notice.seconds_left()
-        logger.warning(
+        logger.log(
+            level,
             "%s notice from %s (%s)%s",
             "stop" if stops else "advisory",
             notice.provider,

@@ -117,3 +117,31 @@ def test_sigint_is_a_stop_notice_when_asked_and_left_alone_otherwise():
         signal.raise_signal(signal.SIGINT)
         assert w.preempted.wait(5) and w.notice is not None and w.notice.raw == {"signal": "SIGINT"}
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_new_advisory_on_every_poll_keeps_memory_and_warnings_bounded(caplog):
+    """Issue 22: a source whose advice changes on every read grew the list and the WARNINGs forever."""
+    from spotguard.watcher import MAX_ADVISORIES, MAX_SEEN
+
+    class EverNew(Scripted):
+        def poll(self):
+            self.polls += 1
+            return Notice("scripted", "rebalance", raw={"n": self.polls})
+
+    steady = Notice("scripted", "migrate", raw={"steady": True})
+    seen = []
+    w = Watcher([], on_notice=seen.append)
+    with caplog.at_level(logging.WARNING, "spotguard.watcher"):
+        for n in range(3 * MAX_SEEN):
+            w.report(Notice("scripted", "rebalance", raw={"n": n}))
+            w.report(steady)  # seen all along: never forgotten, never reported twice
+    assert len(w.advisories) == MAX_ADVISORIES and w.advisories[-1].raw == {"n": 3 * MAX_SEEN - 1}
+    assert len(w._seen) <= MAX_SEEN
+    assert seen.count(steady) == 1 and len(seen) == 3 * MAX_SEEN + 1  # each new one still reaches the callback
+    assert [r.getMessage().split(" (")[1] for r in caplog.records] == ["rebalance)", "migrate)"]  # one each
+    caplog.clear()
+    p = EverNew([])
+    with caplog.at_level(logging.WARNING, "spotguard.watcher"), Watcher([p], interval=0.001) as w:
+        while p.polls < 500:
+            time.sleep(0.01)
+    assert len(w.advisories) == MAX_ADVISORIES and caplog.text.count("advisory notice") == 1

@@ -4,23 +4,34 @@ Why not ``requests``: a watcher polls every second for days, so the per-request 
 hanging GET (GCP) must be interruptible from another thread when the watcher stops. One persistent
 connection per client, reopened once when the server dropped it; ``interrupt()`` shuts the socket
 down so a blocked read returns at once.
+
+A hostile or broken answer must not hold the watcher or its memory: the timeout bounds a request's
+whole time, not each read (an answer dripped a byte a second never times out per read), and an
+answer larger than ``max_body`` bytes is refused after reading at most that much (metadata values
+are bytes to kilobytes; a proxy's error page of 100 MB is not a notice).
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from spotguard.errors import ConfigError
 from spotguard.notices.base import NoticeProvider
 
 __all__ = ["MetadataClient", "MetadataHTTPError", "Response", "WarnOnce", "check_status", "parse_base_url"]
+
+#: The largest answer read (bytes): Azure's scheduled events with a dozen events are a few KiB.
+MAX_BODY = 256 * 1024
 
 
 class MetadataHTTPError(OSError):
@@ -91,19 +102,59 @@ def parse_base_url(value: str, default_port: int = 80) -> tuple[str, int]:
     return parts.hostname, parts.port or default_port
 
 
-class MetadataClient:
-    """One keep-alive connection to a metadata server; safe to ``interrupt()`` from another thread."""
+class _DeadlineReader(io.RawIOBase):
+    """The socket's bytes, each read given only the time left until ``deadline`` (monotonic).
 
-    def __init__(self, host: str, port: int = 80, timeout: float = 2.0) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
+    ``hold`` is the file http.client made on the socket: kept open until this reader closes, so
+    that a connection closed early (``Connection: close``) leaves the socket readable, as it does
+    for http.client's own file.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float, hold: io.IOBase) -> None:
+        super().__init__()
+        self.sock, self.deadline, self._hold = sock, deadline, hold
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self._hold.close()
+        super().close()
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """An ``HTTPResponse`` whose status line, headers and body must all arrive before a deadline."""
+
+    def __init__(self, sock: socket.socket, *args: Any, deadline: float, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline, self.fp))
+
+
+class MetadataClient:
+    """One keep-alive connection to a metadata server; safe to ``interrupt()`` from another thread.
+
+    ``timeout`` bounds each request's whole time (connect, send, and every byte of the answer);
+    ``max_body`` the size of an answer (a larger one is an error, its connection closed).
+    """
+
+    def __init__(self, host: str, port: int = 80, timeout: float = 2.0, max_body: int = MAX_BODY) -> None:
+        self.host, self.port, self.timeout, self.max_body = host, port, timeout, max_body
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # guards _conn against interrupt() from another thread
         self._interrupted = False
 
     @classmethod
-    def from_url(cls, url: str, timeout: float = 2.0) -> MetadataClient:
+    def from_url(cls, url: str, timeout: float = 2.0, max_body: int = MAX_BODY) -> MetadataClient:
         host, port = parse_base_url(url)
-        return cls(host, port, timeout)
+        return cls(host, port, timeout, max_body)
 
     @property
     def base_url(self) -> str:
@@ -117,13 +168,22 @@ class MetadataClient:
         body: bytes | None = None,
         timeout: float | None = None,
     ) -> Response:
-        """Send one request; reconnect once if a reused connection turned out to be closed."""
+        """Send one request; reconnect once if a reused connection turned out to be closed. The
+        whole of it, the reconnection included, takes at most ``timeout`` (default: the client's)."""
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
         for attempt in (0, 1):
-            conn, fresh = self._connection(timeout)
+            conn, fresh = self._connection(max(0.001, deadline - time.monotonic()))
+            conn.response_class = functools.partial(_DeadlineResponse, deadline=deadline)  # type: ignore[assignment]
+            raw: http.client.HTTPResponse | None = None
             try:
                 conn.request(method, path, body=body, headers=headers or {})
                 raw = conn.getresponse()
-                data = raw.read()
+                declared = raw.length  # Content-Length, if any: a larger one is refused unread
+                # Fewer bytes than asked for: the body is complete; one more: it is too large.
+                data = raw.read(self.max_body + 1) if declared is None or declared <= self.max_body else None
+                if data is not None and declared is not None and len(data) < declared:
+                    raise http.client.IncompleteRead(data, declared - len(data))  # read(n) does not check
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
                 interrupted = self._interrupted
                 self.close()
@@ -133,26 +193,33 @@ class MetadataClient:
             except (OSError, http.client.HTTPException, ValueError) as e:
                 # ValueError: a header value that cannot be sent (a garbled token). Whatever failed,
                 # the connection is closed: one left half-used refuses every later request. A
-                # timeout once connected: something listens but drops our answer (an IMDS hop limit).
-                read_timeout = isinstance(e, socket.timeout) and conn.sock is not None
+                # timeout once connected, before any answer: something listens but drops our answer
+                # (an IMDS hop limit); after the status line: an answer too slow to wait for.
+                read_timeout = isinstance(e, socket.timeout) and conn.sock is not None and raw is None
                 self.close()
                 reason = "timed out" if isinstance(e, socket.timeout) else f"{type(e).__name__}: {e}"
                 raise MetadataHTTPError(f"{method} {self.base_url}{path}: {reason}", read_timeout=read_timeout) from e
+            if data is None or len(data) > self.max_body:
+                self.close()
+                size = f"{declared} bytes" if declared is not None else f"over {self.max_body} bytes"
+                raise MetadataHTTPError(
+                    f"{method} {self.base_url}{path}: an answer of {size} refused (at most {self.max_body})",
+                    raw.status,
+                )
             if raw.will_close:
                 self.close()
             return Response(raw.status, {k.lower(): v for k, v in raw.getheaders()}, data)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _connection(self, timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
             fresh = self._conn is None
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
             conn = self._conn
-        t = self.timeout if timeout is None else timeout
-        conn.timeout = t
+        conn.timeout = timeout
         if conn.sock is not None:
-            conn.sock.settimeout(t)
+            conn.sock.settimeout(timeout)
         return conn, fresh
 
     def interrupt(self) -> None:

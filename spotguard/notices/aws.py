@@ -38,8 +38,9 @@ STOP_ACTIONS = ("terminate", "stop", "hibernate")
 #: Scheduled-event codes (EC2 ``InstanceStatusEvent.code``) that stop, retire or reboot the instance:
 #: every documented code, since each one loses the instance's memory or its network for a while.
 MAINTENANCE_CODES = ("instance-stop", "instance-retirement", "instance-reboot", "system-reboot", "system-maintenance")
-#: A scheduled event whose window is already open may start at any moment. AWS documents no
-#: shorter warning than the spot two minutes, so that is the time assumed when NotAfter is unknown.
+#: A scheduled event whose window is already open may start at any moment: its NotAfter is only the
+#: window's latest end (days away, 7 in the public AWS metadata mock's default event). AWS documents
+#: no shorter warning than the spot two minutes, so that is the time assumed once the window opens.
 MAINTENANCE_WARNING = SPOT_WARNING
 _TOKEN = re.compile(r"[A-Za-z0-9+/=_.-]{1,512}")  # what an IMDSv2 token looks like (printable, no spaces)
 HOP_LIMIT_HINT = (
@@ -224,7 +225,7 @@ class AwsProvider(MetadataProvider):
                 Notice(
                     self.name,
                     "maintenance",
-                    deadline=self._window_deadline(event, not_before, now),
+                    deadline=self._window_deadline(not_before, now),
                     raw=event,
                     event_id=self._event_id(event),
                 )
@@ -232,15 +233,10 @@ class AwsProvider(MetadataProvider):
         return out
 
     @staticmethod
-    def _window_deadline(event: dict[str, Any], not_before: dt.datetime, now: dt.datetime) -> dt.datetime:
-        """NotBefore while ahead; once the window is open, NotAfter (the latest end) when given."""
-        if not_before > now:
-            return not_before
-        try:
-            not_after: dt.datetime | None = parse_maintenance_time(str(event.get("NotAfter") or ""))
-        except ValueError:
-            not_after = None
-        return deadline_ahead(not_after, MAINTENANCE_WARNING, now)
+    def _window_deadline(not_before: dt.datetime, now: dt.datetime) -> dt.datetime:
+        """NotBefore while ahead; once the window is open, the documented minimum from now (never
+        NotAfter: the event may start at any moment of the window)."""
+        return deadline_ahead(not_before, MAINTENANCE_WARNING, now)
 
     @staticmethod
     def _event_id(event: dict[str, Any]) -> str:

@@ -8,7 +8,8 @@ for an event already ``Started`` (``NotBefore`` blank) or past its ``NotBefore``
 now (it may happen at any moment, yet "no time left" would stop the emergency save before it
 starts), and for an unreadable ``NotBefore`` the event type's documented minimum notice. The
 document's ``DocumentIncarnation`` changes whenever the event list does, so an unchanged document
-is not parsed again. Once the emergency checkpoint is committed, Guard calls ``acknowledge()``,
+is not parsed again: its incarnation is recorded only once it was read through, and an entry that
+cannot be read (``Resources: 5``) is skipped with a warning, never hiding the events after it. Once the emergency checkpoint is committed, Guard calls ``acknowledge()``,
 which approves the event (``StartRequests``) so Azure need not wait for ``NotBefore``: the
 replacement comes sooner.
 """
@@ -140,33 +141,50 @@ class AzureProvider(MetadataProvider):
             self._warn("scheduled events: malformed document (%s: %s) %r; ignored", type(e).__name__, e, text[:200])
             return self._current
         if incarnation != self.incarnation:
-            self.incarnation = incarnation
-            self._current = self._find(events)
+            current = self._find(events)  # first: a document that fails here is read again next time
+            self.incarnation, self._current = incarnation, current
         return self._current
 
     def _find(self, events: list[Any]) -> Notice | None:
-        mine = (self.vm_name or "").lower()
         for event in events:
-            if not isinstance(event, dict):
+            try:
+                notice = self._notice(event)
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                self._warn(
+                    "scheduled events: malformed entry %s (%s: %s) %r; skipped",
+                    event.get("EventId") if isinstance(event, dict) else None,
+                    type(e).__name__,
+                    e,
+                    str(event)[:200],
+                )
                 continue
-            etype = str(event.get("EventType"))
-            resources = [str(r).lower() for r in event.get("Resources") or []]
-            if etype not in self.stop_events:
-                if event.get("EventType"):
-                    logger.info("scheduled %s event %s (not a stop)", event.get("EventType"), event.get("EventId"))
-                continue
-            if mine not in resources:
-                continue
-            kind = KINDS[etype]
-            event_id = str(event.get("EventId") or "")
-            return Notice(
-                self.name,
-                kind,
-                deadline=self._deadline(event, etype),
-                raw=event,
-                event_id=f"azure-{kind}-{event_id}" if event_id else "",
-            )
+            if notice is not None:
+                return notice
         return None
+
+    def _notice(self, event: Any) -> Notice | None:
+        """The stop notice ``event`` is for this VM, or None; raises for an entry that cannot be read."""
+        if not isinstance(event, dict):
+            raise TypeError(f"an event is a JSON object, not {type(event).__name__}")
+        etype = str(event.get("EventType"))
+        resources = event.get("Resources") or []
+        if not isinstance(resources, list):
+            raise TypeError(f"Resources is a list of VM names, not {type(resources).__name__}")
+        if etype not in self.stop_events:
+            if event.get("EventType"):
+                logger.info("scheduled %s event %s (not a stop)", event.get("EventType"), event.get("EventId"))
+            return None
+        if (self.vm_name or "").lower() not in [str(r).lower() for r in resources]:
+            return None
+        kind = KINDS[etype]
+        event_id = str(event.get("EventId") or "")
+        return Notice(
+            self.name,
+            kind,
+            deadline=self._deadline(event, etype),
+            raw=event,
+            event_id=f"azure-{kind}-{event_id}" if event_id else "",
+        )
 
     def _deadline(self, event: dict[str, Any], etype: str) -> dt.datetime:
         not_before = str(event.get("NotBefore") or "")

@@ -1,10 +1,12 @@
 """What a notice is, and the one interface every source of notices implements.
 
 Call order, from the watcher's side: ``open(report)`` once from the thread that starts the watcher
-(the main thread, so signal handlers can be installed), then ``poll()`` repeatedly from the
-provider's own watcher thread, then ``wakeup()`` (from any thread) and finally ``close()`` from the
-thread that stops the watcher. A provider checks once per ``poll()``; the loop, timing, error
-logging and retries live in the watcher.
+(the main thread, so signal handlers can be installed), then ``poll()`` of each of ``channels()``
+repeatedly, each channel from a watcher thread of its own, then each channel's ``wakeup()`` (from
+any thread) and finally the provider's ``close()`` from the thread that stops the watcher. A
+provider checks once per ``poll()``; the loop, timing, error logging and retries live in the
+watcher. Most providers are their own one channel; one that waits on two things at once (GCP's
+two hanging GETs) has a channel per wait, so neither wait delays the other.
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ class NoticeProvider(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> Notice | None:
         """Check once. Return a Notice if one is present now, else None."""
+
+    def channels(self) -> list[NoticeProvider]:
+        """What the watcher polls, each from its own thread: ``[self]`` unless the provider waits on
+        several things at once. A channel is a ``NoticeProvider`` whose ``poll()``, ``blocking``,
+        ``fast_retry`` and ``wakeup()`` the watcher uses; ``open``, ``acknowledge`` and ``close`` go
+        to the provider itself."""
+        return [self]
 
     def acknowledge(self, notice: Notice) -> None:  # noqa: B027 - optional hook
         """Tell the source our state is safe (called by Guard once the emergency checkpoint is

@@ -183,6 +183,18 @@ def test_a_slow_service_times_out(mock_metadata):
     assert time.monotonic() - t0 < 3.0  # the 0.2 s timeout, not the 5 s answer
 
 
+def test_an_answer_dripped_a_byte_at_a_time_does_not_stall_the_watcher(mock_metadata):
+    """Issue 22: the timeout was per read; a token dripped a byte every 0.25 s took 14 s."""
+    server = mock_metadata("aws")
+    server.mock.trigger("spot")
+    server.set_faults(status=0, count=1, drip=0.25)  # the first answer, the IMDSv2 token (56 bytes)
+    t0 = time.monotonic()
+    with Watcher([provider(server, timeout=0.5)], interval=0.2) as watcher:
+        assert watcher.preempted.wait(10)
+    assert time.monotonic() - t0 < 3.0, time.monotonic() - t0  # a 0.5 s request, then a retry
+    assert watcher.notice.kind == "terminate"
+
+
 def test_watcher_survives_503s_reports_once_and_only_on_a_real_notice(mock_metadata):
     server = mock_metadata("aws")
     seen = []
@@ -281,19 +293,20 @@ def _scheduled(not_before: dt.datetime, not_after: dt.datetime | None = None, co
     return json.dumps([event])
 
 
-def test_a_maintenance_window_already_open_runs_to_not_after_or_two_minutes(mock_metadata):
+def test_a_maintenance_window_already_open_leaves_two_minutes_not_its_not_after(mock_metadata):
+    """Issue 22: NotAfter is the window's latest end (7 days in the public AWS mock's default event);
+    the event may start at any moment of an open window."""
     server = mock_metadata("aws")
-    now = utcnow().replace(microsecond=0)
-    server.mock.values["events/maintenance/scheduled"] = _scheduled(
-        now - dt.timedelta(minutes=10), now + dt.timedelta(minutes=50)
-    )
-    notice = provider(server).poll()
-    assert notice.kind == "maintenance" and notice.deadline == now + dt.timedelta(minutes=50)
-    server.mock.values["events/maintenance/scheduled"] = _scheduled(
-        now - dt.timedelta(minutes=10), code="instance-retirement"
-    )
+    event = server.mock.trigger("maintenance", action="system-reboot", warning=-600, window=7 * 86400)
+    assert parse_maintenance_time(event["NotAfter"]) - utcnow() > dt.timedelta(days=6)
     notice = provider(server).poll()
     assert notice.kind == "maintenance" and 115 < notice.seconds_left() <= 120
+    server.mock.trigger("maintenance", action="instance-retirement", warning=-600)  # no NotAfter at all
+    notice = provider(server).poll()
+    assert notice.kind == "maintenance" and 115 < notice.seconds_left() <= 120
+    server.mock.trigger("maintenance", action="system-reboot", warning=90, window=7 * 86400)  # not yet open
+    notice = provider(server).poll()
+    assert notice.kind == "maintenance" and 85 < notice.seconds_left() <= 90  # NotBefore
 
 
 def test_notices_whose_times_are_restamped_on_every_request_are_one_notice_each(mock_metadata):

@@ -222,3 +222,23 @@ def test_no_acknowledgement_when_the_emergency_checkpoint_fails(mock_metadata, t
     assert stopped is not None and guard.emergency_error is not None
     assert server.mock.acks == []
     assert json.loads(json.dumps(server.mock.state()))["events"][0]["EventStatus"] == "Scheduled"
+
+
+def test_a_malformed_entry_before_a_preempt_is_skipped_and_the_preempt_seen_at_once(mock_metadata, caplog):
+    """Issue 22: the document's incarnation was recorded before its parse failed: never read again."""
+    server = mock_metadata("azure")
+    event = server.mock.trigger("preempt")
+    bad = {"EventId": "BAD-ENTRY", "EventType": "Preempt", "Resources": 5, "EventStatus": "Scheduled"}
+    with server.mock.cond:
+        server.mock.events.insert(0, bad)
+        server.mock.incarnation += 1
+    p = AzureProvider(server.url)
+    with caplog.at_level(logging.WARNING, "spotguard.notices.azure"):
+        notice = p.poll()
+        assert notice is not None and notice.event_id == f"azure-preempt-{event['EventId']}"
+        assert p.poll() is notice  # the same document: not parsed again, the same notice
+    assert ["BAD-ENTRY" in r.getMessage() for r in caplog.records] == [True]  # one warning, naming it
+    seen = []
+    with spotguard.Watcher([AzureProvider(server.url)], interval=0.2, on_notice=seen.append) as watcher:
+        assert watcher.preempted.wait(3)  # not after 30 s of failed parses
+    assert [n.event_id for n in seen] == [notice.event_id]

@@ -78,10 +78,10 @@ def test_host_maintenance_terminate_stops_and_migrate_is_advisory(mock_metadata)
     p = GcpProvider(server.url, hang=1)
     p.poll()
     server.mock.trigger("migrate")
-    notice = p.poll()
-    assert notice.kind == "migrate" and notice.advisory
+    notice = p.maintenance.poll()
+    assert notice.kind == "migrate" and notice.advisory and notice.provider == "gcp"
     server.mock.trigger("maintenance")
-    notice = p.poll()
+    notice = p.maintenance.poll()
     assert notice.kind == "maintenance" and 55 < notice.seconds_left() <= 60
 
 
@@ -91,7 +91,7 @@ def test_unexpected_values_are_logged_not_stops(mock_metadata, caplog):
     server.mock.values["instance/preempted"] = "MAYBE"
     server.mock.values["instance/maintenance-event"] = "SOMETHING_NEW"
     with caplog.at_level(logging.WARNING, "spotguard.notices.gcp"):
-        assert p.poll() is None
+        assert p.poll() is None and p.maintenance.poll() is None
     assert "MAYBE" in caplog.text and "SOMETHING_NEW" in caplog.text
 
 
@@ -162,13 +162,10 @@ def test_a_preemption_survives_a_failing_maintenance_read(mock_metadata):
     server = mock_metadata("gcp")
     original = server.mock.handle
     server.mock.handle = lambda req: type(original(req))(503) if "maintenance" in req.path else original(req)
-    p = GcpProvider(server.url, hang=30)
-    with pytest.raises(MetadataHTTPError):
-        p.poll()
-    server.mock.trigger("preempt")
-    t0 = time.monotonic()
-    assert p.poll().kind == "preempt"
-    assert time.monotonic() - t0 < 10  # not the 30 s hang
+    with Watcher([GcpProvider(server.url, hang=30)], interval=1.0) as watcher:
+        time.sleep(0.3)  # the preempted channel hangs; the maintenance one fails and backs off
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(5)  # not the 30 s hang
 
 
 def test_watching_never_draws_from_the_global_random_generators(mock_metadata):
@@ -272,3 +269,137 @@ def test_503s_while_preempted_flips_are_retried_fast(mock_metadata):
     notice, at = seen[0]
     assert at - flipped < 8, at - flipped  # 5 more 503s: fast retries, not 1+2+4+5+5 s of backoff
     assert notice.seconds_left() <= 30 - (at - flipped) + 0.2
+
+
+# -- issue 22: hostile ETags and values; maintenance-event watched on its own ----------------------
+def test_an_etag_with_spaces_and_odd_characters_keeps_the_hanging_get_working(mock_metadata):
+    """A space in an ETag made every later hanging GET fail (InvalidURL): the preemption was never seen."""
+    server = mock_metadata("gcp", etag_prefix='W/ "odd etag" &last_etag=x#%')
+    p = GcpProvider(server.url, hang=2)
+    assert p.poll() is None
+    t0 = time.monotonic()
+    assert p.poll() is None  # a hanging GET the server held: the ETag went back intact
+    assert time.monotonic() - t0 > 1.8
+    with Watcher([GcpProvider(server.url, hang=2)], interval=1.0) as watcher:
+        time.sleep(0.5)
+        server.mock.trigger("preempt")
+        assert watcher.preempted.wait(5)
+
+
+def test_an_etag_that_cannot_be_sent_back_gives_reads_once_a_second(mock_metadata, caplog):
+    server = mock_metadata("gcp", etag_prefix="x" * 300)
+    p = GcpProvider(server.url, hang=30)
+    with caplog.at_level(logging.WARNING, "spotguard.notices"):
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert p.poll() is None
+    assert 1.8 < time.monotonic() - t0 < 10  # plain GETs a second apart, not 30 s hangs nor a busy loop
+    assert caplog.text.count("unusable ETag") == 1
+    server.mock.trigger("preempt")
+    assert p.poll().kind == "preempt"
+
+
+def test_maintenance_has_its_own_hanging_get_and_its_deadline_counts_from_the_change(mock_metadata):
+    """It was read only between hanging GETs on ``preempted``: seen up to ``hang`` s late."""
+    server = mock_metadata("gcp")
+    seen = []
+    with Watcher(
+        [GcpProvider(server.url, hang=5)], interval=1.0, on_notice=lambda n: seen.append((n, time.monotonic()))
+    ) as watcher:
+        time.sleep(0.8)  # both first reads done; both hanging GETs held
+        changed = time.monotonic()
+        server.mock.trigger("maintenance")
+        assert watcher.preempted.wait(10)
+    notice, at = seen[0]
+    assert notice.kind == "maintenance" and at - changed < 1.5, at - changed  # not at the end of a 5 s hang
+    from_change = notice.seconds_left() + (time.monotonic() - changed)
+    assert 59.5 < from_change <= 60.3 + (at - changed), from_change  # 60 s from the change (as it was learnt)
+
+
+def test_a_maintenance_deadline_counts_from_the_last_read_before_a_failure(mock_metadata):
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=30)
+    assert p.maintenance.poll() is None
+    known_none = time.monotonic()
+    server.set_faults(status=503, count=1)
+    with pytest.raises(MetadataHTTPError):
+        p.maintenance.poll()
+    server.mock.trigger("maintenance")
+    time.sleep(1.5)  # failures, backoff: the change happened somewhere in here
+    notice = p.maintenance.poll()
+    assert notice.kind == "maintenance" and notice.provider == "gcp"
+    assert notice.seconds_left() <= 60 - (time.monotonic() - known_none) + 0.3  # not 60 s from now
+
+
+def test_a_second_live_migration_is_a_new_notice(mock_metadata):
+    server = mock_metadata("gcp")
+    seen = []
+    with Watcher([GcpProvider(server.url, hang=2)], interval=1.0, on_notice=seen.append) as watcher:
+        time.sleep(0.5)
+        for _ in range(2):  # MIGRATE, NONE, MIGRATE
+            count = len(seen)
+            server.mock.trigger("migrate")
+            deadline = time.monotonic() + 5
+            while len(seen) == count and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            server.mock.clear()
+            time.sleep(0.3)
+        assert not watcher.preempted.is_set()
+    assert [n.kind for n in seen] == ["migrate", "migrate"]
+    assert seen[0].event_id != seen[1].event_id
+    assert watcher.advisories == seen
+
+
+def test_a_maintenance_value_that_changes_on_every_read_is_one_notice_and_one_warning(mock_metadata, caplog):
+    server = mock_metadata("gcp")
+    original, reads = server.mock.handle, [0]
+
+    def restamping(req):
+        if req.path.endswith("/maintenance-event"):
+            with server.mock.cond:
+                reads[0] += 1
+                server.mock.values["instance/maintenance-event"] = f"MIGRATE_ON_HOST_MAINTENANCE_{reads[0]}"
+        return original(req)
+
+    server.mock.handle = restamping
+    with caplog.at_level(logging.WARNING, "spotguard"), Watcher([GcpProvider(server.url, hang=1)]) as watcher:
+        time.sleep(3.0)
+    assert len(watcher.advisories) == 1
+    assert caplog.text.count("advisory notice") == 1
+    assert reads[0] <= 6, reads[0]  # about one read a second, not a busy loop of immediate answers
+
+
+def test_both_gcp_watcher_threads_stop_at_once(mock_metadata):
+    server = mock_metadata("gcp")
+    watcher = Watcher([GcpProvider(server.url, hang=60)], interval=1.0).start()
+    names = sorted(t.name for t in watcher._threads)
+    assert names == ["spotguard-watch-gcp", "spotguard-watch-gcp-maintenance"]
+    time.sleep(0.5)  # both hanging
+    t0 = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - t0 < 3  # not the 60 s hangs
+    assert not any(t.name.startswith("spotguard-watch-gcp") for t in threading.enumerate())
+    watcher.start()  # and a watcher started again watches again
+    time.sleep(0.3)
+    server.mock.trigger("migrate")
+    time.sleep(1.0)
+    watcher.stop()
+    assert [n.kind for n in watcher.advisories] == ["migrate"]
+
+
+def test_a_watcher_started_again_reads_afresh_not_on_an_old_etag(mock_metadata):
+    """The value may have changed and changed back while nobody watched: a hanging GET on the old
+    ETag would wait out its whole ``hang`` on a notice that is there."""
+    server = mock_metadata("gcp")
+    p = GcpProvider(server.url, hang=5)
+    with Watcher([p]) as first:
+        time.sleep(0.3)
+        server.mock.trigger("preempt")
+        assert first.preempted.wait(5)
+    server.mock.clear()
+    server.mock.trigger("preempt")  # TRUE again: the ETag the provider last read
+    t0 = time.monotonic()
+    with Watcher([p]) as second:
+        assert second.preempted.wait(10)
+    assert time.monotonic() - t0 < 2.0, time.monotonic() - t0

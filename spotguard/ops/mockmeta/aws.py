@@ -147,8 +147,12 @@ class AwsMock(CloudMock):
                 "EventId": "instance-event-" + secrets.token_hex(8),
                 "State": "active",
             }
-            if code in ("instance-reboot", "system-reboot", "system-maintenance"):  # the ones with a window
-                event["NotAfter"] = (start + dt.timedelta(hours=2)).strftime("%d %b %Y %H:%M:%S GMT")
+            # The codes with a window end two hours later unless ``window`` (seconds) says otherwise; a
+            # negative ``warning`` gives a window already open (the public AWS mock's default event).
+            window = options.get("window")
+            if window is not None or code in ("instance-reboot", "system-reboot", "system-maintenance"):
+                end = start + dt.timedelta(seconds=float(7200 if window is None else window))
+                event["NotAfter"] = end.strftime("%d %b %Y %H:%M:%S GMT")
             self.values["events/maintenance/scheduled"] = json.dumps([event])
             return event
         self.values["autoscaling/target-lifecycle-state"] = "Terminated"  # asg

@@ -33,6 +33,8 @@ class Reply:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     abort: str | None = None  # "reset" or "truncated": how a storm breaks the answer (server.STORM)
+    drip: float = 0.0  # seconds between the body's bytes, sent one at a time (a stalling proxy)
+    pad: int = 0  # filler bytes sent after the body, streamed (a huge answer)
 
     @classmethod
     def text(cls, status: int, text: str, content_type: str = "text/plain", **headers: str) -> Reply:

@@ -45,8 +45,10 @@ class GcpMock(CloudMock):
     server_header = "Metadata Server for VM"
     identity_headers = FLAVOR
 
-    def __init__(self, *, name: str = "spot-trainer-1", project: str = "mock-project") -> None:
+    def __init__(self, *, name: str = "spot-trainer-1", project: str = "mock-project", etag_prefix: str = "") -> None:
         super().__init__()
+        #: Put before every ETag: a proxy that rewrites ETags (tests give it spaces and odd characters).
+        self.etag_prefix = etag_prefix
         self.values: dict[str, str] = {
             "instance/id": "4520031799277581759",
             "instance/name": name,
@@ -104,7 +106,7 @@ class GcpMock(CloudMock):
             if req.query.get("wait_for_change", "").lower() == "true":
                 self._wait(req, key)
             value = self.values[key]
-        tag = etag_of(value)
+        tag = self._etag(value)
         if req.query.get("alt") == "json":
             return Reply.text(200, json.dumps(value), "application/json", ETag=tag, **FLAVOR)
         return Reply.text(200, value, "application/text", ETag=tag, **FLAVOR)
@@ -115,13 +117,16 @@ class GcpMock(CloudMock):
             limit = min(float(req.query.get("timeout_sec", MAX_WAIT)), MAX_WAIT)
         except ValueError:
             limit = MAX_WAIT
-        seen = req.query.get("last_etag") or etag_of(self.values[key])
+        seen = req.query.get("last_etag") or self._etag(self.values[key])
         end = time.monotonic() + limit
-        while etag_of(self.values[key]) == seen and not self.closed:
+        while self._etag(self.values[key]) == seen and not self.closed:
             left = end - time.monotonic()
             if left <= 0:
                 return
             self.cond.wait(left)
+
+    def _etag(self, value: str) -> str:
+        return self.etag_prefix + etag_of(value)
 
     def _token(self, req: Request, key: str) -> Reply:
         account = key[len("instance/service-accounts/") : -len("/token")]

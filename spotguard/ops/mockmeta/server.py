@@ -2,7 +2,8 @@
 
 Control API (JSON, under ``/_mock/``, never on a cloud's own paths):
 ``POST /_mock/trigger {"kind", "in", "action", ...}``, ``POST /_mock/clear``,
-``POST /_mock/faults {"status": 503, "count": N, "delay": S}``, ``POST /_mock/storm {"on": true}``,
+``POST /_mock/faults {"status": 503, "count": N, "delay": S, "drip": S, "pad": BYTES}`` (status 0:
+the real answer, dripped a byte every ``drip`` seconds or followed by ``pad`` filler bytes), ``POST /_mock/storm {"on": true}``,
 ``GET /_mock/state``. Faults happen only when asked for: ``error_rate`` (a private random generator,
 seedable), a count of upcoming failures set through the control API, or a storm: every request is
 answered, in turn, by one of the failures real metadata services and the proxies in front of them
@@ -35,6 +36,7 @@ DEFAULT_PORT = 1338  # as amazon-ec2-metadata-mock
 #: A storm's answers, in turn. "garbage": 200 with random bytes (and the cloud's own headers);
 #: "reset": the connection is reset without an answer; "truncated": the body stops short.
 STORM = ("503", "500", "429", "401", "garbage", "reset", "502", "truncated")
+_FILLER = b" " * 65536
 
 
 class MockControlError(SpotguardError, ConnectionError):
@@ -79,12 +81,29 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(reply.status)
         for name, value in reply.headers.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(reply.body) * (2 if reply.abort == "truncated" else 1)))
+        length = len(reply.body) + reply.pad
+        self.send_header("Content-Length", str(length * (2 if reply.abort == "truncated" else 1)))
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(reply.body)
+            self._write_body(reply)
         if reply.abort == "truncated":
             self.close_connection = True
+
+    def _write_body(self, reply: Reply) -> None:
+        """The body at once, or a byte every ``reply.drip`` seconds; then ``reply.pad`` filler bytes
+        in 64 KiB writes (never held in memory whole: a test may measure the client's memory)."""
+        if reply.drip > 0:
+            for i in range(len(reply.body)):
+                if self.server.owner.mock.closed:
+                    return
+                self.wfile.write(reply.body[i : i + 1])
+                time.sleep(reply.drip)
+        else:
+            self.wfile.write(reply.body)
+        filler, left = memoryview(_FILLER), reply.pad
+        while left > 0 and not self.server.owner.mock.closed:
+            self.wfile.write(filler[: min(left, len(filler))])
+            left -= len(filler)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
 
@@ -163,9 +182,15 @@ class MockMetadataServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def set_faults(self, status: int = 503, count: int = 1, delay: float = 0.0) -> None:
+    def set_faults(
+        self, status: int = 503, count: int = 1, delay: float = 0.0, drip: float = 0.0, pad: int = 0
+    ) -> None:
+        """The next ``count`` requests wait ``delay`` s, then get ``status`` (0: the real answer), its
+        body dripped a byte every ``drip`` seconds and followed by ``pad`` filler bytes."""
+        if drip < 0 or pad < 0:
+            raise ConfigError(f"drip and pad must not be negative, got {drip}, {pad}")
         with self.mock.cond:
-            self._faults = {"status": status, "count": count, "delay": delay}
+            self._faults = {"status": status, "count": count, "delay": delay, "drip": drip, "pad": pad}
 
     def set_storm(self, on: bool = True) -> None:
         """Answer every request (held hanging GETs too) with the next failure of ``STORM``, or stop."""
@@ -209,9 +234,15 @@ class MockMetadataServer:
             if fault.get("delay"):
                 time.sleep(fault["delay"])
             if fault.get("status"):
-                return Reply.text(int(fault["status"]), "Service Unavailable")
+                return self._shaped(Reply.text(int(fault["status"]), "Service Unavailable"), fault)
         reply = self.mock.handle(req)
-        return self._storm_reply() or reply  # a hanging GET held into a storm gets the storm's answer
+        reply = self._storm_reply() or reply  # a hanging GET held into a storm gets the storm's answer
+        return self._shaped(reply, fault) if fault else reply
+
+    @staticmethod
+    def _shaped(reply: Reply, fault: dict[str, Any]) -> Reply:
+        reply.drip, reply.pad = float(fault.get("drip") or 0.0), int(fault.get("pad") or 0)
+        return reply
 
     def _control(self, req: Request) -> Reply:
         op = req.path[len(CONTROL) :].strip("/")
@@ -233,7 +264,13 @@ class MockMetadataServer:
                 self.set_storm(bool(body.get("on", True)))
                 return Reply.json(200, {"cloud": self.mock.cloud, "storm": self._storm})
             if op == "faults":
-                self.set_faults(int(body.get("status", 503)), int(body.get("count", 1)), float(body.get("delay", 0)))
+                self.set_faults(
+                    int(body.get("status", 503)),
+                    int(body.get("count", 1)),
+                    float(body.get("delay", 0)),
+                    float(body.get("drip", 0)),
+                    int(body.get("pad", 0)),
+                )
                 return Reply.json(200, {"cloud": self.mock.cloud, "faults": body})
         except (ValueError, TypeError) as e:
             return Reply.json(400, {"error": str(e)})

@@ -67,6 +67,23 @@ def test_faults_only_when_asked(mock_metadata):
     assert 5 < statuses.count(503) < 35 and set(statuses) == {200, 503}
 
 
+def test_faults_can_drip_or_pad_the_real_answer(mock_metadata):
+    """Hostile answers for the clients' tests: the real body a byte at a time, or followed by filler."""
+    server = mock_metadata("gcp")
+    client = MetadataClient.from_url(server.url, timeout=10, max_body=10**6)
+    preempted = ("GET", "/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
+    control(server.url, "faults", {"status": 0, "count": 1, "drip": 0.1})
+    t0 = time.monotonic()
+    assert client.request(*preempted).body == b"FALSE"  # 5 bytes, 0.1 s apart
+    assert 0.35 < time.monotonic() - t0 < 5  # the last byte 0.4 s after the first
+    control(server.url, "faults", {"status": 0, "count": 1, "pad": 300_000})
+    resp = client.request(*preempted)
+    assert resp.status == 200 and resp.body == b"FALSE" + b" " * 300_000 and "etag" in resp.headers
+    assert client.request(*preempted).body == b"FALSE"
+    with pytest.raises(MockControlError, match="must not be negative"):
+        control(server.url, "faults", {"status": 0, "pad": -1})
+
+
 def test_nothing_listening_gives_a_clear_message(run_cli):
     port = free_port()
     with pytest.raises(MockControlError, match="no mock metadata server"):
