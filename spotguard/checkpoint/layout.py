@@ -263,15 +263,23 @@ def delete(storage: Storage, name: str) -> None:
 def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
     """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
 
-    Only directories carrying a valid spotguard manifest are ever deleted: incomplete or corrupt
-    ones are left for ``spotguard rm`` (or replaced when their step is saved again), and so are
+    Only directories carrying a valid spotguard manifest are ever deleted: incomplete ones are left
+    for ``spotguard rm --incomplete`` (or replaced when their step is saved again), and so are
     checkpoints of a newer spotguard (newer-format), which do not count among the ``keep`` either.
+    Of the corrupt ones only those corrupt for good (``broken``: the manifest names a file that is
+    missing or of another size) and older than the newest complete checkpoint go: resume would
+    skip them, and nothing mends them. One whose manifest cannot be read or parsed is kept (a
+    passing fault, or something to look at).
     """
     if keep < 1:
         raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
-    complete = [i for i in (scan(storage) if infos is None else infos) if i.complete]
+    infos = scan(storage) if infos is None else infos
+    complete = [i for i in infos if i.complete]
     doomed = complete[:-keep]
+    if complete:
+        doomed += [i for i in infos if i.broken and i.step < complete[-1].step]
+    doomed.sort(key=lambda i: i.step)
     for info in doomed:
         delete(storage, info.name)
-        logger.debug("pruned %s", storage.describe(info.name))
+        logger.debug("pruned %s%s", storage.describe(info.name), f" ({info.problem})" if info.broken else "")
     return [i.step for i in doomed]

@@ -51,11 +51,13 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
         if MANIFEST not in groups[name]:
             infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
             continue
+        broken = False
         try:
             manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
             if manifest.step != step:
                 raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")
             missing = [f.name for f in manifest.files if f.name not in groups[name]]
+            broken = bool(missing) or any(groups[name][f.name] != f.size for f in manifest.files)
             if missing:
                 raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
             for f in manifest.files:
@@ -67,7 +69,7 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
             infos.append(CheckpointInfo(step, name, NEWER_FORMAT, problem=str(e)))
             continue
         except CheckpointCorruptError as e:
-            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e), broken=broken))
             continue
         except StorageError as e:
             infos.append(CheckpointInfo(step, name, "corrupt", problem=f"{name}: unreadable manifest ({e})"))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from spotguard import checkpoint
-from spotguard.checkpoint.manifest import NEWER_FORMAT
-from spotguard.errors import CheckpointCorruptError, CheckpointFormatError
+from spotguard.checkpoint import cleanup, lease
+from spotguard.checkpoint.manifest import NEWER_FORMAT, human_duration
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, StorageError
 from spotguard.storage import Storage, open_storage
 
 from ._output import fail, report
@@ -44,6 +46,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     if not infos:
         print(f"no checkpoints in {storage.describe()}")
+        _print_hidden(storage)
         return 0
     print(f"{'STEP':>10}  {'TIME (UTC)':<19}  {'REASON':<9}  {'SIZE':>10}  STATUS")
     for info in infos:
@@ -59,7 +62,43 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
     if not args.verify and any(i.complete for i in infos):
         print("(unverified: manifest and sizes checked; --verify reads every file and checks its SHA-256)")
+    _print_hidden(storage)
     return 0
+
+
+_HIDDEN_NAMES = {  # kind -> (one, several)
+    "upload part": ("unfinished upload part", "unfinished upload parts"),
+    "multipart upload": ("unfinished multipart upload", "unfinished multipart uploads"),
+    "temp file": ("temp file", "temp files"),
+    "scratch folder": ("scratch folder", "scratch folders"),
+    "empty folder": ("empty checkpoint folder", "empty checkpoint folders"),
+}
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _print_hidden(storage: Storage) -> None:
+    """One line for what saves in flight or killed left that the listing hides (it is billed all the same)."""
+    try:
+        items = storage.leftovers()
+    except StorageError as e:  # e.g. no permission to list multipart uploads: the listing still stands
+        print(f"spotguard: cannot count unfinished uploads: {e}", file=sys.stderr)
+        return
+    if not items:
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.kind] = counts.get(item.kind, 0) + 1
+    what = ", ".join(f"{n} {_HIDDEN_NAMES.get(kind, (kind, kind))[n > 1]}" for kind, n in counts.items())
+    print(
+        f"hidden: {what}, {_bytes(sum(item.size for item in items))}; `spotguard rm --incomplete` removes them "
+        f"(those not changed for --min-age, {cleanup.DEFAULT_MIN_AGE_S / 3600:g} h by default, while no run holds the lease)"
+    )
 
 
 def _problem(storage: Storage, info: checkpoint.CheckpointInfo) -> str:
@@ -181,36 +220,94 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    if _empty_local(args.url):
+        return fail(
+            args,
+            f"{args.url!r} names no folder (it would mean the current directory): give the run's checkpoint root",
+            url=args.url,
+        )
     storage = open_storage(args.url)
-    if args.step is not None:
-        info = _find(storage, args.step)
-        if info is None:
-            return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
-        doomed = [info]
-    else:
-        doomed = [i for i in checkpoint.scan(storage) if i.status == "incomplete"]
-    for info in doomed:
-        checkpoint.delete(storage, info.name)
-        why = f"incomplete: {info.problem}" if args.step is None else info.status
+    if args.step is None:
+        return _rm_incomplete(args, storage)
+    info = _find(storage, args.step)
+    if info is None:
+        return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
+    checkpoint.delete(storage, info.name)
+    report(
+        args,
+        f"deleted {storage.describe(info.name)} ({info.status})",
+        {
+            "deleted": storage.describe(info.name),
+            "step": info.step,
+            "status": info.status,
+            "problem": info.problem or None,
+        },
+    )
+    return 0
+
+
+def _empty_local(url: str) -> bool:
+    """An empty path, or ``file://`` with none: local storage would take it as the current directory."""
+    return not (url[len("file://") :] if url.startswith("file://") else url).strip()
+
+
+def _rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
+    """Delete the garbage of killed saves that no running save can own (``checkpoint.cleanup``)."""
+    try:
+        found = cleanup.plan(storage, args.min_age)
+    except CheckpointCorruptError as e:  # the lease record: whether a run is writing cannot be told
+        return fail(args, f"{e}; nothing deleted (delete {lease.LEASE} if no job writes here)", url=storage.describe())
+    verb = "would delete" if args.dry_run else "deleted"
+    for c in found.garbage:
+        if not args.dry_run:
+            cleanup.remove(storage, c)
         report(
             args,
-            f"deleted {storage.describe(info.name)} ({why})",
-            {
-                "deleted": storage.describe(info.name),
-                "step": info.step,
-                "status": info.status,
-                "problem": info.problem or None,
-            },
+            f"{verb} {storage.describe(c.name)} ({_what(c)})",
+            _doc(storage, c, "would_delete" if args.dry_run else "deleted"),
         )
-    if args.step is not None:
-        return 0
-    cleanup = getattr(storage, "remove_temp_files", None) or getattr(storage, "abort_incomplete_uploads", None)
-    leftovers = cleanup() if cleanup else []
-    for name in leftovers:
-        report(args, f"deleted leftover {name}", {"deleted": name, "step": None, "status": "leftover", "problem": None})
-    if not doomed and not leftovers and not args.json:  # --json: one document per deletion, none here
+    for c, why in found.skipped:
+        report(
+            args, f"skipped {storage.describe(c.name)} ({_what(c)}): {why}", {**_doc(storage, c, "skipped"), "why": why}
+        )
+    if not found.garbage and not found.skipped and not args.json:  # --json: one document per candidate, none here
         print(f"nothing incomplete in {storage.describe()}")
     return 0
+
+
+def _what(c: cleanup.Candidate) -> str:
+    parts = [f"{c.kind}: {c.problem}" if c.problem else c.kind]
+    if c.size is not None:
+        parts.append(_bytes(c.size))
+    parts.append("age unknown" if c.age_s is None else f"{human_duration(c.age_s)} old")
+    return ", ".join(parts)
+
+
+def _doc(storage: Storage, c: cleanup.Candidate, verb: str) -> dict[str, Any]:
+    status = {"incomplete": "incomplete", "broken": "corrupt"}.get(c.kind, "leftover")
+    return {
+        verb: storage.describe(c.name),
+        "step": c.step if c.leftover is None else None,
+        "status": status,
+        "kind": c.kind,
+        "problem": c.problem or None,
+        "size": c.size,
+        "age_s": None if c.age_s is None else round(c.age_s, 1),
+    }
+
+
+def _duration(text: str) -> float:
+    """``3600``, ``90s``, ``30m``, ``2h``, ``1d`` -> seconds (argparse type)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value = text.strip().lower()
+    scale = units.get(value[-1:], 0)
+    try:
+        seconds = float(value[:-1] if scale else value) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (seconds, or a number with s, m, h or d)") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (must be 0 or more)")
+    return seconds
 
 
 def register(sub: Any) -> None:
@@ -251,7 +348,23 @@ def register(sub: Any) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
     what.add_argument(
-        "--incomplete", action="store_true", help="delete checkpoints without a manifest and unfinished uploads"
+        "--incomplete",
+        action="store_true",
+        help="delete the garbage of killed saves: step-N folders without a manifest, checkpoints whose manifest "
+        "names a missing file, spotguard's own temp files, scratch folders, unfinished uploads and upload parts "
+        "in the run's folders. Skips (and says so) everything while a run holds a live lease, and anything "
+        "changed less than --min-age ago",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted, or an error")
+    p.add_argument(
+        "--min-age",
+        type=_duration,
+        default=cleanup.DEFAULT_MIN_AGE_S,
+        metavar="AGE",
+        help="with --incomplete: leave what changed less than AGE ago (seconds, or 30m, 2h, 1d; default 1h), "
+        "which a save may still be writing",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="with --incomplete: say what would be deleted, delete nothing"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted or skipped, or an error")
     p.set_defaults(func=cmd_rm)
