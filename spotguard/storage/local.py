@@ -266,11 +266,9 @@ class LocalStorage(Storage):
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 scratch = _SCRATCH_NAME.fullmatch(entry.name)
-                if scratch:
-                    size, modified = _tree_stats(Path(entry.path))
-                    found.append(
-                        Leftover(entry.name + "/", "scratch folder", size, modified, owner=scratch["owner"] or "")
-                    )
+                stats = _tree_stats(Path(entry.path)) if scratch else None
+                if scratch and stats:
+                    found.append(Leftover(entry.name + "/", "scratch folder", *stats, owner=scratch["owner"] or ""))
                 elif STEP_DIR.fullmatch(entry.name):
                     found += self._step_leftovers(Path(entry.path))
             elif entry.name.startswith("spotguard") and entry.is_file(follow_symlinks=False):
@@ -283,9 +281,9 @@ class LocalStorage(Storage):
             files += len(names)
             for name in names:
                 found += self._temp_file(Path(dirpath) / name)
-        if not files:
-            _, modified = _tree_stats(top)
-            found.append(Leftover(top.name + "/", "empty folder", 0, modified))
+        stats = None if files else _tree_stats(top)
+        if stats:
+            found.append(Leftover(top.name + "/", "empty folder", 0, stats[1]))
         return found
 
     def _temp_file(self, path: Path) -> builtins.list[Leftover]:
@@ -321,11 +319,14 @@ class LocalStorage(Storage):
             raise StorageError(f"cannot delete {self.describe(item.key)}: {e}") from e
 
 
-def _tree_stats(top: Path) -> tuple[int, float]:
-    """Bytes held below ``top`` and its newest change (``top`` and every entry, links not followed)."""
-    size, newest = 0, 0.0
-    with contextlib.suppress(OSError):
+def _tree_stats(top: Path) -> tuple[int, float] | None:
+    """Bytes held below ``top`` and its newest change (``top`` and every entry, links not followed);
+    None when ``top`` is gone (an age unknown must never read as old)."""
+    try:
         newest = top.lstat().st_mtime
+    except OSError:
+        return None
+    size = 0
     for dirpath, dirs, names in os.walk(top):
         for name in dirs + names:
             try:

@@ -130,6 +130,25 @@ def test_retention_never_deletes_newest_complete_when_newer_ones_are_corrupt(tmp
     assert (tmp_path / "step-00000005" / "manifest.json").exists()
 
 
+def test_retention_removes_older_checkpoints_whose_manifest_names_a_missing_file(tmp_path):
+    """Corrupt for good (an in-flight file deleted under a save that then committed): garbage once a newer
+    checkpoint is complete; a newer one is kept, and so is one whose manifest does not parse."""
+    st = open_storage(str(tmp_path))
+    for step in (1, 2, 3, 9):
+        checkpoint.write(st, step, {"state.pt": lambda f, s=step: f.write(bytes([s]) * 100)}, reason="periodic")
+    for step in (2, 9):
+        (tmp_path / f"step-{step:08d}" / "state.pt").unlink()
+    (tmp_path / "step-00000003" / "manifest.json").write_text("garbage")
+    checkpoint.write(st, 4, {"state.pt": lambda f: f.write(b"4" * 100)}, reason="periodic")
+    assert checkpoint.prune(st, keep=5) == [2]
+    assert [(i.step, i.status) for i in checkpoint.scan(st)] == [
+        (1, "complete"),
+        (3, "corrupt"),
+        (4, "complete"),
+        (9, "corrupt"),
+    ]
+
+
 class _Exploit:
     def __reduce__(self):
         import os

@@ -18,7 +18,7 @@ import pytest
 from spotguard import checkpoint
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.storage import open_storage
-from tests.helpers import subprocess_env
+from tests.helpers import example_cmd, subprocess_env
 
 OLD = 2 * 3600.0  # seconds: past the default --min-age of 1 h
 
@@ -243,3 +243,36 @@ def test_gcs_parts_of_a_killed_composite_upload_are_shown_by_ls_and_removed(fake
     assert out.returncode == 0 and out.stdout.count("(upload part, 262.1 kB") == len(parts), out.stdout
     assert not [b for b in st.bucket.list_blobs() if ".sg-part-" in b.name]
     assert "hidden" not in sg("ls", fake_gcs_url).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_path, capsys):
+    """examples/train.py saving at every step while ``rm --incomplete`` runs again and again (in this process,
+    through the CLI's ``main``: thousands of tries land inside its saves). Every save must commit."""
+    from spotguard.ops.cli import main
+
+    root = tmp_path / "ckpt"
+    job = subprocess.Popen(
+        [*example_cmd(root, "--steps", "40", "--every-steps", "1", "--num-workers", "0", "--providers", "signal")],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tries = 0
+    try:
+        while job.poll() is None:
+            assert main(["rm", str(root), "--incomplete"]) == 0
+            tries += 1
+            assert "deleted" not in capsys.readouterr().out
+            time.sleep(0.01)  # leave the job some of the CPU
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err[-3000:]
+    assert tries > 10 and "Traceback" not in err and "failed" not in err, err[-3000:]
+    infos = checkpoint.scan(open_storage(str(root)))
+    assert infos[-1].step == 40 and all(i.complete for i in infos), infos
