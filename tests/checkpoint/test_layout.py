@@ -149,6 +149,20 @@ def test_retention_removes_older_checkpoints_whose_manifest_names_a_missing_file
     ]
 
 
+def test_a_step_whose_checkpoint_is_corrupt_for_good_can_be_saved_again(tmp_path, caplog):
+    """Else a resume that skipped it would redo the steps up to it and never be able to save it."""
+    st = open_storage(str(tmp_path))
+    checkpoint.write(st, 5, {"state.pt": lambda f: f.write(b"a" * 100)}, reason="periodic")
+    (tmp_path / "step-00000005" / "state.pt").unlink()
+    with caplog.at_level(logging.WARNING, logger="spotguard"):
+        checkpoint.write(st, 5, {"state.pt": lambda f: f.write(b"b" * 100)}, reason="periodic")
+    assert "corrupt for good: step-00000005: missing file(s) state.pt" in caplog.text
+    assert [(i.step, i.status) for i in checkpoint.scan(st)] == [(5, "complete")]
+    assert checkpoint.layout.prepare(st, "step-00000005") == "exists"  # a whole one is never replaced
+    (tmp_path / "step-00000005" / "state.pt").write_bytes(b"short")
+    assert checkpoint.layout.prepare(st, "step-00000005") == "ok" and not (tmp_path / "step-00000005").exists()
+
+
 class _Exploit:
     def __reduce__(self):
         import os
