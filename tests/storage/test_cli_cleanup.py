@@ -135,6 +135,18 @@ def test_an_empty_path_is_refused(url, tmp_path):
     assert tree(tmp_path) == before
 
 
+def test_a_lease_record_that_cannot_be_read_stops_rm(tmp_path):
+    root = tmp_path / "ckpt"
+    write(str(root), 10)
+    (root / "step-00000020").mkdir()
+    (root / "step-00000020" / "state.pt").write_bytes(b"killed save")
+    (root / LEASE).write_text("{not json")
+    age(root)
+    out = sg("rm", str(root), "--incomplete")
+    assert out.returncode == 1 and "nothing deleted (delete spotguard-lease.json if no job writes here)" in out.stderr
+    assert (root / "step-00000020" / "state.pt").exists()
+
+
 def _uploads(client, bucket: str) -> list[str]:
     return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
