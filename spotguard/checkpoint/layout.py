@@ -28,10 +28,11 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from spotguard.checkpoint.reader import open_verified, require_manifest, scan
+from spotguard.checkpoint.reader import listing_problem, open_verified, require_manifest, scan
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
+    CheckpointFormatError,
     ConfigError,
     SaveCancelled,
     StorageError,
@@ -184,6 +185,8 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
     Returns whether ``name`` is committed."""
     existing = storage.list(name + "/")
     committed = f"{name}/{MANIFEST}" in existing
+    if committed and _drop_broken(storage, name):
+        committed, existing = False, []
     if committed and not replace:
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if existing and not committed:
@@ -199,7 +202,9 @@ def prepare(storage: Storage, name: str) -> str:
     try:
         existing = storage.list(name + "/")
         if f"{name}/{MANIFEST}" in existing:
-            return "exists"
+            if not _drop_broken(storage, name):
+                return "exists"
+            existing = storage.list(name + "/")
         if existing:
             logger.info(
                 "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
@@ -208,6 +213,25 @@ def prepare(storage: Storage, name: str) -> str:
     except Exception as e:
         return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
     return "ok"
+
+
+def _drop_broken(storage: Storage, name: str) -> bool:
+    """Delete ``name`` when it is committed but corrupt for good (its manifest names a file that is
+    missing or of another size: ``reader.listing_problem``), so that its step can be saved again;
+    True when it did. Without this a save of that step would be refused as "already committed"."""
+    try:
+        manifest = _committed_manifest(storage, name)
+    except CheckpointFormatError:  # a newer spotguard's: not ours to judge
+        return False
+    if manifest is None:  # unreadable or unparseable: not judged here
+        return False
+    cut = len(name) + 1
+    problem = listing_problem(name, manifest, {k[cut:]: v for k, v in storage.list_sizes(name + "/").items()})
+    if not problem:
+        return False
+    logger.warning("replacing %s, corrupt for good: %s", storage.describe(name), problem)
+    delete(storage, name)
+    return True
 
 
 def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
@@ -235,7 +259,9 @@ def copy(
     manifest = require_manifest(info)
     existing = dst.list(info.name + "/")
     if f"{info.name}/{MANIFEST}" in existing:
-        raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
+        if not _drop_broken(dst, info.name):
+            raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
+        existing = []
     if existing:
         dst.delete(existing)
     for entry in manifest.files:
@@ -263,15 +289,23 @@ def delete(storage: Storage, name: str) -> None:
 def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
     """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
 
-    Only directories carrying a valid spotguard manifest are ever deleted: incomplete or corrupt
-    ones are left for ``spotguard rm`` (or replaced when their step is saved again), and so are
+    Only directories carrying a valid spotguard manifest are ever deleted: incomplete ones are left
+    for ``spotguard rm --incomplete`` (or replaced when their step is saved again), and so are
     checkpoints of a newer spotguard (newer-format), which do not count among the ``keep`` either.
+    Of the corrupt ones only those corrupt for good (``broken``: the manifest names a file that is
+    missing or of another size) and older than the newest complete checkpoint go: resume would
+    skip them, and nothing mends them. One whose manifest cannot be read or parsed is kept (a
+    passing fault, or something to look at).
     """
     if keep < 1:
         raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
-    complete = [i for i in (scan(storage) if infos is None else infos) if i.complete]
+    infos = scan(storage) if infos is None else infos
+    complete = [i for i in infos if i.complete]
     doomed = complete[:-keep]
+    if complete:
+        doomed += [i for i in infos if i.broken and i.step < complete[-1].step]
+    doomed.sort(key=lambda i: i.step)
     for info in doomed:
         delete(storage, info.name)
-        logger.debug("pruned %s", storage.describe(info.name))
+        logger.debug("pruned %s%s", storage.describe(info.name), f" ({info.problem})" if info.broken else "")
     return [i.step for i in doomed]

@@ -170,6 +170,10 @@ class CheckpointInfo:
     status: str  # "complete" | "incomplete" | "corrupt" | "newer-format" (NEWER_FORMAT: upgrade spotguard)
     manifest: Manifest | None = None
     problem: str = ""
+    #: Corrupt for good: a valid manifest names a file the listing lacks, or shows with another size.
+    #: Unlike an unreadable manifest (maybe a passing fault) no retry mends it: ``prune`` and
+    #: ``spotguard rm --incomplete`` treat it as garbage.
+    broken: bool = False
 
     @property
     def complete(self) -> bool:

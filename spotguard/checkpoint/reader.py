@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +51,7 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
         if MANIFEST not in groups[name]:
             infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))
             continue
+        broken = False
         try:
             if groups[name][MANIFEST] > bounds.MAX_BYTES:  # refused before it is downloaded
                 raise CheckpointCorruptError(
@@ -59,25 +60,35 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
             manifest = Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
             if manifest.step != step:
                 raise CheckpointCorruptError(f"{name}: manifest says step {manifest.step}")
-            missing = [f.name for f in manifest.files if f.name not in groups[name]]
-            if missing:
-                raise CheckpointCorruptError(f"{name}: missing file(s) {', '.join(missing)}")
-            for f in manifest.files:
-                if groups[name][f.name] != f.size:
-                    raise CheckpointCorruptError(
-                        f"{name}/{f.name}: {groups[name][f.name]} bytes, the manifest says {f.size}"
-                    )
+            problem = listing_problem(name, manifest, groups[name])
+            if problem:
+                broken = True
+                raise CheckpointCorruptError(problem)
         except CheckpointFormatError as e:  # a newer spotguard's: neither corrupt nor readable here
             infos.append(CheckpointInfo(step, name, NEWER_FORMAT, problem=str(e)))
             continue
         except CheckpointCorruptError as e:
-            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e)))
+            infos.append(CheckpointInfo(step, name, "corrupt", problem=str(e), broken=broken))
             continue
         except StorageError as e:
             infos.append(CheckpointInfo(step, name, "corrupt", problem=f"{name}: unreadable manifest ({e})"))
             continue
         infos.append(CheckpointInfo(step, name, "complete", manifest))
     return infos
+
+
+def listing_problem(name: str, manifest: Manifest, listed: Mapping[str, int]) -> str:
+    """Why the listing of a committed checkpoint (file name -> size) does not match its manifest, or "".
+
+    A file missing or of another size is corrupt for good (``CheckpointInfo.broken``): no retry mends it.
+    """
+    missing = [f.name for f in manifest.files if f.name not in listed]
+    if missing:
+        return f"{name}: missing file(s) {', '.join(missing)}"
+    for f in manifest.files:
+        if listed[f.name] != f.size:
+            return f"{name}/{f.name}: {listed[f.name]} bytes, the manifest says {f.size}"
+    return ""
 
 
 def latest(storage: Storage) -> CheckpointInfo | None:

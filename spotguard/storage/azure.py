@@ -231,6 +231,10 @@ class AzureStorage(CloudStorage):
         blobs = self.container.list_blobs(name_starts_with=full_prefix, results_per_page=self.options.page_size)
         return ((b.name, b.size) for b in blobs)
 
+    def _list_times(self, full_prefix: str) -> Iterator[tuple[str, float]]:
+        blobs = self.container.list_blobs(name_starts_with=full_prefix, results_per_page=self.options.page_size)
+        return ((b.name, b.last_modified.timestamp()) for b in blobs)
+
     def _delete_one(self, full: str) -> None:
         try:
             self.container.delete_blob(full)

@@ -15,10 +15,13 @@ emergency save never retries beyond the notice deadline.
 from __future__ import annotations
 
 import abc
+import builtins
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +30,28 @@ from ..errors import ConfigError, StorageError
 
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object asked for does not exist."""
+
+
+#: The checkpoint layer's top-level folders (``checkpoint.step_dir``): a backend looks for its
+#: leftovers only inside them (and, for local storage, its scratch folders at the root).
+STEP_DIR = re.compile(r"step-\d+")
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a killed write of this backend left behind, which ``list()`` never shows: a temp file, a
+    scratch folder, an unfinished multipart upload, the parts of a composite upload.
+
+    A backend reports only names it writes itself; ``spotguard rm --incomplete`` decides (by age and
+    the run's lease) which may go, and ``spotguard ls`` counts them.
+    """
+
+    key: str  # relative to the storage root: the object (or folder) it belongs to or is
+    kind: str  # "temp file", "scratch folder", "multipart upload", "upload part"
+    size: int  # bytes it holds
+    modified: float  # its last change, seconds since the epoch (the server's clock for a cloud)
+    ref: str = ""  # what removing it needs besides the key (an upload id)
+    owner: str = ""  # "host@pid" of its writer, where the name records it
 
 
 def check_key(key: str) -> str:
@@ -95,6 +120,21 @@ class Storage(abc.ABC):
 
     def exists(self, key: str) -> bool:
         return key in self.list(key)
+
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        """Every key that ``list(prefix)`` returns, with its last change (seconds since the epoch).
+
+        ``spotguard rm --incomplete`` leaves alone what changed recently; a backend without it
+        (this default) has every key's age unknown, so nothing of it is ever judged old.
+        """
+        return {}
+
+    def leftovers(self) -> builtins.list[Leftover]:
+        """What killed writes left under the root, in this backend's own names (none by default)."""
+        return []
+
+    def remove_leftover(self, item: Leftover) -> None:  # noqa: B027 - optional hook
+        """Delete one of ``leftovers()`` (gone already is no error)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients and pools."""

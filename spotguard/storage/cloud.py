@@ -245,6 +245,19 @@ class CloudStorage(Storage):
             self._call("list", prefix, lambda: {name[cut:]: size for name, size in self._list(self.prefix + prefix)})
         )
 
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        if prefix:
+            check_key(prefix.rstrip("/"))
+        cut = len(self.prefix)
+        return dict(
+            self._call("list", prefix, lambda: {name[cut:]: t for name, t in self._list_times(self.prefix + prefix)})
+        )
+
+    def _list_times(self, full_prefix: str) -> Iterable[tuple[str, float]]:
+        """(full name, last change in seconds since the epoch) of what ``_list`` lists; none by default
+        (ages unknown: ``spotguard rm --incomplete`` then judges nothing old)."""
+        return ()
+
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             full = self._key(key)

@@ -18,8 +18,10 @@ with one that reads ``os.urandom`` (``_private_boundaries``).
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from ..errors import CheckpointCorruptError, ConfigError, StorageError
 from . import retry
 from ._common import check_fields, crc_b64, split_url
-from .base import ObjectNotFoundError
+from .base import STEP_DIR, Leftover, ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,13 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 _CHUNK_UNIT = 256 * 1024  # resumable chunks must be multiples of 256 KiB
 PART_MARK = ".sg-part-"  # temporary parts of a composite upload; invisible to list()
+_PART_NAME = re.compile(r"\.sg-part-[0-9a-f]{12}-\d{2,}$")  # exactly what _composite_upload names them
+
+
+def _changed(blob: Any) -> float:
+    """A blob's last change (seconds since the epoch); unknown counts as now (too young to remove)."""
+    when = blob.updated or blob.time_created
+    return when.timestamp() if when is not None else time.time()
 
 
 def _crc32c(data: bytes, crc: int) -> int:
@@ -272,19 +281,28 @@ class GCSStorage(CloudStorage):
             except StorageError as e:
                 logger.warning("could not delete temporary parts of %s: %s", self.describe(key), e)
 
-    def abort_incomplete_uploads(self) -> list[str]:
-        """Delete temporary parts left by composite uploads that were killed."""
-        names = self._call(
-            "list",
-            "",
-            lambda: [
-                b.name
-                for b in self.bucket.list_blobs(prefix=self.prefix, retry=None, timeout=self.options.timeout)
-                if PART_MARK in b.name
-            ],
-        )
-        self.delete([n[len(self.prefix) :] for n in names])
-        return [f"gs://{self.bucket_name}/{n}" for n in names]
+    def leftovers(self) -> list[Leftover]:
+        """Parts of composite uploads that were killed (``NAME.sg-part-TOKEN-NN`` in this run's
+        ``step-N/`` folders): hidden from ``list()``, billed until deleted."""
+
+        def run() -> list[Leftover]:
+            blobs = self.bucket.list_blobs(
+                prefix=self.prefix + "step-", page_size=self.options.page_size, retry=None, timeout=self.options.timeout
+            )
+            found = []
+            for b in blobs:
+                key = b.name[len(self.prefix) :]
+                top, _, rest = key.partition("/")
+                if STEP_DIR.fullmatch(top) and _PART_NAME.search(rest):
+                    found.append(Leftover(key, "upload part", b.size or 0, _changed(b)))
+            return found
+
+        return list(self._call("list upload parts below", "", run))
+
+    def remove_leftover(self, item: Leftover) -> None:
+        if item.kind != "upload part" or not _PART_NAME.search(item.key):
+            raise ConfigError(f"{self.describe(item.key)}: not a leftover of GCS storage")
+        self.delete([item.key])
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         if len(data) >= 100 * MiB:
@@ -334,6 +352,12 @@ class GCSStorage(CloudStorage):
             prefix=full_prefix, page_size=self.options.page_size, retry=None, timeout=self.options.timeout
         )
         return ((b.name, b.size) for b in blobs if PART_MARK not in b.name)
+
+    def _list_times(self, full_prefix: str) -> Iterator[tuple[str, float]]:
+        blobs = self.bucket.list_blobs(
+            prefix=full_prefix, page_size=self.options.page_size, retry=None, timeout=self.options.timeout
+        )
+        return ((b.name, _changed(b)) for b in blobs if PART_MARK not in b.name)
 
     def _delete_one(self, full: str) -> None:
         try:

@@ -22,13 +22,16 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointExistsError, StorageError
-from .base import ObjectNotFoundError, Storage, _scratch_dir, check_key
+from ..errors import CheckpointExistsError, ConfigError, StorageError
+from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
 SCRATCH_PREFIX = ".spotguard.tmp-"
+#: The exact names this backend writes while a write is in flight (see _tmp_path and scratch):
+#: ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target, ``.spotguard.tmp-HOST@PID-XXXXXXXX/`` at the root.
+_TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@\d+)-[0-9a-f]{8}")
+_SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@\d+)-)?[a-z0-9_]{8}")
 LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
-_STEP_DIR = re.compile(r"step-\d+")  # the checkpoint layer's directories (checkpoint.step_dir)
 
 
 def _host() -> str:
@@ -149,7 +152,7 @@ class LocalStorage(Storage):
             if entry.name.startswith(SCRATCH_PREFIX):
                 if _dead_owner(entry.name[len(SCRATCH_PREFIX) :]) and _idle(Path(entry.path)):
                     shutil.rmtree(entry.path, ignore_errors=True)
-            elif _STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            elif STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 self._sweep_dir(Path(entry.path))
 
     @staticmethod
@@ -266,18 +269,110 @@ class LocalStorage(Storage):
                     raise
                 parent = parent.parent
 
-    def remove_temp_files(self, prefix: str = "") -> builtins.list[str]:
-        """Delete leftovers of killed writes below ``prefix``; returns their relative paths."""
-        start = self.root / prefix if prefix else self.root
-        removed = []
-        for dirpath, dirs, files in os.walk(start):
-            for name in [d for d in dirs if TMP_MARK in d]:  # scratch directories of killed saves
-                shutil.rmtree(Path(dirpath) / name, ignore_errors=True)
-                dirs.remove(name)
-                removed.append((Path(dirpath) / name).relative_to(self.root).as_posix() + "/")
-            for name in files:
-                if TMP_MARK in name:
-                    path = Path(dirpath) / name
-                    path.unlink(missing_ok=True)
-                    removed.append(path.relative_to(self.root).as_posix())
-        return removed
+    def list_times(self, prefix: str = "") -> dict[str, float]:
+        times = {}
+        for key in self.list_sizes(prefix):
+            try:
+                times[key] = self._path(key).stat().st_mtime
+            except FileNotFoundError:  # deleted since the listing
+                pass
+        return times
+
+    def leftovers(self) -> builtins.list[Leftover]:
+        """Scratch folders at the root, temp files in ``step-N/`` folders (and of the root's own
+        ``spotguard-*`` files), ``step-N/`` folders holding no file: nothing else is looked at."""
+        try:
+            entries = builtins.list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"cannot list {self.describe()}: {e}") from e
+        found = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                scratch = _SCRATCH_NAME.fullmatch(entry.name)
+                stats = _tree_stats(Path(entry.path)) if scratch else None
+                if scratch and stats:
+                    found.append(Leftover(entry.name + "/", "scratch folder", *stats, owner=scratch["owner"] or ""))
+                elif STEP_DIR.fullmatch(entry.name):
+                    found += self._step_leftovers(Path(entry.path))
+            elif entry.name.startswith("spotguard") and entry.is_file(follow_symlinks=False):
+                found += self._temp_file(Path(entry.path))
+        return found
+
+    def _step_leftovers(self, top: Path) -> builtins.list[Leftover]:
+        found, files = [], 0
+        for dirpath, _, names in os.walk(top):  # never follows symlinks
+            files += len(names)
+            for name in names:
+                found += self._temp_file(Path(dirpath) / name)
+        stats = None if files else _tree_stats(top)
+        if stats:
+            found.append(Leftover(top.name + "/", "empty folder", 0, stats[1]))
+        return found
+
+    def _temp_file(self, path: Path) -> builtins.list[Leftover]:
+        """``path`` as a Leftover when it is one of ``_tmp_path``'s names."""
+        m = _TEMP_NAME.fullmatch(path.name)
+        if not m:
+            return []
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return []
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        rel = path.relative_to(self.root).as_posix()
+        return [Leftover(rel, "temp file", st.st_size, st.st_mtime, owner=m["owner"])]
+
+    def remove_leftover(self, item: Leftover) -> None:
+        path = self._path(item.key.rstrip("/"))
+        try:
+            if item.kind == "scratch folder" and _SCRATCH_NAME.fullmatch(path.name) and path.parent == self.root:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+            elif item.kind == "temp file" and _TEMP_NAME.fullmatch(path.name):
+                self.delete([item.key])  # and the folders it leaves empty
+            elif item.kind == "empty folder" and STEP_DIR.fullmatch(path.name) and path.parent == self.root:
+                for dirpath, _, _ in os.walk(path, topdown=False):
+                    os.rmdir(dirpath)  # fails, and stops, if a file appeared meanwhile
+            else:
+                raise ConfigError(f"{self.describe(item.key)} is not a leftover of local storage")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"cannot delete {self.describe(item.key)}: {e}") from e
+
+
+def _tree_stats(top: Path) -> tuple[int, float] | None:
+    """Bytes held below ``top`` and its newest change (``top`` and every entry, links not followed);
+    None when ``top`` is gone (an age unknown must never read as old)."""
+    try:
+        newest = top.lstat().st_mtime
+    except OSError:
+        return None
+    size = 0
+    for dirpath, dirs, names in os.walk(top):
+        for name in dirs + names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+    return size, newest
+
+
+def writer_running(owner: str) -> bool:
+    """Whether ``owner`` ("host@pid", from a Leftover) is a process running on this host."""
+    host, _, pid = owner.rpartition("@")
+    if host != _host() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: running
+        return True
+    return True

@@ -30,10 +30,10 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 
-from ..errors import StorageError
+from ..errors import ConfigError, StorageError
 from . import retry
 from ._common import check_fields, split_url
-from .base import ObjectNotFoundError
+from .base import STEP_DIR, Leftover, ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
 
 MiB = 1 << 20
@@ -320,16 +320,57 @@ class S3Storage(CloudStorage):
                 return False
             raise
 
-    def abort_incomplete_uploads(self) -> builtins.list[str]:
-        """Abort multipart uploads left by killed writers below the prefix (they are billed until then)."""
+    def _list_times(self, full_prefix: str) -> Iterator[tuple[str, float]]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=full_prefix, PaginationConfig={"PageSize": self.options.page_size}
+        )
+        return ((o["Key"], o["LastModified"].timestamp()) for page in pages for o in page.get("Contents", []))
 
-        def run() -> builtins.list[str]:
-            aborted = []
-            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=self.prefix)
+    def leftovers(self) -> builtins.list[Leftover]:
+        """Unfinished multipart uploads (billed until aborted) of keys in this run's ``step-N/`` folders:
+        other keys' uploads, another application's at the bucket root included, are never listed."""
+
+        def run() -> builtins.list[Leftover]:
+            found = []
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + "step-"
+            )
             for page in pages:
                 for up in page.get("Uploads", []):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    aborted.append(f"s3://{self.bucket}/{up['Key']} (multipart upload {up['UploadId'][:12]}...)")
-            return aborted
+                    key = up["Key"][len(self.prefix) :]
+                    top, _, rest = key.partition("/")
+                    if STEP_DIR.fullmatch(top) and rest:
+                        found += self._upload_leftover(key, up)
+            return found
 
-        return list(self._call("abort uploads", "", run))
+        return builtins.list(self._call("list uploads below", "", run))
+
+    def _upload_leftover(self, key: str, up: dict[str, Any]) -> builtins.list[Leftover]:
+        """One upload, its size and last change counted over its parts ([] once it is gone)."""
+        size, modified = 0, up["Initiated"].timestamp()
+        try:
+            pages = self.client.get_paginator("list_parts").paginate(
+                Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+            )
+            for page in pages:
+                for part in page.get("Parts", []):
+                    size += part["Size"]
+                    modified = max(modified, part["LastModified"].timestamp())
+        except bex.ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "NoSuchUpload":  # completed or aborted meanwhile
+                return []
+            raise
+        return [Leftover(key, "multipart upload", size, modified, ref=up["UploadId"])]
+
+    def remove_leftover(self, item: Leftover) -> None:
+        if item.kind != "multipart upload":
+            raise ConfigError(f"{self.describe(item.key)}: not a leftover of S3 storage")
+
+        def run() -> None:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(item.key), UploadId=item.ref)
+            except bex.ClientError as e:
+                if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise
+
+        self._call("abort the upload of", item.key, run)

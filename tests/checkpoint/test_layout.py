@@ -130,6 +130,39 @@ def test_retention_never_deletes_newest_complete_when_newer_ones_are_corrupt(tmp
     assert (tmp_path / "step-00000005" / "manifest.json").exists()
 
 
+def test_retention_removes_older_checkpoints_whose_manifest_names_a_missing_file(tmp_path):
+    """Corrupt for good (an in-flight file deleted under a save that then committed): garbage once a newer
+    checkpoint is complete; a newer one is kept, and so is one whose manifest does not parse."""
+    st = open_storage(str(tmp_path))
+    for step in (1, 2, 3, 9):
+        checkpoint.write(st, step, {"state.pt": lambda f, s=step: f.write(bytes([s]) * 100)}, reason="periodic")
+    for step in (2, 9):
+        (tmp_path / f"step-{step:08d}" / "state.pt").unlink()
+    (tmp_path / "step-00000003" / "manifest.json").write_text("garbage")
+    checkpoint.write(st, 4, {"state.pt": lambda f: f.write(b"4" * 100)}, reason="periodic")
+    assert checkpoint.prune(st, keep=5) == [2]
+    assert [(i.step, i.status) for i in checkpoint.scan(st)] == [
+        (1, "complete"),
+        (3, "corrupt"),
+        (4, "complete"),
+        (9, "corrupt"),
+    ]
+
+
+def test_a_step_whose_checkpoint_is_corrupt_for_good_can_be_saved_again(tmp_path, caplog):
+    """Else a resume that skipped it would redo the steps up to it and never be able to save it."""
+    st = open_storage(str(tmp_path))
+    checkpoint.write(st, 5, {"state.pt": lambda f: f.write(b"a" * 100)}, reason="periodic")
+    (tmp_path / "step-00000005" / "state.pt").unlink()
+    with caplog.at_level(logging.WARNING, logger="spotguard"):
+        checkpoint.write(st, 5, {"state.pt": lambda f: f.write(b"b" * 100)}, reason="periodic")
+    assert "corrupt for good: step-00000005: missing file(s) state.pt" in caplog.text
+    assert [(i.step, i.status) for i in checkpoint.scan(st)] == [(5, "complete")]
+    assert checkpoint.layout.prepare(st, "step-00000005") == "exists"  # a whole one is never replaced
+    (tmp_path / "step-00000005" / "state.pt").write_bytes(b"short")
+    assert checkpoint.layout.prepare(st, "step-00000005") == "ok" and not (tmp_path / "step-00000005").exists()
+
+
 class _Exploit:
     def __reduce__(self):
         import os

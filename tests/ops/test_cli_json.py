@@ -74,6 +74,9 @@ def test_rm_json_one_document_per_deletion(tmp_path, capsys):
     root = tmp_path / "ckpt"
     fill(root)
     assert main(["rm", str(root), "--incomplete", "--json"]) == 0
+    (doc,) = docs(capsys)  # written just now: a save may still be writing it
+    assert doc["skipped"] == str(root / "step-00000030") and "minimum age 1 h" in doc["why"]
+    assert main(["rm", str(root), "--incomplete", "--min-age", "0", "--json"]) == 0
     (doc,) = docs(capsys)
     assert doc["deleted"] == str(root / "step-00000030") and doc["status"] == "incomplete"
     assert main(["rm", str(root), "--incomplete", "--json"]) == 0

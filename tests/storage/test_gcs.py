@@ -187,11 +187,17 @@ def test_large_objects_upload_as_parallel_parts_then_compose(emulator, request):
         assert path.read_bytes() == data
 
 
-def test_rm_incomplete_deletes_parts_of_killed_composite_uploads(fake_gcs_url):
+def test_leftovers_are_the_parts_of_killed_composite_uploads(fake_gcs_url):
     """fake-gcs-server: plain object operations only."""
     st = GCSStorage(fake_gcs_url)
-    st.bucket.blob("run/step-00000002/state.pt.sg-part-abc-00").upload_from_string(b"part")
+    st.bucket.blob("run/step-00000002/state.pt.sg-part-0123456789ab-00").upload_from_string(b"part")
+    st.bucket.blob("run/notes.sg-part-0123456789ab-00").upload_from_string(b"not in a step folder")
     st.put_bytes("step-00000001/state.pt", b"kept")
     assert st.list("") == ["step-00000001/state.pt"]  # parts are invisible
-    assert st.abort_incomplete_uploads() == [f"{fake_gcs_url}/step-00000002/state.pt.sg-part-abc-00"]
-    assert [b.name for b in st.bucket.list_blobs()] == ["run/step-00000001/state.pt"]
+    (item,) = st.leftovers()
+    assert (item.key, item.kind, item.size) == ("step-00000002/state.pt.sg-part-0123456789ab-00", "upload part", 4)
+    st.remove_leftover(item)
+    assert sorted(b.name for b in st.bucket.list_blobs()) == [
+        "run/notes.sg-part-0123456789ab-00",
+        "run/step-00000001/state.pt",
+    ]

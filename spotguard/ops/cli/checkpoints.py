@@ -10,12 +10,14 @@ import sys
 from typing import Any
 
 from spotguard import checkpoint
+from spotguard.checkpoint import cleanup
 from spotguard.checkpoint.manifest import NEWER_FORMAT
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, StorageError
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.timeouts import DEFAULT_TIMEOUT
 
 from ._output import fail, report
+from .cleanup import duration, empty_local, print_hidden, rm_incomplete
 
 _URL = "storage URL (path, file://, s3://, gs://, az://)"
 UNREADABLE = "unreadable"
@@ -68,6 +70,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     if not infos:
         print(f"no checkpoints in {storage.describe()}")
+        print_hidden(storage)
         return 0
     print(f"{'STEP':>10}  {'TIME (UTC)':<19}  {'REASON':<9}  {'SIZE':>10}  STATUS")
     for info in infos:
@@ -84,6 +87,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
     if not args.verify and any(i.complete for i in infos):
         print("(unverified: manifest and sizes checked; --verify reads every file and checks its SHA-256)")
+    print_hidden(storage)
     return 0
 
 
@@ -231,35 +235,29 @@ def _remove_partial(dest: Storage, name: str) -> None:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    storage = _open(args, args.url)
-    if args.step is not None:
-        info = _find(storage, args.step)
-        if info is None:
-            return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
-        doomed = [info]
-    else:
-        doomed = [i for i in checkpoint.scan(storage) if i.status == "incomplete"]
-    for info in doomed:
-        checkpoint.delete(storage, info.name)
-        why = f"incomplete: {info.problem}" if args.step is None else info.status
-        report(
+    if empty_local(args.url):
+        return fail(
             args,
-            f"deleted {storage.describe(info.name)} ({why})",
-            {
-                "deleted": storage.describe(info.name),
-                "step": info.step,
-                "status": info.status,
-                "problem": info.problem or None,
-            },
+            f"{args.url!r} names no folder (it would mean the current directory): give the run's checkpoint root",
+            url=args.url,
         )
-    if args.step is not None:
-        return 0
-    cleanup = getattr(storage, "remove_temp_files", None) or getattr(storage, "abort_incomplete_uploads", None)
-    leftovers = cleanup() if cleanup else []
-    for name in leftovers:
-        report(args, f"deleted leftover {name}", {"deleted": name, "step": None, "status": "leftover", "problem": None})
-    if not doomed and not leftovers and not args.json:  # --json: one document per deletion, none here
-        print(f"nothing incomplete in {storage.describe()}")
+    storage = _open(args, args.url)
+    if args.step is None:
+        return rm_incomplete(args, storage)
+    info = _find(storage, args.step)
+    if info is None:
+        return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
+    checkpoint.delete(storage, info.name)
+    report(
+        args,
+        f"deleted {storage.describe(info.name)} ({info.status})",
+        {
+            "deleted": storage.describe(info.name),
+            "step": info.step,
+            "status": info.status,
+            "problem": info.problem or None,
+        },
+    )
     return 0
 
 
@@ -315,8 +313,24 @@ def register(sub: Any) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
     what.add_argument(
-        "--incomplete", action="store_true", help="delete checkpoints without a manifest and unfinished uploads"
+        "--incomplete",
+        action="store_true",
+        help="delete the garbage of killed saves: step-N folders without a manifest, checkpoints whose manifest "
+        "names a missing file, spotguard's own temp files, scratch folders, unfinished uploads and upload parts "
+        "in the run's folders. Skips (and says so) everything while a run holds a live lease, and anything "
+        "changed less than --min-age ago",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted, or an error")
+    p.add_argument(
+        "--min-age",
+        type=duration,
+        default=cleanup.DEFAULT_MIN_AGE_S,
+        metavar="AGE",
+        help="with --incomplete: leave what changed less than AGE ago (seconds, or 30m, 2h, 1d; default 1h), "
+        "which a save may still be writing",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="with --incomplete: say what would be deleted, delete nothing"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted or skipped, or an error")
     _add_timeout(p)
     p.set_defaults(func=cmd_rm)
