@@ -4,9 +4,16 @@ notice window, a second checkpoint before the deadline; and every way it falls b
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +24,24 @@ from spotguard.errors import ConfigError, StorageError
 from spotguard.guard.window import DeadlinePolicy, Window, reserve
 from spotguard.notices.azure import AzureProvider
 from spotguard.storage import LocalStorage, open_storage
+from tests.helpers import (
+    DDP_ARGS,
+    EXAMPLE_ARGS,
+    WORKERS,
+    after_step,
+    assert_same,
+    assert_same_run,
+    ddp_example_cmd,
+    example_cmd,
+    last_step,
+    read_jsonl,
+    read_losses,
+    run,
+    run_example,
+    stop_when,
+    stopped_for_notice,
+    subprocess_env,
+)
 
 STEP_S = 0.05
 
@@ -188,3 +213,117 @@ def test_the_policy_comes_from_the_option_or_the_environment(tmp_path, monkeypat
         spotguard.Guard(str(tmp_path), providers=[], deadline_policy="window")
     with pytest.raises(ConfigError, match="window_margin"):
         spotguard.Guard(str(tmp_path), providers=[], window_margin=-1)
+
+
+# -- real processes --------------------------------------------------------------------------------
+def write_notice(path: Path, seconds: float) -> float:
+    """A notice file whose deadline is ``seconds`` from now; returns that deadline (time.time())."""
+    deadline = time.time() + seconds
+    path.write_text(json.dumps({"kind": "terminate", "deadline": deadline}))
+    return deadline
+
+
+def committed_left(stderr: str, step: int) -> float:
+    """The T-minus of ``step``'s emergency checkpoint, from its log line."""
+    found = re.search(rf"emergency checkpoint of step {step} committed in [0-9.]+s, T-([0-9.]+)s", stderr)
+    assert found, stderr[-3000:]
+    return float(found.group(1))
+
+
+def emergency_steps(root: Path) -> list[int]:
+    return [s for s, reason in steps_in(root) if reason == "emergency"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_trains_through_a_20s_window_keeps_every_step_and_resumes_exactly(tmp_path, reference_runs):
+    """examples/train.py, a notice with 20 s to go: two checkpoints, the steps between them kept."""
+    notice, losses, storage = tmp_path / "notice", tmp_path / "losses.jsonl", tmp_path / "ckpt"
+    args = (*EXAMPLE_ARGS, "--losses", str(losses), "--providers", "file", "--interval", "0.2")
+    first = stop_when(
+        example_cmd(storage, *args, "--step-sleep", "0.25", "--deadline-policy", "use-window"),
+        after_step(losses, 8),
+        lambda _: write_notice(notice, 20.0),
+        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
+    )
+    assert first.returncode == 75, first.stderr[-3000:]
+    opened, stopped = emergency_steps(storage)
+    assert 8 <= opened < stopped < 90 and stopped - opened >= 10, (opened, stopped)
+    assert last_step(losses) == stopped  # trained on after the first checkpoint, up to the second
+    reserve_s = float(re.search(r"starts about ([0-9.]+)s before the deadline", first.stderr).group(1))
+    assert 0 < committed_left(first.stderr, stopped) <= reserve_s + 1.5  # near the deadline, still in time
+    notice.unlink()
+    second = run_example(
+        storage, *args, "--final", str(tmp_path / "final.pt"), env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice))
+    )
+    assert second.returncode == 0 and f"resuming at step {stopped} " in second.stdout, second.stdout
+    assert_same_run(losses, tmp_path / "final.pt", reference_runs(*EXAMPLE_ARGS))  # 0 steps lost, exact
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_second_checkpoint_cut_by_the_deadline_leaves_the_first_to_resume(tmp_path):
+    """The second save outlasts the deadline (the disk slowed down) and the machine goes: resume at the first."""
+    notice, root, out = tmp_path / "notice", tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    progress = out / "results-0.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKERS / "window_slow_disk.py"), str(root), str(out)],
+        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        while not any(r.get("step", 0) >= 3 for r in read_jsonl(progress)):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.02)
+        deadline = write_notice(notice, 10.0)
+        time.sleep(max(deadline - time.time(), 0.0))
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]  # still writing the second checkpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the machine is gone at the deadline
+        proc.wait()
+        proc.stderr.close()
+    records = read_jsonl(progress)
+    opened = next(r["window"] for r in records if "window" in r)
+    trained = max(r["step"] for r in records if "step" in r)
+    assert trained > opened + 5  # the window was used: those steps are what the second save was for
+    started = [i for i in checkpoint.scan(open_storage(str(root))) if i.step > opened]
+    assert started and not any(i.complete for i in started)  # the second save began, never committed
+    guard = spotguard.Guard(str(root), providers=[]).track(model=torch.nn.Linear(64, 64))
+    assert guard.resume() == opened
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_agree_on_both_stops_when_only_rank_1_has_the_notice(tmp_path, ddp_reference):
+    notice, storage = tmp_path / "notice-{rank}", tmp_path / "ckpt"
+    losses = str(tmp_path / "loss-{rank}.jsonl")
+    first = stop_when(
+        ddp_example_cmd(
+            2, storage, *DDP_ARGS, "--losses", losses, "--step-sleep", "0.25", "--deadline-policy", "use-window"
+        ),
+        after_step(tmp_path / "loss-0.jsonl", 3),
+        lambda _: write_notice(Path(str(notice).format(rank=1)), 14.0),
+        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
+    )
+    assert stopped_for_notice(first), first.stderr[-3000:]
+    opened, stopped = emergency_steps(storage)
+    assert opened < stopped < 40, (opened, stopped)
+    assert [read_losses(tmp_path / f"loss-{r}.jsonl")[-1][0] for r in range(2)] == [stopped, stopped]
+    for r in range(2):  # rank 0 saw no notice, yet took both stops at rank 1's steps, under its deadline
+        for step in (opened, stopped):
+            assert re.search(rf"\[rank {r}\].*emergency checkpoint of step {step} committed", first.stderr), r
+    info = checkpoint.latest(open_storage(str(storage)))
+    assert info.step == stopped and info.manifest.world_size == 2
+    Path(str(notice).format(rank=1)).unlink()
+    second = run(ddp_example_cmd(2, storage, *DDP_ARGS, "--losses", losses, "--final", str(tmp_path / "final.pt")))
+    assert second.returncode == 0 and f"resuming at step {stopped} " in second.stdout, second.stderr[-3000:]
+    for r in range(2):
+        got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ddp_reference / f"loss-{r}.jsonl"))
+        assert all(loss == want[step] for step, loss in got) and sorted(dict(got)) == sorted(want), r
+    assert_same(
+        torch.load(tmp_path / "final.pt", weights_only=True),
+        torch.load(ddp_reference / "final.pt", weights_only=True),
+    )
