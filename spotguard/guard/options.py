@@ -16,6 +16,7 @@ from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
 from spotguard.guard.window import DeadlinePolicy
 from spotguard.notices.base import NoticeProvider
+from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
 
 class BusyPolicy(str, enum.Enum):
@@ -83,7 +84,9 @@ class GuardOptions:
     on_unloadable: Unloadable | str = Unloadable.RAISE
     rebatch: Rebatch | str = Rebatch.REFUSE
     deadline_policy: DeadlinePolicy | str | None = None  # None: $SPOTGUARD_DEADLINE_POLICY, else "stop"
-    window_margin: float = 5.0  # "use-window": seconds kept free before the deadline beyond the save time
+    window_margin: float = (
+        DEFAULT_WINDOW_MARGIN_S  # "use-window": seconds kept free before the deadline beyond the save time
+    )
 
     @property
     def background_sharded(self) -> bool:

@@ -8,7 +8,8 @@ exits: the rest of the window is idle. With ``"use-window"`` the order is:
    safety net, the resume point should anything below go wrong;
 2. ``Window.open`` decides whether there is time to train on: the time left must exceed the
    reserve, i.e. the measured save time (that first emergency save; in a process group the slowest
-   rank's) plus ``SLACK`` of it plus the margin. Without a deadline (a plain SIGTERM), without a
+   rank's) plus a quarter of it plus the margin (``planner.window_reserve``, the rule ``spotguard
+   plan`` models). Without a deadline (a plain SIGTERM), without a
    measured save, or after a failed one, there is no window: it is ``"stop"``;
 3. training goes on; after each step ``Window.closing()`` says whether one more step (as long as the
    longest step seen in the window) would leave less than the reserve. In a process group the ranks
@@ -26,10 +27,9 @@ import math
 import time
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from spotguard.planner import window_reserve
 
-#: The second save may take this share longer than the first did (storage throughput varies).
-SLACK = 0.25
+logger = logging.getLogger(__name__)
 
 
 class DeadlinePolicy(str, enum.Enum):
@@ -37,11 +37,6 @@ class DeadlinePolicy(str, enum.Enum):
 
     STOP = "stop"  # stop training at once; the rest of the notice window is idle
     USE_WINDOW = "use-window"  # train on, and checkpoint again just in time before the deadline
-
-
-def reserve(save_s: float, margin_s: float) -> float:
-    """Seconds kept free before the deadline for the second save: its measured time, ``SLACK``, a margin."""
-    return save_s * (1.0 + SLACK) + margin_s
 
 
 @dataclass
@@ -57,18 +52,18 @@ class Window:
 
     @property
     def reserve_s(self) -> float:
-        return reserve(self.save_s, self.margin_s)
+        return window_reserve(self.save_s, self.margin_s)
 
     @classmethod
     def open(cls, first_step: int, deadline: float, save_s: float, margin_s: float, left: float) -> Window | None:
         """A window after the first checkpoint of ``first_step``, or None when ``left`` seconds (the
         least of all ranks) leave no time to train before the reserve. ``save_s`` is inf when unknown."""
-        if not math.isfinite(save_s) or left <= reserve(save_s, margin_s):
+        if not math.isfinite(save_s) or left <= window_reserve(save_s, margin_s):
             logger.warning(
                 "notice window not used: %s; stopping now",
                 "the save time is not known"
                 if not math.isfinite(save_s)
-                else f"{left:.1f}s left, {reserve(save_s, margin_s):.1f}s needed for a second checkpoint",
+                else f"{left:.1f}s left, {window_reserve(save_s, margin_s):.1f}s needed for a second checkpoint",
             )
             return None
         window = cls(first_step, deadline, save_s, margin_s, time.monotonic())

@@ -21,8 +21,9 @@ import torch
 import spotguard
 from spotguard import Notice, checkpoint
 from spotguard.errors import ConfigError, StorageError
-from spotguard.guard.window import DeadlinePolicy, Window, reserve
+from spotguard.guard.window import DeadlinePolicy, Window
 from spotguard.notices.azure import AzureProvider
+from spotguard.planner import window_reserve as reserve
 from spotguard.storage import LocalStorage, open_storage
 from tests.helpers import (
     DDP_ARGS,
