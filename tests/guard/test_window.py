@@ -30,14 +30,12 @@ from tests.helpers import (
     EXAMPLE_ARGS,
     WORKERS,
     after_step,
-    assert_same,
     assert_same_run,
     ddp_example_cmd,
     example_cmd,
     last_step,
     read_jsonl,
     read_losses,
-    run,
     run_example,
     stop_when,
     stopped_for_notice,
@@ -298,7 +296,7 @@ def test_a_second_checkpoint_cut_by_the_deadline_leaves_the_first_to_resume(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_ranks_agree_on_both_stops_when_only_rank_1_has_the_notice(tmp_path, ddp_reference):
+def test_two_ranks_agree_on_both_stops_when_only_rank_1_has_the_notice(tmp_path):
     notice, storage = tmp_path / "notice-{rank}", tmp_path / "ckpt"
     losses = str(tmp_path / "loss-{rank}.jsonl")
     first = stop_when(
@@ -316,15 +314,6 @@ def test_two_ranks_agree_on_both_stops_when_only_rank_1_has_the_notice(tmp_path,
     for r in range(2):  # rank 0 saw no notice, yet took both stops at rank 1's steps, under its deadline
         for step in (opened, stopped):
             assert re.search(rf"\[rank {r}\].*emergency checkpoint of step {step} committed", first.stderr), r
-    info = checkpoint.latest(open_storage(str(storage)))
-    assert info.step == stopped and info.manifest.world_size == 2
-    Path(str(notice).format(rank=1)).unlink()
-    second = run(ddp_example_cmd(2, storage, *DDP_ARGS, "--losses", losses, "--final", str(tmp_path / "final.pt")))
-    assert second.returncode == 0 and f"resuming at step {stopped} " in second.stdout, second.stderr[-3000:]
-    for r in range(2):
-        got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ddp_reference / f"loss-{r}.jsonl"))
-        assert all(loss == want[step] for step, loss in got) and sorted(dict(got)) == sorted(want), r
-    assert_same(
-        torch.load(tmp_path / "final.pt", weights_only=True),
-        torch.load(ddp_reference / "final.pt", weights_only=True),
-    )
+    infos = [i for i in checkpoint.scan(open_storage(str(storage))) if i.complete and i.step >= opened]
+    assert [(i.step, i.manifest.world_size) for i in infos] == [(opened, 2), (stopped, 2)]
+    # (the resume from such a checkpoint is exact: test_distributed.py resumes an emergency one)
