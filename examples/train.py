@@ -110,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
+    p.add_argument(
+        "--deadline-policy",
+        choices=("stop", "use-window"),
+        help="after the emergency checkpoint: stop, or train on in the notice window and checkpoint again "
+        "before the deadline (default: $SPOTGUARD_DEADLINE_POLICY, else stop)",
+    )
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=32)
@@ -162,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         providers=args.providers,
         interval=args.interval,
+        deadline_policy=args.deadline_policy,
     )
     guard.track(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader)
     step = start = guard.resume()

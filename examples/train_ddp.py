@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
+    p.add_argument(
+        "--deadline-policy",
+        choices=("stop", "use-window"),
+        help="after the emergency checkpoint: stop, or train on in the notice window and checkpoint again "
+        "before the deadline (default: $SPOTGUARD_DEADLINE_POLICY, else stop)",
+    )
     p.add_argument("--sync-every", type=int, default=1, help="steps between stop agreements")
     p.add_argument(
         "--reshard",
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         providers=args.providers,
         interval=args.interval,
+        deadline_policy=args.deadline_policy,
         sync_every=args.sync_every,
         reshard=args.reshard,
     )

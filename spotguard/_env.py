@@ -22,6 +22,7 @@ AZURE_ACK = "SPOTGUARD_AZURE_ACK"
 AZURE_STOP_EVENTS = "SPOTGUARD_AZURE_STOP_EVENTS"
 GCP_DEADLINE = "SPOTGUARD_GCP_DEADLINE"
 STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
+DEADLINE_POLICY = "SPOTGUARD_DEADLINE_POLICY"  # a Guard's deadline_policy: stop or use-window
 STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
 

@@ -9,7 +9,8 @@ Keys, all optional, numbers or lists of numbers (null: not measured; other keys 
 
 ``snapshot_s``: the loop is blocked while the state is copied; ``write_s``: the storage write;
 ``async``: true when the write runs in the background, so only the snapshot blocks the loop
-(otherwise the write does). ``restart_s``: preemption to training again; without it,
+(otherwise the write does). ``write_s`` (plus ``upload_s``, with a local tier) is also the time a
+save takes to commit: the emergency save's, and the shortest useful interval. ``restart_s``: preemption to training again; without it,
 ``restore_s`` (what ``guard.resume()`` took) plus ``DEFAULT_START_S`` for the rest of a start.
 
 No torch here: ``spotguard plan`` starts without it. ``read_records`` also reads the goodput
@@ -64,6 +65,7 @@ class MeasuredCosts:
     checkpoint_s: float | None
     restart_s: float | None
     state_gb: float | None
+    save_s: float | None = None  # a durable commit: write_s, plus upload_s with a local tier
 
 
 def load_stats(path: str | Path) -> MeasuredCosts:
@@ -71,13 +73,13 @@ def load_stats(path: str | Path) -> MeasuredCosts:
     write_s``; the restart cost ``restart_s``, else ``restore_s + DEFAULT_START_S``."""
     p = Path(path)
     records = read_records(p, "stats file", "JSON or JSON lines")
-    values: dict[str, list[float]] = {"checkpoint": [], "restart_s": [], "state_bytes": []}
+    values: dict[str, list[float]] = {"checkpoint": [], "restart_s": [], "state_bytes": [], "save": []}
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise ConfigError(f"{p}: record {i + 1} is not a JSON object")
         got = {
             k: _mean(p, k, rec[k])
-            for k in ("snapshot_s", "write_s", "restart_s", "restore_s", "state_bytes")
+            for k in ("snapshot_s", "write_s", "upload_s", "restart_s", "restore_s", "state_bytes")
             if rec.get(k) is not None
         }
         blocking = ["snapshot_s"] if rec.get("async") else ["snapshot_s", "write_s"]
@@ -87,11 +89,13 @@ def load_stats(path: str | Path) -> MeasuredCosts:
             values["restart_s"].append(got.get("restart_s", got.get("restore_s", 0.0) + DEFAULT_START_S))
         if "state_bytes" in got:
             values["state_bytes"].append(got["state_bytes"])
+        if "write_s" in got:
+            values["save"].append(got["write_s"] + got.get("upload_s", 0.0))
     avg = {k: (sum(v) / len(v) if v else None) for k, v in values.items()}
     if all(v is None for v in avg.values()):
         raise ConfigError(f"{p}: no snapshot_s, write_s, restart_s, restore_s or state_bytes in it")
     gb = None if avg["state_bytes"] is None else avg["state_bytes"] / 1e9
-    return MeasuredCosts(avg["checkpoint"], avg["restart_s"], gb)
+    return MeasuredCosts(avg["checkpoint"], avg["restart_s"], gb, avg["save"])
 
 
 def _mean(path: Path, key: str, value: object) -> float:

@@ -20,6 +20,8 @@ from spotguard.planner import (
     goodput,
     lost_work,
     plan,
+    window_reserve,
+    window_work,
     young_interval,
 )
 
@@ -212,3 +214,52 @@ def test_adaptive_interval_with_notices_matches_the_plan_until_checkpoints_outgr
     adaptive.observe(200.0)
     adaptive.observe(200.0)  # 200 s checkpoints no longer fit in a 120 s notice: cover every preemption
     assert adaptive.interval == pytest.approx(daly_interval(200.0, 6 * H))
+
+
+def test_use_window_keeps_the_notice_lead_as_training_and_leaves_the_saves_and_margin_idle():
+    assert window_reserve(2.0, 5.0) == pytest.approx(7.5)
+    assert window_work(120.0, 2.0, 5.0) == pytest.approx(120 - 2 - 7.5)  # the first save, then the reserve
+    assert window_work(30.0, 10.0, 5.0) == pytest.approx(2.5)
+    assert window_work(10.0, 10.0, 5.0) == 0.0 and window_work(None, 1.0) == 0.0  # no window opens
+    stop = PlanOptions(0.5, 4.0, 2.0, notice_s=120.0, save_s=1.0)
+    use = PlanOptions(0.5, 4.0, 2.0, notice_s=120.0, save_s=1.0, deadline_policy="use-window")
+    assert stop.idle_s() == 120.0 and stop.window_s() == 0.0
+    assert use.idle_s() == pytest.approx(1.0 + 1.25 + 5.0) and use.idle_s() <= 10.0  # the issue's AWS target
+    p_stop, p_use = plan(stop), plan(use)
+    assert p_use.interval_s == p_stop.interval_s  # the interval covers the preemptions without notice alike
+    assert p_use.goodput > p_stop.goodput
+    assert p_use.window_s == pytest.approx(use.window_s()) and p_use.idle_s == pytest.approx(use.idle_s())
+    # the last row is the chosen policy, the one before it the other, for comparison
+    assert [(r.name, r.deadline_policy) for r in p_stop.rows[-2:]] == [
+        ("notice + rec. (use-window)", "use-window"),
+        ("notice + recommended", "stop"),
+    ]
+    assert p_stop.rows[-2].goodput == pytest.approx(p_use.goodput)
+
+
+def test_use_window_goodput_adds_the_window_work_of_each_noticed_preemption():
+    c, r, m, tau = 1.0, 4.0, 0.1 * H, 60.0
+    lam = 1 / m
+    base = goodput(tau, c, r, m, notice_share=0.9, notice_s=120.0)
+    used = goodput(tau, c, r, m, notice_share=0.9, notice_s=120.0, window_s=100.0)
+    fail = -math.expm1(-lam * (tau + c))
+    wall = fail / lam + fail * (math.expm1(lam * r) / lam + 0.9 * 120.0)
+    assert used - base == pytest.approx(0.9 * fail * 100.0 / wall)
+    assert goodput(tau, c, r, m, notice_share=0.9, notice_s=120.0, window_s=500.0) == pytest.approx(
+        goodput(tau, c, r, m, notice_share=0.9, notice_s=120.0, window_s=120.0)
+    )  # never more than the lead
+
+
+def test_the_interval_is_never_below_the_time_a_save_takes_to_commit():
+    """An async snapshot of milliseconds at a short MTBF gave Daly intervals below one second, while each
+    save takes a second to commit: every other one would only be skipped."""
+    o = PlanOptions(0.002, 4.0, 0.002, notice_s=120.0, save_s=0.8)
+    assert daly_interval(0.002, o.mtbf_s / 0.1) < 0.8
+    p = plan(o)
+    assert p.interval_s == pytest.approx(0.8) and p.optimum_s >= 0.8 * 0.999
+    assert all(r.interval_s >= 0.8 for r in p.rows if r.interval_s is not None)
+    assert PlanOptions(60, 180, 6).save_s == 60  # without a save time: the checkpoint cost
+    with pytest.raises(ConfigError, match="deadline policy"):
+        PlanOptions(60, 180, 6, deadline_policy="window")
+    with pytest.raises(ConfigError, match="save time"):
+        PlanOptions(60, 180, 6, save_s=-1)

@@ -8,7 +8,9 @@ that synchronous sharded checkpoints (``spotguard.checkpoint.sharded``) coordina
 saves coordinate through the job's key-value store instead (``spotguard.checkpoint.sharded_async``):
 no collective from a second thread, none that a destroyed group can leave blocked. Only when the verdict is "stop" is
 a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
-wall clocks, because monotonic clocks differ between machines).
+wall clocks, because monotonic clocks differ between machines). With ``deadline_policy="use-window"`` one
+more (``agree_window``) says whether every rank trains on after the first emergency checkpoint; the
+second stop is then voted on like the first.
 
 Without an initialised process group nothing here runs: the single-process ``Guard`` pays for one
 attribute check per step and no collective.
@@ -173,6 +175,14 @@ class Agreement:
         )
         left = None if deadline is None else (deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
         return left, peer
+
+    def agree_window(self, save_s: float, left: float) -> tuple[float, float]:
+        """Collective, after the first emergency checkpoint with ``deadline_policy="use-window"``: the
+        slowest rank's save time (inf: a rank wrote none it could measure) and the least time left to
+        the deadline, the same on every rank, so that every rank opens the window or none does."""
+        figures = torch.tensor([save_s, -left], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        return float(figures[0]), -float(figures[1])
 
     def vote(self, code: int) -> int:
         """The verdict of this sync step: MAX of every rank's code (``NOTHING`` .. ``STOP``)."""

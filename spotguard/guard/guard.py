@@ -14,8 +14,10 @@ writes the emergency checkpoint before the deadline.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
@@ -31,6 +33,7 @@ from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import Emergency
+from spotguard.guard.window import DeadlinePolicy, Window
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
@@ -72,6 +75,8 @@ class Guard:
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
         self.stopped_at: int | None = None
+        #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
+        self.window: Window | None = None
         self.emergency_error: BaseException | None = None
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
@@ -202,16 +207,19 @@ class Guard:
             return True
         if step % self.options.sync_every:
             return False
-        s = self.schedule
-        code = STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
+        s, window = self.schedule, self.window
+        if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
+            code = STOP if window.closing() else NOTHING
+        else:
+            code = (
+                STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
+            )
         verdict = self.agreement.vote(code)  # type: ignore[union-attr]
         return verdict != NOTHING and self._act(verdict, step)
 
     def _act(self, verdict: int, step: int) -> bool:
         if verdict == STOP:
-            if self.stopped_at is None:
-                self._stop(step)
-            return True
+            return self._stop(step)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
         try:
@@ -231,20 +239,56 @@ class Guard:
         self._beat[1] |= heartbeat.CONFIG_ERROR
         logger.debug("marked the heartbeat: %s is not retried", type(error).__name__)
 
-    def _stop(self, step: int) -> None:
-        """Stop at ``step``: the emergency checkpoint, before the earliest deadline of all ranks."""
+    def _stop(self, step: int) -> bool:
+        """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
+        if self.stopped_at is not None:
+            return True
+        window = self.window
+        if window is None:
+            return self._first_stop(step)
+        if self.agreement is None and not window.closing():  # in a process group the vote said so already
+            return False
+        self.window = None
+        self.stopped_at = step
+        self._emergency(step, window.left(), self.watcher.acknowledge, first_step=window.first_step)
+        return True
+
+    def _first_stop(self, step: int) -> bool:
+        """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
+        maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
         self.stopped_at = step
         left = None
         if self.agreement is not None:
             left, peer = self.agreement.agree_stop(step, self.notice)
             if peer is not None:  # another rank saw it: make this rank's guard say so too
                 self.watcher.report(peer)
+        elif self.notice is not None:
+            left = self.notice.seconds_left()
         self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
+        if self.options.deadline_policy is not DeadlinePolicy.USE_WINDOW:
+            self._emergency(step, left, self.watcher.acknowledge)
+            return True
+        deadline = None if left is None else time.monotonic() + left
+        held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
+        stop = self._emergency(step, left, held.append, emit=False)
+        self.window = self._open_window(step, stop, deadline)
+        if self.window is None:
+            stop.emit("stop")
+            for notice in held:
+                self.watcher.acknowledge(notice)
+            return True
+        self.stopped_at = None
+        stop.emit("window", deadline_in=self.window.left(), save_s=self.window.save_s, reserve_s=self.window.reserve_s)
+        return False
+
+    def _emergency(
+        self, step: int, left: float | None, acknowledge: Callable[[Notice], None], emit: bool = True, **more: Any
+    ) -> Emergency:
         stop = Emergency(
             self.saves,
             step,
             self.notice,
-            self.watcher.acknowledge,
+            acknowledge,
             self.agreement.agree_inflight if self.agreement is not None else None,
         )
         try:
@@ -253,6 +297,23 @@ class Guard:
             self.emergency_error = stop.error
             if stop.committed:  # the supervisor exits 75 ("checkpoint written") only on this
                 self._beat[1] |= heartbeat.COMMITTED
+            if emit:
+                stop.emit("stop", **more)
+        return stop
+
+    def _open_window(self, step: int, stop: Emergency, deadline: float | None) -> Window | None:
+        """[distributed] Collective when a deadline is known (every rank knows the same one): the slowest
+        save and the least time left decide for all."""
+        if deadline is None:
+            logger.info("the notice has no deadline: stopping at step %d (no window to use)", step)
+            return None
+        committed = stop.error is None and self.saves.durable_step == step
+        measured = stop.save_s if stop.save_s is not None else stop.estimate()
+        save_s = measured if committed and measured is not None else math.inf
+        left = deadline - time.monotonic()
+        if self.agreement is not None:
+            save_s, left = self.agreement.agree_window(save_s, left)
+        return Window.open(step, deadline, save_s, self.options.window_margin, left)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
@@ -277,7 +338,10 @@ class Guard:
     def _on_notice(self, notice: Notice) -> None:
         self._stats.notices[notice.kind] = self._stats.notices.get(notice.kind, 0) + 1
         self.events.emit("notice", **{k: v for k, v in notice.to_json().items() if k != "raw"})
-        if notice.advisory and not self.options.stop_on_advisory and self.options.checkpoint_on_advisory:
+        window = self.window
+        if window is not None and (self.options.stop_on_advisory or not notice.advisory):
+            window.cut(notice.seconds_left())  # a later stop notice: no longer than it allows
+        elif notice.advisory and not self.options.stop_on_advisory and self.options.checkpoint_on_advisory:
             self.schedule.early()  # the next step() checkpoints early (from the loop's thread)
 
     # -- lifetime ----------------------------------------------------------------------------

@@ -14,7 +14,9 @@ from spotguard.checkpoint.data import Rebatch
 from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
+from spotguard.guard.window import DeadlinePolicy
 from spotguard.notices.base import NoticeProvider
+from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
 
 class BusyPolicy(str, enum.Enum):
@@ -45,6 +47,10 @@ class GuardOptions:
     ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
     from step 0 with a warning (``"fresh"``). ``rebatch``: a tracked data loader saved with another batch
     size is refused (``"refuse"``) or continued at the same sample in batches of the new size (``"accept"``).
+    ``deadline_policy`` (default ``$SPOTGUARD_DEADLINE_POLICY``, else ``"stop"``): after the emergency
+    checkpoint of a notice with a deadline, stop (``"stop"``) or train on and checkpoint again
+    ``window_margin`` seconds plus the measured save time before the deadline (``"use-window"``;
+    ``spotguard.guard.window``).
     """
 
     every_steps: int | None = None
@@ -77,6 +83,10 @@ class GuardOptions:
     async_sharded: bool | None = None
     on_unloadable: Unloadable | str = Unloadable.RAISE
     rebatch: Rebatch | str = Rebatch.REFUSE
+    deadline_policy: DeadlinePolicy | str | None = None  # None: $SPOTGUARD_DEADLINE_POLICY, else "stop"
+    window_margin: float = (
+        DEFAULT_WINDOW_MARGIN_S  # "use-window": seconds kept free before the deadline beyond the save time
+    )
 
     @property
     def background_sharded(self) -> bool:
@@ -99,6 +109,18 @@ class GuardOptions:
     def __post_init__(self) -> None:
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
+        if self.deadline_policy is None:  # not given: the job's environment decides (a fleet's unit, a pod spec)
+            self.deadline_policy = _env.choices(_env.DEADLINE_POLICY, DeadlinePolicy.STOP, _policy)
+        try:
+            self.deadline_policy = DeadlinePolicy(self.deadline_policy)
+        except ValueError:
+            raise ConfigError(
+                f"deadline_policy must be one of {[p.value for p in DeadlinePolicy]}, got {self.deadline_policy!r}"
+            ) from None
+        if isinstance(self.window_margin, bool) or not (
+            isinstance(self.window_margin, (int, float)) and 0 <= self.window_margin < float("inf")
+        ):
+            raise ConfigError(f"window_margin must be a number of seconds >= 0, got {self.window_margin!r}")
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
         if self.every_seconds == "auto":
@@ -136,3 +158,10 @@ class GuardOptions:
                 enum_cls(value)
             except ValueError:
                 raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None
+
+
+def _policy(value: str) -> DeadlinePolicy:
+    try:
+        return DeadlinePolicy(value.lower())
+    except ValueError:
+        raise ValueError(f"must be one of {[p.value for p in DeadlinePolicy]}, got {value!r}") from None

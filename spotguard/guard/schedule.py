@@ -1,4 +1,4 @@
-"""When the next periodic checkpoint is due: every N steps, every T seconds, or early on an advisory.
+"""When the next periodic checkpoint is due: on multiples of N steps, every T seconds, or early on an advisory.
 
 ``Guard.step()`` reads ``due_step`` and ``due_time`` directly (two comparisons on the hot path);
 everything else happens only when a save is due or done. ``every_seconds="auto"`` re-picks the
@@ -12,6 +12,15 @@ import time
 
 from spotguard.guard.stats import GuardStats
 from spotguard.planner import AdaptiveInterval
+
+
+def next_multiple(step: int, every: int | None) -> float:
+    """The first multiple of ``every`` after ``step`` (inf without ``every``).
+
+    Periodic saves land on multiples of N, as Hugging Face's ``save_steps`` do, whatever came between:
+    a resume at step 4826 (an emergency checkpoint) or an advisory save is followed by 5000, not 5826.
+    """
+    return (step // every + 1) * every if every else math.inf
 
 
 class Schedule:
@@ -54,7 +63,7 @@ class Schedule:
     def after(self, step: int) -> None:
         """A save of ``step`` was written, skipped or failed, or ``step`` was resumed: plan the next one."""
         self.advisory = False
-        self.due_step = step + self.every_steps if self.every_steps else math.inf
+        self.due_step = next_multiple(step, self.every_steps)
         if self.timed:
             self.due_time = time.monotonic() + self.every_seconds()
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
@@ -34,6 +35,9 @@ class Emergency:
     #: After ``run()``: the stop left a committed resume point, the stop step's checkpoint or (when it
     #: could not fit) the save that was in flight; what the job tells ``spotguard run`` (``heartbeat``).
     committed: bool = False
+    #: Seconds the emergency save itself took (None: none was written)
+    save_s: float | None = None
+    outcome: dict[str, Any] = field(default_factory=dict)  # what run() did, for the stop/window event
 
     def estimate(self) -> float | None:
         """Seconds to write the state straight to the durable tier, from its measured throughput."""
@@ -51,15 +55,14 @@ class Emergency:
 
     def run(self, left: float | None) -> None:
         """``left``: seconds to the deadline ([distributed] the earliest of all ranks; None: the notice's).
-        Ends with a ``stop`` event saying what was committed, whatever happened."""
+        Ends with ``outcome`` saying what was committed, whatever happened, for the event the guard emits."""
         t0 = time.monotonic()
         try:
             self._run(left)
         finally:
             n, resume_at = self.notice, self.saves.durable_step
             self.committed = self.committed or resume_at == self.step
-            self.saves.events.emit(
-                "stop",
+            self.outcome = dict(
                 step=self.step,
                 committed=resume_at == self.step,
                 resume_step=resume_at,
@@ -68,6 +71,10 @@ class Emergency:
                 kind=n.kind if n else None,
                 provider=n.provider if n else None,
             )
+
+    def emit(self, event: str, **more: Any) -> None:
+        """Announce what ``run()`` did: ``stop`` (training ends here) or ``window`` (it goes on)."""
+        self.saves.events.emit(event, **self.outcome, **more)
 
     def _run(self, left: float | None) -> None:
         saves, step = self.saves, self.step
@@ -117,8 +124,10 @@ class Emergency:
         )
         if saves.saved_step == step:
             saves.saved_step = None  # committed to the local tier only: write it durably now
+        t_save = time.monotonic()
         try:
             saves.save(step, "emergency", deadline=deadline)
+            self.save_s = time.monotonic() - t_save
         except Exception as e:
             self.error = e
             saves.failed(step, "emergency", e, keep=False)

@@ -16,6 +16,7 @@ from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
 from ..guard.agreement import ADVISORY, STOP
+from ..guard.schedule import next_multiple
 from ..notices.base import Notice
 from ..storage import Storage
 from ._common import WatchOptions, watch_parts
@@ -131,7 +132,7 @@ class LoopGuard:
         self.notices.acknowledge()
 
     def _schedule(self, step: int) -> None:
-        self._due_step = step + self.every_steps if self.every_steps else math.inf
+        self._due_step = next_multiple(step, self.every_steps)  # on multiples of N, as HF's save_steps
 
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self: G) -> G:

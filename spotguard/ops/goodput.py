@@ -3,8 +3,9 @@
 The job computes in segments of ``interval_s`` followed by a checkpoint of ``checkpoint_s``. A
 preemption without notice loses everything since the last checkpoint; one with a notice at least
 ``checkpoint_s`` ahead (leads per cloud: AWS 120 s, GCP and Azure 30 s) is saved by an emergency
-checkpoint, after which the job exits and waits for the machine to go. Each preemption is followed
-by ``restart_s`` of restart, and a preemption during a restart starts it over. Preemptions come
+checkpoint, after which the job exits and waits for the machine to go (``deadline_policy="stop"``) or
+first trains ``window_s`` seconds of the lead and keeps them (``"use-window"``). Each preemption is
+followed by ``restart_s`` of restart, and a preemption during a restart starts it over. Preemptions come
 from an exponential process (mean ``mtbf_hours``) or a trace of times. Randomness comes from a
 private ``numpy.random.Generator``: the global streams are never touched.
 """
@@ -37,6 +38,7 @@ class SimOptions:
     cloud: str | None = None  # picks the notice lead: aws 120 s, gcp/azure 30 s
     notice_s: float | None = None  # the lead itself (overrides ``cloud``)
     emergency: bool = True  # write an emergency checkpoint on a notice
+    window_s: float = 0.0  # seconds of each notice's lead trained and kept ("use-window"; planner.window_work)
     runs: int = 1  # independent jobs (a trace is replayed for each)
     seed: int | None = None
 
@@ -59,6 +61,7 @@ class SimOptions:
         if self.notice_s is None:
             self.notice_s = NOTICE_LEAD_S[self.cloud] if self.cloud else 0.0
         self.notice_s = checked_number("notice lead (s)", self.notice_s, zero=True)
+        self.window_s = checked_number("notice window trained (s)", self.window_s, zero=True)
         if not isinstance(self.runs, int) or self.runs < 1:
             raise ConfigError(f"runs must be an int >= 1, got {self.runs!r}")
 
@@ -146,6 +149,7 @@ def _run(o: SimOptions, rng: np.random.Generator) -> SimResult:
         if warned:
             saved += 1
             done += min(max(event_at - t, 0.0), work)  # emergency save (or the periodic one finishes)
+            done = min(done + min(o.window_s, lead), job_s)  # the notice window, trained and kept
         else:
             lost_total += min(p - t, work)
         t = p

@@ -417,3 +417,23 @@ def test_a_kill_around_the_final_commit_never_loses_the_step_nor_resumes_the_sta
 
     assert resumed(tmp_path / "before") == (2, {}, False)  # the periodic copy of step 2 survived
     assert resumed(tmp_path / "after") == (2, {"epoch": 1}, True)  # the final one, not the stale local copy
+
+
+def test_periodic_saves_land_on_multiples_of_every_steps_after_a_resume_between_them(tmp_path):
+    """HF's save_steps habit: a run resumed at step 7 (say an emergency checkpoint) saves at 10, 20, 30,
+    not 17, 27; an advisory save between them does not shift them either."""
+    g = guard_for(tmp_path, every_steps=10, keep=20, async_save=False)
+    with g:
+        for s in range(1, 8):
+            g.step(s)
+        g.save(7, "emergency")
+        g.close(save=False)
+    g = guard_for(tmp_path, every_steps=10, keep=20, async_save=False)
+    start = g.resume()
+    assert start == 7
+    with g:
+        for s in range(start + 1, 24):
+            if s == 13:
+                g.schedule.early()  # an advisory notice asked for a checkpoint at the next step
+            g.step(s)
+    assert steps_in(tmp_path) == [(7, "emergency"), (10, "periodic"), (13, "advisory"), (20, "periodic"), (23, "final")]

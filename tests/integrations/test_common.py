@@ -137,3 +137,26 @@ def test_spotguard_never_imports_a_trainer_and_names_the_extra_when_one_is_missi
     assert lines[0] == "[]"
     assert "MissingDependencyError" in lines[1] and "pip install 'spotguard[hf]'" in lines[1]
     assert "MissingDependencyError" in lines[2] and "pip install 'spotguard[lightning]'" in lines[2]
+
+
+def test_a_loop_guard_saves_on_multiples_of_every_steps_after_a_resume_between_them(tmp_path):
+    """Accelerate's and DeepSpeed's guards share this schedule: resumed at 7, they save at 10 and 20."""
+    from spotguard.integrations._loop import LoopGuard
+
+    class Recording(LoopGuard):
+        saved: list[int] = []
+
+        def save(self, step, reason="manual", *, deadline=None):
+            self.saved.append(step)
+            self._saved(step)
+            return None
+
+        def resume(self):
+            self._resumed(7)
+            return 7
+
+    guard = Recording(str(tmp_path / "ckpt"), 10, False, {"providers": []})
+    with guard:
+        for step in range(guard.resume() + 1, 24):
+            guard.step(step)
+    assert guard.saved == [10, 20]

@@ -143,3 +143,26 @@ def test_a_notice_too_short_to_save_is_reported_and_ignored(capsys):
     out = capsys.readouterr().out
     assert "too short to write a checkpoint" in out and "covering every preemption" in out
     assert "plus an emergency checkpoint" not in out
+
+
+def test_aws_with_use_window_charges_the_saves_not_the_whole_notice_and_never_saves_faster_than_a_commit(
+    tmp_path, capsys
+):
+    """An async guard's record: a 2 ms snapshot, a 0.8 s write. At a 7 s MTBF Daly's interval was 0.54 s,
+    shorter than a save takes to commit; and --cloud aws charged the 120 s lead to every noticed preemption."""
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"snapshot_s": 0.002, "write_s": 0.8, "async": True, "restart_s": 4.0}))
+    args = ["plan", "--mtbf", "0.002", "--cloud", "aws", "--stats", str(stats)]
+    assert main([*args, "--json"]) == 0
+    stop = json.loads(capsys.readouterr().out)
+    assert stop["interval_s"] >= 0.8 and stop["options"]["save_s"] == 0.8
+    assert stop["idle_s"] == 120.0 and stop["window_s"] == 0.0
+    assert main([*args, "--deadline-policy", "use-window", "--json"]) == 0
+    use = json.loads(capsys.readouterr().out)
+    assert use["idle_s"] == pytest.approx(
+        0.8 + 0.8 * 1.25 + 5.0
+    )  # the first save, then the reserve and use["goodput"] > stop["goodput"]
+    assert main([*args, "--deadline-policy", "use-window", "--window-margin", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "deadline policy use-window: per noticed preemption 116 s of the notice trained and kept, 4 s paid" in out
+    assert "training on in the notice window" in out and "notice + rec. (stop)" in out

@@ -147,3 +147,30 @@ def test_bad_trace_file_raises_a_clear_config_error(tmp_path):
         load_trace(f)
     with pytest.raises(ConfigError, match="cannot read trace"):
         load_trace(tmp_path / "nope.txt")
+
+
+@pytest.mark.parametrize("cloud, save", [("aws", 2.0), ("gcp", 5.0)])
+def test_simulated_use_window_agrees_with_the_analytic_model(cloud, save):
+    o = PlanOptions(0.5, 30.0, 0.5, notice_share=0.9, save_s=save, deadline_policy="use-window")
+    o.notice_s = {"aws": 120.0, "gcp": 30.0}[cloud]
+    p = plan(o)
+    assert p.window_s > 0
+    sim = simulate(
+        SimOptions(0.5, 30.0, p.interval_s, job_hours=3000 * 0.5, mtbf_hours=0.5, notice_share=0.9, cloud=cloud, seed=5)
+    )
+    used = simulate(
+        SimOptions(
+            0.5,
+            30.0,
+            p.interval_s,
+            job_hours=3000 * 0.5,
+            mtbf_hours=0.5,
+            notice_share=0.9,
+            cloud=cloud,
+            seed=5,
+            window_s=p.window_s,
+        )
+    )
+    assert used.goodput == pytest.approx(p.goodput, abs=0.005)
+    # the lead trained, not idle: about share * window / MTBF more goodput
+    assert used.goodput - sim.goodput > 0.5 * 0.9 * p.window_s / (0.5 * H)

@@ -14,6 +14,8 @@ from spotguard.errors import ConfigError
 def _minutes(seconds: float | None) -> str:
     if seconds is None or math.isinf(seconds):
         return "-" if seconds is None else "unbounded"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
     return f"{seconds / 60:.1f} min" if seconds < 36000 else f"{seconds / 3600:.1f} h"
 
 
@@ -21,8 +23,9 @@ def options(args: argparse.Namespace) -> planner.PlanOptions:
     """The planner's options from the flags, a ``--stats`` file filling in what they leave out."""
     from spotguard.costs import MeasuredCosts, load_stats
 
-    measured = load_stats(args.stats) if args.stats else MeasuredCosts(None, None, None)
+    measured = load_stats(args.stats) if args.stats else MeasuredCosts(None, None, None, None)
     cost = args.checkpoint_cost if args.checkpoint_cost is not None else measured.checkpoint_s
+    save = args.save_time if args.save_time is not None else measured.save_s
     restart = args.restart_cost if args.restart_cost is not None else measured.restart_s
     if cost is None or restart is None:
         raise ConfigError("give --checkpoint-cost and --restart-cost (or a --stats file with them)")
@@ -40,6 +43,9 @@ def options(args: argparse.Namespace) -> planner.PlanOptions:
         job_hours=args.job_hours,
         intervals_s=intervals,
         state_gb=args.state_gb if args.state_gb is not None else measured.state_gb,
+        deadline_policy=args.deadline_policy,
+        save_s=save,
+        window_margin_s=args.window_margin,
     )
 
 
@@ -59,6 +65,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not opts.notice_works:
             head += " (too short to write a checkpoint: ignored)"
     print(head)
+    if opts.notice_works:
+        print(
+            f"deadline policy {opts.deadline_policy}: per noticed preemption {plan.window_s:.0f} s of the notice "
+            f"trained and kept, {plan.idle_s:.0f} s paid and idle (save {opts.save_s:g} s"
+            + (f", margin {opts.window_margin_s:g} s)" if opts.deadline_policy == "use-window" else ")")
+            + ", then the restart"
+        )
     if not opts.notice_works:
         scope = "every preemption"
     elif math.isinf(plan.effective_mtbf_s):
@@ -79,9 +92,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{r.name:<26}{_minutes(r.interval_s):>10}{100 * r.goodput:>8.1f}%{_minutes(r.lost_work_s):>17}"
             f"{r.checkpoints_per_hour:>8.2f}" + (f"{r.write_gb_per_hour:>8.1f}" if gb else "")
         )
-    how = " plus an emergency checkpoint on notice" if opts.notice_works else ""
+    how = ""
+    if opts.notice_works:
+        how = " plus an emergency checkpoint on notice" + (
+            ", training on in the notice window" if plan.window_s > 0 else ""
+        )
+    if plan.interval_s <= opts.min_interval_s * 1.000001:
+        how += f" (not below the {opts.min_interval_s:g} s a save takes to commit)"
     print(
-        f"\nrecommendation: checkpoint every {_minutes(plan.interval_s)} ({plan.interval_s:.0f} s){how}: "
+        f"\nrecommendation: checkpoint every {_minutes(plan.interval_s)}"
+        + (f" ({plan.interval_s:.0f} s)" if plan.interval_s >= 60 else "")
+        + f"{how}: "
         f"goodput {100 * plan.goodput:.1f}%, ~{_minutes(plan.lost_work_s)} of work lost per preemption "
         f"(job of {opts.job_hours:g} h for the no-checkpoint row)"
     )
@@ -110,6 +131,28 @@ def register(sub: Any) -> None:
         f"with --notice; alone it assumes a {planner.DEFAULT_NOTICE_S:g} s notice)",
     )
     p.add_argument("--cloud", choices=sorted(planner.NOTICE_LEAD_S), help="the notice lead of this cloud")
+    p.add_argument(
+        "--deadline-policy",
+        choices=planner.DEADLINE_POLICIES,
+        default="stop",
+        help="the guard's deadline_policy: stop at the notice (the rest of the lead is idle), or use-window "
+        "(train on and checkpoint again before the deadline); default stop, as the Guard",
+    )
+    p.add_argument(
+        "--save-time",
+        type=float,
+        metavar="S",
+        help="seconds to commit one checkpoint to durable storage: the emergency save, and the shortest "
+        "interval (default: write_s + upload_s of --stats, else the checkpoint cost)",
+    )
+    p.add_argument(
+        "--window-margin",
+        type=float,
+        default=planner.DEFAULT_WINDOW_MARGIN_S,
+        metavar="S",
+        help=f"use-window: seconds kept free before the deadline beyond the save (default "
+        f"{planner.DEFAULT_WINDOW_MARGIN_S:g}, as the Guard's window_margin)",
+    )
     p.add_argument("--job-hours", type=float, default=24.0, metavar="H", help="job length (default 24)")
     p.add_argument("--state-gb", type=float, metavar="G", help="checkpoint size, to report GB written per hour")
     p.add_argument(
