@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,7 @@ class GuardOptions:
     # [metrics] spotguard.metrics: Prometheus endpoint (needs spotguard[metrics]) and JSON lines
     metrics_port: int | None = None  # 0 picks a free port; + LOCAL_RANK in a process group
     metrics_host: str = "127.0.0.1"  # "0.0.0.0" to let other machines scrape it
-    metrics_file: str | None = None  # {rank}, {local_rank} are filled in
+    metrics_file: str | None = None  # {rank}, {local_rank} are filled in; None: $SPOTGUARD_METRICS_FILE
     # [distributed] only used in an initialised process group (see spotguard.guard.agreement)
     sync_every: int = 1
     poll_on: str = "local-rank-0"
@@ -99,6 +100,8 @@ class GuardOptions:
     def __post_init__(self) -> None:
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
+        if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
+            self.metrics_file = os.environ.get(_env.METRICS_FILE, "").strip() or None
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
         if self.every_seconds == "auto":

@@ -1,8 +1,8 @@
 """The ``spotguard`` command: thin argument parsing over the library.
 
 Each module holds a group of subcommands, each parser next to its handler: ``checkpoints`` (ls,
-verify, pull, rm), ``plan``, ``run`` (run, watch) and ``rehearse`` (mock-metadata,
-simulate-preemption). A handler returns the exit code; a ``SpotguardError`` it raises is printed as
+verify, pull, rm), ``plan``, ``run`` (run, watch), ``mock`` (mock-metadata,
+simulate-preemption) and ``rehearse``. A handler returns the exit code; a ``SpotguardError`` it raises is printed as
 ``spotguard: error: ...`` with exit code 2. Logging is configured here (a library never configures
 handlers). Nothing imported at startup needs torch.
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from spotguard._version import __version__
 from spotguard.errors import SpotguardError
 
-from . import checkpoints, plan, rehearse, run
+from . import checkpoints, mock, plan, rehearse, run
 
 __all__ = ["build_parser", "main"]
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (checkpoints, plan, run, rehearse):
+    for group in (checkpoints, plan, run, mock, rehearse):
         group.register(sub)
     return parser
 
