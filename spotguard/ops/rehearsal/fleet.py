@@ -63,6 +63,7 @@ class Machine:
     events: list[dict[str, Any]] = field(default_factory=list)  # the Guard's JSON lines
     latest_step: int | None = None  # the newest complete checkpoint once the machine ended
     latest_reason: str | None = None
+    storage_read: bool = False  # the storage was read once the machine ended (latest_* is the truth)
     latest_time: float | None = None  # its manifest's commit time
     cpu_s: float = 0.0  # the job's CPU time (all its processes that were waited for)
 
@@ -137,6 +138,12 @@ class Fleet:
                     if m.notice is not None:
                         logger.warning("machine %d finished before its notice took effect", m.index)
                         sender.clear()
+                    done = sum(x.preempted for x in self.machines)
+                    if done < o.preemptions:
+                        self.error = (
+                            f"only {done} of {o.preemptions} preemption(s) happened before the job finished: "
+                            "lower --mtbf or lengthen the job"
+                        )
                     return self.machines
                 self.crashes += 1
                 if until is not None and time.time() >= until:
@@ -234,15 +241,15 @@ class Fleet:
             return
         storage = open_storage(self.o.storage)
         try:
-            found = [i for i in checkpoint.scan(storage)]
+            found = storage.list()
         except StorageError as e:
             raise ConfigError(f"cannot list the storage {self.o.storage}: {e}") from e
         finally:
             storage.close()
         if found:
             raise ConfigError(
-                f"{self.o.storage} already holds {len(found)} checkpoint(s); a rehearsal starts from scratch: "
-                "give an empty --storage (nothing was deleted)"
+                f"{self.o.storage} is not empty ({len(found)} object(s), e.g. {found[0]}); a rehearsal starts "
+                "from scratch: give an empty --storage (nothing was deleted)"
             )
 
     def _note_latest(self, m: Machine) -> None:
@@ -256,6 +263,7 @@ class Fleet:
             return
         finally:
             storage.close()
+        m.storage_read = True
         if info is not None and info.manifest is not None:
             m.latest_step, m.latest_reason = info.step, info.manifest.reason
             m.latest_time = _unix(info.manifest.time)

@@ -98,8 +98,8 @@ def _resume_step(m: Machine, previous: Machine | None) -> int | None:
     ev = _first(m, "resume")
     if ev is not None:
         return int(ev.get("step") or 0)
-    if previous is not None and previous.latest_step is not None:
-        return previous.latest_step
+    if previous is not None and previous.storage_read:
+        return previous.latest_step or 0
     return m.timeline[0][1] - 1 if m.timeline else None
 
 
@@ -143,8 +143,8 @@ def measure(
         commit = m.latest_time if has_storage else (stop_ev["unix"] if stop_ev else None)
         committed: bool | None
         if has_storage:
-            lost = None if m.latest_step is None and m.last_step else m.last_step - (m.latest_step or 0)
-            committed = lost == 0 and not (m.killed and m.latest_step is None)
+            lost = max(m.last_step - (m.latest_step or 0), 0)
+            committed = lost == 0 and m.latest_step is not None
         else:
             lost = stop_ev.get("lost_steps") if stop_ev else None
             committed = bool(stop_ev.get("committed")) if stop_ev else None
