@@ -142,6 +142,7 @@ def measure(
         seen = notice_ev["unix"] if notice_ev else m.stopped_flag
         commit = m.latest_time if has_storage else (stop_ev["unix"] if stop_ev else None)
         committed: bool | None
+        lost: int | None
         if has_storage:
             lost = max(m.last_step - (m.latest_step or 0), 0)
             committed = lost == 0 and m.latest_step is not None
