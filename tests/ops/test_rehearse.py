@@ -80,7 +80,7 @@ def test_a_job_that_ignores_notices_fails_the_rehearsal(tmp_path):
     # It makes steps but watches nothing and saves nothing: killed at the deadline, its steps lost.
     code, doc, err = rehearse(
         tmp_path,
-        *("-n", "1", "--mtbf", "0.5", "--seed", "0", "--lead", "1"),
+        *("-n", "1", "--mtbf", "0.5", "--seed", "0", "--lead", "1", "--plot", str(tmp_path / "r.png")),
         *("--storage", str(tmp_path / "ckpt")),
         command=[sys.executable, str(WORKERS / "rehearse_ignores_notices.py")],
     )
@@ -89,6 +89,7 @@ def test_a_job_that_ignores_notices_fails_the_rehearsal(tmp_path):
     assert p["killed"] and p["committed"] is False and p["steps_lost"] == p["stop_step"] > 0
     assert p["steps_replayed"] == p["stop_step"] and p["detection_s"] is None
     assert doc["all_committed"] is False and doc["steps"] == 60  # the replacement redid it all
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"]
 
 
 def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
@@ -102,3 +103,25 @@ def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
     )
     assert proc.returncode == 2 and "starts from scratch" in proc.stderr, proc.stderr
     assert (storage / "step-5" / "state.pt").read_bytes() == b"x"
+
+
+def test_hf_trainer_through_two_preemptions_loses_nothing_and_is_exact(tmp_path):
+    # The Trainer's own folder is on each machine's fresh local disk: only the storage survives.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "2", "--mtbf", "0.8", "--seed", "0", "--lead", "20", "--fresh-local"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[
+            sys.executable,
+            *("examples/hf_trainer.py", "--quiet", "--steps", "60", "--every-steps", "20", "--interval", "0.2"),
+            *("--step-sleep", "0.03", "--output-dir", "{local}/hf-output"),
+        ],
+    )
+    assert code == 0, err[-4000:]
+    pre = doc["preemptions"]
+    assert len(pre) == 2 and doc["steps"] == 60
+    assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2
+    for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
+        assert 0 < p["detection_s"] < 5 and p["teardown_s"] > 0 and p["restart_s"] > 0, p
+    ref = doc["reference"]
+    assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 60, ref

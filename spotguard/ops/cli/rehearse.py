@@ -31,6 +31,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         storage=args.storage,
         fresh_local=args.fresh_local,
         timeout_s=args.timeout,
+        stdout_to_stderr=args.json,
     )
     reference = rehearsal.reference_url(args.storage, args.reference_storage) if args.reference else None
     result = rehearsal.rehearse(options, args.work_dir, reference)

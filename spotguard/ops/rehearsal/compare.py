@@ -32,10 +32,12 @@ class Comparison:
     first_difference_step: int | None = None  # the first step whose logged values differ
     differences: list[str] = field(default_factory=list)  # the first few places that differ
     compared: int = 0  # values compared
+    skipped: list[str] = field(default_factory=list)  # files not compared: not loadable as plain state
 
     def line(self) -> str:
         if self.exact:
-            return f"exact: yes ({self.compared} values of the final checkpoint of step {self.step}, bit for bit)"
+            left = f"; not compared: {', '.join(self.skipped)}" if self.skipped else ""
+            return f"exact: yes ({self.compared} values of the final checkpoint of step {self.step}, bit for bit{left})"
         at = f", first difference at step {self.first_difference_step}" if self.first_difference_step else ""
         return f"exact: no{at} ({'; '.join(self.differences[:SHOWN])})"
 
@@ -55,7 +57,7 @@ def compare(url: str, reference_url: str) -> Comparison:
             diffs: list[str] = []
             if ia.step != ib.step:
                 diffs.append(f"final steps differ: {ia.step} vs {ib.step}")
-            result.compared = _compare_files(da, db, ia, ib, diffs)
+            result.compared = _compare_files(da, db, ia, ib, diffs, result.skipped)
             steps_a, steps_b = _logged(ia.manifest.extra, da), _logged(ib.manifest.extra, db)
             result.first_difference_step = _first_step(steps_a, steps_b)
             if result.first_difference_step is not None:
@@ -70,9 +72,23 @@ def compare(url: str, reference_url: str) -> Comparison:
         b.close()
 
 
-def _compare_files(da: Path, db: Path, ia: CheckpointInfo, ib: CheckpointInfo, diffs: list[str]) -> int:
+def _load(path: Path) -> Any:
+    """A torch file, weights only (no code runs); numpy arrays allowed (a Trainer's RNG states)."""
+    import numpy as np
     import torch
 
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+        allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _compare_files(
+    da: Path, db: Path, ia: CheckpointInfo, ib: CheckpointInfo, diffs: list[str], skipped: list[str]
+) -> int:
     assert ia.manifest is not None and ib.manifest is not None
     names_a, names_b = {f.name for f in ia.manifest.files}, {f.name for f in ib.manifest.files}
     for name in sorted(names_a ^ names_b):
@@ -80,8 +96,11 @@ def _compare_files(da: Path, db: Path, ia: CheckpointInfo, ib: CheckpointInfo, d
     n = 0
     for name in sorted(names_a & names_b):
         if name.endswith(TENSOR_FILES):
-            va = torch.load(da / name, map_location="cpu", weights_only=True)
-            vb = torch.load(db / name, map_location="cpu", weights_only=True)
+            try:
+                va, vb = _load(da / name), _load(db / name)
+            except Exception as e:  # pickled objects (a Trainer's arguments): configuration, not state
+                skipped.append(f"{name} ({type(e).__name__})")
+                continue
         elif name.endswith(".safetensors"):
             from safetensors.torch import load_file
 
@@ -94,6 +113,7 @@ def _compare_files(da: Path, db: Path, ia: CheckpointInfo, ib: CheckpointInfo, d
 
 def _same(a: Any, b: Any, where: str, diffs: list[str]) -> int:
     """Compare two loaded states; append where they differ; return the count of leaves compared."""
+    import numpy as np
     import torch
 
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -102,6 +122,10 @@ def _same(a: Any, b: Any, where: str, diffs: list[str]) -> int:
             same = torch.equal(_bytes(a), _bytes(b))
         if not same:
             diffs.append(f"{where}: tensor differs")
+        return 1
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if not (a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()):
+            diffs.append(f"{where}: array differs")
         return 1
     if isinstance(a, dict) and isinstance(b, dict):
         n = 0

@@ -179,7 +179,7 @@ class Fleet:
         m = Machine(index, time.time(), planned=planned)
         logger.info("machine %d: starting %s", index, " ".join(command))
         try:
-            proc = subprocess.Popen(command, env=env, start_new_session=True)
+            proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=2 if o.stdout_to_stderr else None)
         except OSError as e:
             raise ConfigError(f"cannot start {command[0]!r}: {e}") from e
         job = Job(proc, beat)

@@ -43,6 +43,7 @@ class RehearsalOptions:
     poll_s: float = 0.05
     max_crashes: int = 2  # a crashed job is restarted on the same machine this many times in all
     timeout_s: float | None = None  # the whole rehearsal; None: no limit
+    stdout_to_stderr: bool = False  # the job's stdout goes to our stderr (`rehearse --json`)
 
     def __post_init__(self) -> None:
         self.command = list(self.command)
