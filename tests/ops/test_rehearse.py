@@ -52,7 +52,8 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
         assert 0 < p["detection_s"] < 5 and 0 < p["save_s"] < 10, p
         assert p["teardown_s"] > 0 and 0 < p["idle_s"] <= 20 and p["restart_s"] > 0, p
         assert p["resume_s"] > 0 and p["restore_s"] is not None and not p["killed"], p
-    assert 0 < doc["goodput"] < 1 and 0 < doc["planner_goodput"] < 1
+    # The planner, given the costs measured here, predicts the goodput measured here.
+    assert abs(doc["goodput"] - doc["planner_goodput"]) <= 0.02, (doc["goodput"], doc["planner_goodput"], doc["costs"])
     assert doc["costs"]["interval_s"] > 0 and doc["costs"]["mtbf_s"] > 0
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 90 and ref["compared"] > 100, ref

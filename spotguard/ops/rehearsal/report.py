@@ -10,7 +10,8 @@ the steps the next machine redoes. The planner is given the same costs: the meas
 periodic checkpoint and the interval between them, the restart (a machine's end to the next one's
 first step), the notice window as it was spent (the last step to the job's exit), and the mean
 training time between preemptions as it came out (the draws are random; the mean asked for is
-shown beside it).
+shown beside it). The planner lets restarts be preempted, a rehearsal does not: it is given the
+restart cost whose expected length under its model is the restart measured.
 """
 
 from __future__ import annotations
@@ -201,13 +202,23 @@ def measure(
 
 
 def _predict(costs: dict[str, float | None], mtbf_s: float | None) -> float | None:
-    """``planner.goodput`` for these costs; every preemption of a rehearsal comes with a notice."""
+    """``planner.goodput`` for these costs; every preemption of a rehearsal comes with a notice.
+
+    The planner lets a restart be preempted too (its expected length is ``expm1(R/M) * M``); a
+    rehearsal's notices come only while the job trains. So the planner is given the restart cost
+    whose expected length under its model is the restart measured: ``M * log1p(R/M)``.
+    """
     interval, restart, window = costs["interval_s"], costs["restart_s"], costs["window_s"]
     if not mtbf_s or not interval or restart is None or window is None:
         return None
     try:
         return planner.goodput(
-            interval, costs["checkpoint_s"] or 0.0, restart, mtbf_s, notice_share=1.0, notice_s=max(window, 0.0)
+            interval,
+            costs["checkpoint_s"] or 0.0,
+            mtbf_s * math.log1p(restart / mtbf_s),
+            mtbf_s,
+            notice_share=1.0,
+            notice_s=max(window, 0.0),
         )
     except (ValueError, OverflowError, ZeroDivisionError):
         return None
