@@ -39,8 +39,9 @@ class GuardOptions:
     ``local_dir`` (default ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's
     NVMe) from which periodic checkpoints are uploaded in the background. ``stop_on_advisory``
     (default ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
-    checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
-    (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
+    checkpointing early. ``metrics_port`` / ``metrics_file`` (default ``$SPOTGUARD_METRICS_FILE``) export the measured
+    figures and events (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding
+    work to ``step()``.
     ``sigint``: while the ``with`` block runs, the first SIGINT (Ctrl-C) is a stop notice like
     SIGTERM and a second one raises ``KeyboardInterrupt``; False keeps Python's default.
     ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
