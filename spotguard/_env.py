@@ -25,6 +25,7 @@ STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
 DEADLINE_POLICY = "SPOTGUARD_DEADLINE_POLICY"  # a Guard's deadline_policy: stop or use-window
 STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
+METRICS_FILE = "SPOTGUARD_METRICS_FILE"  # JSON lines of a Guard built without one (`spotguard rehearse`)
 
 T = TypeVar("T")
 

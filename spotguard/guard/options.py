@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +41,9 @@ class GuardOptions:
     ``local_dir`` (default ``$SPOTGUARD_LOCAL_DIR``) adds a fast first tier (e.g. the instance's
     NVMe) from which periodic checkpoints are uploaded in the background. ``stop_on_advisory``
     (default ``$SPOTGUARD_STOP_ON_ADVISORY``, else False) stops on an advisory notice instead of only
-    checkpointing early. ``metrics_port`` / ``metrics_file`` export the measured figures and events
-    (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding work to ``step()``.
+    checkpointing early. ``metrics_port`` / ``metrics_file`` (default ``$SPOTGUARD_METRICS_FILE``) export the measured
+    figures and events (``spotguard.metrics``; the port needs ``spotguard[metrics]``) without adding
+    work to ``step()``.
     ``sigint``: while the ``with`` block runs, the first SIGINT (Ctrl-C) is a stop notice like
     SIGTERM and a second one raises ``KeyboardInterrupt``; False keeps Python's default.
     ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
@@ -69,7 +71,7 @@ class GuardOptions:
     # [metrics] spotguard.metrics: Prometheus endpoint (needs spotguard[metrics]) and JSON lines
     metrics_port: int | None = None  # 0 picks a free port; + LOCAL_RANK in a process group
     metrics_host: str = "127.0.0.1"  # "0.0.0.0" to let other machines scrape it
-    metrics_file: str | None = None  # {rank}, {local_rank} are filled in
+    metrics_file: str | None = None  # {rank}, {local_rank} are filled in; None: $SPOTGUARD_METRICS_FILE
     # [distributed] only used in an initialised process group (see spotguard.guard.agreement)
     sync_every: int = 1
     poll_on: str = "local-rank-0"
@@ -121,6 +123,8 @@ class GuardOptions:
             isinstance(self.window_margin, (int, float)) and 0 <= self.window_margin < float("inf")
         ):
             raise ConfigError(f"window_margin must be a number of seconds >= 0, got {self.window_margin!r}")
+        if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
+            self.metrics_file = os.environ.get(_env.METRICS_FILE, "").strip() or None
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
         if self.every_seconds == "auto":

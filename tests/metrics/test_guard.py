@@ -250,3 +250,21 @@ def test_a_guard_entered_again_is_exported_again_to_the_same_file_and_url(tmp_pa
     assert events == [("checkpoint", 2), ("close", 2), ("checkpoint", 4), ("close", 4)]  # appended
     with pytest.raises(urllib.error.URLError):
         scrape(url)
+
+
+def test_metrics_file_from_the_environment_when_not_given(tmp_path, monkeypatch):
+    # How `spotguard rehearse` reads a job's events without a change to its code.
+    jsonl = tmp_path / "events.jsonl"
+    monkeypatch.setenv("SPOTGUARD_METRICS_FILE", str(jsonl))
+    weight = torch.zeros(3)
+    guard = spotguard.Guard(str(tmp_path / "ckpt"), every_steps=2, providers=None)
+    guard.track(weight=weight).resume()
+    with guard:
+        for step in range(1, 3):
+            weight += 1
+            guard.step(step)
+    events = [r["event"] for r in records(jsonl)]
+    assert events[0] == "resume" and "checkpoint" in events and events[-1] == "close"
+    given = tmp_path / "given.jsonl"  # an explicit metrics_file wins
+    spotguard.Guard(str(tmp_path / "other"), providers=None, metrics_file=str(given)).track(weight=weight).resume()
+    assert given.exists()

@@ -1,12 +1,12 @@
 """The ``spotguard`` command: thin argument parsing over the library.
 
 Each module holds a group of subcommands, each parser next to its handler: ``checkpoints`` (ls,
-verify, pull, rm), ``plan``, ``run`` (run, watch) and ``rehearse`` (mock-metadata,
-simulate-preemption). A handler returns the exit code; a ``SpotguardError`` (or an ``OSError``: a
-file it cannot read or write) it raises is printed as ``spotguard: error: ...`` with exit code 2.
-Logging is configured here (a library never configures handlers): one stderr handler whose
-``RedactingFilter`` masks credentials in every record, the cloud SDKs' included; their wire logs
-(every request and header) only from ``-vvv``. Nothing imported at startup needs torch.
+verify, pull, rm), ``plan``, ``run`` (run, watch), ``mock`` (mock-metadata, simulate-preemption) and
+``rehearse``. A handler returns the exit code; a ``SpotguardError`` (or an ``OSError``: a file it
+cannot read or write) it raises is printed as ``spotguard: error: ...`` with exit code 2. Logging is
+configured here (a library never configures handlers): one stderr handler whose ``RedactingFilter``
+masks credentials in every record, the cloud SDKs' included; their wire logs (every request and
+header) only from ``-vvv``. Nothing imported at startup needs torch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from spotguard import redact
 from spotguard._version import __version__
 from spotguard.errors import SpotguardError
 
-from . import checkpoints, plan, rehearse, run
+from . import checkpoints, mock, plan, rehearse, run
 
 __all__ = ["build_parser", "main"]
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="more logging: -v info, -vv debug, -vvv also the cloud SDKs' requests (secrets are masked)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (checkpoints, plan, run, rehearse):
+    for group in (checkpoints, plan, run, mock, rehearse):
         group.register(sub)
     return parser
 

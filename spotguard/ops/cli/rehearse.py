@@ -1,159 +1,130 @@
-"""``spotguard mock-metadata`` (serve a cloud's metadata service locally, ``spotguard.ops.mockmeta``)
-and ``spotguard simulate-preemption`` (drive it, signal a process, or write a notice file)."""
+"""``spotguard rehearse [options] -- COMMAND ...``: the job through N preemptions, measured
+(``spotguard.ops.rehearsal``). Exit 0 only when every preemption committed its emergency checkpoint,
+the job finished and, with ``--reference``, the result is bit for bit the uninterrupted run's."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
 import sys
-import threading
+from pathlib import Path
 from typing import Any
 
-CLOUDS = ("aws", "gcp", "azure")
-#: Fields of a mock's answer worth echoing after a trigger.
-_SHOWN = (
-    "action",
-    "time",
-    "noticeTime",
-    "Code",
-    "NotBefore",
-    "EventId",
-    "EventType",
-    "instance/preempted",
-    "instance/maintenance-event",
-    "target-lifecycle-state",
-)
+from spotguard.errors import StorageError
 
 
-def cmd_mock_metadata(args: argparse.Namespace) -> int:
-    from spotguard.ops import mockmeta
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from spotguard.ops import rehearsal
 
-    options = {"require_tokens": not args.imdsv1} if args.cloud == "aws" else {}
-    server = mockmeta.MockMetadataServer(
-        mockmeta.make_mock(args.cloud, **options), args.host, args.port, error_rate=args.error_rate, seed=args.seed
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    options = rehearsal.RehearsalOptions(
+        command,
+        preemptions=args.preemptions,
+        mtbf_s=args.mtbf,
+        seed=args.seed,
+        source=args.notices,
+        lead_s=args.lead,
+        replacement_s=args.replacement_delay,
+        after_restart=args.after_restart,
+        storage=args.storage,
+        fresh_local=args.fresh_local,
+        timeout_s=args.timeout,
+        stdout_to_stderr=args.json,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with server:
-        env = " ".join(f"{k}={v}" for k, v in mockmeta.endpoint_env(args.cloud, server.url).items())
-        print(f"spotguard mock {args.cloud} metadata server on {server.url}", flush=True)
-        print(f"  point a job at it: {env}", flush=True)
-        if args.notice_after is not None:
-            server.mock.trigger(args.kind, args.notice_after, action=args.action)
-            print(f"  notice in {args.notice_after:g}s", flush=True)
-        stop.wait()
-    return 0
+    reference = rehearsal.reference_url(args.storage, args.reference_storage) if args.reference else None
+    result = rehearsal.rehearse(options, args.work_dir, reference)
+    doc = result.to_dict()
+    if args.plot:
+        from spotguard.ops.rehearsal.plot import plot_rehearsal
+
+        plot_rehearsal(result, args.plot)
+        doc["plot"] = args.plot
+    if args.report:
+        try:
+            Path(args.report).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        except OSError as e:
+            raise StorageError(f"cannot write the report {args.report}: {e}") from e
+    if args.json:
+        print(json.dumps(doc, default=str))
+    else:
+        print(rehearsal.table(result.report))
+        if result.comparison is not None:
+            print(result.comparison.line())
+        if args.plot:
+            print(f"plot written to {args.plot}")
+        print("rehearsal passed" if result.ok else "rehearsal FAILED", file=sys.stderr if not result.ok else sys.stdout)
+    return 0 if result.ok else 1
 
 
-def _signal_process(pid: int, name: str) -> int:
-    from spotguard.ops.supervisor.options import to_signal
-
-    sig = to_signal(name)
+def _positive_int(text: str) -> int:
     try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        print(f"spotguard: error: no process {pid}", file=sys.stderr)
-        return 1
-    except PermissionError:
-        print(f"spotguard: error: not allowed to signal process {pid} (another user's; try sudo)", file=sys.stderr)
-        return 1
-    print(f"sent {sig.name} to process {pid}")
-    return 0
-
-
-def _write_notice_file(path: str, kind: str | None, deadline_in: float) -> int:
-    from spotguard.errors import ConfigError
-
-    payload = {"kind": kind or "terminate", "deadline_in": deadline_in}
-    if os.path.isdir(path):
-        raise ConfigError(f"--file {path} is a folder: give the path of the notice file the job watches")
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, path)  # atomic: the watcher never reads half a notice
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # never leave PATH.tmp behind
-        raise ConfigError(f"cannot write the notice file {path}: {e.strerror or e}") from e
-    print(f"wrote notice file {path}: {json.dumps(payload)}")
-    return 0
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from spotguard.ops import mockmeta
-
-    if args.pid is not None:
-        return _signal_process(args.pid, args.signal)
-    if args.file:
-        return _write_notice_file(args.file, args.kind, args.deadline_in)
-    endpoint = args.endpoint or _default_endpoint(args.cloud)
-    state = mockmeta.control(endpoint, "state")
-    if args.cloud and state.get("cloud") != args.cloud:
-        print(
-            f"spotguard: error: the mock at {endpoint} imitates {state.get('cloud')}, not {args.cloud}", file=sys.stderr
-        )
-        return 1
-    if args.clear:
-        mockmeta.control(endpoint, "clear")
-        print(f"cleared every notice on the {state.get('cloud')} mock at {endpoint}")
-        return 0
-    payload = {"kind": args.kind, "in": args.in_, **({"action": args.action} if args.action else {})}
-    answer = mockmeta.control(endpoint, "trigger", payload)
-    when = f"in {args.in_:g}s" if args.in_ else "now"
-    shown = {k: v for k, v in answer.items() if k in _SHOWN}
-    print(
-        f"{answer.get('cloud')} {answer.get('kind')} notice {when} on {endpoint}"
-        + (f": {json.dumps(shown)}" if shown else "")
-    )
-    return 0
-
-
-def _default_endpoint(cloud: str | None) -> str:
-    """The cloud's endpoint variable where set (as the job would read it), else the mock's default port."""
-    from spotguard.ops import mockmeta
-
-    for key in mockmeta.endpoint_env(cloud, "") if cloud else ():
-        value = os.environ.get(key)
-        if value:
-            return value if "://" in value else "http://" + value
-    return f"http://127.0.0.1:{mockmeta.DEFAULT_PORT}"
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def register(sub: Any) -> None:
-    """Add ``mock-metadata`` and ``simulate-preemption`` to the ``spotguard`` subcommands."""
-    p = sub.add_parser("mock-metadata", help="serve a faithful mock of a cloud's metadata service on 127.0.0.1")
-    p.add_argument("--cloud", choices=CLOUDS, default="aws")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=1338, help="0 picks a free port (default 1338)")
-    p.add_argument("--notice-after", type=float, metavar="SECONDS", help="trigger the spot notice after this long")
-    p.add_argument("--kind", help="notice kind for --notice-after (default: the cloud's spot notice)")
-    p.add_argument("--action", help="AWS spot action: terminate (default), stop or hibernate")
-    p.add_argument("--error-rate", type=float, default=0.0, help="answer this fraction of requests with 503")
-    p.add_argument("--seed", type=int, help="seed of the mock's private generator for --error-rate")
-    p.add_argument("--imdsv1", action="store_true", help="AWS: accept requests without a token")
-    p.set_defaults(func=cmd_mock_metadata)
+    """Add ``rehearse`` to the ``spotguard`` subcommands."""
+    from spotguard.ops.rehearsal.options import SOURCES
 
-    p = sub.add_parser("simulate-preemption", help="rehearse a preemption: mock notice, signal or notice file")
-    p.add_argument("--cloud", choices=CLOUDS, help="check the mock imitates this cloud; picks its endpoint variable")
-    p.add_argument(
-        "--endpoint",
-        help="mock server base URL http://host:port (default: the cloud's variable, else http://127.0.0.1:1338)",
+    p = sub.add_parser(
+        "rehearse",
+        help="run a job through N preemptions on a local fleet; measure each one, goodput and exactness",
+        description="Run COMMAND as a fleet of spot machines would: notices at random moments, the job "
+        "killed at each notice's deadline, a replacement started after each preemption. Prints what each "
+        "preemption cost and the goodput beside the planner's prediction.",
     )
-    p.add_argument("--in", dest="in_", type=float, default=0.0, metavar="SECONDS", help="notice appears later")
+    p.add_argument("--preemptions", "-n", type=_positive_int, default=5, help="notices to send (default 5)")
     p.add_argument(
-        "--kind",
-        help="aws: spot|rebalance|maintenance|asg; gcp: preempt|maintenance|migrate; "
-        "azure: preempt|terminate|reboot|redeploy|freeze",
+        "--mtbf", type=float, default=30.0, metavar="S", help="mean seconds of training between notices (default 30)"
     )
-    p.add_argument("--action", help="AWS spot action: terminate, stop or hibernate")
-    p.add_argument("--clear", action="store_true", help="withdraw every notice (the server serves the next run)")
-    p.add_argument("--pid", type=int, help="send a shutdown signal to this process instead")
-    p.add_argument("--signal", default="SIGTERM", help="signal for --pid (default SIGTERM)")
-    p.add_argument("--file", help="write this notice file instead (see $SPOTGUARD_NOTICE_FILE)")
-    p.add_argument("--deadline-in", type=float, default=120.0, help="deadline written to --file (seconds)")
-    p.set_defaults(func=cmd_simulate)
+    p.add_argument("--seed", type=int, help="seed of the notice moments (default: a new draw each time)")
+    p.add_argument(
+        "--notices", choices=SOURCES, default="aws", help="where notices come from (default aws: a mock IMDS)"
+    )
+    p.add_argument(
+        "--lead",
+        type=float,
+        metavar="S",
+        help="seconds from a notice to the machine's end (default: the cloud's, 30 s else)",
+    )
+    p.add_argument(
+        "--replacement-delay",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a machine's end to the next start (default 1)",
+    )
+    p.add_argument(
+        "--after-restart",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="K of the notices come within 3 s of a machine's start instead",
+    )
+    p.add_argument("--storage", help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND; empty")
+    p.add_argument(
+        "--fresh-local",
+        action="store_true",
+        help="each machine gets a new empty local folder ($SPOTGUARD_LOCAL_DIR, $TMPDIR, {local}): only the storage survives",
+    )
+    p.add_argument("--reference", action="store_true", help="also run COMMAND uninterrupted and compare bit for bit")
+    p.add_argument(
+        "--reference-storage", metavar="URL", help="the reference run's storage (default: STORAGE.reference)"
+    )
+    p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document instead of the table")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="draw steps over time, preemptions and time lost (spotguard[plot])"
+    )
+    p.add_argument(
+        "--work-dir", metavar="DIR", help="keep heartbeats and the Guard's events here (default: a temp dir)"
+    )
+    p.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    p.set_defaults(func=cmd_rehearse)

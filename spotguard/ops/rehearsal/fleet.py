@@ -1,0 +1,294 @@
+"""The fleet of a rehearsal: run the job on one "machine" after another, preempting it on schedule.
+
+Order of one machine: a fresh heartbeat file (and, with ``fresh_local``, a fresh local folder) ->
+start the command in its own session with the notice source's environment, ``$SPOTGUARD_HEARTBEAT``
+and ``$SPOTGUARD_METRICS_FILE`` set -> watch it every ``poll_s``: its heartbeat (steps, the stop
+flag) on our own clock, the moment its notice is due, the notice's deadline (past it the job is
+killed, as the cloud kills the machine) -> once it exited and nothing of it is left, note the
+newest checkpoint in the storage -> the replacement starts ``replacement_s`` after the job is gone
+(the old machine idles on until its deadline: the report shows that window on its own line). What the job's Guard measured is read from its
+JSON lines afterwards (``report``); the job's output is never parsed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import mmap
+import os
+import random
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotguard import checkpoint, heartbeat
+from spotguard._env import LOCAL_DIR, METRICS_FILE, STORAGE
+from spotguard.errors import ConfigError, StorageError
+from spotguard.storage import open_storage
+
+from ..supervisor.procs import Job
+from .notices import Sender, make_sender
+from .options import RehearsalOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Planned:
+    """One notice to send: ``after`` seconds after the machine's first step, or of its start (``restart``)."""
+
+    after: float
+    restart: bool = False
+
+
+@dataclass
+class Machine:
+    """What happened on one machine, on the rehearsal's clock (Unix seconds)."""
+
+    index: int
+    start: float
+    end: float = 0.0  # the job and all it started exited (or were killed)
+    code: int | None = None
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time first seen, step)
+    stopped_flag: float | None = None  # when the heartbeat's stop flag was first seen
+    planned: Planned | None = None
+    notice: float | None = None  # when the notice was sent
+    deadline: float | None = None
+    killed: bool = False  # still running at the deadline: killed
+    events: list[dict[str, Any]] = field(default_factory=list)  # the Guard's JSON lines
+    latest_step: int | None = None  # the newest complete checkpoint once the machine ended
+    latest_reason: str | None = None
+    storage_read: bool = False  # the storage was read once the machine ended (latest_* is the truth)
+    latest_time: float | None = None  # its manifest's commit time
+    cpu_s: float = 0.0  # the job's CPU time (all its processes that were waited for)
+
+    @property
+    def first_step(self) -> float | None:
+        return self.timeline[0][0] if self.timeline else None
+
+    @property
+    def last_step(self) -> int:
+        return self.timeline[-1][1] if self.timeline else 0
+
+    @property
+    def preempted(self) -> bool:
+        return self.notice is not None and (self.killed or self.code != 0)
+
+    @property
+    def crashed(self) -> bool:
+        return self.notice is None and self.code not in (0, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("events", "timeline", "planned")}
+        d["steps_first_last"] = [self.timeline[0][1], self.last_step] if self.timeline else None
+        d["after_restart"] = bool(self.planned and self.planned.restart)
+        return d
+
+
+def plan_notices(o: RehearsalOptions) -> list[Planned]:
+    """The notices, in order: exponential gaps of training (mean ``mtbf_s``), ``after_restart`` of them
+    replaced by moments within ``restart_window_s`` of a start; all from one private generator."""
+    rng = random.Random(o.seed)
+    planned = [Planned(rng.expovariate(1.0 / o.mtbf_s)) for _ in range(o.preemptions)]
+    for i in rng.sample(range(o.preemptions), o.after_restart):
+        planned[i] = Planned(rng.uniform(0.0, o.restart_window_s), restart=True)
+    return planned
+
+
+def _fill(arg: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        arg = arg.replace("{" + key + "}", value)
+    return arg
+
+
+class Fleet:
+    """Runs ``options.command`` through its preemptions; ``run()`` returns the machines, oldest first."""
+
+    def __init__(self, options: RehearsalOptions, work_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.o = options
+        self.work_dir = work_dir
+        self.base_env = dict(os.environ if env is None else env)
+        self.machines: list[Machine] = []
+        self.crashes = 0
+        self.error: str | None = None
+
+    def run(self) -> list[Machine]:
+        o = self.o
+        self._check_storage()
+        assert o.lead_s is not None
+        sender = make_sender(o.source, o.lead_s, self.work_dir)
+        planned = plan_notices(o)
+        until = None if o.timeout_s is None else time.time() + o.timeout_s
+        try:
+            while True:
+                m = self._machine(sender, planned[0] if planned else None, until)
+                self.machines.append(m)
+                if m.notice is not None:
+                    planned.pop(0)
+                if m.preempted:  # the replacement starts once the job is gone (its machine idles to the deadline)
+                    sender.clear()
+                    time.sleep(o.replacement_s)
+                    continue
+                if m.code == 0:
+                    if m.notice is not None:
+                        logger.warning("machine %d finished before its notice took effect", m.index)
+                        sender.clear()
+                    done = sum(x.preempted for x in self.machines)
+                    if done < o.preemptions:
+                        self.error = (
+                            f"only {done} of {o.preemptions} preemption(s) happened before the job finished: "
+                            "lower --mtbf or lengthen the job"
+                        )
+                    return self.machines
+                self.crashes += 1
+                if until is not None and time.time() >= until:
+                    self.error = f"the rehearsal ran past its time limit ({o.timeout_s:g}s): the job was killed"
+                    return self.machines
+                if self.crashes > o.max_crashes:
+                    self.error = f"the job failed {self.crashes} time(s) without a notice (last exit code {m.code})"
+                    return self.machines
+                logger.error("machine %d: the job exited with code %s without a notice; restarting it", m.index, m.code)
+        finally:
+            sender.close()
+
+    # -- one machine -------------------------------------------------------------------------
+    def _machine(self, sender: Sender, planned: Planned | None, until: float | None) -> Machine:
+        o, index = self.o, len(self.machines) + 1
+        beat = heartbeat.create(self.work_dir / f"heartbeat-{index}")
+        events = self.work_dir / f"events-{index}.rank{{rank}}.jsonl"  # under torchrun: one file per rank
+        local = self.work_dir / f"local-{index}" if o.fresh_local else self.work_dir / "local"
+        local.mkdir(exist_ok=True)
+        values = {"storage": o.storage or "", "local": str(local), "machine": str(index)}
+        env = {
+            **self.base_env,
+            **sender.env,
+            heartbeat.HEARTBEAT_ENV: str(beat),
+            METRICS_FILE: str(events),
+        }
+        if o.storage:
+            env[STORAGE] = o.storage
+        if o.fresh_local:
+            env[LOCAL_DIR] = env["TMPDIR"] = str(local)
+        command = [_fill(a, values) for a in o.command]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        m = Machine(index, time.time(), planned=planned)
+        logger.info("machine %d: starting %s", index, " ".join(command))
+        try:
+            proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=2 if o.stdout_to_stderr else None)
+        except OSError as e:
+            raise ConfigError(f"cannot start {command[0]!r}: {e}") from e
+        job = Job(proc, beat)
+        try:
+            self._watch(m, job, beat, sender, until)
+        finally:
+            if proc.poll() is None or job.leftovers():
+                job.kill_all()
+                proc.wait()
+        m.end = time.time()
+        m.code = proc.returncode
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        m.cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        m.events = _read_events(events)
+        self._note_latest(m)
+        if o.fresh_local:
+            shutil.rmtree(local, ignore_errors=True)
+        return m
+
+    def _watch(self, m: Machine, job: Job, beat: Path, sender: Sender, until: float | None) -> None:
+        o, proc = self.o, job.proc
+        assert o.lead_s is not None
+        last = 0
+        with open(beat, "rb") as f:  # mapped: a look at the job's step costs no system call
+            slots = memoryview(mmap.mmap(f.fileno(), heartbeat.SIZE, access=mmap.ACCESS_READ)).cast("q")
+        while True:
+            done = proc.poll() is not None
+            now = time.time()
+            step, flags = slots[0], slots[1]
+            if step != last:
+                m.timeline.append((now, step))
+                last = step
+            if flags & heartbeat.STOPPED_FOR_NOTICE and m.stopped_flag is None:
+                m.stopped_flag = now
+            if done:
+                if not job.leftovers():  # what the job started (loader workers, ranks) is gone too
+                    return
+                if m.deadline is None:
+                    job.wait_gone(now + 5.0, o.poll_s)
+                    return
+            if m.notice is None and m.planned is not None and not done:
+                since = m.start if m.planned.restart else m.first_step
+                if since is not None and now >= since + m.planned.after:
+                    m.notice, m.deadline = now, now + o.lead_s
+                    logger.info("machine %d: notice at step %d, deadline in %.1fs", m.index, step, o.lead_s)
+                    sender.send(job)
+            if m.deadline is not None and now >= m.deadline:
+                logger.error("machine %d: the job is still running at its notice's deadline: killed", m.index)
+                m.killed = True
+                return
+            if until is not None and now >= until:
+                return
+            time.sleep(o.poll_s)
+
+    # -- the storage ---------------------------------------------------------------------------
+    def _check_storage(self) -> None:
+        """A rehearsal starts from nothing: a storage that holds checkpoints would be resumed."""
+        if not self.o.storage:
+            return
+        storage = open_storage(self.o.storage)
+        try:
+            found = storage.list()
+        except StorageError as e:
+            raise ConfigError(f"cannot list the storage {self.o.storage}: {e}") from e
+        finally:
+            storage.close()
+        if found:
+            raise ConfigError(
+                f"{self.o.storage} is not empty ({len(found)} object(s), e.g. {found[0]}); a rehearsal starts "
+                "from scratch: give an empty --storage (nothing was deleted)"
+            )
+
+    def _note_latest(self, m: Machine) -> None:
+        if not self.o.storage:
+            return
+        storage = open_storage(self.o.storage)
+        try:
+            info = checkpoint.latest(storage)
+        except StorageError as e:
+            logger.warning("cannot read the storage after machine %d: %s", m.index, e)
+            return
+        finally:
+            storage.close()
+        m.storage_read = True
+        if info is not None and info.manifest is not None:
+            m.latest_step, m.latest_reason = info.step, info.manifest.reason
+            m.latest_time = _unix(info.manifest.time)
+
+
+def _unix(iso: str) -> float | None:
+    try:
+        t = dt.datetime.fromisoformat(iso)
+    except ValueError:
+        return None
+    return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    """The Guard's JSON lines (rank 0's under torchrun); none when the job has no Guard."""
+    for p in (path, path.with_name(path.name.replace("{rank}", "0"))):
+        try:
+            lines = p.read_text().splitlines()
+        except OSError:
+            continue
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+        return out
+    return []

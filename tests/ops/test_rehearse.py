@@ -1,0 +1,130 @@
+"""``spotguard rehearse``: real jobs through real preemptions (the mock IMDS over HTTP), measured.
+
+Each test runs ``python -m spotguard rehearse`` for real: it starts the mock metadata server, runs
+the job on one "machine" after another, sends the notices and kills a job still running at its
+deadline. The report is read from its ``--json`` document.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, WORKERS, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+TRAIN = ("examples/train.py", "--quiet", "--steps", "90", "--every-steps", "20", "--interval", "0.2")
+
+
+def rehearse(tmp_path: Path, *args: str, command: list[str]) -> tuple[int, dict, str]:
+    """Run a rehearsal from the checkout's root; its return code, JSON report and stderr."""
+    proc = run(
+        [sys.executable, "-m", "spotguard", "rehearse", "--json", "--replacement-delay", "0.1", *args, "--", *command],
+        cwd=REPO,
+        timeout=360,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads(lines[-1]), proc.stderr
+
+
+def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
+    # Seed 0 draws 0.9, 0.7, 0.3 and 0.4 s of training, and puts the 4th notice 2.8 s after its
+    # machine's start, while the job is still starting: all five land within the ~5 s job.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "5", "--mtbf", "0.5", "--seed", "0", "--lead", "20", "--fresh-local", "--after-restart", "1"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[sys.executable, *TRAIN, "--step-sleep", "0.03"],
+    )
+    assert code == 0, err[-4000:]
+    pre = doc["preemptions"]
+    assert len(pre) == 5 and doc["machines"] == 6 and doc["steps"] == 90
+    assert [p["committed"] for p in pre] == [True] * 5
+    assert [p["steps_lost"] for p in pre] == [0] * 5
+    assert [p["steps_replayed"] for p in pre] == [0] * 5
+    assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
+    stops = [p["stop_step"] for p in pre]
+    assert stops == sorted(stops) and len(set(stops)) == 5 and stops[-1] < 90
+    for p in pre:  # every figure measured, from the Guard's events and the fleet's clock
+        assert 0 < p["detection_s"] < 5 and 0 < p["save_s"] < 10, p
+        assert p["teardown_s"] > 0 and 0 < p["idle_s"] <= 20 and p["restart_s"] > 0, p
+        assert p["resume_s"] > 0 and p["restore_s"] is not None and not p["killed"], p
+    # The planner, given the costs measured here, predicts the goodput measured here.
+    assert abs(doc["goodput"] - doc["planner_goodput"]) <= 0.02, (doc["goodput"], doc["planner_goodput"], doc["costs"])
+    assert doc["costs"]["interval_s"] > 0 and doc["costs"]["mtbf_s"] > 0
+    ref = doc["reference"]
+    assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 90 and ref["compared"] > 100, ref
+    assert ref["line"].startswith("exact: yes")
+
+
+def test_a_job_that_does_not_resume_its_data_is_not_exact(tmp_path):
+    # The worker tracks everything but its data generator; each step's loss is in guard.extra.
+    code, doc, _ = rehearse(
+        tmp_path,
+        *("-n", "1", "--mtbf", "0.5", "--seed", "0", "--lead", "20"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[sys.executable, str(WORKERS / "rehearse_forgets_data.py")],
+    )
+    assert code == 1
+    (p,) = doc["preemptions"]
+    assert p["committed"] and p["steps_lost"] == 0  # the rehearsal itself went well
+    ref = doc["reference"]
+    assert ref["exact"] is False
+    assert ref["first_difference_step"] == p["stop_step"] + 1, ref  # the first batch after the resume
+    assert ref["line"].startswith(f"exact: no, first difference at step {p['stop_step'] + 1}")
+
+
+def test_a_job_that_ignores_notices_fails_the_rehearsal(tmp_path):
+    # It makes steps but watches nothing and saves nothing: killed at the deadline, its steps lost.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "1", "--mtbf", "0.5", "--seed", "0", "--lead", "1", "--plot", str(tmp_path / "r.png")),
+        *("--storage", str(tmp_path / "ckpt")),
+        command=[sys.executable, str(WORKERS / "rehearse_ignores_notices.py")],
+    )
+    assert code == 1, err[-3000:]
+    (p,) = doc["preemptions"]
+    assert p["killed"] and p["committed"] is False and p["steps_lost"] == p["stop_step"] > 0
+    assert p["steps_replayed"] == p["stop_step"] and p["detection_s"] is None
+    assert doc["all_committed"] is False and doc["steps"] == 60  # the replacement redid it all
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"]
+
+
+def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
+    storage = tmp_path / "ckpt"
+    (storage / "step-5").mkdir(parents=True)
+    (storage / "step-5" / "state.pt").write_bytes(b"x")
+    proc = run(
+        [sys.executable, "-m", "spotguard", "rehearse", "--storage", str(storage), "--", sys.executable, "-c", "0"],
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "starts from scratch" in proc.stderr, proc.stderr
+    assert (storage / "step-5" / "state.pt").read_bytes() == b"x"
+
+
+def test_hf_trainer_through_two_preemptions_loses_nothing_and_is_exact(tmp_path):
+    # The Trainer's own folder is on each machine's fresh local disk: only the storage survives.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "2", "--mtbf", "0.8", "--seed", "0", "--lead", "20", "--fresh-local"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[
+            sys.executable,
+            *("examples/hf_trainer.py", "--quiet", "--steps", "60", "--every-steps", "20", "--interval", "0.2"),
+            *("--step-sleep", "0.03", "--output-dir", "{local}/hf-output"),
+        ],
+    )
+    assert code == 0, err[-4000:]
+    pre = doc["preemptions"]
+    assert len(pre) == 2 and doc["steps"] == 60
+    assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2
+    for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
+        assert 0 < p["detection_s"] < 5 and p["teardown_s"] > 0 and p["restart_s"] > 0, p
+    ref = doc["reference"]
+    assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 60, ref
