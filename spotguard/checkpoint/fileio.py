@@ -6,8 +6,8 @@ O_DIRECT), and that CPU is taken from the training loop while a periodic save ru
 background. Reading the file back to hash it costs as much again. ``DirectFile`` copies what it is
 given into two page-aligned buffers, writes each full buffer with ``O_DIRECT`` from a helper
 thread while the other one fills (the GIL is released during the write), and hashes each buffer
-on that thread too (one chunk of ``digest.ChunkedSha256`` per buffer; ``hashlib`` releases the
-GIL as well), so the file is written once, never read back, and the serialising thread never
+on that thread too (one chunk of ``digest.ChunkedDigest`` per buffer; BLAKE3 and ``hashlib``
+release the GIL as well), so the file is written once, never read back, and the serialising thread never
 waits for the hash. Where the filesystem refuses
 ``O_DIRECT`` (tmpfs, some FUSE mounts) or the platform has none (macOS), it writes through the page
 cache instead; ``close()`` always fsyncs.
@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-from spotguard.checkpoint.digest import CHUNK, ChunkedSha256
+from spotguard.checkpoint.digest import CHUNK, ChunkedDigest
+from spotguard.checkpoint.manifest import FileEntry
 from spotguard.errors import ConfigError
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -32,7 +33,7 @@ BUFFER = CHUNK  # a whole number of checksum chunks per buffer
 
 
 class DirectFile:
-    """``open(path, "wb")`` for one large, sequentially written file, with size and SHA-256."""
+    """``open(path, "wb")`` for one large, sequentially written file, with its size and checksum."""
 
     def __init__(self, path: str | Path, buffer_size: int = BUFFER, direct: bool = True) -> None:
         if buffer_size <= 0 or buffer_size % ALIGN:
@@ -47,8 +48,9 @@ class DirectFile:
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
         self.size = 0
-        self._hash = ChunkedSha256()  # updated by the I/O thread only, in file order
+        self._hash = ChunkedDigest()  # updated by the I/O thread only, in file order
         self.chunk_size = self._hash.chunk_size
+        self.alg = self._hash.alg
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
         self._current, self._fill = 0, 0
@@ -78,8 +80,12 @@ class DirectFile:
         """Nothing to do: bytes reach the disk in whole buffers, and all of them on ``close()``."""
 
     def hexdigest(self) -> str:
-        """The file's ``ChunkedSha256``, once closed."""
+        """The file's ``ChunkedDigest``, once closed."""
         return self._hash.hexdigest()
+
+    def entry(self, name: str) -> FileEntry:
+        """The manifest entry of this file, stored as ``name``, once closed."""
+        return FileEntry(name, self.size, self.hexdigest(), self.chunk_size, self.alg)
 
     def close(self) -> None:
         """Write what is buffered, cut the block padding off, fsync. Raises the first write error."""

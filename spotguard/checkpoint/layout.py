@@ -1,8 +1,8 @@
 """The layout of one checkpoint, and how it is written, found, verified and pruned.
 
 ``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
-last, write-once, and lists every file with its size and checksum (SHA-256 per 16 MiB chunk, see
-``spotguard.checkpoint.digest``; whole-file SHA-256 in older manifests): a directory without a valid
+last, write-once, and lists every file with its size and checksum (BLAKE3 per 16 MiB chunk, see
+``spotguard.checkpoint.digest``; SHA-256 in older manifests): a directory without a valid
 manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
 other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
 """
@@ -92,7 +92,7 @@ def write(
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
-            entries.append(FileEntry(fname, out.size, out.hexdigest(), out.chunk_size))
+            entries.append(out.entry(fname))
             if replace:
                 held.append((fname, path))
             else:
@@ -167,8 +167,10 @@ def write_dir(
 def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
     """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``."""
     entries = []
+    alg = digest.default_alg()
     for fname, path in files.items():
-        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
+        checksum = digest.chunked_file_digest(path, digest.CHUNK, alg=alg)
+        entries.append(FileEntry(fname, path.stat().st_size, checksum, digest.CHUNK, alg))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     return entries
 
