@@ -101,6 +101,7 @@ class GCSOptions:
     def __post_init__(self) -> None:
         check_fields(
             self,
+            kinds={"retry": retry.RetryOptions},
             ints={
                 "chunk_size": _CHUNK_UNIT,
                 "resumable_threshold": 1,
