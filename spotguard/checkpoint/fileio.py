@@ -19,9 +19,11 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from spotguard.checkpoint.digest import CHUNK, ChunkedDigest
 from spotguard.checkpoint.manifest import FileEntry
@@ -35,7 +37,15 @@ BUFFER = CHUNK  # a whole number of checksum chunks per buffer
 class DirectFile:
     """``open(path, "wb")`` for one large, sequentially written file, with its size and checksum."""
 
-    def __init__(self, path: str | Path, buffer_size: int = BUFFER, direct: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        buffer_size: int = BUFFER,
+        direct: bool = True,
+        crc: Callable[[Any, int], int] | None = None,
+    ) -> None:
+        """``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``)
+        in the same pass, for the service that receives the file to check it against (``self.crc``)."""
         if buffer_size <= 0 or buffer_size % ALIGN:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGN}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -51,6 +61,8 @@ class DirectFile:
         self._hash = ChunkedDigest()  # updated by the I/O thread only, in file order
         self.chunk_size = self._hash.chunk_size
         self.alg = self._hash.alg
+        self._crc_update = crc
+        self.crc: int | None = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
         self._current, self._fill = 0, 0
@@ -138,6 +150,8 @@ class DirectFile:
 
     def _hash_and_write(self, view: memoryview, data: memoryview) -> None:
         self._hash.update(data)
+        if self._crc_update is not None:
+            self.crc = self._crc_update(data, self.crc or 0)
         self._write_all(view)
 
     def _write_all(self, view: memoryview) -> None:

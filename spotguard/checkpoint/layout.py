@@ -84,19 +84,19 @@ def write(
         check_file_name(fname)
     committed = _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
-    held: list[tuple[str, Path]] = []  # replace=True: stored only once the content is known
+    held: list[tuple[str, Path, int | None]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
-            with DirectFile(path) as out:
+            with DirectFile(path, crc=storage.upload_crc) as out:  # checksum and CRC: one pass
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
             entries.append(out.entry(fname))
             if replace:
-                held.append((fname, path))
+                held.append((fname, path, out.crc))
             else:
-                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+                _put_file(storage, f"{name}/{fname}", path, deadline, out.crc)
         if replace:
             if on_content is not None:
                 on_content(tuple(entries))
@@ -111,8 +111,8 @@ def write(
                     step,
                 )
                 delete(storage, name)
-            for fname, path in held:
-                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+            for fname, path, crc in held:
+                _put_file(storage, f"{name}/{fname}", path, deadline, crc)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(
@@ -173,6 +173,14 @@ def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline
         entries.append(FileEntry(fname, path.stat().st_size, checksum, digest.CHUNK, alg))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     return entries
+
+
+def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, crc: int | None) -> None:
+    """``put_file`` with the CRC the writer kept (the service checks what it receives against it)."""
+    if crc is None:
+        storage.put_file(key, path, deadline=deadline)
+    else:
+        storage.put_file(key, path, deadline=deadline, crc=crc)
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
