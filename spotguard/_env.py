@@ -24,6 +24,7 @@ GCP_DEADLINE = "SPOTGUARD_GCP_DEADLINE"
 STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
 STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
+CHECKSUM = "SPOTGUARD_CHECKSUM"  # the checksum of new checkpoints (spotguard.checkpoint.digest)
 
 T = TypeVar("T")
 

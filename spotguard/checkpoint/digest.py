@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from spotguard import _env
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 
 CHUNK = 16 << 20  # also fileio.BUFFER: DirectFile hashes each full buffer as one chunk
@@ -35,7 +36,7 @@ CHUNK = 16 << 20  # also fileio.BUFFER: DirectFile hashes each full buffer as on
 # One more than the cores: a thread may wait for a page the kernel is still reading in.
 HASHERS = max(2, min(8, os.cpu_count() or 1)) + 1
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.11 lacks the name
-ENV = "SPOTGUARD_CHECKSUM"
+ENV = _env.CHECKSUM
 SHA256, BLAKE3, XXH3 = "sha256", "blake3", "xxh3-128"
 ALGORITHMS = (BLAKE3, XXH3, SHA256)
 HEX_LENGTH = {SHA256: 64, BLAKE3: 64, XXH3: 32}
