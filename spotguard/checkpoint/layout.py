@@ -57,6 +57,8 @@ def write(
     cancel: threading.Event | None = None,
     replace: bool = False,
     on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
+    upload_crc: Callable[[Any, int], int] | None = None,
+    crcs: dict[str, int] | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -72,6 +74,10 @@ def write(
     ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
     to write), one that differs is deleted, manifest first, before the new files are stored. Until
     the new manifest lands the previous checkpoint is the resume point.
+
+    ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
+    is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
+    by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -88,15 +94,18 @@ def write(
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
-            with DirectFile(path, crc=storage.upload_crc) as out:  # checksum and CRC: one pass
+            with DirectFile(path, crc=upload_crc or storage.upload_crc) as out:  # checksum and CRC: one pass
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
             entries.append(out.entry(fname))
+            own_crc = out.crc if upload_crc is None else None
+            if crcs is not None and out.crc is not None:
+                crcs[fname] = out.crc
             if replace:
-                held.append((fname, path, out.crc))
+                held.append((fname, path, own_crc))
             else:
-                _put_file(storage, f"{name}/{fname}", path, deadline, out.crc)
+                _put_file(storage, f"{name}/{fname}", path, deadline, own_crc)
         if replace:
             if on_content is not None:
                 on_content(tuple(entries))
@@ -235,8 +244,12 @@ def copy(
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     verify: bool = False,
+    crcs: Mapping[str, int] | None = None,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
+
+    ``crcs``: the ``dst.upload_crc`` of files, kept when they were written (``write(crcs=)``), sent
+    with their uploads so that ``dst`` refuses a file damaged since (and none is read twice).
 
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
     each file against the manifest on its way (``open_verified``: one read, not a verify then a
@@ -252,7 +265,7 @@ def copy(
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
         with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
-            dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
+            _put_file(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import google_crc32c
 import pytest
+import torch
 
+import spotguard
 from spotguard import checkpoint
 from spotguard.checkpoint import layout
 from spotguard.errors import CheckpointCorruptError, StorageError
@@ -90,3 +92,41 @@ def test_s3_on_moto_stores_a_damaged_file_and_the_writers_crc32_catches_it(s3_ur
     (info,) = checkpoint.scan(st)
     with pytest.raises(CheckpointCorruptError, match="CRC32 of the downloaded object is .*, S3 holds"):
         checkpoint.verify(st, info)
+
+
+def test_an_upload_from_the_local_tier_sends_the_crc32c_kept_when_it_was_written(gcp_emulator_url, tmp_path):
+    """Periodic saves go to a local tier first and are copied up later: the copy carries the CRC32C
+    computed while the local file was written, so a local file damaged since is refused."""
+    local = open_storage(str(tmp_path / "local"))
+    st = GCSStorage(gcp_emulator_url, GCSOptions(retry=RetryOptions(attempts=2)))
+    crcs: dict[str, int] = {}
+    data = os.urandom(MiB)
+    manifest = layout.write(
+        local, 1, {"state.pt": lambda f: f.write(data)}, reason="periodic", upload_crc=st.upload_crc, crcs=crcs
+    )
+    assert crcs == {"state.pt": int(google_crc32c.value(data))}
+    flip = tmp_path / "local" / "step-00000001" / "state.pt"
+    raw = bytearray(flip.read_bytes())
+    raw[7] ^= 0x10
+    flip.write_bytes(bytes(raw))
+    info = checkpoint.CheckpointInfo(1, "step-00000001", "complete", manifest)
+    with pytest.raises(StorageError, match="(?i)crc32c"):
+        layout.copy(local, st, info, crcs=crcs)
+    assert not any(i.complete for i in checkpoint.scan(st))
+
+
+def test_periodic_saves_through_a_local_tier_never_read_a_file_again_for_its_crc(
+    gcp_emulator_url, tmp_path, monkeypatch
+):
+    def no_second_read(*args, **kw):
+        raise AssertionError("the file was read again to compute its CRC")
+
+    monkeypatch.setattr(cloud, "file_crc", no_second_read)
+    model = torch.nn.Linear(8, 8)
+    guard = spotguard.Guard(gcp_emulator_url, local_dir=str(tmp_path / "local"), every_steps=1, providers=[])
+    guard.track(model=model)
+    with guard:
+        guard.step(1)
+        guard.wait()
+    (info,) = checkpoint.scan(open_storage(gcp_emulator_url))
+    assert info.complete and info.step == 1
