@@ -14,7 +14,7 @@ Targets (issue 23): warm resume >= 0.5x the plain load, cold resume >= 0.9x, the
 of a local save's time <= 10%. Normal priority: on a loaded machine the ratios include the CPU
 share the checksum threads get.
 
-    python bench/integrity.py [--size-mb 512] [--repeat 5]
+    python bench/integrity.py [--size-mb 512] [--repeat 7]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def save_times(size_mb: int, tmp: Path, repeat: int) -> dict[str, tuple[float, f
 def main() -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR"), prefix="sg-integrity-") as d:
