@@ -10,7 +10,7 @@ DONTNEED``), so reads come from the disk. The baseline is what a plain script do
 rank restores, not slower than single-process.
 
 On a machine shared with other work the ratio measures the CPU share, not the code: verifying
-costs ~0.7 CPU-s per GiB of SHA-256 (the plain load ~0.3), so when other sessions hold the cores
+costs ~0.2 CPU-s per GiB of BLAKE3 (SHA-256, formats 1-2: ~0.7; the plain load ~0.3), so when other sessions hold the cores
 it falls towards the ratio of CPU times. A resume runs on a freshly started, idle machine; to
 measure that on a shared one, run it in its own autogroup at a higher priority, e.g. as root:
 ``setsid -w sh -c 'echo -10 > /proc/self/autogroup; exec python bench/restore.py'``.

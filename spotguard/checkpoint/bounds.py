@@ -77,6 +77,9 @@ def check_manifest(doc: dict[str, Any]) -> None:
         chunk = entry.get("chunk_size", 0)
         if chunk != 0 or isinstance(chunk, bool):
             _integer(chunk, f"chunk_size of {name!r}:", CHUNK_MIN, CHUNK_MAX)
+        digest = entry.get("digest")  # spotguard/3: {"alg", "chunk", "value"}
+        if isinstance(digest, dict) and "chunk" in digest:
+            _integer(digest["chunk"], f"digest chunk of {name!r}:", CHUNK_MIN, CHUNK_MAX)
 
 
 def check_written(raw: bytes, doc: dict[str, Any]) -> None:

@@ -77,7 +77,7 @@ def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
 class SpotguardWriter(StorageWriter):
     """Writes one rank's shard file (and, on the coordinator, the metadata) through ``storage``.
 
-    ``entries`` collects the ``FileEntry`` (name relative to the step dir, size, SHA-256) of each
+    ``entries`` collects the ``FileEntry`` (name relative to the step dir, size, checksum) of each
     file this rank wrote, for the manifest. ``cancel``, when set, abandons the write before the
     next item or file with ``SaveCancelled`` (the partial file is removed by ``open_write``): an
     abandoned background save stops streaming instead of competing with the emergency save.
@@ -137,7 +137,7 @@ class SpotguardWriter(StorageWriter):
                         index=item.index, size_in_bytes=length, storage_data=ShardLocation(fname, offset, length)
                     )
                 )
-        self.entries.append(FileEntry(f"shards/{fname}", out.size, out.hexdigest(), out.chunk_size))
+        self.entries.append(out.entry(f"shards/{fname}"))
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -146,7 +146,7 @@ class SpotguardWriter(StorageWriter):
         with self.storage.open_write(f"{self.prefix}/{METADATA_FILE}", deadline=self.deadline) as raw:
             out = HashingWriter(raw)
             pickle.dump(metadata, out, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
-        self.entries.append(FileEntry(f"shards/{METADATA_FILE}", out.size, out.hexdigest(), out.chunk_size))
+        self.entries.append(out.entry(f"shards/{METADATA_FILE}"))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

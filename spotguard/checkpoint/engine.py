@@ -14,14 +14,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from spotguard.checkpoint.manifest import Manifest, Reshard
-
-if TYPE_CHECKING:
-    from spotguard.checkpoint.collective import Groups
-    from spotguard.storage.base import Storage
-
+from spotguard.checkpoint.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -117,25 +112,3 @@ def copy_extra(extra: dict[str, Any]) -> dict[str, Any]:
         return copy.deepcopy(extra)
     except Exception:  # not JSON anyway: the manifest writer reports it from the save
         return dict(extra)
-
-
-def make_engine(
-    storage: Storage,
-    local: Storage | None,
-    groups: Groups | None,
-    keep: int,
-    on_commit: OnCommit,
-    staged_final: bool = True,
-    reshard: Reshard | str = Reshard.REFUSE,
-    rebatch: str = "refuse",
-) -> Engine:
-    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
-    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
-    ``data.Rebatch``."""
-    if groups is None:
-        from spotguard.checkpoint.single import SingleEngine
-
-        return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch)
-    from spotguard.checkpoint.sharded import ShardedEngine
-
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

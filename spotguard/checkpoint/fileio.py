@@ -6,9 +6,10 @@ O_DIRECT), and that CPU is taken from the training loop while a periodic save ru
 background. Reading the file back to hash it costs as much again. ``DirectFile`` copies what it is
 given into two page-aligned buffers, writes each full buffer with ``O_DIRECT`` from a helper
 thread while the other one fills (the GIL is released during the write), and hashes each buffer
-on that thread too (one chunk of ``digest.ChunkedSha256`` per buffer; ``hashlib`` releases the
-GIL as well), so the file is written once, never read back, and the serialising thread never
-waits for the hash. Where the filesystem refuses
+on a second helper thread during its write (one chunk of ``digest.ChunkedDigest`` per buffer;
+BLAKE3 and ``hashlib`` release the GIL as well), so the file is written once, never read back, and
+the hash adds nothing to the time a buffer takes unless it is slower than the disk. Where the
+filesystem refuses
 ``O_DIRECT`` (tmpfs, some FUSE mounts) or the platform has none (macOS), it writes through the page
 cache instead; ``close()`` always fsyncs.
 """
@@ -19,11 +20,14 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-from spotguard.checkpoint.digest import CHUNK, ChunkedSha256
+from spotguard.checkpoint.digest import CHUNK, ChunkedDigest
+from spotguard.checkpoint.manifest import FileEntry
 from spotguard.errors import ConfigError
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -32,9 +36,17 @@ BUFFER = CHUNK  # a whole number of checksum chunks per buffer
 
 
 class DirectFile:
-    """``open(path, "wb")`` for one large, sequentially written file, with size and SHA-256."""
+    """``open(path, "wb")`` for one large, sequentially written file, with its size and checksum."""
 
-    def __init__(self, path: str | Path, buffer_size: int = BUFFER, direct: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        buffer_size: int = BUFFER,
+        direct: bool = True,
+        crc: Callable[[Any, int], int] | None = None,
+    ) -> None:
+        """``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``)
+        in the same pass, for the service that receives the file to check it against (``self.crc``)."""
         if buffer_size <= 0 or buffer_size % ALIGN:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGN}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -47,13 +59,17 @@ class DirectFile:
             self.direct = False
             self._fd = os.open(path, flags, 0o644)
         self.size = 0
-        self._hash = ChunkedSha256()  # updated by the I/O thread only, in file order
-        self.chunk_size = self._hash.chunk_size
+        self._hash_state = ChunkedDigest()  # updated by the hashing thread only, in file order
+        self.chunk_size = self._hash_state.chunk_size
+        self.alg = self._hash_state.alg
+        self._crc_update = crc
+        self.crc: int | None = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
         self._current, self._fill = 0, 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spotguard-write")
-        self._inflight: Future[None] | None = None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="spotguard-hash")
+        self._inflight: list[Future[None]] = []  # the write and the hash of the buffer last submitted
         self.closed = False
 
     # -- the file-object surface torch.save and shutil use ----------------------------------------
@@ -78,8 +94,12 @@ class DirectFile:
         """Nothing to do: bytes reach the disk in whole buffers, and all of them on ``close()``."""
 
     def hexdigest(self) -> str:
-        """The file's ``ChunkedSha256``, once closed."""
-        return self._hash.hexdigest()
+        """The file's ``ChunkedDigest``, once closed."""
+        return self._hash_state.hexdigest()
+
+    def entry(self, name: str) -> FileEntry:
+        """The manifest entry of this file, stored as ``name``, once closed."""
+        return FileEntry(name, self.size, self.hexdigest(), self.chunk_size, self.alg)
 
     def close(self) -> None:
         """Write what is buffered, cut the block padding off, fsync. Raises the first write error."""
@@ -119,20 +139,32 @@ class DirectFile:
 
     # -- internals ---------------------------------------------------------------------------------
     def _submit(self, length: int, data: int | None = None) -> None:
-        """Hash the buffer's first ``data`` bytes (default: all) and write ``length`` of them, on the I/O thread."""
-        self._wait()  # the other buffer's write must be done before it is refilled
+        """Write the buffer's first ``length`` bytes on the I/O thread while the hashing thread hashes
+        its first ``data`` (default: all): the hash is off the write's critical path."""
+        self._wait()  # the other buffer's write and hash must be done before it is refilled
         view = self._views[self._current]
-        self._inflight = self._io.submit(self._hash_and_write, view[:length], view[: length if data is None else data])
+        self._inflight = [
+            self._io.submit(self._write_all, view[:length]),
+            self._hasher.submit(self._hash, view[: length if data is None else data]),
+        ]
         self._current, self._fill = 1 - self._current, 0
 
     def _wait(self) -> None:
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            inflight.result()
+        inflight, self._inflight = self._inflight, []
+        errors = []
+        for fut in inflight:  # both, even when one failed: the buffer is free only then
+            try:
+                fut.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, the first one
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
-    def _hash_and_write(self, view: memoryview, data: memoryview) -> None:
-        self._hash.update(data)
-        self._write_all(view)
+    def _hash(self, data: memoryview) -> None:
+        """On the hashing thread, buffer after buffer in file order."""
+        self._hash_state.update(data)
+        if self._crc_update is not None:
+            self.crc = self._crc_update(data, self.crc or 0)
 
     def _write_all(self, view: memoryview) -> None:
         while view:
@@ -150,5 +182,6 @@ class DirectFile:
     def _release(self) -> None:
         self.closed = True
         self._io.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
         self._views, self._buffers = [], []  # freed with their last reference (an error's traceback may hold one)
         os.close(self._fd)

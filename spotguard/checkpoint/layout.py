@@ -1,8 +1,8 @@
 """The layout of one checkpoint, and how it is written, found, verified and pruned.
 
 ``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
-last, write-once, and lists every file with its size and checksum (SHA-256 per 16 MiB chunk, see
-``spotguard.checkpoint.digest``; whole-file SHA-256 in older manifests): a directory without a valid
+last, write-once, and lists every file with its size and checksum (BLAKE3 per 16 MiB chunk, see
+``spotguard.checkpoint.digest``; SHA-256 in older manifests): a directory without a valid
 manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
 other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
 """
@@ -58,6 +58,8 @@ def write(
     cancel: threading.Event | None = None,
     replace: bool = False,
     on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
+    upload_crc: Callable[[Any, int], int] | None = None,
+    crcs: dict[str, int] | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -73,6 +75,10 @@ def write(
     ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
     to write), one that differs is deleted, manifest first, before the new files are stored. Until
     the new manifest lands the previous checkpoint is the resume point.
+
+    ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
+    is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
+    by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -85,19 +91,22 @@ def write(
         check_file_name(fname)
     committed = _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
-    held: list[tuple[str, Path]] = []  # replace=True: stored only once the content is known
+    held: list[tuple[str, Path, int | None]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
-            with DirectFile(path) as out:
+            with DirectFile(path, crc=upload_crc or storage.upload_crc) as out:  # checksum and CRC: one pass
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
-            entries.append(FileEntry(fname, out.size, out.hexdigest(), out.chunk_size))
+            entries.append(out.entry(fname))
+            own_crc = out.crc if upload_crc is None else None
+            if crcs is not None and out.crc is not None:
+                crcs[fname] = out.crc
             if replace:
-                held.append((fname, path))
+                held.append((fname, path, own_crc))
             else:
-                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+                _put_file(storage, f"{name}/{fname}", path, deadline, own_crc)
         if replace:
             if on_content is not None:
                 on_content(tuple(entries))
@@ -112,8 +121,8 @@ def write(
                     step,
                 )
                 delete(storage, name)
-            for fname, path in held:
-                storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+            for fname, path, crc in held:
+                _put_file(storage, f"{name}/{fname}", path, deadline, crc)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(
@@ -168,10 +177,20 @@ def write_dir(
 def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
     """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``."""
     entries = []
+    alg = digest.default_alg()
     for fname, path in files.items():
-        entries.append(FileEntry(fname, path.stat().st_size, digest.chunked_file_digest(path), digest.CHUNK))
+        checksum = digest.chunked_file_digest(path, digest.CHUNK, alg=alg)
+        entries.append(FileEntry(fname, path.stat().st_size, checksum, digest.CHUNK, alg))
         storage.put_file(f"{name}/{fname}", path, deadline=deadline)
     return entries
+
+
+def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, crc: int | None) -> None:
+    """``put_file`` with the CRC the writer kept (the service checks what it receives against it)."""
+    if crc is None:
+        storage.put_file(key, path, deadline=deadline)
+    else:
+        storage.put_file(key, path, deadline=deadline, crc=crc)
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
@@ -249,8 +268,12 @@ def copy(
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     verify: bool = False,
+    crcs: Mapping[str, int] | None = None,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
+
+    ``crcs``: the ``dst.upload_crc`` of files, kept when they were written (``write(crcs=)``), sent
+    with their uploads so that ``dst`` refuses a file damaged since (and none is read twice).
 
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
     each file against the manifest on its way (``open_verified``: one read, not a verify then a
@@ -268,7 +291,7 @@ def copy(
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
         with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
-            dst.put_file(f"{info.name}/{entry.name}", path, deadline=deadline)
+            _put_file(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)

@@ -20,8 +20,11 @@ from spotguard._version import __version__
 from spotguard.checkpoint import bounds, digest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 
-FORMAT = "spotguard/2"  # chunked checksums; readers take "spotguard/1" (whole-file SHA-256) too
-FORMATS = ("spotguard/1", FORMAT)
+# spotguard/3: the checksum algorithm named per file (BLAKE3 by default); readers take
+# "spotguard/2" (SHA-256 per chunk) and "spotguard/1" (whole-file SHA-256) too.
+FORMAT = "spotguard/3"
+FORMATS = ("spotguard/1", "spotguard/2", FORMAT)
+_SHA256_FORMATS = FORMATS[:2]  # files carry "sha256" (and "chunk_size"), not "digest"
 NEWER_FORMAT = "newer-format"  # the status of a checkpoint written by a newer spotguard (see ``CheckpointInfo``)
 _NUMBERED_FORMAT = re.compile(r"^spotguard/([0-9]{1,6})$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,39}$")
@@ -51,13 +54,55 @@ def parse_step_dir(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint. ``sha256`` is the ``digest.ChunkedSha256`` of the file when
-    ``chunk_size`` > 0, else (manifests of spotguard/1) the SHA-256 of the whole file."""
+    """One file of a checkpoint. ``checksum`` is the ``digest.ChunkedDigest`` of the file with
+    algorithm ``alg`` when ``chunk_size`` > 0, else (manifests of spotguard/1) the SHA-256 of the
+    whole file."""
 
     name: str
     size: int
-    sha256: str
+    checksum: str
     chunk_size: int = 0
+    alg: str = digest.SHA256
+
+    def to_json(self, fmt: str) -> dict[str, Any]:
+        """The entry as manifests of format ``fmt`` write it (an old manifest copied stays as it was)."""
+        if fmt not in _SHA256_FORMATS:
+            return {"name": self.name, "size": self.size, "digest": _digest_json(self)}
+        if self.alg != digest.SHA256:
+            raise ConfigError(f"{self.name}: a {fmt} manifest cannot record a {self.alg} checksum")
+        out: dict[str, Any] = {"name": self.name, "size": self.size, "sha256": self.checksum}
+        if self.chunk_size or fmt != "spotguard/1":
+            out["chunk_size"] = self.chunk_size
+        return out
+
+    @classmethod
+    def from_json(cls, f: Any, fmt: str) -> FileEntry:
+        """Parse one entry of a manifest of format ``fmt``; ``ValueError``/``KeyError``/``TypeError`` if invalid."""
+        name, size = f["name"], f["size"]
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
+            raise ValueError(f"unsafe file name {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"bad size for {name!r}")
+        if fmt in _SHA256_FORMATS:
+            alg, value, chunk = digest.SHA256, f["sha256"], f.get("chunk_size", 0)
+        else:
+            d = f["digest"]
+            if not isinstance(d, dict):
+                raise ValueError(f"bad digest for {name!r}")
+            alg, value, chunk = d["alg"], d["value"], d["chunk"]
+            if alg not in digest.ALGORITHMS:
+                raise ValueError(f"unknown checksum algorithm {alg!r} for {name!r}")
+            if chunk == 0:
+                raise ValueError(f"bad chunk for {name!r}: format {fmt} checksums are chunked")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise ValueError(f"bad chunk_size for {name!r}")
+        if not isinstance(value, str) or not re.fullmatch(f"[0-9a-f]{{{digest.HEX_LENGTH[alg]}}}", value):
+            raise ValueError(f"bad {alg} checksum for {name!r}")
+        return cls(name, size, value, chunk, alg)
+
+
+def _digest_json(entry: FileEntry) -> dict[str, Any]:
+    return {"alg": entry.alg, "chunk": entry.chunk_size, "value": entry.checksum}
 
 
 @dataclass(frozen=True)
@@ -89,7 +134,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         try:
             data = asdict(self)
-            data["files"] = [asdict(f) for f in self.files]
+            data["files"] = [f.to_json(self.format) for f in self.files]
             raw = json.dumps(data, indent=1, sort_keys=True).encode()
             bounds.check_written(raw, data)
         except RecursionError as e:
@@ -108,16 +153,7 @@ class Manifest:
                 _refuse_newer_format(data, where)
                 raise ValueError(f"not a {' or '.join(FORMATS)} manifest")
             bounds.check_manifest(data)
-            files = []
-            for f in data["files"]:
-                name, size, sha, chunk = f["name"], f["size"], f["sha256"], f.get("chunk_size", 0)
-                if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
-                    raise ValueError(f"unsafe file name {name!r}")
-                if not isinstance(size, int) or size < 0 or not re.fullmatch(r"[0-9a-f]{64}", str(sha)):
-                    raise ValueError(f"bad size or sha256 for {name!r}")
-                if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
-                    raise ValueError(f"bad chunk_size for {name!r}")
-                files.append(FileEntry(name, size, sha, chunk))
+            files = [FileEntry.from_json(f, data["format"]) for f in data["files"]]
             if not files:
                 raise ValueError("no files listed")
             step = data["step"]
@@ -186,8 +222,9 @@ class HashingWriter:
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
         self.size = 0
-        self._hash = digest.ChunkedSha256()
+        self._hash = digest.ChunkedDigest()
         self.chunk_size = self._hash.chunk_size
+        self.alg = self._hash.alg
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self._hash.update(data)
@@ -203,6 +240,10 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+    def entry(self, name: str) -> FileEntry:
+        """The manifest entry of the bytes written so far, stored as ``name``."""
+        return FileEntry(name, self.size, self.hexdigest(), self.chunk_size, self.alg)
 
 
 def human_duration(seconds: float | None) -> str:

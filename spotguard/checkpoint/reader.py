@@ -31,6 +31,7 @@ from spotguard.errors import (
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
+_ALG_NAMES = {digest.SHA256: "SHA-256", digest.BLAKE3: "BLAKE3", digest.XXH3: "XXH3-128"}
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:
@@ -152,8 +153,10 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
-        if digest.file_digest(path, entry.chunk_size) != entry.sha256:
-            raise CheckpointCorruptError(f"{info.name}/{fname}: SHA-256 does not match the manifest")
+        if digest.file_digest(path, entry.chunk_size, entry.alg) != entry.checksum:
+            raise CheckpointCorruptError(
+                f"{info.name}/{fname}: {_ALG_NAMES[entry.alg]} checksum does not match the manifest"
+            )
         yield path
 
 

@@ -198,7 +198,7 @@ class ShardedEngine:
                 torch.save(staged.payload, out)  # type: ignore[arg-type]
         except Exception as e:
             return explain(e, rank), []
-        return "", [FileEntry(rank_file(rank), out.size, out.hexdigest(), out.chunk_size)]
+        return "", [out.entry(rank_file(rank))]
 
     def _commit(
         self, step: int, reason: str, files: list[FileEntry], extra: dict[str, Any], deadline: float | None

@@ -128,7 +128,8 @@ class SingleEngine:
         """Background: serialise to the first tier, then upload to the durable storage."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        manifest = self._write(first, step, reason, payload, extra, cancel=cancel)
+        crcs: dict[str, int] = {}  # the durable storage's upload CRCs, kept while the local tier is written
+        manifest = self._write(first, step, reason, payload, extra, cancel=cancel, crcs=crcs)
         if manifest is None:
             return
         took = time.monotonic() - t0
@@ -138,7 +139,7 @@ class SingleEngine:
             t1 = time.monotonic()
             info = CheckpointInfo(step, step_dir(step), "complete", manifest)
             try:
-                layout.copy(self.local, self.storage, info, cancel=cancel)
+                layout.copy(self.local, self.storage, info, cancel=cancel, crcs=crcs)
             except CheckpointExistsError:
                 pass
             took = time.monotonic() - t1
@@ -157,8 +158,10 @@ class SingleEngine:
         deadline: float | None = None,
         cancel: threading.Event | None = None,
         on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
+        crcs: dict[str, int] | None = None,
     ) -> Manifest | None:
-        """``on_content`` given: a final save, which replaces a committed ``step`` of other content."""
+        """``on_content`` given: a final save, which replaces a committed ``step`` of other content.
+        ``crcs`` given (a save to the local tier): filled with the durable storage's upload CRCs."""
         replace = on_content is not None
         try:
             manifest = layout.write(
@@ -173,6 +176,8 @@ class SingleEngine:
                 cancel=cancel,
                 replace=replace,
                 on_content=on_content,
+                upload_crc=self.storage.upload_crc if crcs is not None and storage is not self.storage else None,
+                crcs=crcs,
             )
         except CheckpointExistsError:
             logger.info(

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
-from spotguard.checkpoint.engine import Tracked, make_engine
+from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
+from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import PERMANENT, NoLoadableCheckpointError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, ranks
@@ -39,6 +40,7 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
+    from spotguard.checkpoint.collective import Groups
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
@@ -101,6 +103,10 @@ class Guard:
             self.metrics = metrics.export(
                 self, port=o.metrics_port, host=o.metrics_host, jsonl=o.metrics_file, per_rank=True
             )
+
+    def place(self) -> ranks.Place:
+        """This process's rank, local rank and world size (what the metrics label their figures with)."""
+        return ranks.place()
 
     @property
     def notice(self) -> Notice | None:
@@ -391,3 +397,25 @@ class Guard:
                         dist.close()
                 finally:
                     self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics pause on it
+
+
+def make_engine(
+    storage: Storage,
+    local: Storage | None,
+    groups: Groups | None,
+    keep: int,
+    on_commit: OnCommit,
+    staged_final: bool = True,
+    reshard: Reshard | str = Reshard.REFUSE,
+    rebatch: str = "refuse",
+) -> Engine:
+    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
+    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
+    ``data.Rebatch``. It lives here, with its caller: the engines import ``checkpoint.engine``."""
+    if groups is None:
+        from spotguard.checkpoint.single import SingleEngine
+
+        return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch)
+    from spotguard.checkpoint.sharded import ShardedEngine
+
+    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

@@ -10,6 +10,7 @@ import enum
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -47,9 +48,27 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank()))
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where this process is in its job: what exporters label their figures and files with."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    def format(self, template: str) -> str:
+        """Fill ``{rank}``, ``{local_rank}`` and ``{world_size}`` in a path (per-rank notice files, logs)."""
+        return template.format(rank=self.rank, local_rank=self.local_rank, world_size=self.world_size)
+
+
+def place() -> Place:
+    """This process's place now (the process group's, once one is initialised; else torchrun's variables)."""
+    return Place(rank(), local_rank(), world_size())
+
+
 def format_per_rank(template: str) -> str:
     """Fill ``{rank}``, ``{local_rank}`` and ``{world_size}`` in a path (per-rank notice files, logs)."""
-    return template.format(rank=rank(), local_rank=local_rank(), world_size=world_size())
+    return place().format(template)
 
 
 def providers_for_rank(

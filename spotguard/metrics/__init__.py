@@ -44,13 +44,12 @@ def export(
     ``{local_rank}`` in ``jsonl`` are filled in. The guard closes it when it closes; ``reopen()`` it
     for another ``with guard:`` block (``Guard(metrics_...)`` does that itself).
     """
-    from spotguard.guard import ranks
-
     from .guard import GuardMetrics
 
-    if per_rank and ranks.world_size() > 1:
+    place = guard.place()  # read through the guard: the metrics never import the guard package
+    if per_rank and place.world_size > 1:
         if port:
-            port += ranks.local_rank()
+            port += place.local_rank
         if jsonl:
-            jsonl = ranks.format_per_rank(jsonl)
+            jsonl = place.format(jsonl)
     return GuardMetrics(guard, port=port, host=host, jsonl=jsonl, registry=registry, sample_s=sample_s)

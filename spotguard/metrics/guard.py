@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import planner
 from spotguard.costs import DEFAULT_START_S
-from spotguard.guard import ranks
 
 from .sink import Exporter
 
@@ -248,4 +247,4 @@ class GuardMetrics(Exporter):
             est.get("interval_recommended_s"),
         )
         if g.agreement is not None:
-            yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=ranks.rank())
+            yield GaugeMetricFamily("spotguard_rank", "This process's rank.", value=g.place().rank)

@@ -44,15 +44,14 @@ def check_fields(
     positive: tuple[str, ...] = (),
     strings: tuple[str, ...] = (),
     urls: tuple[str, ...] = (),
+    kinds: dict[str, type] | None = None,
 ) -> None:
     """Raise ConfigError for a field of an options dataclass that is out of range or of the wrong type.
 
     ``ints``: field -> least value, or (least, most); ``positive``: finite numbers > 0;
-    ``strings``: None or a non-empty string; ``urls``: None or an http(s):// URL with a host.
-    A ``retry`` field must hold a ``RetryOptions``.
+    ``strings``: None or a non-empty string; ``urls``: None or an http(s):// URL with a host;
+    ``kinds``: field -> the class its value must be an instance of (``retry``: ``RetryOptions``).
     """
-    from .retry import RetryOptions
-
     owner = type(options).__name__
     for name, bounds in (ints or {}).items():
         lo, hi = bounds if isinstance(bounds, tuple) else (bounds, None)
@@ -72,8 +71,10 @@ def check_fields(
         value = getattr(options, name)
         if value is not None and not (isinstance(value, str) and _is_http_url(value)):
             raise ConfigError(f"{owner}.{name} must be None or an http(s)://HOST[:PORT] URL, got {value!r}")
-    if hasattr(options, "retry") and not isinstance(options.retry, RetryOptions):
-        raise ConfigError(f"{owner}.retry must be a RetryOptions, got {options.retry!r}")
+    for name, kind in (kinds or {}).items():
+        value = getattr(options, name)
+        if not isinstance(value, kind):
+            raise ConfigError(f"{owner}.{name} must be a {kind.__name__}, got {value!r}")
 
 
 def _is_http_url(url: str) -> bool:

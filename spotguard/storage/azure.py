@@ -82,6 +82,7 @@ class AzureOptions:
     def __post_init__(self) -> None:
         check_fields(
             self,
+            kinds={"retry": retry.RetryOptions},
             ints={
                 "block_size": (64 * 1024, 4000 * MiB),
                 "single_put_threshold": 1,

@@ -19,11 +19,11 @@ import builtins
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import ConfigError, StorageError
 
@@ -92,8 +92,16 @@ class Storage(abc.ABC):
         """A temporary local directory for files about to be ``put_file``'d (removed on exit)."""
         return _scratch_dir(None)
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
-        """Store a local file (backends override this with their parallel transfer machinery)."""
+    @property
+    def upload_crc(self) -> Callable[[Any, int], int] | None:
+        """The running checksum this backend sends with an upload for the service to check
+        (``update(data, crc) -> crc``, as ``zlib.crc32``), or None. A writer that keeps it while the
+        bytes pass hands the value to ``put_file(crc=...)``: the file is not read twice."""
+        return None
+
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
+        """Store a local file (backends override this with their parallel transfer machinery).
+        ``crc``: the file's ``upload_crc``, computed when it was written (ignored where there is none)."""
         with open(path, "rb") as src, self.open_write(key, deadline=deadline) as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
 

@@ -178,10 +178,21 @@ class CloudStorage(Storage):
                 yield crc  # type: ignore[misc]
             self._upload(key, spool, crc.b64(), crc.size, deadline)
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
-        """Upload a local file straight from where it lies (no spool copy)."""
+    @property
+    def upload_crc(self) -> Callable[[Any, int], int]:
+        return self.checksum_update
+
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
+        """Upload a local file straight from where it lies (no spool copy).
+
+        ``crc`` (the writer's, kept while it wrote the file) is what the service checks the bytes it
+        receives against: a file damaged on the local disk since is refused, not stored. Without it
+        the file is read once more to compute it.
+        """
         check_key(key)
-        self._upload(key, path, crc_b64(file_crc(path, self.checksum_update)), path.stat().st_size, deadline)
+        if crc is None:
+            crc = file_crc(path, self.checksum_update)
+        self._upload(key, path, crc_b64(crc), path.stat().st_size, deadline)
 
     def _upload(self, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
         with self._client_for(deadline) as client:

@@ -110,6 +110,7 @@ class GCSOptions:
     def __post_init__(self) -> None:
         check_fields(
             self,
+            kinds={"retry": retry.RetryOptions},
             ints={
                 "chunk_size": _CHUNK_UNIT,
                 "resumable_threshold": 1,
@@ -233,7 +234,9 @@ class GCSStorage(CloudStorage):
         large = size >= self.options.resumable_threshold
         blob = client.blob(self._key(key), chunk_size=self.options.chunk_size if large else None)
         blob.crc32c = crc  # sent with the upload: GCS rejects a mismatch
-        blob.upload_from_filename(str(path), checksum="crc32c", retry=None, timeout=self._timeout(deadline))
+        # checksum=None: the client would replace that CRC32C by its own of the bytes it reads now,
+        # and so accept a file damaged since it was written (the writer computed ``crc`` then).
+        blob.upload_from_filename(str(path), checksum=None, retry=None, timeout=self._timeout(deadline))
         if self.progress:
             self.progress(size)
 

@@ -167,7 +167,7 @@ class LocalStorage(Storage):
                 with contextlib.suppress(OSError):
                     path.rmdir()  # only when empty: a checkpoint's directory never is
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None) -> None:
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_path(final)

@@ -91,6 +91,7 @@ class S3Options:
     def __post_init__(self) -> None:
         check_fields(
             self,
+            kinds={"retry": retry.RetryOptions},
             ints={
                 "part_size": 5 * MiB,
                 "multipart_threshold": 1,

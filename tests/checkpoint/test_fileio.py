@@ -1,4 +1,4 @@
-"""DirectFile: exact bytes, size and SHA-256 whatever the chunking; torch.save into it; fallbacks."""
+"""DirectFile: exact bytes, size and checksum whatever the chunking; torch.save into it; fallbacks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from spotguard.checkpoint import fileio
 from spotguard.checkpoint.fileio import ALIGN, O_DIRECT, DirectFile
-from tests.helpers import chunked_sha256
+from tests.helpers import chunked_digest
 
 SMALL = 2 * ALIGN  # a small buffer so that a few KB cross many buffer boundaries
 
@@ -31,7 +31,7 @@ def test_bytes_size_and_digest_are_exact_at_buffer_boundaries(tmp_path, size):
     data = os.urandom(size)
     f = write_chunks(tmp_path / "f", [data], buffer_size=SMALL)
     assert (tmp_path / "f").read_bytes() == data  # the O_DIRECT block padding is cut off
-    assert f.size == size and f.hexdigest() == chunked_sha256(data)
+    assert f.size == size and f.hexdigest() == chunked_digest(data)
 
 
 @settings(max_examples=40, deadline=None)
@@ -41,7 +41,7 @@ def test_any_chunking_gives_the_same_file(tmp_path_factory, sizes):
     chunks = [os.urandom(n) for n in sizes]
     f = write_chunks(path, chunks, buffer_size=SMALL)
     assert path.read_bytes() == b"".join(chunks)
-    assert f.hexdigest() == chunked_sha256(b"".join(chunks))
+    assert f.hexdigest() == chunked_digest(b"".join(chunks))
 
 
 def test_torch_save_into_it_loads_with_weights_only_and_mmap(tmp_path):
@@ -51,7 +51,7 @@ def test_torch_save_into_it_loads_with_weights_only_and_mmap(tmp_path):
     loaded = torch.load(tmp_path / "state.pt", weights_only=True, mmap=True)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
     assert torch.equal(loaded["nested"][0], torch.arange(10)) and torch.equal(loaded["nested"][1]["b"], torch.ones(3))
-    assert f.hexdigest() == chunked_sha256((tmp_path / "state.pt").read_bytes())
+    assert f.hexdigest() == chunked_digest((tmp_path / "state.pt").read_bytes())
 
 
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")

@@ -60,8 +60,8 @@ def test_a_newer_format_is_its_own_error_naming_the_format_the_writer_and_the_up
     text = str(e.value)
     assert "step-00000001" in text and "spotguard/99" in text and "spotguard 9.9.0" in text and UPGRADE in text
     assert f"spotguard {spotguard.__version__} cannot read" in text
-    as_newer_format(step_dir, "spotguard/3", version=None)
-    with pytest.raises(CheckpointFormatError, match=r"written by a newer spotguard in manifest format spotguard/3"):
+    as_newer_format(step_dir, "spotguard/4", version=None)
+    with pytest.raises(CheckpointFormatError, match=r"written by a newer spotguard in manifest format spotguard/4"):
         Manifest.from_bytes((step_dir / "manifest.json").read_bytes())
     as_newer_format(step_dir, version="9.9\n[forged log line]")  # never echoed as it is
     with pytest.raises(CheckpointFormatError, match="written by a newer spotguard") as e:

@@ -14,7 +14,7 @@ import spotguard
 from spotguard import checkpoint
 from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError, NoLoadableCheckpointError
 from spotguard.storage import open_storage
-from tests.helpers import chunked_sha256
+from tests.helpers import chunked_digest
 
 
 def make_guard(root: Path, **kw) -> tuple[spotguard.Guard, torch.nn.Linear]:
@@ -34,7 +34,7 @@ def saved_steps(root: Path) -> list[int]:
     return [i.step for i in checkpoint.scan(open_storage(str(root))) if i.complete]
 
 
-def test_manifest_lists_files_with_sizes_and_sha256(tmp_path):
+def test_manifest_lists_files_with_sizes_and_checksums(tmp_path):
     guard, _ = make_guard(tmp_path)
     guard.extra["epoch"] = 3
     manifest = guard.save(7, "periodic")
@@ -45,7 +45,7 @@ def test_manifest_lists_files_with_sizes_and_sha256(tmp_path):
     (entry,) = data["files"]
     state = tmp_path / "step-00000007" / "state.pt"
     assert entry["name"] == "state.pt" and entry["size"] == state.stat().st_size
-    assert entry["chunk_size"] == 16 << 20 and entry["sha256"] == chunked_sha256(state.read_bytes())
+    assert entry["digest"] == {"alg": "blake3", "chunk": 16 << 20, "value": chunked_digest(state.read_bytes())}
     assert manifest is not None and manifest.size == state.stat().st_size
 
 
@@ -96,12 +96,12 @@ def test_all_checkpoints_corrupt_refuses_to_start_over_unless_asked_to(tmp_path,
     guard.save(5, "periodic")
     corrupt_flip(tmp_path / "step-00000005")
     fresh, _ = make_guard(tmp_path)
-    with pytest.raises(NoLoadableCheckpointError, match=r"step-00000005: .*SHA-256 does not match"):
+    with pytest.raises(NoLoadableCheckpointError, match=r"step-00000005: .*checksum does not match"):
         fresh.resume()  # step 0 would silently redo the work of step 5
     on_purpose, _ = make_guard(tmp_path, on_unloadable="fresh")
     with caplog.at_level(logging.WARNING, logger="spotguard"):
         assert on_purpose.resume() == 0
-    assert "SHA-256" in caplog.text and "on_unloadable='fresh'" in caplog.text
+    assert "checksum does not match" in caplog.text and "on_unloadable='fresh'" in caplog.text
 
 
 def test_retention_keeps_exactly_keep_and_ignores_foreign_directories(tmp_path):
@@ -187,7 +187,7 @@ def test_malicious_pickle_in_checkpoint_is_not_executed(tmp_path, caplog):
     (d / "manifest.json").write_text(
         json.dumps(
             {
-                "format": checkpoint.FORMAT,
+                "format": "spotguard/2",
                 "step": 2,
                 "reason": "periodic",
                 "time": "2026-01-01T00:00:00+00:00",
@@ -307,7 +307,7 @@ def test_fetch_refuses_a_tampered_file(tmp_path):
     stored.unlink()  # the stored file may be a hard link of the trainer's: replace it, do not edit it
     stored.write_bytes(bytes(data))
     info = checkpoint.latest(storage)
-    with pytest.raises(spotguard.CheckpointCorruptError, match="SHA-256"):
+    with pytest.raises(spotguard.CheckpointCorruptError, match="checksum does not match"):
         checkpoint.fetch(storage, info, tmp_path / "pulled")
 
 

@@ -41,7 +41,7 @@ def test_newest_verified_skips_a_folder_cut_short_and_one_that_fails_its_checksu
     assert step == 20
     assert (folder / "model.safetensors").read_bytes() == bytes([20]) * 64
     assert (folder / "trainer_state.json").read_text() == '{"global_step": 20}'
-    assert "step-00000040: incomplete" in caplog.text and "SHA-256 does not match" in caplog.text
+    assert "step-00000040: incomplete" in caplog.text and "checksum does not match the manifest" in caplog.text
     ckpts.cleanup()
     assert not folder.exists() and (tmp_path / "ckpt" / "step-00000020").is_dir()
 
@@ -51,7 +51,7 @@ def test_newest_verified_refuses_a_newer_spotguard_format_instead_of_an_older_fo
     for step in (10, 20):
         ckpts.commit(step, trainer_folder(tmp_path / "out", step), "periodic")
     path = tmp_path / "ckpt" / "step-00000020" / "manifest.json"
-    path.write_text(path.read_text().replace('"spotguard/2"', '"spotguard/99"'))
+    path.write_text(path.read_text().replace('"spotguard/3"', '"spotguard/99"'))
     with pytest.raises(CheckpointFormatError, match=r"step-00000020 .*spotguard/99.*pip install -U spotguard"):
         ckpts.newest_verified()
     assert not (tmp_path / "work").exists()  # step 10 was not fetched

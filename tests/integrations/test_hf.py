@@ -54,7 +54,7 @@ def test_hf_trainer_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_pat
     plant_broken_checkpoints(tmp_path, stopped)
     last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
     assert f"skipping {tmp_path / 'ckpt' / f'step-{STEPS - 1:08d}'}: incomplete" in last.stderr
-    assert "SHA-256 does not match" in last.stderr
+    assert "checksum does not match the manifest" in last.stderr
 
 
 def test_hf_trainer_notice_during_evaluation_and_warmup_still_checkpoints(tmp_path, reference):

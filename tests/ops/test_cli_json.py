@@ -41,7 +41,7 @@ def test_verify_json_one_document_per_checkpoint_and_exit_1_when_one_is_corrupt(
         f.write(b"\0")
     assert main(["verify", str(root), "--json"]) == 1
     got = {d["step"]: d for d in docs(capsys)}
-    assert got[20]["status"] == "corrupt" and "SHA-256 does not match" in got[20]["problem"]
+    assert got[20]["status"] == "corrupt" and "checksum does not match the manifest" in got[20]["problem"]
     assert main(["verify", str(root / "step-00000010"), "--json"]) == 0
     assert [d["status"] for d in docs(capsys)] == ["ok"]
 

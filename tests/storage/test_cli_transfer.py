@@ -181,11 +181,11 @@ def test_ls_never_calls_unread_contents_complete_and_verifies_with_verify(tmp_pa
     assert main(["ls", "--verify", url]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert lines["10"].endswith("  complete (verified)")
-    assert "corrupt (step-00000020/state.pt: SHA-256 does not match the manifest)" in lines["20"]
+    assert "corrupt (step-00000020/state.pt: BLAKE3 checksum does not match the manifest)" in lines["20"]
     assert main(["ls", "--verify", "--json", url]) == 0
     rows = {r["step"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert (rows[10]["status"], rows[10]["verified"]) == ("complete", True)
-    assert (rows[20]["status"], rows[20]["verified"]) == ("corrupt", False) and "SHA-256" in rows[20]["problem"]
+    assert (rows[20]["status"], rows[20]["verified"]) == ("corrupt", False) and "does not match" in rows[20]["problem"]
     assert rows[30]["verified"] is None
     assert main(["ls", "--json", url]) == 0
     assert {r["step"]: r["verified"] for r in map(json.loads, capsys.readouterr().out.splitlines())} == {

@@ -86,7 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             status = f"{_bad_status(bad)} ({bad.removeprefix(UNREADABLE + ': ')})" if bad else "complete (verified)"
         print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
     if not args.verify and any(i.complete for i in infos):
-        print("(unverified: manifest and sizes checked; --verify reads every file and checks its SHA-256)")
+        print("(unverified: manifest and sizes checked; --verify reads every file and checks its checksum)")
     print_hidden(storage)
     return 0
 
@@ -280,7 +280,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="read every file and check its SHA-256 (default: manifests and sizes only; contents unverified)",
+        help="read every file and check its checksum (default: manifests and sizes only; contents unverified)",
     )
     _add_timeout(p)
     p.set_defaults(func=cmd_ls)

@@ -1,0 +1,129 @@
+"""The package's modules import each other without a circle, counting imports inside functions.
+
+Why: a circle, even one hidden in a function-level import, means two modules each need the
+other, so one of them lives on the wrong floor (docs/architecture.md); Python would also run one
+of them half-initialised the day the import moves to the top. Imports under ``if TYPE_CHECKING:``
+are for type hints only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import spotguard
+
+ROOT = Path(spotguard.__file__).parent
+
+
+def module_names() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its code (a package's own name for its ``__init__``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    # Importing pkg.sub runs pkg/__init__.py first: an edge to every package on the way, except the
+    # importer's own packages (they are initialising already when it runs).
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    for m in list(found):
+        parts = m.split(".")
+        found.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p not in own)
+    return {m for m in found if m in modules and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def package_graph() -> dict[str, set[str]]:
+    modules = module_names()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
+    (tmp_path / "sub").mkdir()
+    modules = {
+        "pkg": tmp_path / "__init__.py",
+        "pkg.a": tmp_path / "a.py",
+        "pkg.b": tmp_path / "b.py",
+        "pkg.sub": tmp_path / "sub" / "__init__.py",
+        "pkg.sub.c": tmp_path / "sub" / "c.py",
+    }
+    modules["pkg"].write_text("")
+    modules["pkg.a"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\n")
+    modules["pkg.b"].write_text("def f():\n    from . import a\n    from .a import x\n    import pkg.sub.c\n")
+    modules["pkg.sub"].write_text("from .c import y\n")
+    modules["pkg.sub.c"].write_text("from .. import a\n")
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    # pkg.b runs pkg/sub/__init__.py on its way to pkg.sub.c.
+    assert graph == {
+        "pkg": set(),
+        "pkg.a": set(),
+        "pkg.b": {"pkg.a", "pkg.sub", "pkg.sub.c"},
+        "pkg.sub": {"pkg.sub.c"},
+        "pkg.sub.c": {"pkg.a"},
+    }
+    graph["pkg.a"].add("pkg.b")
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_package_has_no_import_circle():
+    graph = package_graph()
+    assert len(graph) > 50 and "spotguard.checkpoint.layout" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
