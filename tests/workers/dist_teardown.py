@@ -76,7 +76,7 @@ def build(order: str) -> nn.Module:
 
 def job_args(storage: Path, order: str, index: int, resume_at: int) -> list[str]:
     """Job ``index`` of a chain cycles through KINDS; it trains 5 steps past its resume point
-    (checkpoints every 2 steps, so only the final checkpoint saves the last step)."""
+    (checkpoints at even steps, so only the final checkpoint saves an odd last step)."""
     args = [str(storage), "--order", order, "--steps", str(resume_at + 5)]
     if KINDS[index % 3] == "sigterm":
         args += ["--sigterm-at", str(resume_at + 2)]
