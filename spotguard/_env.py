@@ -24,6 +24,7 @@ GCP_DEADLINE = "SPOTGUARD_GCP_DEADLINE"
 STOP_ON_ADVISORY = "SPOTGUARD_STOP_ON_ADVISORY"
 STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
+TAKEOVER = "SPOTGUARD_TAKEOVER"  # 1: take over a live writer lease (`spotguard run --takeover`)
 
 T = TypeVar("T")
 

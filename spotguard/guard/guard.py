@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked, make_engine
-from spotguard.errors import PERMANENT, NoLoadableCheckpointError
+from spotguard.errors import PERMANENT, LeaseHeldError, LeaseLostError, NoLoadableCheckpointError
 from spotguard.events import Events
-from spotguard.guard import agreement, buckets, ranks
+from spotguard.guard import agreement, buckets, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
 from spotguard.guard.saves import Saves
@@ -87,6 +87,8 @@ class Guard:
             self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard, o.rebatch
         )
         self._step: int | None = None
+        #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
+        self.lease = lease.WriterLease(self.storage, o, self.agreement, self._lease_lost)
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
@@ -139,6 +141,8 @@ class Guard:
         """
         if self.agreement is not None:
             self.agreement.check()
+        self._hold_lease()
+        if self.agreement is not None:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
         try:
@@ -191,6 +195,9 @@ class Guard:
             if self.stopped_at is None:
                 self._stop(step)
             return True
+        if self.lease.lost is not None and self.agreement is None:  # another job took the run over
+            self._lease_flag()
+            raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
         try:
@@ -203,7 +210,27 @@ class Guard:
         except PERMANENT as e:  # a state no resume could load (the first save checks it)
             self._permanent(e)
             raise
+        except LeaseHeldError:
+            self._lease_flag()
+            raise
         return False
+
+    def _hold_lease(self) -> None:
+        """Take the run's writer lease before anything is loaded or written; ``LeaseHeldError`` (and the
+        heartbeat flag: ``spotguard run`` exits 73, no restart) while another job holds it."""
+        try:
+            self.lease.hold()
+        except LeaseHeldError:
+            self._lease_flag()
+            raise
+
+    def _lease_lost(self, why: str) -> None:
+        """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
+        self._lease_flag()
+        self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
+
+    def _lease_flag(self) -> None:
+        self._beat[1] |= heartbeat.LEASE_HELD
 
     def _permanent(self, error: BaseException) -> None:
         """Mark the heartbeat: ``error`` would come back after a restart, so ``spotguard run`` must not restart."""
@@ -230,6 +257,8 @@ class Guard:
             stop.run(left)
         finally:
             self.emergency_error = stop.error
+            # Nothing more is written after a stop: the replacement machine may take the lease at once.
+            self.lease.release()
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
@@ -241,10 +270,14 @@ class Guard:
             return None
         if self.agreement is not None:
             self.agreement.check()
+        self._hold_lease()
         try:
             return self.saves.save(step, reason, deadline)
         except PERMANENT as e:
             self._permanent(e)
+            raise
+        except LeaseHeldError:
+            self._lease_flag()
             raise
 
     def wait(self) -> None:
@@ -259,6 +292,7 @@ class Guard:
 
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> Guard:
+        self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.agreement is not None and self.agreement.group is None and ranks.is_distributed():
             # entered again after close(): collective too
             self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
@@ -295,6 +329,11 @@ class Guard:
             except PERMANENT as e:
                 self._permanent(e)
                 raise
+            except LeaseHeldError:
+                self._lease_flag()
+                raise
+            finally:
+                self.lease.release()  # clean exit or not, this guard writes nothing more: the next job starts at once
         finally:
             try:
                 self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling

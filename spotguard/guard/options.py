@@ -45,6 +45,9 @@ class GuardOptions:
     ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
     from step 0 with a warning (``"fresh"``). ``rebatch``: a tracked data loader saved with another batch
     size is refused (``"refuse"``) or continued at the same sample in batches of the new size (``"accept"``).
+    ``lease_ttl`` / ``takeover``: the writer lease that keeps a second job off this run's storage
+    (docs/lease.md): a holder that stops renewing keeps it ``lease_ttl`` seconds; ``takeover`` (default
+    ``$SPOTGUARD_TAKEOVER``) takes a live lease over, and the other job commits nothing more.
     """
 
     every_steps: int | None = None
@@ -77,6 +80,11 @@ class GuardOptions:
     async_sharded: bool | None = None
     on_unloadable: Unloadable | str = Unloadable.RAISE
     rebatch: Rebatch | str = Rebatch.REFUSE
+    # The writer lease of the storage (spotguard.checkpoint.leaseholder): seconds a holder that stops
+    # renewing keeps it (None: no lease, two jobs may write one run); takeover: take a live one over
+    # (None: $SPOTGUARD_TAKEOVER, else False), the other job then commits nothing more.
+    lease_ttl: float | None = 60.0
+    takeover: bool | None = None
 
     @property
     def background_sharded(self) -> bool:
@@ -97,6 +105,14 @@ class GuardOptions:
         return cls(**options)
 
     def __post_init__(self) -> None:
+        if self.takeover is None:
+            self.takeover = _env.flag(_env.TAKEOVER, default=False)
+        if self.lease_ttl is not None and not (
+            isinstance(self.lease_ttl, (int, float))
+            and not isinstance(self.lease_ttl, bool)
+            and 0 < self.lease_ttl < 1e7
+        ):
+            raise ConfigError(f"lease_ttl must be a positive number of seconds or None, got {self.lease_ttl!r}")
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
