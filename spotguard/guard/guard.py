@@ -35,6 +35,7 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
+    from spotguard.checkpoint.engine import Resumed
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
@@ -146,7 +147,7 @@ class Guard:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
         try:
-            done = self.saves.engine.resume(self._tracked)
+            done = self._resume_or_release()
         except NoLoadableCheckpointError as e:
             if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
                 self._permanent(e)
@@ -166,6 +167,14 @@ class Guard:
             self._step = done.step
         self.saves.resumed(done)
         return done.step if done else 0
+
+    def _resume_or_release(self) -> Resumed | None:
+        """The engine's resume; one that raises gives the lease back (this job does not start: the next may)."""
+        try:
+            return self.saves.engine.resume(self._tracked)
+        except BaseException:
+            self.lease.release()
+            raise
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:

@@ -1,0 +1,132 @@
+"""Two real jobs on one storage URL: the writer lease keeps them from mixing one run.
+
+Each job is ``tests/guard/lease_job.py`` (a counter, a checkpoint every 2 steps, its name in every
+manifest) in a process of its own, on local disk here; ``tests/storage/test_cloud_lease.py`` runs the
+first scenario on S3, GCS and Azure.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard import checkpoint
+from spotguard.checkpoint import lease as lease_record
+from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
+from spotguard.storage import Storage, open_storage
+from tests.helpers import _finish, _start, run, subprocess_env
+
+JOB = Path(__file__).with_name("lease_job.py")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def job(url: str, name: str, *args: str) -> list[str]:
+    return [sys.executable, str(JOB), url, "--name", name, *args]
+
+
+def start_and_wait_ready(cmd: list[str], ready: Path, env: dict[str, str] | None = None):
+    started = _start([*cmd, "--ready", str(ready)], env, None)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if started[0].poll() is not None or time.monotonic() > deadline:
+            done = _finish(*started, 1)
+            raise AssertionError(f"{cmd} ended (exit {done.returncode}) before it was ready:\n{done.stderr[-3000:]}")
+        time.sleep(0.02)
+    return started
+
+
+def writers(storage: Storage) -> list[tuple[int, str, float]]:
+    """(step, writer, commit time) of every complete checkpoint, oldest first."""
+    out = []
+    for info in checkpoint.scan(storage):
+        assert info.complete, f"{info.name}: {info.status} ({info.problem})"
+        written = dt.datetime.fromisoformat(info.manifest.time).timestamp()
+        out.append((info.step, info.manifest.extra["writer"], written))
+    return out
+
+
+def test_a_second_job_is_refused_and_a_takeover_stops_the_first(tmp_path: Path):
+    refused_then_taken_over(str(tmp_path / "run"), tmp_path)
+
+
+def refused_then_taken_over(url: str, tmp_path: Path) -> None:
+    """Job A runs; B (through `spotguard run`) exits 73 at once naming A and is not restarted; C takes
+    over on purpose and commits; A commits nothing more and stops with ``LeaseLostError``."""
+    first = start_and_wait_ready(job(url, "A", "--sleep", "0.2"), tmp_path / "a-ready")
+    try:
+        # Through `spotguard run`: refused at once, named, and not restarted (it would meet A again).
+        t0 = time.monotonic()
+        second = run(
+            [sys.executable, "-m", "spotguard", "run", "--max-restarts", "3", "--storage", url, "--"]
+            + [sys.executable, str(JOB), url, "--name", "B", "--steps", "20"],
+            env=subprocess_env(),
+            timeout=120,
+        )
+        assert second.returncode == EXIT_LEASE_HELD, second.stderr[-3000:]
+        assert f"pid {first[0].pid}" in second.stderr and "another job is writing to" in second.stderr
+        assert "not restarting" in second.stderr and second.stderr.count("starting:") == 1
+        assert time.monotonic() - t0 < 60  # at once, not after A's lease (60 s) ran out
+        # A takeover on purpose: C writes, and A commits nothing more and stops with a clear error.
+        third = run(job(url, "C", "--steps", "4"), env=subprocess_env(SPOTGUARD_TAKEOVER="1"), timeout=120)
+        assert third.returncode == 0, third.stderr[-3000:]
+        done = _finish(*first, 60)
+    finally:
+        if first[0].poll() is None:
+            os.killpg(first[0].pid, signal.SIGKILL)
+    assert done.returncode not in (0, EXIT_PREEMPTED)
+    assert "LeaseLostError" in done.stderr and "now held by run" in done.stderr, done.stderr[-3000:]
+    storage = open_storage(url)
+    taken = lease_record.read(storage)
+    assert taken is not None and taken.released  # C's record, released at its clean exit
+    history = writers(storage)
+    assert [w for _, w, _ in history if w == "B"] == []
+    assert all(t < taken.acquired_at for _, w, t in history if w == "A")
+    last_a = max(s for s, w, _ in history if w == "A")
+    assert [w for s, w, _ in history if s > last_a] == ["C", "C"]
+
+
+def test_after_the_lease_expires_the_next_job_proceeds_and_the_old_one_commits_nothing(tmp_path: Path):
+    url = str(tmp_path / "run")
+    first = start_and_wait_ready(job(url, "A", "--ttl", "2"), tmp_path / "a-ready")
+    try:
+        first[0].send_signal(signal.SIGSTOP)  # a machine that hangs: no step, no renewal
+        storage = open_storage(url)
+        deadline = time.monotonic() + 30
+        while lease_record.read(storage).live():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        second = run(job(url, "B", "--steps", "4"), timeout=120)
+        assert second.returncode == 0, second.stderr[-3000:]
+        first[0].send_signal(signal.SIGCONT)
+        done = _finish(*first, 60)
+    finally:
+        if first[0].poll() is None:
+            os.killpg(first[0].pid, signal.SIGKILL)
+    assert done.returncode not in (0, EXIT_PREEMPTED)
+    assert "LeaseLostError" in done.stderr, done.stderr[-3000:]
+    history = writers(storage)
+    last_a = max(s for s, w, _ in history if w == "A")
+    assert [w for s, w, _ in history if s > last_a] == ["B", "B"]
+
+
+def test_after_a_preemption_the_replacement_starts_without_waiting(tmp_path: Path):
+    url = str(tmp_path / "run")
+    first = start_and_wait_ready(job(url, "A"), tmp_path / "a-ready")
+    first[0].send_signal(signal.SIGTERM)
+    done = _finish(*first, 60)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    storage = open_storage(url)
+    record = lease_record.read(storage)
+    assert record is not None and record.released  # released after the emergency save, not left to expire
+    stopped = writers(storage)[-1]
+    t0 = time.monotonic()
+    second = run(job(url, "B", "--steps", "2"), timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"B: resumed at step {stopped[0]}" in second.stdout
+    assert time.monotonic() - t0 < 60
