@@ -2,7 +2,7 @@
 with its name in each manifest (``guard.extra["writer"]``), one step per ``--sleep`` seconds.
 
 Writes ``--ready`` once it resumed and committed its first checkpoint; exits 75 after a stop notice
-(SIGTERM), else 0; an error (``LeaseHeldError``, ``LeaseLostError``) ends it with a traceback.
+(SIGTERM; ``--linger`` seconds later), else 0; an error (``LeaseHeldError``, ``LeaseLostError``) ends it with a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ p.add_argument("--steps", type=int, default=10**6)
 p.add_argument("--sleep", type=float, default=0.05)
 p.add_argument("--ttl", type=float, default=60.0)
 p.add_argument("--ready")
+p.add_argument("--linger", type=float, default=0.0, help="after a stop, seconds before the guard is closed")
 args = p.parse_args()
 
 guard = Guard(args.storage, every_steps=2, keep=10**6, async_save=False, lease_ttl=args.ttl, providers=["signal"])
@@ -34,6 +35,7 @@ with guard:
         state["count"] += 1
         time.sleep(args.sleep)
         if guard.step(step):
+            time.sleep(args.linger)  # a machine reclaimed before the program gets to close the guard
             break
         if args.ready and step == start + 2:
             Path(args.ready).write_text(str(step))
