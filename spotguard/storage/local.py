@@ -156,6 +156,8 @@ class LocalStorage(Storage):
         lock file, comparing the bytes' hash with ``token``. Either way the new bytes are written to a temp
         file and fsynced first, so a reader sees the old object or the new one, never a part."""
         final = self._path(key)
+        if token is not None and not final.parent.is_dir():  # never recreate a folder deleted under a writer
+            raise PreconditionFailedError(f"{self.describe(key)} was deleted")
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._tmp_path(final)

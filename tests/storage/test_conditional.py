@@ -8,6 +8,7 @@ replace of a stale generation would succeed there, so it cannot test a lease).
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -89,3 +90,13 @@ def test_only_one_of_many_concurrent_replacements_wins(storage: Storage):
     for t in threads:
         t.join(60)
     assert sorted(outcomes) == ["refused"] * 5 + ["won"]
+
+
+def test_a_replacement_never_recreates_a_deleted_local_folder(tmp_path):
+    """A lease renewed after its run's folder was removed (``rm -r``) must not bring the folder back."""
+    storage = open_storage(str(tmp_path / "run"))
+    token = storage.put_conditional(KEY, b"v1", token=None)
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(PreconditionFailedError):
+        storage.put_conditional(KEY, b"v2", token=token)
+    assert not (tmp_path / "run").exists()
