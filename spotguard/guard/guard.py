@@ -301,12 +301,13 @@ class Guard:
 
     # -- lifetime ----------------------------------------------------------------------------
     def __enter__(self) -> Guard:
-        self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.agreement is not None and self.agreement.group is None and ranks.is_distributed():
             # entered again after close(): collective too
             self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
+            self.lease.agreement = self.agreement
             self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel
+        self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.metrics is not None:
             self.metrics.reopen()  # closed by the previous block's close(): this block is exported too
         self.watcher.start()
