@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
 
-_holders: weakref.WeakKeyDictionary[Storage, Lease] = weakref.WeakKeyDictionary()
+#: The lease this process took on each storage (weak both ways: a lease given up and forgotten goes).
+_holders: weakref.WeakKeyDictionary[Storage, weakref.ref[Lease]] = weakref.WeakKeyDictionary()
 _holders_lock = threading.Lock()
 
 
@@ -55,7 +56,8 @@ def fence(storage: Storage) -> None:
     """Before a manifest is written to ``storage``: raise ``LeaseLostError`` unless this process still
     holds its lease (and extend it). Nothing to check where no lease was taken on ``storage``."""
     with _holders_lock:
-        lease = _holders.get(storage)
+        ref = _holders.get(storage)
+    lease = ref() if ref is not None else None
     if lease is not None:
         lease.fence()
 
@@ -84,12 +86,14 @@ class Lease:
         takeover: bool = False,
         run_id: str | None = None,
         on_lost: Callable[[str], None] | None = None,
+        alive: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage, self.ttl_s, self.takeover = storage, float(ttl_s), takeover
         self.owner = secrets.token_hex(8)
         self.run_id = run_id or self.owner
-        self.on_lost, self.clock = on_lost, clock
+        #: ``alive()`` False (its Guard was garbage-collected unclosed): the heartbeat releases the lease.
+        self.on_lost, self.alive, self.clock = on_lost, alive, clock
         self.record: LeaseRecord | None = None
         #: Why the lease was lost (the new holder), or None while held or never taken.
         self.lost: str | None = None
@@ -114,7 +118,7 @@ class Lease:
             self.record, self._token, self.lost, self.released = mine, token, None, False
             self._stop = threading.Event()
         with _holders_lock:
-            _holders[self.storage] = self
+            _holders[self.storage] = weakref.ref(self)
         self._thread = threading.Thread(target=self._beat, name="spotguard-lease", daemon=True)
         self._thread.start()
         return mine
@@ -180,6 +184,9 @@ class Lease:
         """The heartbeat thread: renew every ttl/3 until released or lost; storage faults are retried."""
         stop = self._stop
         while not stop.wait(self.ttl_s / 3):
+            if self.alive is not None and not self.alive():
+                self.release()  # its writer is gone without a close: nobody commits under it any more
+                return
             try:
                 self.renew()
             except LeaseLostError:
@@ -201,11 +208,11 @@ class Lease:
             try:
                 self._token = self.storage.put_conditional(LEASE, update.to_bytes(), token=self._token)
             except PreconditionFailedError:
-                self._token = self._still_ours()
+                self._token = self._still_ours(loud=not released)
                 self._token = self.storage.put_conditional(LEASE, update.to_bytes(), token=self._token)
             self.record = update
 
-    def _still_ours(self) -> str:
+    def _still_ours(self, loud: bool = True) -> str:
         """After a refused renewal: the token of our record when it is still ours (a write whose reply
         was lost), else the lease is lost (``LeaseLostError``)."""
         try:
@@ -222,7 +229,7 @@ class Lease:
             + "; it commits nothing more (two writers would mix one run's checkpoints)"
         )
         self._stop.set()
-        logger.error("%s", self.lost)
+        logger.log(logging.ERROR if loud else logging.DEBUG, "%s", self.lost)  # at release: it is over anyway
         if self.on_lost is not None:
             self.on_lost(self.lost)
         raise LeaseLostError(self.lost, other)
@@ -257,6 +264,7 @@ class Lease:
 def _release_all() -> None:
     """At interpreter exit, release what a program left held (a Guard never closed)."""
     with _holders_lock:
-        leases = list(_holders.values())
+        leases = [ref() for ref in _holders.values()]
     for lease in leases:
-        lease.release()
+        if lease is not None:
+            lease.release()

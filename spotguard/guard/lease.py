@@ -9,7 +9,7 @@ collective for a rank 0 that stopped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import weakref
 from typing import TYPE_CHECKING
 
 from spotguard.checkpoint.collective import broadcast
@@ -19,6 +19,7 @@ from spotguard.storage.base import Storage
 
 if TYPE_CHECKING:
     from spotguard.guard.agreement import Agreement
+    from spotguard.guard.guard import Guard
     from spotguard.guard.options import GuardOptions
 
 logger = logging.getLogger(__name__)
@@ -27,14 +28,26 @@ logger = logging.getLogger(__name__)
 class WriterLease:
     """``hold()`` before the first load or write (collective in a process group), ``release()`` when done."""
 
-    def __init__(
-        self, storage: Storage, options: GuardOptions, agreement: Agreement | None, on_lost: Callable[[str], None]
-    ) -> None:
+    def __init__(self, storage: Storage, options: GuardOptions, agreement: Agreement | None, guard: Guard) -> None:
         self.storage, self.agreement = storage, agreement
         self.enabled = options.lease_ttl is not None
         self.holder: Lease | None = None
         if options.lease_ttl is not None and (agreement is None or agreement.rank == 0):
-            self.holder = Lease(storage, options.lease_ttl, takeover=bool(options.takeover), on_lost=on_lost)
+            # Weakly: the heartbeat thread must not keep an unclosed guard (its model, its groups) alive.
+            ref = weakref.ref(guard)
+
+            def on_lost(why: str) -> None:
+                owner = ref()
+                if owner is not None:
+                    owner._lease_lost(why)
+
+            self.holder = Lease(
+                storage,
+                options.lease_ttl,
+                takeover=bool(options.takeover),
+                on_lost=on_lost,
+                alive=lambda: ref() is not None,
+            )
         #: Whether ``hold()`` succeeded and nothing released it since: the same on every rank.
         self.held = False
 

@@ -14,7 +14,7 @@ from spotguard.checkpoint import lease as record_mod
 from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.checkpoint.leaseholder import Lease
-from spotguard.errors import LeaseHeldError, LeaseLostError
+from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError
 from spotguard.storage import Storage, open_storage
 
 
@@ -27,12 +27,17 @@ def other_writer(storage: Storage, *, age: float = 0.0, ttl: float = 60.0, relea
     """Another machine's record, renewed ``age`` seconds ago: created, or put over the current one."""
     now = time.time() - age
     other = LeaseRecord("run-b", "other-host", 4242, now, now, ttl, released=released, owner="b" * 16)
-    try:
-        _, token = storage.get_versioned(LEASE)
-    except FileNotFoundError:
-        token = None
-    storage.put_conditional(LEASE, other.to_bytes(), token=token)
-    return other
+    for _ in range(20):  # a heartbeat may renew between our read and our write: read again
+        try:
+            _, token = storage.get_versioned(LEASE)
+        except FileNotFoundError:
+            token = None
+        try:
+            storage.put_conditional(LEASE, other.to_bytes(), token=token)
+            return other
+        except PreconditionFailedError:
+            continue
+    raise AssertionError("could not put the other writer's record")
 
 
 def test_acquire_creates_the_record_and_release_marks_it(storage):

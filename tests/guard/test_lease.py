@@ -8,22 +8,23 @@ first scenario on S3, GCS and Azure.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import os
 import signal
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
-from spotguard import checkpoint
+from spotguard import Guard, LeaseHeldError, checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
 from tests.helpers import _finish, _start, run, subprocess_env
 
 JOB = Path(__file__).with_name("lease_job.py")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def job(url: str, name: str, *args: str) -> list[str]:
@@ -51,6 +52,8 @@ def writers(storage: Storage) -> list[tuple[int, str, float]]:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_a_second_job_is_refused_and_a_takeover_stops_the_first(tmp_path: Path):
     refused_then_taken_over(str(tmp_path / "run"), tmp_path)
 
@@ -91,6 +94,8 @@ def refused_then_taken_over(url: str, tmp_path: Path) -> None:
     assert [w for s, w, _ in history if s > last_a] == ["C", "C"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_after_the_lease_expires_the_next_job_proceeds_and_the_old_one_commits_nothing(tmp_path: Path):
     url = str(tmp_path / "run")
     first = start_and_wait_ready(job(url, "A", "--ttl", "2"), tmp_path / "a-ready")
@@ -115,6 +120,8 @@ def test_after_the_lease_expires_the_next_job_proceeds_and_the_old_one_commits_n
     assert [w for s, w, _ in history if s > last_a] == ["B", "B"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_after_a_preemption_the_replacement_starts_without_waiting(tmp_path: Path):
     """The lease is released with the emergency checkpoint, not at the close that a reclaimed machine
     may never reach: the replacement starts while the old job still lingers, well within its TTL."""
@@ -138,3 +145,33 @@ def test_after_a_preemption_the_replacement_starts_without_waiting(tmp_path: Pat
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"B: resumed at step {stopped[0]}" in second.stdout
     assert time.monotonic() - t0 < 60  # A's lease (60 s) was not waited for
+
+
+def test_a_guard_dropped_without_a_close_is_not_kept_alive_and_gives_the_lease_back(tmp_path: Path):
+    """The heartbeat thread holds the guard weakly: an unclosed guard (its model, its process groups) is
+    freed, and its lease released at the next beat instead of being renewed for nobody."""
+    storage = open_storage(str(tmp_path / "run"))
+    guard = Guard(storage, providers=None, lease_ttl=0.3).track(state={"x": 1})
+    guard.save(1)
+    assert lease_record.read(storage).live()
+    ref = weakref.ref(guard)
+    del guard
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 10
+    while not lease_record.read(storage).released:
+        assert time.monotonic() < deadline, "the lease of a dropped guard was never released"
+        time.sleep(0.05)
+
+
+def test_a_guard_refused_by_a_live_lease_names_it_and_marks_the_heartbeat(tmp_path: Path):
+    storage = open_storage(str(tmp_path / "run"))
+    now = time.time()
+    other = lease_record.LeaseRecord("run-b", "other-host", 4242, now - 30, now, 60.0, owner="b" * 16)
+    storage.put_conditional(lease_record.LEASE, other.to_bytes(), token=None)
+    guard = Guard(storage, providers=None).track(state={"x": 1})
+    with pytest.raises(LeaseHeldError, match="host other-host pid 4242, holding for 30 s"):
+        guard.resume()
+    assert guard._beat[1] & heartbeat.LEASE_HELD
+    assert checkpoint.scan(storage) == []
+    assert Guard(storage, providers=None, lease_ttl=None).track(state={"x": 1}).resume() == 0  # opted out
