@@ -22,7 +22,7 @@ from spotguard import Guard, LeaseHeldError, checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
-from tests.helpers import _finish, _start, run, subprocess_env
+from tests.helpers import WORKERS, _finish, _start, run, run_ranks, subprocess_env
 
 JOB = Path(__file__).with_name("lease_job.py")
 
@@ -175,3 +175,20 @@ def test_a_guard_refused_by_a_live_lease_names_it_and_marks_the_heartbeat(tmp_pa
     assert guard._beat[1] & heartbeat.LEASE_HELD
     assert checkpoint.scan(storage) == []
     assert Guard(storage, providers=None, lease_ttl=None).track(state={"x": 1}).resume() == 0  # opted out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_in_a_process_group_every_rank_is_refused_alike(tmp_path: Path):
+    """Rank 0 alone takes the lease; the other ranks hear the refusal instead of waiting for it in a collective."""
+    storage = open_storage(str(tmp_path / "run"))
+    now = time.time()
+    other = lease_record.LeaseRecord("run-b", "other-host", 4242, now, now, 600.0, owner="b" * 16)
+    storage.put_conditional(lease_record.LEASE, other.to_bytes(), token=None)
+    ranks = run_ranks(
+        [sys.executable, str(WORKERS / "dist_teardown.py"), str(tmp_path / "run"), "--steps", "4"], timeout=120
+    )
+    for rank, done in enumerate(ranks):
+        assert done.returncode != 0 and "LeaseHeldError" in done.stderr, (rank, done.stderr[-3000:])
+        assert "host other-host pid 4242" in done.stderr, (rank, done.stderr[-3000:])
+    assert checkpoint.scan(storage) == [] and lease_record.read(storage) == other
