@@ -89,7 +89,7 @@ class Guard:
         )
         self._step: int | None = None
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
-        self.lease = lease.WriterLease(self.storage, o, self.agreement, self)
+        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
