@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from spotguard.checkpoint.collective import broadcast
 from spotguard.checkpoint.leaseholder import Lease
 from spotguard.errors import LeaseHeldError, StorageError
+from spotguard.guard import ranks
 from spotguard.storage.base import Storage
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class WriterLease:
 
     def _make_holder(self) -> Lease | None:
         if self.holder is None and self.ttl_s is not None and not self._unsupported:
-            if self.agreement is None or self.agreement.rank == 0:
+            # Global rank 0 only, also before the process group exists (Lightning resumes before it makes
+            # one): every rank of a launcher then runs the single-process path, rank 0 alone holding the lease.
+            if (self.agreement.rank if self.agreement is not None else ranks.rank()) == 0:
                 ref = self._owner
 
                 def on_lost(why: str) -> None:
