@@ -11,7 +11,8 @@ would otherwise mix one run's history. Order of use, by the ``Guard``:
    meets another writer's record means the lease was taken over: it is lost (``on_lost`` is called).
 3. ``fence()`` before every manifest write: one renewal, synchronously. A writer that lost its lease
    raises ``LeaseLostError`` and commits nothing; one that still holds it has ``ttl_s`` more seconds
-   in which nobody may take it over (short of an explicit takeover).
+   in which nobody may take it over (short of an explicit takeover, which then waits
+   ``TAKEOVER_GRACE_S`` so that a manifest fenced just before lands ahead of its resume).
 4. ``release()`` at a clean exit and after a committed emergency save: the record stays, marked
    released, so the replacement machine takes it over at once instead of waiting for the TTL.
 
@@ -46,6 +47,9 @@ from spotguard.storage.base import ObjectNotFoundError, Storage
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
+#: After taking a live lease over on purpose: time for a commit the other job fenced just before to land,
+#: so that this job's resume (which follows) sees it, and never commits beside it.
+TAKEOVER_GRACE_S = 2.0
 
 #: The lease this process took on each storage (weak both ways: a lease given up and forgotten goes).
 _holders: weakref.WeakKeyDictionary[Storage, weakref.ref[Lease]] = weakref.WeakKeyDictionary()
@@ -88,8 +92,10 @@ class Lease:
         on_lost: Callable[[str], None] | None = None,
         alive: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
+        takeover_grace_s: float = TAKEOVER_GRACE_S,
     ) -> None:
         self.storage, self.ttl_s, self.takeover = storage, float(ttl_s), takeover
+        self.takeover_grace_s = takeover_grace_s
         self.owner = secrets.token_hex(8)
         self.run_id = run_id or self.owner
         #: ``alive()`` False (its Guard was garbage-collected unclosed): the heartbeat releases the lease.
@@ -139,6 +145,7 @@ class Lease:
             except CheckpointCorruptError as e:
                 logger.warning("%s is not a lease record (%s): taking it over", where, e)
                 other = None
+            why = None
             if other is not None:
                 why = self._why_free(other, mine.acquired_at)
                 if why is None:
@@ -151,9 +158,12 @@ class Lease:
                     why,
                 )
             try:
-                return self.storage.put_conditional(LEASE, mine.to_bytes(), token=token)
+                new = self.storage.put_conditional(LEASE, mine.to_bytes(), token=token)
             except PreconditionFailedError:
                 continue  # another writer changed it between our read and write: look again
+            if why == "taken over on purpose":
+                time.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
+            return new
         raise LeaseHeldError(f"cannot take the writer lease {where}: other writers keep changing it")
 
     def _why_free(self, other: LeaseRecord, now: float) -> str | None:
