@@ -20,13 +20,15 @@ if TYPE_CHECKING:
         CheckpointFormatError,
         CheckpointMismatchError,
         ConfigError,
+        LeaseHeldError,
+        LeaseLostError,
         MissingDependencyError,
         NoLoadableCheckpointError,
         SpotguardError,
         StorageError,
         UnloadableStateError,
     )
-    from .guard import EXIT_CONFIG, EXIT_PREEMPTED, Guard, GuardOptions
+    from .guard import EXIT_CONFIG, EXIT_LEASE_HELD, EXIT_PREEMPTED, Guard, GuardOptions
     from .notices.base import Notice, NoticeProvider
     from .storage import Storage, open_storage
     from .value import Value
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "EXIT_CONFIG": "spotguard.guard",
     "EXIT_PREEMPTED": "spotguard.guard",
+    "EXIT_LEASE_HELD": "spotguard.guard",
     "Guard": "spotguard.guard",
     "GuardOptions": "spotguard.guard",
     "CheckpointInfo": "spotguard.checkpoint",
@@ -45,6 +48,8 @@ _WHERE = {
     "CheckpointFormatError": "spotguard.errors",
     "CheckpointMismatchError": "spotguard.errors",
     "ConfigError": "spotguard.errors",
+    "LeaseHeldError": "spotguard.errors",
+    "LeaseLostError": "spotguard.errors",
     "MissingDependencyError": "spotguard.errors",
     "NoLoadableCheckpointError": "spotguard.errors",
     "UnloadableStateError": "spotguard.errors",
@@ -60,6 +65,7 @@ _WHERE = {
 
 __all__ = [
     "EXIT_CONFIG",
+    "EXIT_LEASE_HELD",
     "EXIT_PREEMPTED",
     "CheckpointCorruptError",
     "CheckpointExistsError",
@@ -69,6 +75,8 @@ __all__ = [
     "ConfigError",
     "Guard",
     "GuardOptions",
+    "LeaseHeldError",
+    "LeaseLostError",
     "Manifest",
     "MissingDependencyError",
     "NoLoadableCheckpointError",

@@ -27,6 +27,7 @@ STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
 METRICS_FILE = "SPOTGUARD_METRICS_FILE"  # JSON lines of a Guard built without one (`spotguard rehearse`)
 CHECKSUM = "SPOTGUARD_CHECKSUM"  # the checksum of new checkpoints (spotguard.checkpoint.digest)
+TAKEOVER = "SPOTGUARD_TAKEOVER"  # 1: take over a live writer lease (`spotguard run --takeover`)
 
 T = TypeVar("T")
 

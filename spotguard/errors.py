@@ -28,6 +28,27 @@ class CheckpointExistsError(StorageError, FileExistsError):
     """A write-once object (a manifest) already exists: another writer committed first."""
 
 
+class PreconditionFailedError(StorageError):
+    """A conditional write found the object not as expected: it exists (create-if-absent), or it changed
+    or vanished since it was read (replace-if-unchanged). Another writer got there first."""
+
+
+class LeaseHeldError(SpotguardError, RuntimeError):
+    """Another job holds the live writer lease of this storage root: two writers would mix one run.
+
+    ``spotguard run`` exits ``EXIT_LEASE_HELD`` (73) on it without restarting (a restart meets the same
+    writer). ``holder`` is the other writer's ``LeaseRecord``, when it could be read."""
+
+    def __init__(self, message: str, holder: object = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class LeaseLostError(LeaseHeldError):
+    """This writer's lease was taken over (it expired, or another job took it over on purpose): it must
+    commit nothing more. Raised by the fence before a manifest is written, and by ``Guard.step``."""
+
+
 class CheckpointCorruptError(SpotguardError, ValueError):
     """A checkpoint failed verification: missing manifest, bad JSON, size or checksum mismatch."""
 

@@ -7,7 +7,8 @@ set to ``STOPPED_FOR_NOTICE`` when the Guard stops for a notice, so the supervis
 restart even when the child's exit code says nothing; ``COMMITTED`` is added once that stop's
 checkpoint is committed (written, or there already), so the supervisor exits 75 ("checkpoint
 written") only when it is true; ``CONFIG_ERROR`` is added when the Guard raised an error that a
-restart would meet again (a checkpoint that no resume can load, a changed data loader). The
+restart would meet again (a checkpoint that no resume can load, a changed data loader);
+``LEASE_HELD`` when another job holds (or took over) the writer lease of its storage. The
 supervisor reads the file (the page cache is shared) and measures time on its own clock: the child
 never calls a clock for the heartbeat.
 
@@ -33,12 +34,16 @@ EXIT_PREEMPTED = 75
 #: Exit code of ``spotguard run`` when its job failed on a configuration error (EX_CONFIG): a restart would
 #: meet the same error (``errors.PERMANENT``), so it is not restarted. A job may exit with it too.
 EXIT_CONFIG = 78
+#: Exit code of ``spotguard run`` when another job holds the writer lease of the run's storage, or took
+#: it over from this job (EX_CANTCREAT): a restart would meet the same writer, so it is not restarted.
+EXIT_LEASE_HELD = 73
 HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
 STACKS_SIGNAL = signal.SIGUSR2
 SIZE = 16  # two native int64 slots: [last completed step, flags]
 STOPPED_FOR_NOTICE = 1
 CONFIG_ERROR = 2  # the Guard raised an error a restart would meet again (``errors.PERMANENT``)
 COMMITTED = 4  # with STOPPED_FOR_NOTICE: the stop's checkpoint is committed, the resume point is safe
+LEASE_HELD = 8  # another job writes to the run's storage (``errors.LeaseHeldError``, ``LeaseLostError``)
 _LAYOUT = struct.Struct("=qq")
 
 

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import layout
+from spotguard.checkpoint import layout, leaseholder
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
 from spotguard.checkpoint.reader import fetch as fetch_checkpoint
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format, scan
-from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, StorageError
+from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseLostError, StorageError
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -142,12 +142,15 @@ def commit(
                 torch_version=torch_version,
             )
             try:
+                leaseholder.fence(storage)  # rank 0 holds the run's writer lease, if any: a lost one commits nothing
                 storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
                 outcome = manifest.to_bytes()
             except Exception as e:
                 outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
     outcome = broadcast(outcome, group)
     if isinstance(outcome, str):
+        if f"{LeaseLostError.__name__}: " in outcome:
+            raise LeaseLostError(f"checkpoint of step {step} not committed: {outcome}")
         if not outcome.startswith("rank 0: manifest") and any(": ConfigError: " in err for err, _ in reports):
             raise ConfigError(outcome)
         raise StorageError(f"checkpoint of step {step} not committed: {outcome}")

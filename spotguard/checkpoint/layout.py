@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from spotguard.checkpoint import digest
+from spotguard.checkpoint import digest, leaseholder
 from spotguard.checkpoint.fileio import DirectFile
 from spotguard.checkpoint.manifest import (
     MANIFEST,
@@ -194,7 +194,9 @@ def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, cr
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
-    """Write the manifest, write-once: from here on ``name`` is a checkpoint."""
+    """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: a writer that lost
+    the storage's lease (``leaseholder.fence``) raises ``LeaseLostError`` and commits nothing."""
+    leaseholder.fence(storage)
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 
@@ -294,6 +296,7 @@ def copy(
             _put_file(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
+    leaseholder.fence(dst)
     dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 

@@ -36,6 +36,8 @@ class LeaseRecord:
     renewed_at: float
     ttl_s: float
     released: bool = False
+    #: A random id per acquisition: tells a writer its own record from another's (same host and pid included).
+    owner: str = ""
 
     def expires_at(self) -> float:
         return self.renewed_at + self.ttl_s
@@ -77,6 +79,7 @@ class LeaseRecord:
                 renewed_at=_seconds(doc["renewed_at"]),
                 ttl_s=_seconds(doc["ttl_s"]),
                 released=_flag(doc.get("released", False)),
+                owner=_text(doc.get("owner", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointCorruptError(f"{LEASE}: bad field ({e})") from e

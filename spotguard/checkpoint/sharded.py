@@ -32,14 +32,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, loadable, sharded_async, sharded_load, state
+from spotguard.checkpoint import data, layout, leaseholder, loadable, sharded_async, sharded_load, state
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import MANIFEST, FileEntry, HashingWriter, Manifest, Reshard, step_dir
 from spotguard.checkpoint.sharded_load import rank_file
 from spotguard.checkpoint.snapshot import Staging
-from spotguard.errors import StorageError, UnloadableStateError
+from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -213,6 +213,7 @@ class ShardedEngine:
             torch_version=torch.__version__,
         )
         raw = manifest.to_bytes()
+        leaseholder.fence(self.storage)  # rank 0 holds the run's writer lease: a lost one commits nothing
         self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
         return raw
 
@@ -268,5 +269,7 @@ class ShardedEngine:
                     outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
         outcome = broadcast(outcome, group)
         if isinstance(outcome, str):
+            if f"{LeaseLostError.__name__}: " in outcome:  # every rank stops alike: the run has another writer
+                raise LeaseLostError(f"sharded checkpoint of step {step} not committed: {outcome}")
             raise StorageError(f"sharded checkpoint of step {step} not committed: {outcome}")
         return self._committed(outcome, step, reason)

@@ -8,6 +8,6 @@ the background) -> ``agreement`` (the rank vote in a process group); ``stats`` h
 
 from spotguard.guard.guard import Guard
 from spotguard.guard.options import BusyPolicy, GuardOptions
-from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
+from spotguard.heartbeat import EXIT_CONFIG, EXIT_LEASE_HELD, EXIT_PREEMPTED
 
-__all__ = ["EXIT_CONFIG", "EXIT_PREEMPTED", "BusyPolicy", "Guard", "GuardOptions"]
+__all__ = ["EXIT_CONFIG", "EXIT_LEASE_HELD", "EXIT_PREEMPTED", "BusyPolicy", "Guard", "GuardOptions"]

@@ -24,9 +24,9 @@ from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
 from spotguard.checkpoint.manifest import Reshard
-from spotguard.errors import PERMANENT, NoLoadableCheckpointError
+from spotguard.errors import PERMANENT, LeaseHeldError, LeaseLostError, NoLoadableCheckpointError
 from spotguard.events import Events
-from spotguard.guard import agreement, buckets, ranks
+from spotguard.guard import agreement, buckets, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
@@ -41,6 +41,7 @@ from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.collective import Groups
+    from spotguard.checkpoint.engine import Resumed
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
@@ -95,6 +96,8 @@ class Guard:
             self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard, o.rebatch
         )
         self._step: int | None = None
+        #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
+        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
@@ -151,10 +154,12 @@ class Guard:
         """
         if self.agreement is not None:
             self.agreement.check()
+        self._hold_lease()
+        if self.agreement is not None:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
         try:
-            done = self.saves.engine.resume(self._tracked)
+            done = self._resume_or_release()
         except NoLoadableCheckpointError as e:
             if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
                 self._permanent(e)
@@ -174,6 +179,14 @@ class Guard:
             self._step = done.step
         self.saves.resumed(done)
         return done.step if done else 0
+
+    def _resume_or_release(self) -> Resumed | None:
+        """The engine's resume; one that raises gives the lease back (this job does not start: the next may)."""
+        try:
+            return self.saves.engine.resume(self._tracked)
+        except BaseException:
+            self.lease.release()
+            raise
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
@@ -226,6 +239,9 @@ class Guard:
     def _act(self, verdict: int, step: int) -> bool:
         if verdict == STOP:
             return self._stop(step)
+        if self.lease.lost is not None and self.agreement is None:  # another job took the run over
+            self._lease_flag()
+            raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
         try:
@@ -238,7 +254,27 @@ class Guard:
         except PERMANENT as e:  # a state no resume could load (the first save checks it)
             self._permanent(e)
             raise
+        except LeaseHeldError:
+            self._lease_flag()
+            raise
         return False
+
+    def _hold_lease(self) -> None:
+        """Take the run's writer lease before anything is loaded or written; ``LeaseHeldError`` (and the
+        heartbeat flag: ``spotguard run`` exits 73, no restart) while another job holds it."""
+        try:
+            self.lease.hold()
+        except LeaseHeldError:
+            self._lease_flag()
+            raise
+
+    def _lease_lost(self, why: str) -> None:
+        """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
+        self._lease_flag()
+        self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
+
+    def _lease_flag(self) -> None:
+        self._beat[1] |= heartbeat.LEASE_HELD
 
     def _permanent(self, error: BaseException) -> None:
         """Mark the heartbeat: ``error`` would come back after a restart, so ``spotguard run`` must not restart."""
@@ -280,6 +316,7 @@ class Guard:
         self.window = self._open_window(step, stop, deadline)
         if self.window is None:
             stop.emit("stop")
+            self.lease.release()  # nothing more is written: the replacement machine may take the lease at once
             for notice in held:
                 self.watcher.acknowledge(notice)
             return True
@@ -303,8 +340,10 @@ class Guard:
             self.emergency_error = stop.error
             if stop.committed:  # the supervisor exits 75 ("checkpoint written") only on this
                 self._beat[1] |= heartbeat.COMMITTED
-            if emit:
+            if emit:  # the last checkpoint of this stop
                 stop.emit("stop", **more)
+                # Nothing more is written after a stop: the replacement machine may take the lease at once.
+                self.lease.release()
         return stop
 
     def _open_window(self, step: int, stop: Emergency, deadline: float | None) -> Window | None:
@@ -331,10 +370,14 @@ class Guard:
             return None
         if self.agreement is not None:
             self.agreement.check()
+        self._hold_lease()
         try:
             return self.saves.save(step, reason, deadline)
         except PERMANENT as e:
             self._permanent(e)
+            raise
+        except LeaseHeldError:
+            self._lease_flag()
             raise
 
     def wait(self) -> None:
@@ -356,7 +399,9 @@ class Guard:
             # entered again after close(): collective too
             self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
+            self.lease.agreement = self.agreement
             self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel
+        self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.metrics is not None:
             self.metrics.reopen()  # closed by the previous block's close(): this block is exported too
         self.watcher.start()
@@ -388,6 +433,11 @@ class Guard:
             except PERMANENT as e:
                 self._permanent(e)
                 raise
+            except LeaseHeldError:
+                self._lease_flag()
+                raise
+            finally:
+                self.lease.release()  # clean exit or not, this guard writes nothing more: the next job starts at once
         finally:
             try:
                 self.watcher.stop()  # restores the signal handlers (SIGINT included) and stops polling

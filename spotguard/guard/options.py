@@ -53,6 +53,9 @@ class GuardOptions:
     checkpoint of a notice with a deadline, stop (``"stop"``) or train on and checkpoint again
     ``window_margin`` seconds plus the measured save time before the deadline (``"use-window"``;
     ``spotguard.guard.window``).
+    ``lease_ttl`` / ``takeover``: the writer lease that keeps a second job off this run's storage
+    (docs/lease.md): a holder that stops renewing keeps it ``lease_ttl`` seconds; ``takeover`` (default
+    ``$SPOTGUARD_TAKEOVER``) takes a live lease over, and the other job commits nothing more.
     """
 
     every_steps: int | None = None
@@ -89,6 +92,11 @@ class GuardOptions:
     window_margin: float = (
         DEFAULT_WINDOW_MARGIN_S  # "use-window": seconds kept free before the deadline beyond the save time
     )
+    # The writer lease of the storage (spotguard.checkpoint.leaseholder): seconds a holder that stops
+    # renewing keeps it (None: no lease, two jobs may write one run); takeover: take a live one over
+    # (None: $SPOTGUARD_TAKEOVER, else False), the other job then commits nothing more.
+    lease_ttl: float | None = 60.0
+    takeover: bool | None = None
 
     @property
     def background_sharded(self) -> bool:
@@ -109,6 +117,14 @@ class GuardOptions:
         return cls(**options)
 
     def __post_init__(self) -> None:
+        if self.takeover is None:
+            self.takeover = _env.flag(_env.TAKEOVER, default=False)
+        if self.lease_ttl is not None and not (
+            isinstance(self.lease_ttl, (int, float))
+            and not isinstance(self.lease_ttl, bool)
+            and 0 < self.lease_ttl < 1e7
+        ):
+            raise ConfigError(f"lease_ttl must be a positive number of seconds or None, got {self.lease_ttl!r}")
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         if self.deadline_policy is None:  # not given: the job's environment decides (a fleet's unit, a pod spec)

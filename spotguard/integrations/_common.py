@@ -30,14 +30,16 @@ import torch
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import folders
+from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
 from spotguard.guard import agreement, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
+from spotguard.guard.lease import WriterLease
 from spotguard.guard.options import Unloadable
 from spotguard.heartbeat import EXIT_PREEMPTED
 
-from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
+from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseHeldError
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage, open_storage
 from ..watcher import Watcher
@@ -54,9 +56,12 @@ class WatchOptions(TypedDict, total=False):
     ``stop_on_advisory`` (False): stop on an advisory notice instead of only checkpointing early;
     ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
     ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
-    ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning)."""
+    ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
+    ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``."""
 
     keep: int
+    lease_ttl: float | None
+    takeover: bool
     on_unloadable: str
     providers: str | Iterable[str | NoticeProvider] | None
     interval: float
@@ -73,7 +78,15 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         )
     group = RankGroup()
     fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
-    checkpoints = FolderCheckpoints(storage, options.get("keep", 3), options.get("work_dir"), group, fresh_ok)
+    checkpoints = FolderCheckpoints(
+        storage,
+        options.get("keep", 3),
+        options.get("work_dir"),
+        group,
+        fresh_ok,
+        lease_ttl=options.get("lease_ttl", DEFAULT_TTL_S),
+        takeover=options.get("takeover"),
+    )
     notices = NoticeWatch(
         ranks.providers_for_rank(options.get("providers", "auto")),
         options.get("interval", 1.0),
@@ -241,7 +254,9 @@ class FolderCheckpoints:
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``work_dir``
     holds the verified copies fetched for a resume (default: the system's temp directory). In a
     process group (``group``) ``commit`` and ``newest_verified`` are collective: every rank passes
-    the folder it (or its node) wrote, and gets the folder its node fetched.
+    the folder it (or its node) wrote, and gets the folder its node fetched. The first of them takes
+    the run's writer lease (docs/lease.md; ``lease_ttl=None``: none), ``release()`` gives it back
+    (the integrations' ``close()``; after an emergency checkpoint it is released at once).
     """
 
     def __init__(
@@ -251,11 +266,19 @@ class FolderCheckpoints:
         work_dir: str | None = None,
         group: RankGroup | None = None,
         fresh_ok: bool = False,
+        *,
+        lease_ttl: float | None = DEFAULT_TTL_S,
+        takeover: bool | None = None,
     ) -> None:
         storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
+        if lease_ttl is not None and not (isinstance(lease_ttl, (int, float)) and 0 < lease_ttl < 1e7):
+            raise ConfigError(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
+        takeover = _env.flag(_env.TAKEOVER, default=False) if takeover is None else takeover
+        self.lease = WriterLease(self.storage, lease_ttl, bool(takeover), None, self)
+        self._beat = heartbeat.attach()  # `spotguard run` does not restart a job another one writes over
         self.keep = keep
         self.work_dir = work_dir
         self.group = group or RankGroup()
@@ -275,6 +298,7 @@ class FolderCheckpoints:
 
         Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
+        self._hold()
         agreed = self.group.get()
         write = (
             functools.partial(checkpoint.write_dir, self.storage)
@@ -288,7 +312,12 @@ class FolderCheckpoints:
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
             return None
+        except LeaseHeldError:  # LeaseLostError: another job took the run over; nothing was committed
+            self._lease_lost("")
+            raise
         self.last_saved = manifest
+        if reason == "emergency":
+            self.lease.release()  # nothing more is written: the replacement machine starts at once
         took = time.monotonic() - t0
         tail = "" if deadline is None else f", T-{deadline - time.monotonic():.1f}s before the deadline"
         logger.log(
@@ -317,6 +346,7 @@ class FolderCheckpoints:
         checkpoint raises ``CheckpointFormatError`` (upgrade spotguard). Collective in a process
         group: the same step on every rank, one verified copy per node (``folders.fetch``).
         """
+        self._hold()
         agreed = self.group.get()
         if agreed is not None:
             found = folders.fetch(self.storage, agreed, self.work_dir, fresh_ok=self.fresh_ok)
@@ -355,6 +385,22 @@ class FolderCheckpoints:
             self.storage.describe(),
         )
         return None
+
+    def _hold(self) -> None:
+        """The run's writer lease, before the first load or commit (collective in a process group)."""
+        self.lease.agreement = self.group.get()
+        try:
+            self.lease.hold()
+        except LeaseHeldError:
+            self._lease_lost("")
+            raise
+
+    def _lease_lost(self, why: str) -> None:
+        self._beat[1] |= heartbeat.LEASE_HELD  # `spotguard run` exits 73, no restart
+
+    def release(self) -> None:
+        """This job writes nothing more here: the next job on the storage takes the lease at once."""
+        self.lease.release()
 
     def loaded(self) -> None:
         """After the trainer loaded the fetched copy on every rank: remove it. Collective in a process

@@ -156,4 +156,5 @@ class LoopGuard:
             ):
                 self.save(self._step, "final")
         finally:
+            self.checkpoints.release()
             self.checkpoints.group.close()

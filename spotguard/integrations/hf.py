@@ -134,6 +134,7 @@ class SpotguardCallback(TrainerCallback):
         """Stop watching and remove the fetched resume copy (``on_train_end`` does it too)."""
         self.notices.stop()
         self.checkpoints.cleanup()
+        self.checkpoints.release()
         self.notices.group.close()
 
     # -- Trainer events ----------------------------------------------------------------------

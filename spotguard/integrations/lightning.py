@@ -131,6 +131,7 @@ class SpotguardCallback(Callback):
     def close(self) -> None:
         self.notices.stop()
         self.checkpoints.cleanup()
+        self.checkpoints.release()
         self.notices.group.close()
 
     # -- checkpoint state: the RNG streams Lightning leaves out ------------------------------

@@ -211,6 +211,29 @@ class AzureStorage(CloudStorage):
         except (aze.ResourceExistsError, aze.ResourceModifiedError) as e:
             raise _Conflict from e
 
+    def _put_conditional(self, client: Any, full: str, data: bytes, token: str | None) -> str:
+        """``If-None-Match: *`` creates only (409 else); ``If-Match: <ETag>`` replaces only that version (412)."""
+        condition: dict[str, Any] = (
+            {"overwrite": False}
+            if token is None
+            else {"overwrite": True, "etag": token, "match_condition": MatchConditions.IfNotModified}
+        )
+        try:
+            reply = client.get_blob_client(full).upload_blob(
+                data, validate_content=True, metadata={META_CRC: crc_b64(zlib.crc32(data))}, **condition
+            )
+        except (aze.ResourceExistsError, aze.ResourceModifiedError) as e:
+            raise _Conflict from e
+        except aze.ResourceNotFoundError as e:
+            if token is None or error_code(e) == "ContainerNotFound":
+                raise
+            raise _Conflict from e
+        return str(reply["etag"])
+
+    def _read_versioned(self, full: str, client: Any = None) -> tuple[bytes, str]:
+        download = (client or self.container).get_blob_client(full).download_blob()
+        return bytes(download.readall()), str(download.properties.etag)
+
     def _read(self, full: str, client: Any = None) -> bytes:
         return bytes((client or self.container).get_blob_client(full).download_blob().readall())
 

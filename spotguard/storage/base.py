@@ -144,6 +144,25 @@ class Storage(abc.ABC):
     def remove_leftover(self, item: Leftover) -> None:  # noqa: B027 - optional hook
         """Delete one of ``leftovers()`` (gone already is no error)."""
 
+    # -- conditional writes (the writer lease, ``spotguard.checkpoint.lease``) -------------------
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and its version token, for a later ``put_conditional``.
+
+        Raises ``ObjectNotFoundError`` when it does not exist. Backends implement it with what their
+        service compares atomically: an ETag (S3, Azure), a generation (GCS), a content hash (local).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
+    def put_conditional(self, key: str, data: bytes, *, token: str | None, deadline: float | None = None) -> str:
+        """Write a small object only if it is as expected; return its new version token.
+
+        ``token=None``: create-if-absent. Else replace-if-unchanged: only while the object is still
+        the version ``token`` names (from ``get_versioned`` or the previous ``put_conditional``).
+        Raises ``PreconditionFailedError`` when the condition fails: another writer got there first.
+        A retried request whose first attempt landed is recognised by its bytes and counts as ours.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients and pools."""
 

@@ -8,6 +8,9 @@ The base owns the flow, the backend the wire:
 - write-once: ``put_bytes(exclusive=True)`` calls ``_put``, which raises ``_Conflict`` when the
   key exists; the base reads the object back, since an earlier attempt may have landed although
   its reply was lost (same bytes: ours), else raises ``CheckpointExistsError``.
+- conditional writes (the writer lease): ``put_conditional`` calls ``_put_conditional`` with the
+  service's own precondition (S3 ``If-None-Match``/``If-Match``, GCS generations, Azure ETags),
+  which raises ``_Conflict`` when it fails; the base reads the object back as for write-once.
 - reads: ``local_copy`` has ``_fetch`` download into a temp file and report what the server holds
   (size, checksum); a mismatch is retried once as a new download, then the object is corrupt.
 - every SDK call runs through ``_call``: tenacity retries (``retry.py``) of what ``_transient``
@@ -33,6 +36,7 @@ from ..errors import (
     CheckpointExistsError,
     ConfigError,
     MissingDependencyError,
+    PreconditionFailedError,
     StorageError,
 )
 from . import retry
@@ -118,6 +122,15 @@ class CloudStorage(Storage):
     @abc.abstractmethod
     def _exists(self, full: str) -> bool:
         """Whether the object exists."""
+
+    def _read_versioned(self, full: str, client: Any = None) -> tuple[bytes, str]:
+        """A small object's bytes and the version token the service compares (ETag, generation)."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
+    def _put_conditional(self, client: Any, full: str, data: bytes, token: str | None) -> str:
+        """One attempt: create ``full`` if absent (``token`` None) or replace it if still version ``token``;
+        the new token. Raises ``_Conflict`` when the service refuses the precondition."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
 
     def _shared_client(self) -> Any:
         """The client every operation uses, except those that get their own under a deadline."""
@@ -213,6 +226,34 @@ class CloudStorage(Storage):
 
         with self._client_for(deadline) as client:
             self._call("write", key, lambda: put(client), deadline)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        full = self._key(key)
+        data, token = self._call("read", key, lambda: self._read_versioned(full))
+        return bytes(data), str(token)
+
+    def put_conditional(self, key: str, data: bytes, *, token: str | None, deadline: float | None = None) -> str:
+        full = self._key(key)
+        what = "already exists" if token is None else "was changed or deleted by another writer"
+
+        def put(client: Any) -> str:
+            try:
+                return self._put_conditional(client, full, data, token)
+            except _Conflict as e:
+                # An earlier attempt may have landed although its reply was lost: same bytes = ours.
+                try:
+                    got, now = self._read_versioned(full, client)
+                except Exception as read_error:
+                    if self._transient(read_error):
+                        raise  # retried as a whole: the write again, then this read
+                    raise PreconditionFailedError(f"{self.describe(key)} {what}") from e
+                if got == data:
+                    logger.info("%s was already written by an earlier attempt", self.describe(key))
+                    return now
+                raise PreconditionFailedError(f"{self.describe(key)} {what}") from e
+
+        with self._client_for(deadline) as client:
+            return str(self._call("write", key, lambda: put(client), deadline))
 
     # -- reads ---------------------------------------------------------------------------------
     def get_bytes(self, key: str) -> bytes:

@@ -329,6 +329,35 @@ class GCSStorage(CloudStorage):
         except gexc.PreconditionFailed as e:
             raise _Conflict from e
 
+    def _put_conditional(self, client: Any, full: str, data: bytes, token: str | None) -> str:
+        """``ifGenerationMatch``: 0 creates only; a generation replaces only that version (412 else).
+        One multipart request: the emulators apply the precondition there (fake-gcs-server does,
+        gcp-storage-emulator ignores it)."""
+        _private_boundaries()
+        blob = client.blob(full)
+        blob.crc32c = crc_b64(_crc32c(data, 0))
+        try:
+            blob.upload_from_string(
+                data,
+                if_generation_match=0 if token is None else int(token),
+                checksum="crc32c",
+                retry=None,
+                timeout=self.options.timeout,
+            )
+        except gexc.PreconditionFailed as e:
+            raise _Conflict from e
+        return str(blob.generation)
+
+    def _read_versioned(self, full: str, client: Any = None) -> tuple[bytes, str]:
+        """The generation first, then those bytes only (pinned: a newer version fails, never mixes)."""
+        blob = (client or self.bucket).get_blob(full, retry=None, timeout=self.options.timeout)
+        if blob is None:
+            raise gexc.NotFound(f"No such object: {self.bucket_name}/{full}")
+        data = blob.download_as_bytes(
+            checksum="crc32c", retry=None, timeout=self.options.timeout, if_generation_match=blob.generation
+        )
+        return data, str(blob.generation)
+
     # -- reads ---------------------------------------------------------------------------------
     def _read(self, full: str, client: Any = None) -> bytes:
         return (

@@ -10,19 +10,22 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import fcntl
+import hashlib
 import os
 import re
 import secrets
 import shutil
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointExistsError, ConfigError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageError
 from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
@@ -32,6 +35,8 @@ SCRATCH_PREFIX = ".spotguard.tmp-"
 _TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@\d+)-[0-9a-f]{8}")
 _SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@\d+)-)?[a-z0-9_]{8}")
 LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
+LOCK_SUFFIX = ".lock"  # beside a conditionally written key: serialises its compare-and-replace
+_thread_lock = threading.Lock()  # POSIX record locks exclude processes, not threads of one process
 
 
 def _host() -> str:
@@ -66,6 +71,23 @@ def _dead_owner(tagged: str) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def _version(data: bytes) -> str:
+    """The version token of a local object: a hash of its bytes (an unchanged object keeps it)."""
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+@contextmanager
+def _locked(final: Path) -> Iterator[None]:
+    """Hold ``final``'s lock file: an fcntl record lock (works on NFS too), and a lock for this process's threads."""
+    with _thread_lock:
+        fd = os.open(final.with_name(final.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the record lock
 
 
 def _fsync_dir(path: Path) -> None:
@@ -128,6 +150,50 @@ class LocalStorage(Storage):
             _fsync_dir(final.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get_bytes(key)
+        return data, _version(data)
+
+    def put_conditional(self, key: str, data: bytes, *, token: str | None, deadline: float | None = None) -> str:
+        """Create-if-absent with a hard link (atomic, never replaces); replace-if-unchanged under the key's
+        lock file, comparing the bytes' hash with ``token``. Either way the new bytes are written to a temp
+        file and fsynced first, so a reader sees the old object or the new one, never a part."""
+        final = self._path(key)
+        if token is not None and not final.parent.is_dir():  # never recreate a folder deleted under a writer
+            raise PreconditionFailedError(f"{self.describe(key)} was deleted")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._tmp_path(final)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                with _locked(final):
+                    if token is None:
+                        try:
+                            os.link(tmp, final)
+                        except FileExistsError as e:
+                            if final.read_bytes() == data:  # a retried write of the same bytes: ours
+                                return _version(data)
+                            raise PreconditionFailedError(f"{self.describe(key)} already exists") from e
+                    else:
+                        try:
+                            current = _version(final.read_bytes())
+                        except FileNotFoundError as e:
+                            raise PreconditionFailedError(f"{self.describe(key)} was deleted") from e
+                        if current not in (token, _version(data)):
+                            raise PreconditionFailedError(f"{self.describe(key)} was changed by another writer")
+                        os.replace(tmp, final)
+                    _fsync_dir(final.parent)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except PreconditionFailedError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot write {self.describe(key)}: {e}") from e
+        return _version(data)
 
     def scratch(self) -> AbstractContextManager[Path]:
         self.root.mkdir(parents=True, exist_ok=True)

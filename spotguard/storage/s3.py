@@ -244,6 +244,22 @@ class S3Storage(CloudStorage):
                 raise _Conflict from e
             raise
 
+    def _read_versioned(self, full: str, client: Any = None) -> tuple[bytes, str]:
+        reply = (client or self.client).get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
+        return reply["Body"].read(), reply["ETag"]
+
+    def _put_conditional(self, client: Any, full: str, data: bytes, token: str | None) -> str:
+        """``If-None-Match: *`` creates only; ``If-Match: <ETag>`` replaces only that version (412 else)."""
+        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
+        try:
+            reply = client.put_object(Bucket=self.bucket, Key=full, Body=data, ChecksumAlgorithm="CRC32", **condition)
+        except bex.ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code == "PreconditionFailed" or (token is not None and code in ("NoSuchKey", "404")):
+                raise _Conflict from e
+            raise
+        return str(reply["ETag"])
+
     def _read(self, full: str, client: Any = None) -> bytes:
         return (client or self.client).get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")["Body"].read()  # type: ignore[no-any-return]
 

@@ -31,6 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         grace=args.grace,
         forward_as=args.forward_as,
         stdout_to_stderr=args.json,
+        takeover=args.takeover,
     )
     logging.getLogger("spotguard.ops.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     supervisor = Supervisor(options)
@@ -95,12 +96,19 @@ def register(sub: Any) -> None:
         help="run a training command; restart it after a crash or hang, not after a preemption",
         description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), 78 the job failed on "
         "an error a restart would meet again (a checkpoint no resume can load, a changed data loader), "
+        "73 another job writes to the same storage (it holds the run's writer lease, or took it over), "
         "2 restart budget used up, bad options or a newer spotguard's checkpoint, 128+N stopped by signal N "
         "(the job died of it or did not exit in time); after a stop signal, "
         "otherwise the job's own exit code.",
     )
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
     p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="take over the storage's writer lease even while another job holds it (that job then "
+        "commits nothing more); passed to the job as $SPOTGUARD_TAKEOVER=1",
+    )
     p.add_argument(
         "--prefetch",
         action="store_true",

@@ -18,6 +18,9 @@ committed checkpoint (killed mid-save, save failed)    claim one), no restart; t
                                                        was lost
 exit 78 (``EXIT_CONFIG``) or its Guard raised an       exit 78, no restart: a restart meets the same
 error a restart meets again (heartbeat flag)           error (unloadable state, changed data loader)
+exit 73 (``EXIT_LEASE_HELD``) or its Guard found       exit 73, no restart: a restart meets the same
+another job holding the storage's writer lease, or     writer (``spotguard run --takeover`` takes the
+lost it to one (heartbeat flag)                        lease over on purpose)
 any other exit, killed by a signal, or hung            restart after a backoff while the budget lasts,
                                                        then ``RestartBudgetExhausted`` (CLI: exit 2)
 we got SIGTERM/SIGINT/SIGUSR1 (forwarded to the        the child's code once it and all it left

@@ -25,6 +25,7 @@ from pathlib import Path
 from spotguard import heartbeat
 from spotguard._env import LOCAL_DIR as LOCAL_DIR_ENV
 from spotguard._env import STORAGE as STORAGE_ENV
+from spotguard._env import TAKEOVER as TAKEOVER_ENV
 from spotguard.errors import ConfigError
 
 from .options import SupervisorOptions, signame
@@ -58,6 +59,8 @@ def run_once(opts: SupervisorOptions, beat: Path, stops: Forwarder) -> Outcome:
         env[STORAGE_ENV] = opts.storage
     if opts.local_dir:
         env[LOCAL_DIR_ENV] = opts.local_dir
+    if opts.takeover:
+        env[TAKEOVER_ENV] = "1"
     logger.info("starting: %s", " ".join(opts.command))
     # Own process group: a terminal's Ctrl-C reaches only us (we forward it once), and a hung
     # job is killed together with its data-loader workers.

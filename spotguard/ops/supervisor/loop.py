@@ -22,7 +22,7 @@ from spotguard import checkpoint, heartbeat
 from spotguard._env import STORAGE as STORAGE_ENV
 from spotguard.errors import SpotguardError, StorageError
 from spotguard.events import Events, Record
-from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
+from spotguard.heartbeat import EXIT_CONFIG, EXIT_LEASE_HELD, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
 
 from .child import Outcome, run_once
@@ -35,7 +35,8 @@ logger = logging.getLogger("spotguard.ops.supervisor")
 #: for hang_timeout), ``startup_timeout`` (no first step in time). Not restarted: ``finished``,
 #: ``preempted`` (exit 75 or its Guard stopped for a notice), ``stopped`` (it exited after our stop
 #: signal), ``grace_exceeded`` (killed: it did not exit within the grace after our stop signal),
-#: ``config_error`` (exit 78 or its Guard raised an error a restart would meet again).
+#: ``config_error`` (exit 78 or its Guard raised an error a restart would meet again), ``lease_held`` (exit
+#: 73 or its Guard found another job writing to the run's storage).
 CAUSES = (
     "exit_code",
     "signal",
@@ -46,6 +47,7 @@ CAUSES = (
     "stopped",
     "grace_exceeded",
     "config_error",
+    "lease_held",
 )
 RESTARTED = CAUSES[:4]
 
@@ -264,6 +266,15 @@ class Supervisor:
             )
             self._exited(out, "preempted", restart=False)
             return EXIT_PREEMPTED
+        if code == EXIT_LEASE_HELD or out.flags & heartbeat.LEASE_HELD:
+            logger.error(
+                "another job writes to this run's storage (exit code %d; see the job's message above, naming it): "
+                "not restarting, exiting %d",
+                code,
+                EXIT_LEASE_HELD,
+            )
+            self._exited(out, "lease_held", restart=False)
+            return EXIT_LEASE_HELD
         if stopped:
             return self._stopped_uncommitted(out)
         if code == EXIT_CONFIG or out.flags & heartbeat.CONFIG_ERROR:

@@ -29,6 +29,7 @@ class SupervisorOptions:
     forward_as: int | None = None  # forward stop signals as this one (e.g. SIGUSR1); None: as received
     stdout_to_stderr: bool = False  # the job writes its stdout to our stderr (`spotguard run --json`)
     env: dict[str, str] = field(default_factory=dict)
+    takeover: bool = False  # the job takes over a live writer lease ($SPOTGUARD_TAKEOVER=1)
 
     def __post_init__(self) -> None:
         self.command = list(self.command)

@@ -1,0 +1,280 @@
+"""Holding a run's writer lease: acquire, renew from a heartbeat, fence every commit, release.
+
+Two jobs on one storage URL (a relaunch while the old machine still runs, a copy-pasted config)
+would otherwise mix one run's history. Order of use, by the ``Guard``:
+
+1. ``acquire()`` before anything is loaded or written: create ``spotguard-lease.json`` if absent
+   (``Storage.put_conditional`` with no token); a record that is released, expired, left by a dead
+   process of this host, or this process's own is taken over with replace-if-unchanged; a live one
+   raises ``LeaseHeldError`` naming its holder, unless ``takeover`` is set.
+2. A daemon thread renews the record every ``ttl_s / 3`` with replace-if-unchanged. A renewal that
+   meets another writer's record means the lease was taken over: it is lost (``on_lost`` is called).
+3. ``fence()`` before every manifest write: one renewal, synchronously. A writer that lost its lease
+   raises ``LeaseLostError`` and commits nothing; one that still holds it has ``ttl_s`` more seconds
+   in which nobody may take it over (short of an explicit takeover, which then waits
+   ``TAKEOVER_GRACE_S`` so that a manifest fenced just before lands ahead of its resume).
+4. ``release()`` at a clean exit and after a committed emergency save: the record stays, marked
+   released, so the replacement machine takes it over at once instead of waiting for the TTL.
+
+``fence(storage)`` is what the checkpoint writers call: a no-op for a storage nobody leased in this
+process, else the holder's ``fence()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from spotguard import _env
+from spotguard.checkpoint.lease import LEASE, LeaseRecord
+from spotguard.errors import (
+    CheckpointCorruptError,
+    LeaseHeldError,
+    LeaseLostError,
+    PreconditionFailedError,
+    StorageError,
+)
+from spotguard.storage.base import ObjectNotFoundError, Storage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 60.0
+#: After taking a live lease over on purpose: time for a commit the other job fenced just before to land,
+#: so that this job's resume (which follows) sees it, and never commits beside it.
+TAKEOVER_GRACE_S = 2.0
+
+#: The lease this process took on each storage (weak both ways: a lease given up and forgotten goes).
+_holders: weakref.WeakKeyDictionary[Storage, weakref.ref[Lease]] = weakref.WeakKeyDictionary()
+_holders_lock = threading.Lock()
+
+
+def fence(storage: Storage) -> None:
+    """Before a manifest is written to ``storage``: raise ``LeaseLostError`` unless this process still
+    holds its lease (and extend it). Nothing to check where no lease was taken on ``storage``."""
+    with _holders_lock:
+        ref = _holders.get(storage)
+    lease = ref() if ref is not None else None
+    if lease is not None:
+        lease.fence()
+
+
+def _pid_gone(record: LeaseRecord) -> bool:
+    """A record left by a process of this host that no longer runs (killed: it could not release)."""
+    if record.host != socket.gethostname() or record.pid == os.getpid():
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class Lease:
+    """This process's hold on the writer lease of ``storage`` (module docstring for the order)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        ttl_s: float = DEFAULT_TTL_S,
+        *,
+        takeover: bool = False,
+        run_id: str | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        alive: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.time,
+        takeover_grace_s: float = TAKEOVER_GRACE_S,
+    ) -> None:
+        self.storage, self.ttl_s, self.takeover = storage, float(ttl_s), takeover
+        self.takeover_grace_s = takeover_grace_s
+        self.owner = secrets.token_hex(8)
+        self.run_id = run_id or self.owner
+        #: ``alive()`` False (its Guard was garbage-collected unclosed): the heartbeat releases the lease.
+        self.on_lost, self.alive, self.clock = on_lost, alive, clock
+        self.record: LeaseRecord | None = None
+        #: Why the lease was lost (the new holder), or None while held or never taken.
+        self.lost: str | None = None
+        self.released = False
+        self._token: str | None = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.record is not None and self.lost is None and not self.released
+
+    def acquire(self) -> LeaseRecord:
+        """Take the lease (step 1); raise ``LeaseHeldError`` naming the live holder. Idempotent."""
+        with self._lock:
+            if self.held:
+                return self.record  # type: ignore[return-value]
+            now = self.clock()
+            mine = LeaseRecord(self.run_id, socket.gethostname(), os.getpid(), now, now, self.ttl_s, owner=self.owner)
+            token = self._claim(mine)
+            self.record, self._token, self.lost, self.released = mine, token, None, False
+            self._stop = threading.Event()
+        with _holders_lock:
+            _holders[self.storage] = weakref.ref(self)
+        self._thread = threading.Thread(target=self._beat, name="spotguard-lease", daemon=True)
+        self._thread.start()
+        return mine
+
+    def _claim(self, mine: LeaseRecord) -> str:
+        where = self.storage.describe(LEASE)
+        for _ in range(5):  # each retry follows another writer's change: a race, not a loop
+            try:
+                return self.storage.put_conditional(LEASE, mine.to_bytes(), token=None)
+            except PreconditionFailedError:
+                pass
+            try:
+                data, token = self.storage.get_versioned(LEASE)
+            except ObjectNotFoundError:
+                continue  # deleted meanwhile (`spotguard rm`): create it again
+            try:
+                other: LeaseRecord | None = LeaseRecord.from_bytes(data)
+            except CheckpointCorruptError as e:
+                logger.warning("%s is not a lease record (%s): taking it over", where, e)
+                other = None
+            why = None
+            if other is not None:
+                why = self._why_free(other, mine.acquired_at)
+                if why is None:
+                    raise LeaseHeldError(self._held_message(other, mine.acquired_at), other)
+                logger.log(
+                    logging.WARNING if why == "taken over on purpose" else logging.INFO,
+                    "writer lease of %s: %s (%s); taking it over",
+                    self.storage.describe(),
+                    other.describe(mine.acquired_at),
+                    why,
+                )
+            try:
+                new = self.storage.put_conditional(LEASE, mine.to_bytes(), token=token)
+            except PreconditionFailedError:
+                continue  # another writer changed it between our read and write: look again
+            if why == "taken over on purpose":
+                time.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
+            return new
+        raise LeaseHeldError(f"cannot take the writer lease {where}: other writers keep changing it")
+
+    def _why_free(self, other: LeaseRecord, now: float) -> str | None:
+        """Why ``other`` may be taken over, or None while it is another writer's live lease."""
+        if other.released:
+            return "released"
+        if not other.live(now):
+            return f"expired {now - other.expires_at():.0f} s ago"
+        if other.owner == self.owner:
+            return "our own"
+        if other.host == socket.gethostname() and other.pid == os.getpid():
+            return "an earlier writer of this process that was never closed"
+        if _pid_gone(other):
+            return "its process on this host is gone"
+        if self.takeover:
+            return "taken over on purpose"
+        return None
+
+    def _held_message(self, other: LeaseRecord, now: float) -> str:
+        return (
+            f"another job is writing to {self.storage.describe()}: {other.describe(now)}; its lease expires in "
+            f"{max(other.expires_at() - now, 0):.0f} s unless renewed. Two writers would mix one run's checkpoints: "
+            "stop that job, use another storage URL, or take the run over on purpose "
+            f"(Guard(takeover=True), ${_env.TAKEOVER}=1 or `spotguard run --takeover`)"
+        )
+
+    def _beat(self) -> None:
+        """The heartbeat thread: renew every ttl/3 until released or lost; storage faults are retried."""
+        stop = self._stop
+        while not stop.wait(self.ttl_s / 3):
+            if self.alive is not None and not self.alive():
+                self.release()  # its writer is gone without a close: nobody commits under it any more
+                return
+            try:
+                self.renew()
+            except LeaseLostError:
+                return
+            except StorageError as e:
+                logger.warning("cannot renew the writer lease of %s: %s", self.storage.describe(), e)
+
+    def renew(self, released: bool = False) -> None:
+        """Rewrite our record (replace-if-unchanged); raise ``LeaseLostError`` if it is no longer ours."""
+        with self._lock:
+            if self.lost is not None:
+                raise LeaseLostError(self.lost)
+            if self.record is None or self.released:
+                raise LeaseLostError(
+                    f"this job {'released' if self.released else 'holds no'} writer lease of "
+                    f"{self.storage.describe()}: it commits nothing more"
+                )
+            update = dataclasses.replace(self.record, renewed_at=self.clock(), released=released)
+            try:
+                self._token = self.storage.put_conditional(LEASE, update.to_bytes(), token=self._token)
+            except PreconditionFailedError:
+                self._token = self._still_ours(loud=not released)
+                self._token = self.storage.put_conditional(LEASE, update.to_bytes(), token=self._token)
+            self.record = update
+
+    def _still_ours(self, loud: bool = True) -> str:
+        """After a refused renewal: the token of our record when it is still ours (a write whose reply
+        was lost), else the lease is lost (``LeaseLostError``)."""
+        try:
+            data, token = self.storage.get_versioned(LEASE)
+            other: LeaseRecord | None = LeaseRecord.from_bytes(data)
+        except (ObjectNotFoundError, CheckpointCorruptError):
+            other = None
+        if other is not None and other.owner == self.owner and not other.released:
+            return token
+        now = self.clock()
+        self.lost = (
+            f"this job lost the writer lease of {self.storage.describe()}: "
+            + (f"it is now held by {other.describe(now)}" if other is not None else "its record was deleted")
+            + "; it commits nothing more (two writers would mix one run's checkpoints)"
+        )
+        self._stop.set()
+        logger.log(logging.ERROR if loud else logging.DEBUG, "%s", self.lost)  # at release: it is over anyway
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+        raise LeaseLostError(self.lost, other)
+
+    def fence(self) -> None:
+        """Before a commit (step 3): still ours, and good for ``ttl_s`` more seconds; else ``LeaseLostError``."""
+        self.renew()
+
+    def release(self) -> None:
+        """Mark the record released (step 4), so the next writer starts at once. Idempotent; never raises."""
+        self._stop.set()
+        with self._lock:
+            if not self.held:
+                return
+            try:
+                self.renew(released=True)
+            except LeaseLostError:
+                return
+            except StorageError as e:
+                logger.warning(
+                    "cannot release the writer lease of %s (%s): the next job waits until it expires (%.0f s)",
+                    self.storage.describe(),
+                    e,
+                    self.ttl_s,
+                )
+                return
+            self.released = True
+            logger.debug("released the writer lease of %s", self.storage.describe())
+
+
+@atexit.register
+def _release_all() -> None:
+    """At interpreter exit, release what a program left held (a Guard never closed)."""
+    with _holders_lock:
+        leases = [ref() for ref in _holders.values()]
+    for lease in leases:
+        if lease is not None:
+            lease.release()

@@ -1,0 +1,157 @@
+"""The writer lease in one process: another writer's record is written straight into the storage, as a
+job on another machine would (the two-process tests are in tests/guard/test_lease.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from spotguard import checkpoint
+from spotguard.checkpoint import lease as record_mod
+from spotguard.checkpoint import leaseholder
+from spotguard.checkpoint.lease import LEASE, LeaseRecord
+from spotguard.checkpoint.leaseholder import Lease
+from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError
+from spotguard.storage import Storage, open_storage
+
+
+@pytest.fixture
+def storage(tmp_path) -> Storage:
+    return open_storage(str(tmp_path / "run"))
+
+
+def other_writer(storage: Storage, *, age: float = 0.0, ttl: float = 60.0, released: bool = False) -> LeaseRecord:
+    """Another machine's record, renewed ``age`` seconds ago: created, or put over the current one."""
+    now = time.time() - age
+    other = LeaseRecord("run-b", "other-host", 4242, now, now, ttl, released=released, owner="b" * 16)
+    for _ in range(20):  # a heartbeat may renew between our read and our write: read again
+        try:
+            _, token = storage.get_versioned(LEASE)
+        except FileNotFoundError:
+            token = None
+        try:
+            storage.put_conditional(LEASE, other.to_bytes(), token=token)
+            return other
+        except PreconditionFailedError:
+            continue
+    raise AssertionError("could not put the other writer's record")
+
+
+def test_acquire_creates_the_record_and_release_marks_it(storage):
+    lease = Lease(storage, ttl_s=30)
+    mine = lease.acquire()
+    on_disk = record_mod.read(storage)
+    assert on_disk == mine and on_disk.live() and on_disk.owner == lease.owner
+    lease.release()
+    on_disk = record_mod.read(storage)
+    assert on_disk.released and not on_disk.live()
+    with pytest.raises(LeaseLostError, match="released"):
+        lease.fence()
+
+
+def test_a_live_lease_of_another_job_is_refused_with_its_holder_named(storage):
+    other_writer(storage, age=5)
+    with pytest.raises(LeaseHeldError, match=r"host other-host pid 4242, holding for 5 s") as e:
+        Lease(storage).acquire()
+    assert e.value.holder.run_id == "run-b"
+    assert "takeover" in str(e.value)
+    assert record_mod.read(storage).host == "other-host"  # untouched
+
+
+@pytest.mark.parametrize("state", ["expired", "released", "takeover"])
+def test_an_expired_released_or_deliberately_taken_lease_is_taken_over(storage, state):
+    other_writer(storage, age=100 if state == "expired" else 1, ttl=30, released=state == "released")
+    lease = Lease(storage, takeover=state == "takeover")
+    lease.acquire()
+    assert record_mod.read(storage).owner == lease.owner
+    lease.release()
+
+
+def test_a_writer_whose_lease_was_taken_over_is_fenced_and_told_by_whom(storage):
+    lost: list[str] = []
+    lease = Lease(storage, ttl_s=30, on_lost=lost.append)
+    lease.acquire()
+    lease.fence()  # still ours
+    other_writer(storage)  # taken over (expired on its side, or on purpose)
+    with pytest.raises(LeaseLostError, match="now held by run run-b on host other-host pid 4242"):
+        lease.fence()
+    assert lost and "other-host" in lost[0]
+    with pytest.raises(LeaseLostError):
+        lease.fence()  # and for good
+    lease.release()  # no effect on the other's record
+    assert record_mod.read(storage).owner == "b" * 16
+
+
+def test_the_heartbeat_renews_and_notices_a_takeover(storage):
+    lost = threading.Event()
+    lease = Lease(storage, ttl_s=0.6, on_lost=lambda why: lost.set())
+    first = lease.acquire()
+    deadline = time.monotonic() + 10  # a loaded machine may starve the thread for a while
+    while record_mod.read(storage).renewed_at == first.renewed_at:
+        assert time.monotonic() < deadline, "the heartbeat never renewed the lease"
+        time.sleep(0.05)
+    assert record_mod.read(storage).owner == lease.owner
+    other_writer(storage)
+    assert lost.wait(5), "the heartbeat did not notice the takeover"
+    assert not lease.held
+
+
+def test_commits_are_fenced_by_the_lease_of_their_storage(storage):
+    def save(step: int) -> None:
+        checkpoint.write(storage, step, {"x.bin": lambda f: f.write(b"x")}, reason="periodic")
+
+    save(1)  # no lease taken on it in this process: unfenced, as before
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    save(2)
+    other_writer(storage)
+    with pytest.raises(LeaseLostError):
+        save(3)
+    assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1, 2]  # step 3 has no manifest
+
+
+def test_a_record_of_this_process_left_unreleased_is_taken_over(storage):
+    """An earlier Guard of this program that was never closed: same host and pid, another owner."""
+    first = Lease(storage, ttl_s=30)
+    first.acquire()
+    second = Lease(storage, ttl_s=30)
+    second.acquire()
+    with pytest.raises(LeaseLostError):
+        first.fence()
+    second.release()
+
+
+def test_a_dead_process_of_this_host_does_not_hold_the_lease(storage, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    now = time.time()
+    dead = LeaseRecord("run-x", socket.gethostname(), pid, now, now, 60.0, owner="x" * 16)
+    storage.put_conditional(LEASE, dead.to_bytes(), token=None)
+    assert pid != os.getpid()
+    lease = Lease(storage)
+    lease.acquire()
+    lease.release()
+
+
+def test_fence_is_a_no_op_for_storage_nobody_leased(storage, tmp_path):
+    other_writer(storage)
+    leaseholder.fence(storage)
+    leaseholder.fence(open_storage(str(tmp_path / "elsewhere")))
+
+
+def test_the_record_keeps_its_format_for_readers(storage):
+    lease = Lease(storage, ttl_s=12)
+    mine = lease.acquire()
+    assert LeaseRecord.from_bytes(mine.to_bytes()) == mine
+    older = json.loads(mine.to_bytes())
+    del older["owner"]  # a record written before the owner field: still readable
+    assert LeaseRecord.from_bytes(json.dumps(older).encode()).owner == ""
+    lease.release()

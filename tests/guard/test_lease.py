@@ -1,0 +1,196 @@
+"""Two real jobs on one storage URL: the writer lease keeps them from mixing one run.
+
+Each job is ``tests/guard/lease_job.py`` (a counter, a checkpoint every 2 steps, its name in every
+manifest) in a process of its own, on local disk here; ``tests/storage/test_cloud_lease.py`` runs the
+first scenario on S3, GCS and Azure.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import os
+import signal
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from spotguard import Guard, LeaseHeldError, checkpoint, heartbeat
+from spotguard.checkpoint import lease as lease_record
+from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
+from spotguard.storage import Storage, open_storage
+from tests.helpers import WORKERS, _finish, _start, run, run_ranks, subprocess_env
+
+JOB = Path(__file__).with_name("lease_job.py")
+
+
+def job(url: str, name: str, *args: str) -> list[str]:
+    return [sys.executable, str(JOB), url, "--name", name, *args]
+
+
+def start_and_wait_ready(cmd: list[str], ready: Path, env: dict[str, str] | None = None):
+    started = _start([*cmd, "--ready", str(ready)], env, None)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if started[0].poll() is not None or time.monotonic() > deadline:
+            done = _finish(*started, 1)
+            raise AssertionError(f"{cmd} ended (exit {done.returncode}) before it was ready:\n{done.stderr[-3000:]}")
+        time.sleep(0.02)
+    return started
+
+
+def writers(storage: Storage) -> list[tuple[int, str, float]]:
+    """(step, writer, commit time) of every complete checkpoint, oldest first."""
+    out = []
+    for info in checkpoint.scan(storage):
+        assert info.complete, f"{info.name}: {info.status} ({info.problem})"
+        written = dt.datetime.fromisoformat(info.manifest.time).timestamp()
+        out.append((info.step, info.manifest.extra["writer"], written))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_job_is_refused_and_a_takeover_stops_the_first(tmp_path: Path):
+    refused_then_taken_over(str(tmp_path / "run"), tmp_path)
+
+
+def refused_then_taken_over(url: str, tmp_path: Path) -> None:
+    """Job A runs; B (through `spotguard run`) exits 73 at once naming A and is not restarted; C takes
+    over on purpose and commits; A commits nothing more and stops with ``LeaseLostError``."""
+    first = start_and_wait_ready(job(url, "A", "--sleep", "0.2"), tmp_path / "a-ready")
+    try:
+        # Through `spotguard run`: refused at once, named, and not restarted (it would meet A again).
+        t0 = time.monotonic()
+        second = run(
+            [sys.executable, "-m", "spotguard", "run", "--max-restarts", "3", "--storage", url, "--"]
+            + [sys.executable, str(JOB), url, "--name", "B", "--steps", "20"],
+            env=subprocess_env(),
+            timeout=120,
+        )
+        assert second.returncode == EXIT_LEASE_HELD, second.stderr[-3000:]
+        assert f"pid {first[0].pid}" in second.stderr and "another job is writing to" in second.stderr
+        assert "not restarting" in second.stderr and second.stderr.count("starting:") == 1
+        assert time.monotonic() - t0 < 60  # at once, not after A's lease (60 s) ran out
+        # A takeover on purpose: C writes, and A commits nothing more and stops with a clear error.
+        third = run(job(url, "C", "--steps", "4"), env=subprocess_env(SPOTGUARD_TAKEOVER="1"), timeout=120)
+        assert third.returncode == 0, third.stderr[-3000:]
+        done = _finish(*first, 60)
+    finally:
+        if first[0].poll() is None:
+            os.killpg(first[0].pid, signal.SIGKILL)
+    assert done.returncode not in (0, EXIT_PREEMPTED)
+    assert "LeaseLostError" in done.stderr and "now held by run" in done.stderr, done.stderr[-3000:]
+    storage = open_storage(url)
+    taken = lease_record.read(storage)
+    assert taken is not None and taken.released  # C's record, released at its clean exit
+    history = writers(storage)
+    assert [w for _, w, _ in history if w == "B"] == []
+    last_a = max(s for s, w, _ in history if w == "A")
+    assert f"C: resumed at step {last_a}" in third.stdout  # A's last commit came before C's resume
+    first_c = min(t for _, w, t in history if w == "C")
+    assert all(t < first_c for _, w, t in history if w == "A")
+    assert [w for s, w, _ in history if s > last_a] == ["C", "C"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_after_the_lease_expires_the_next_job_proceeds_and_the_old_one_commits_nothing(tmp_path: Path):
+    url = str(tmp_path / "run")
+    first = start_and_wait_ready(job(url, "A", "--ttl", "2"), tmp_path / "a-ready")
+    try:
+        first[0].send_signal(signal.SIGSTOP)  # a machine that hangs: no step, no renewal
+        storage = open_storage(url)
+        deadline = time.monotonic() + 30
+        while lease_record.read(storage).live():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        second = run(job(url, "B", "--steps", "4"), timeout=120)
+        assert second.returncode == 0, second.stderr[-3000:]
+        first[0].send_signal(signal.SIGCONT)
+        done = _finish(*first, 60)
+    finally:
+        if first[0].poll() is None:
+            os.killpg(first[0].pid, signal.SIGKILL)
+    assert done.returncode not in (0, EXIT_PREEMPTED)
+    assert "LeaseLostError" in done.stderr, done.stderr[-3000:]
+    history = writers(storage)
+    last_a = max(s for s, w, _ in history if w == "A")
+    assert [w for s, w, _ in history if s > last_a] == ["B", "B"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_after_a_preemption_the_replacement_starts_without_waiting(tmp_path: Path):
+    """The lease is released with the emergency checkpoint, not at the close that a reclaimed machine
+    may never reach: the replacement starts while the old job still lingers, well within its TTL."""
+    url = str(tmp_path / "run")
+    first = start_and_wait_ready(job(url, "A", "--linger", "300"), tmp_path / "a-ready")
+    try:
+        first[0].send_signal(signal.SIGTERM)
+        storage = open_storage(url)
+        deadline = time.monotonic() + 60
+        while not lease_record.read(storage).released:
+            assert first[0].poll() is None and time.monotonic() < deadline, "not released after the stop"
+            time.sleep(0.05)
+        stopped = writers(storage)[-1]
+        assert stopped[1] == "A"
+        t0 = time.monotonic()
+        second = run(job(url, "B", "--steps", "2"), timeout=120)
+        assert first[0].poll() is None  # A still there (lingering), its lease released
+    finally:
+        os.killpg(first[0].pid, signal.SIGKILL)
+        _finish(*first, 10)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"B: resumed at step {stopped[0]}" in second.stdout
+    assert time.monotonic() - t0 < 60  # A's lease (60 s) was not waited for
+
+
+def test_a_guard_dropped_without_a_close_is_not_kept_alive_and_gives_the_lease_back(tmp_path: Path):
+    """The heartbeat thread holds the guard weakly: an unclosed guard (its model, its process groups) is
+    freed, and its lease released at the next beat instead of being renewed for nobody."""
+    storage = open_storage(str(tmp_path / "run"))
+    guard = Guard(storage, providers=None, lease_ttl=0.3).track(state={"x": 1})
+    guard.save(1)
+    assert not lease_record.read(storage).released
+    ref = weakref.ref(guard)
+    del guard
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 10
+    while not lease_record.read(storage).released:
+        assert time.monotonic() < deadline, "the lease of a dropped guard was never released"
+        time.sleep(0.05)
+
+
+def test_a_guard_refused_by_a_live_lease_names_it_and_marks_the_heartbeat(tmp_path: Path):
+    storage = open_storage(str(tmp_path / "run"))
+    now = time.time()
+    other = lease_record.LeaseRecord("run-b", "other-host", 4242, now - 30, now, 60.0, owner="b" * 16)
+    storage.put_conditional(lease_record.LEASE, other.to_bytes(), token=None)
+    guard = Guard(storage, providers=None).track(state={"x": 1})
+    with pytest.raises(LeaseHeldError, match="host other-host pid 4242, holding for 30 s"):
+        guard.resume()
+    assert guard._beat[1] & heartbeat.LEASE_HELD
+    assert checkpoint.scan(storage) == []
+    assert Guard(storage, providers=None, lease_ttl=None).track(state={"x": 1}).resume() == 0  # opted out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_in_a_process_group_every_rank_is_refused_alike(tmp_path: Path):
+    """Rank 0 alone takes the lease; the other ranks hear the refusal instead of waiting for it in a collective."""
+    storage = open_storage(str(tmp_path / "run"))
+    now = time.time()
+    other = lease_record.LeaseRecord("run-b", "other-host", 4242, now, now, 600.0, owner="b" * 16)
+    storage.put_conditional(lease_record.LEASE, other.to_bytes(), token=None)
+    ranks = run_ranks(
+        [sys.executable, str(WORKERS / "dist_teardown.py"), str(tmp_path / "run"), "--steps", "4"], timeout=120
+    )
+    for rank, done in enumerate(ranks):
+        assert done.returncode != 0 and "LeaseHeldError" in done.stderr, (rank, done.stderr[-3000:])
+        assert "host other-host pid 4242" in done.stderr, (rank, done.stderr[-3000:])
+    assert checkpoint.scan(storage) == [] and lease_record.read(storage) == other
