@@ -117,10 +117,10 @@ def test_hf_trainer_through_two_preemptions_loses_nothing_and_is_exact(tmp_path)
         command=[
             sys.executable,
             *("examples/hf_trainer.py", "--quiet", "--steps", "60", "--every-steps", "20", "--interval", "0.2"),
-            *("--step-sleep", "0.03", "--output-dir", "{local}/hf-output"),
+            *("--step-sleep", "0.1", "--output-dir", "{local}/hf-output"),  # 6 s: both notices land on an idle machine
         ],
     )
-    assert code == 0, err[-4000:]
+    assert code == 0, (err[-3000:], {k: v for k, v in doc.items() if k != "reference"}, doc.get("reference"))
     pre = doc["preemptions"]
     assert len(pre) == 2 and doc["steps"] == 60
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2
