@@ -259,10 +259,15 @@ def test_gcs_parts_of_a_killed_composite_upload_are_shown_by_ls_and_removed(fake
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_path, capsys):
+@pytest.mark.parametrize("min_age", [None, "0"])
+def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_path, capsys, min_age):
     """examples/train.py saving at every step while ``rm --incomplete`` runs again and again (in this process,
-    through the CLI's ``main``: thousands of tries land inside its saves). Every save must commit."""
+    through the CLI's ``main``: thousands of tries land inside its saves). Every save must commit. With
+    ``--min-age 0`` nothing is too young to delete: only the job's writer lease protects its saves."""
     from spotguard.ops.cli import main
+
+    age = ["--min-age", min_age] if min_age else []
+    spared_by_lease = 0
 
     root = tmp_path / "ckpt"
     job = subprocess.Popen(
@@ -275,9 +280,11 @@ def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_pa
     tries = 0
     try:
         while job.poll() is None:
-            assert main(["rm", str(root), "--incomplete"]) == 0
+            assert main(["rm", str(root), "--incomplete", *age]) == 0
             tries += 1
-            assert "deleted" not in capsys.readouterr().out
+            out = capsys.readouterr().out
+            assert "deleted" not in out, out
+            spared_by_lease += "the run holds a live lease" in out
             time.sleep(0.02)  # leave the job most of the CPU
         _, err = job.communicate(timeout=60)
     finally:
@@ -288,3 +295,5 @@ def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_pa
     assert tries > 10 and "Traceback" not in err and "failed" not in err, err[-3000:]
     infos = checkpoint.scan(open_storage(str(root)))
     assert infos[-1].step == 25 and all(i.complete for i in infos), infos
+    if min_age == "0":
+        assert spared_by_lease > 0, "no try met a save in flight under the lease"
