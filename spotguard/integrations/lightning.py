@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from spotguard.checkpoint import state
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
@@ -197,6 +198,7 @@ class SpotguardCallback(Callback):
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
+            _begin_the_next_epoch(trainer)  # after the streams: the new iterator draws as the first run's did
 
     # The hooks below run on every rank at the same point, and so does every ``check`` (a
     # collective in a process group): their conditions depend on nothing one rank sees alone.
@@ -338,3 +340,36 @@ def _validation_due(trainer: Any) -> bool:
         return False
     finally:
         trainer.should_stop = should_stop
+
+
+def _begin_the_next_epoch(trainer: Any) -> None:
+    """Give a resumed fit a fresh iterator where Lightning starts an epoch from an ended one's state.
+
+    A checkpoint of an epoch's last batch resumes into the next epoch (Lightning counts the epoch
+    done) without a new iterator: it goes on with the one made from the checkpoint's loader state,
+    which has nothing left. With a ``DistributedSampler`` (torchdata's stateful one) that iterator is
+    empty, so the whole next epoch was skipped (a 2-rank run trained epoch 2's order at step 17).
+    Here such a sampler is set to the epoch being resumed and the loader iterated afresh, as the
+    uninterrupted run did at that epoch's start (one draw of the loader's base seed included)."""
+    fit = getattr(trainer, "fit_loop", None)
+    loaders = getattr(getattr(fit, "_combined_loader", None), "flattened", None) or []
+    ended: list[Any] = [s for s in (getattr(loader, "sampler", None) for loader in loaders) if _at_its_end(s)]
+    fetcher = getattr(fit, "_data_fetcher", None)
+    if not ended or fetcher is None:
+        return
+    for sampler in ended:
+        sampler.next_yielded = None  # the checkpoint's position: the epoch it was for is over
+        sampler.set_epoch(trainer.current_epoch)
+    iter(fetcher)
+    logger.debug("resumed at an epoch's end: epoch %d iterated afresh", trainer.current_epoch)
+
+
+def _at_its_end(sampler: Any) -> bool:
+    """A (torchdata stateful) ``DistributedSampler`` whose position, loaded (``next_yielded``, applied at
+    its next iteration) or current, is the end of its epoch."""
+    if not isinstance(sampler, DistributedSampler):
+        return False
+    position = getattr(sampler, "next_yielded", None)
+    if position is None:
+        position = getattr(sampler, "yielded", None)
+    return isinstance(position, int) and position >= len(sampler)

@@ -9,10 +9,16 @@ Lightning's own ``DistributedSamplerWrapper`` keeps no shuffle state, so its res
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import pytest
 
+from spotguard.checkpoint import scan
+from spotguard.storage import open_storage
+
+from ..helpers import last_step, stop_when
 from . import groups
 
 pytest.importorskip("lightning")
@@ -25,15 +31,6 @@ ARGS = ("--steps", str(STEPS), "--every-steps", "10", "--interval", "0.2", "--pr
 _rng = random.Random()
 
 
-class _AwayFromTheEpochEnd:
-    """Stop steps that never land on step 16, the last batch of epoch 0 (16 batches per rank): a
-    checkpoint written there resumes differently from step 17 on, a known gap left open in issue 21
-    (docs/integrations.md). A notice sent after step N lands by N + 2."""
-
-    def randint(self, a: int, b: int) -> int:
-        return _rng.choice([*range(max(a, 3), 13), 17, 18])
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return groups.reference(SCRIPT, tmp_path_factory.mktemp("lightning-ddp-reference"), ARGS)
@@ -41,10 +38,25 @@ def reference(tmp_path_factory):
 
 def test_lightning_ddp_stops_every_rank_for_one_ranks_notice_and_resumes_exactly(tmp_path, reference):
     job = groups.Job(SCRIPT, tmp_path, ARGS)
-    _, names = groups.stop_one_rank_then_finish(job, STEPS, reference, _AwayFromTheEpochEnd())
+    _, names = groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
     assert {"lightning.ckpt", "rng-rank-00000.pt", "rng-rank-00001.pt"} <= names
 
 
 def test_lightning_ddp_on_two_nodes_without_a_shared_folder_resumes_exactly(tmp_path, reference):
     job = groups.Job(SCRIPT, tmp_path, ARGS, nodes=2, nproc=1)
-    groups.stop_one_rank_then_finish(job, STEPS, reference, _AwayFromTheEpochEnd())
+    groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
+
+
+def test_lightning_ddp_resumes_a_checkpoint_of_an_epochs_last_batch_exactly(tmp_path, reference):
+    # Saves every 8 steps: step 16 is the last batch of epoch 0 (16 per rank). A crash after it resumes
+    # from 16, where Lightning starts epoch 1 with the checkpoint's spent iterator (it skipped epoch 1).
+    args = tuple("8" if a == "10" else a for a in ARGS)
+    job = groups.Job(SCRIPT, tmp_path, args)
+    ((cmd, env),) = job.commands(*groups.SLOW)
+    crashed = stop_when(
+        cmd, lambda: (last_step(job.losses) or 0) >= 18, lambda p: os.killpg(p.pid, signal.SIGKILL), env=env
+    )
+    assert crashed.returncode == -signal.SIGKILL
+    complete = [i.step for i in scan(open_storage(str(tmp_path / "ckpt"))) if i.status == "complete"]
+    assert max(complete) == 16, complete
+    groups.finish(job, reference)

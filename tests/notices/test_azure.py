@@ -183,7 +183,9 @@ def test_provider_built_by_name_does_not_acknowledge_with_spotguard_azure_ack_0(
 
 def _guarded_loop(storage, provider, server, steps=200):
     model = torch.nn.Linear(2, 2)
-    guard = spotguard.Guard(storage, providers=[provider], interval=0.05)
+    guard = spotguard.Guard(
+        storage, providers=[provider], interval=0.05, lease_ttl=None
+    )  # the save fails, not the start
     guard.track(model=model)
     with guard:
         for step in range(1, steps):

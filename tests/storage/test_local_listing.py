@@ -19,7 +19,7 @@ from tests.helpers import WORKERS, subprocess_env
 
 
 def a_checkpoint(root: Path) -> None:
-    guard = spotguard.Guard(str(root), every_steps=None, providers=[], save_on_exit=False)
+    guard = spotguard.Guard(str(root), every_steps=None, providers=[], save_on_exit=False, lease_ttl=None)
     guard.track(x=torch.arange(4.0)).save(7)
 
 
@@ -30,7 +30,7 @@ def test_a_root_below_a_file_is_a_storage_error_for_the_listing_resume_and_ls(tm
     with pytest.raises(StorageError, match="cannot list .*: Not a directory"):
         open_storage(url).list_sizes()
     with pytest.raises(StorageError, match="cannot list"):
-        spotguard.Guard(url, providers=[]).track(x=torch.zeros(4)).resume()
+        spotguard.Guard(url, providers=[], lease_ttl=None).track(x=torch.zeros(4)).resume()
     assert main(["ls", url]) == 2
     err = capsys.readouterr().err
     assert "spotguard: error: cannot list" in err and "Not a directory" in err, err
@@ -46,7 +46,7 @@ RESUME_THEN_LS = textwrap.dedent("""
     from spotguard.ops.cli import main
     url = sys.argv[1]
     try:
-        print("resumed at", spotguard.Guard(url, providers=[]).track(x=torch.zeros(4)).resume())
+        print("resumed at", spotguard.Guard(url, providers=[], lease_ttl=None).track(x=torch.zeros(4)).resume())
     except spotguard.errors.StorageError as e:
         print("resume failed:", e)
     sys.stdout.flush()
