@@ -17,7 +17,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
@@ -244,34 +245,38 @@ class Guard:
             raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
-        try:
+        with self._marks():  # a state no resume could load (the first save checks it), another writer
             if not (self.options.async_save if dist is None else dist.store is not None):
                 self.saves.save_logged(step, reason)
             elif dist is None:
                 self.saves.start(step, reason)
             else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides
                 self.saves.start(step, reason, busy=dist.busy(self.saves.in_flight() is not None))
-        except PERMANENT as e:  # a state no resume could load (the first save checks it)
-            self._permanent(e)
-            raise
-        except LeaseHeldError:
-            self._lease_flag()
-            raise
         return False
 
     def _hold_lease(self) -> None:
         """Take the run's writer lease before anything is loaded or written; ``LeaseHeldError`` (and the
         heartbeat flag: ``spotguard run`` exits 73, no restart) while another job holds it."""
-        try:
+        with self._marks():
             self.lease.hold()
-        except LeaseHeldError:
-            self._lease_flag()
-            raise
 
     def _lease_lost(self, why: str) -> None:
         """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
         self._lease_flag()
         self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
+
+    @contextmanager
+    def _marks(self) -> Iterator[None]:
+        """Mark the heartbeat for an error ``spotguard run`` must not restart into: one a restart would meet
+        again (``errors.PERMANENT``: exit 78) or another job's writer lease (exit 73)."""
+        try:
+            yield
+        except PERMANENT as e:
+            self._permanent(e)
+            raise
+        except LeaseHeldError:
+            self._lease_flag()
+            raise
 
     def _lease_flag(self) -> None:
         self._beat[1] |= heartbeat.LEASE_HELD
@@ -371,14 +376,8 @@ class Guard:
         if self.agreement is not None:
             self.agreement.check()
         self._hold_lease()
-        try:
+        with self._marks():
             return self.saves.save(step, reason, deadline)
-        except PERMANENT as e:
-            self._permanent(e)
-            raise
-        except LeaseHeldError:
-            self._lease_flag()
-            raise
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise the first background error, if any."""
@@ -429,13 +428,8 @@ class Guard:
                 and (dist is None or dist.group is not None)
             )
             try:
-                saves.finish(self._step, save, final, destroyed, collective=dist is not None)
-            except PERMANENT as e:
-                self._permanent(e)
-                raise
-            except LeaseHeldError:
-                self._lease_flag()
-                raise
+                with self._marks():
+                    saves.finish(self._step, save, final, destroyed, collective=dist is not None)
             finally:
                 self.lease.release()  # clean exit or not, this guard writes nothing more: the next job starts at once
         finally:

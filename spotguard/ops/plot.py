@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from spotguard.errors import MissingDependencyError, StorageError
 from spotguard.planner import Plan, goodput
 
 
-def plot_plan(p: Plan, path: str | Path) -> Path:
-    """Draw the goodput curves of ``p`` to ``path`` (PNG, SVG or PDF by suffix)."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend), or a ``MissingDependencyError``."""
     try:
         import matplotlib
 
@@ -22,6 +23,12 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise MissingDependencyError("--plot needs matplotlib: pip install 'spotguard[plot]'") from e
+    return plt
+
+
+def plot_plan(p: Plan, path: str | Path) -> Path:
+    """Draw the goodput curves of ``p`` to ``path`` (PNG, SVG or PDF by suffix)."""
+    plt = pyplot()
     o = p.options
     job_s = o.job_hours * 3600.0
     lo, hi = max(o.checkpoint_s / 2.0, 1.0), min(job_s, max(20.0 * p.interval_s, 4.0 * 3600.0))

@@ -90,6 +90,14 @@ def _locked(final: Path) -> Iterator[None]:
             os.close(fd)  # closing drops the record lock
 
 
+def _write_synced(path: Path, data: bytes) -> None:
+    """``data`` in ``path``, on disk (fsynced) before it is linked or renamed into place."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -134,10 +142,7 @@ class LocalStorage(Storage):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_path(final)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_synced(tmp, data)
             if exclusive:
                 try:
                     os.link(tmp, final)  # atomic and never replaces: write-once
@@ -166,10 +171,7 @@ class LocalStorage(Storage):
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._tmp_path(final)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_synced(tmp, data)
                 with _locked(final):
                     if token is None:
                         try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spotguard.errors import MissingDependencyError, StorageError
+from spotguard.errors import StorageError
+from spotguard.ops.plot import pyplot
 
 if TYPE_CHECKING:
     from . import Result
@@ -24,13 +25,7 @@ CAUSES = {
 
 def plot_rehearsal(result: Result, path: str | Path) -> Path:
     """Draw ``result`` to ``path`` (PNG, SVG or PDF by suffix)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise MissingDependencyError("--plot needs matplotlib: pip install 'spotguard[plot]'") from e
+    plt = pyplot()
     machines = result.machines
     t0 = machines[0].start if machines else 0.0
     fig, (ax, bars) = plt.subplots(
