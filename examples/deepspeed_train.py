@@ -91,6 +91,7 @@ def train(
     while step < args.steps and not stopped:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)  # a no-op on the CPU
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -115,7 +116,7 @@ def final_weights(engine: Any) -> dict[str, torch.Tensor]:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -132,6 +133,8 @@ def setup(args: argparse.Namespace) -> None:
         ds_logger.setLevel(logging.ERROR)
     if "RANK" not in os.environ:  # plain `python deepspeed_train.py`: a group of one (no MPI discovery)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    if torch.cuda.is_available():  # one GPU per rank on this node, before NCCL picks one
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     torch.set_num_threads(1)
 
