@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -95,9 +96,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
     p.add_argument("--eval-augment", action="store_true", help="validation draws random numbers (noisy inputs)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun: DDP or FSDP")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
+
+
+def strategy(args: argparse.Namespace, world: int) -> Any:
+    if args.strategy == "ddp":
+        return "ddp" if world > 1 else "auto"
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if args.cuda:
+        return FSDPStrategy()
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Lightning refuses FSDP on the CPU (by the strategy's exact type) and hands torch no device, while
+        torch's FSDP runs on the CPU over gloo when told so: this subclass lets the CPU tests run it."""
+
+        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=model, sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs
+            )
+
+    return CPUFSDPStrategy(state_dict_type="sharded")
+
+
+def final_weights(args: argparse.Namespace, trainer: L.Trainer, model: L.LightningModule) -> dict[str, torch.Tensor]:
+    """The whole model's weights; under FSDP gathered from every rank's shard (so called on every rank)."""
+    if args.strategy != "fsdp":
+        return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+        return {k: v.detach().cpu().clone() for k, v in model.net.state_dict().items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         accelerator="cuda" if args.cuda else "cpu",
         devices=local,
         num_nodes=world // local,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy(args, world),
         use_distributed_sampler=False,
         callbacks=[spot],
         logger=False,
@@ -156,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return code
     print(f"[lightning] finished {trainer.global_step} steps", flush=True)
-    if args.final and trainer.is_global_zero:
-        torch.save({k: v.detach().clone() for k, v in model.net.state_dict().items()}, args.final)
+    if args.final:
+        weights = final_weights(args, trainer, model)
+        if trainer.is_global_zero:
+            torch.save(weights, args.final)
     return 0
 
 

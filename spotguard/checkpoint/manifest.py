@@ -31,7 +31,10 @@ _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,39}$")
 MANIFEST = "manifest.json"
 REASONS = ("periodic", "emergency", "final", "advisory", "manual")
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+# A path component may start with a dot (DCP's ``.metadata``, which Lightning's sharded FSDP checkpoint
+# holds) but may not be ``.`` or ``..``.
+_PART = r"(?!\.\.?(?:/|$))[A-Za-z0-9._][A-Za-z0-9._-]*"
+_FILE_NAME = re.compile(rf"^{_PART}(/{_PART})*$")
 
 
 def step_dir(step: int) -> str:

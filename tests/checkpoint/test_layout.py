@@ -12,6 +12,7 @@ import torch
 
 import spotguard
 from spotguard import checkpoint
+from spotguard.checkpoint.manifest import check_file_name
 from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError, NoLoadableCheckpointError
 from spotguard.storage import open_storage
 from tests.helpers import chunked_digest
@@ -322,3 +323,12 @@ def test_write_dir_rejects_empty_folders_and_unsafe_names(tmp_path):
     with pytest.raises(ConfigError, match="invalid checkpoint file name"):
         checkpoint.write_dir(storage, 1, odd, reason="manual")
     assert checkpoint.scan(storage) == []
+
+
+def test_names_may_start_with_a_dot_but_never_leave_the_checkpoint():
+    """DCP folders (Lightning's sharded FSDP checkpoint) hold ``.metadata``; ``.`` and ``..`` stay refused."""
+    for name in (".metadata", "lightning.ckpt/.metadata", "a/.b/c", "...", "..a"):
+        check_file_name(name)
+    for name in (".", "..", "../x", "a/..", "a/../b", "a/./b", "/a", "a//b", "", "-x", "a\\b", "manifest.json"):
+        with pytest.raises(ConfigError, match="invalid checkpoint file name"):
+            check_file_name(name)
