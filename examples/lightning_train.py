@@ -108,7 +108,7 @@ def strategy(args: argparse.Namespace, world: int) -> Any:
     from lightning.pytorch.strategies import FSDPStrategy
 
     if args.cuda:
-        return FSDPStrategy()
+        return FSDPStrategy(state_dict_type="sharded")  # each rank writes its shard: see docs/integrations.md
 
     class CPUFSDPStrategy(FSDPStrategy):
         """Lightning refuses FSDP on the CPU (by the strategy's exact type) and hands torch no device, while

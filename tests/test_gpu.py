@@ -162,6 +162,7 @@ TRAINERS = {
     "hf": ("hf_trainer.py", lambda d: ("--output-dir", str(d / "hf-output"))),
     "accelerate": ("accelerate_train.py", lambda d: ()),
     "lightning": ("lightning_train.py", lambda d: ()),
+    "lightning-fsdp": ("lightning_train.py", lambda d: ("--strategy", "fsdp")),
 }
 TRAINER_ARGS = ("--steps", "24", "--every-steps", "10", "--interval", "0.2", "--cuda")
 
