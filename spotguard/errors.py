@@ -24,6 +24,11 @@ class StorageError(SpotguardError, OSError):
     """A storage backend could not read, write, list or delete."""
 
 
+class StorageAccessError(StorageError, PermissionError):
+    """The storage refused this job or is not there: access denied, no credentials, a missing bucket or
+    container, a local folder that cannot be read or written. A restart would meet it again."""
+
+
 class CheckpointExistsError(StorageError, FileExistsError):
     """A write-once object (a manifest) already exists: another writer committed first."""
 
@@ -85,4 +90,4 @@ class SaveCancelled(SpotguardError):
 #: Errors a restart would meet again unchanged: the tracked state or the options, not a passing fault. A Guard
 #: that raises one from ``resume()`` or a save marks its heartbeat, and ``spotguard run`` exits
 #: ``EXIT_CONFIG`` (78) instead of restarting the job into the same error until its budget is used up.
-PERMANENT = (ConfigError, CheckpointMismatchError, NoLoadableCheckpointError)
+PERMANENT = (ConfigError, CheckpointMismatchError, NoLoadableCheckpointError, StorageAccessError)

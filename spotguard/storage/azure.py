@@ -39,7 +39,7 @@ import azure.core.exceptions as aze
 import requests
 from azure.core import MatchConditions
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageAccessError, StorageError
 from . import retry
 from ._common import check_fields, crc_b64
 from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolicy, error_code, parse_url
@@ -141,7 +141,7 @@ class AzureStorage(CloudStorage):
         code = error_code(e)
         status = getattr(e, "status_code", None) or 0
         if code == "ContainerNotFound":
-            return StorageError(
+            return StorageAccessError(
                 f"cannot {what} {where}: container {self.container_name!r} does not exist in account "
                 f"{self.account!r}; create it or fix the URL ({CONNECTION_STRING} for an emulator)"
             )
@@ -149,7 +149,7 @@ class AzureStorage(CloudStorage):
             return ObjectNotFoundError(f"{where} does not exist")
         if isinstance(e, aze.ClientAuthenticationError) and status == 0:  # no token: the credential chain failed
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return StorageError(
+            return StorageAccessError(
                 f"cannot {what} {where}: no Azure credentials found ({first}); run `az login`, "
                 "attach a managed identity (AZURE_CLIENT_ID for a user-assigned one), set "
                 f"AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or {CONNECTION_STRING}"
@@ -157,7 +157,7 @@ class AzureStorage(CloudStorage):
         if isinstance(e, aze.ClientAuthenticationError) or status in (401, 403):
             detail = re.search(r"authenticationerrordetail:\s*(.+)", str(e), re.IGNORECASE)  # e.g. an expired token
             code = f"{code or status}: {detail.group(1).strip()}" if detail else (code or str(status))
-            return StorageError(
+            return StorageAccessError(
                 f"cannot {what} {where}: access denied ({code}); check the credentials "
                 "(managed identity, az login, connection string) and that they hold the 'Storage "
                 f"Blob Data Contributor' role on container {self.container_name!r}"

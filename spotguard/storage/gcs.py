@@ -35,7 +35,7 @@ import requests
 from google.cloud import storage as gcs
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from ..errors import CheckpointCorruptError, ConfigError, StorageError
+from ..errors import CheckpointCorruptError, ConfigError, StorageAccessError, StorageError
 from . import retry
 from ._common import check_fields, crc_b64, split_url
 from .base import STEP_DIR, Leftover, ObjectNotFoundError
@@ -203,13 +203,13 @@ class GCSStorage(CloudStorage):
             return CheckpointCorruptError(f"{where}: {e}")
         if isinstance(e, gexc.NotFound):
             if "bucket" in str(e).lower() and "object" not in str(e).lower():
-                return StorageError(
+                return StorageAccessError(
                     f"cannot {what} {where}: bucket {self.bucket_name!r} does not exist; "
                     "create it or fix the URL (and STORAGE_EMULATOR_HOST)"
                 )
             return ObjectNotFoundError(f"{where} does not exist")
         if isinstance(e, (gexc.Forbidden, gexc.Unauthorized, aexc.RefreshError)):
-            return StorageError(
+            return StorageAccessError(
                 f"cannot {what} {where}: access denied ({e}); check the credentials "
                 "(GOOGLE_APPLICATION_CREDENTIALS, the VM's service account) and that it has "
                 f"roles/storage.objectAdmin on bucket {self.bucket_name!r}"

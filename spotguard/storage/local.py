@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageAccessError, StorageError
 from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
 
 TMP_MARK = ".tmp-"
@@ -36,6 +36,8 @@ _TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@\d+)-[0-9a-f]{8}")
 _SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@\d+)-)?[a-z0-9_]{8}")
 LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
 LOCK_SUFFIX = ".lock"  # beside a conditionally written key: serialises its compare-and-replace
+#: Errors that say this process may not use the folder (or that it is no folder): a restart would meet them.
+_NO_ACCESS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 _thread_lock = threading.Lock()  # POSIX record locks exclude processes, not threads of one process
 
 
@@ -104,6 +106,12 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _failed(message: str, e: OSError) -> StorageError:
+    """``message`` as a StorageError; a StorageAccessError (permanent: exit 78 under ``spotguard run``)
+    where the system refused access."""
+    return (StorageAccessError if e.errno in _NO_ACCESS else StorageError)(message)
 
 
 class LocalStorage(Storage):
@@ -194,7 +202,7 @@ class LocalStorage(Storage):
         except PreconditionFailedError:
             raise
         except OSError as e:
-            raise StorageError(f"cannot write {self.describe(key)}: {e}") from e
+            raise _failed(f"cannot write {self.describe(key)}: {e}", e) from e
         return _version(data)
 
     def scratch(self) -> AbstractContextManager[Path]:
@@ -260,7 +268,7 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise ObjectNotFoundError(f"{self.describe(key)} does not exist") from e
         except OSError as e:
-            raise StorageError(f"cannot read {self.describe(key)}: {e}") from e
+            raise _failed(f"cannot read {self.describe(key)}: {e}", e) from e
 
     @contextmanager
     def local_copy(self, key: str) -> Iterator[Path]:
@@ -281,7 +289,7 @@ class LocalStorage(Storage):
 
         def unreadable(e: OSError) -> None:
             if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # not deleted meanwhile
-                raise StorageError(f"cannot list {e.filename or start}: {e.strerror or e}") from e
+                raise _failed(f"cannot list {e.filename or start}: {e.strerror or e}", e) from e
 
         for dirpath, dirs, files in os.walk(start, onerror=unreadable):
             rel = Path(dirpath).relative_to(self.root).as_posix()
@@ -298,7 +306,7 @@ class LocalStorage(Storage):
                     except FileNotFoundError:  # deleted since the walk saw it
                         pass
                     except OSError as e:
-                        raise StorageError(f"cannot read {os.path.join(dirpath, name)}: {e.strerror or e}") from e
+                        raise _failed(f"cannot read {os.path.join(dirpath, name)}: {e.strerror or e}", e) from e
         return sizes
 
     def _listable(self, start: Path) -> bool:
@@ -312,7 +320,7 @@ class LocalStorage(Storage):
         except OSError as e:
             if start != self.root and isinstance(e, NotADirectoryError):
                 return False  # a prefix naming a file's "folder": nothing under it
-            raise StorageError(f"cannot list {self.describe()}: {e.filename or start}: {e.strerror or e}") from e
+            raise _failed(f"cannot list {self.describe()}: {e.filename or start}: {e.strerror or e}", e) from e
         return True
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -324,7 +332,7 @@ class LocalStorage(Storage):
             except FileNotFoundError:
                 pass
             except OSError as e:
-                raise StorageError(f"cannot delete {self.describe(key)}: {e}") from e
+                raise _failed(f"cannot delete {self.describe(key)}: {e}", e) from e
             parents.add(path.parent)
         # Remove directories left empty (a deleted checkpoint leaves no step-N/ behind).
         for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
@@ -354,7 +362,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise StorageError(f"cannot list {self.describe()}: {e}") from e
+            raise _failed(f"cannot list {self.describe()}: {e}", e) from e
         found = []
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
@@ -409,7 +417,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise StorageError(f"cannot delete {self.describe(item.key)}: {e}") from e
+            raise _failed(f"cannot delete {self.describe(item.key)}: {e}", e) from e
 
 
 def _tree_stats(top: Path) -> tuple[int, float] | None:

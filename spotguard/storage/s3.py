@@ -30,7 +30,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageAccessError, StorageError
 from . import retry
 from ._common import check_fields, split_url
 from .base import STEP_DIR, Leftover, ObjectNotFoundError
@@ -188,7 +188,7 @@ class S3Storage(CloudStorage):
         e = self._cause(e)
         where = f"s3://{self.bucket}/{self.prefix}{key}"
         if isinstance(e, bex.NoCredentialsError):
-            return StorageError(
+            return StorageAccessError(
                 f"cannot {what} {where}: no AWS credentials found; set AWS_PROFILE or "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance role"
             )
@@ -196,14 +196,14 @@ class S3Storage(CloudStorage):
             code = e.response.get("Error", {}).get("Code", "")
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code == "NoSuchBucket":
-                return StorageError(
+                return StorageAccessError(
                     f"cannot {what} {where}: bucket {self.bucket!r} does not exist; create it "
                     "or fix the URL (and AWS_ENDPOINT_URL / region)"
                 )
             if code in ("NoSuchKey", "404"):
                 return ObjectNotFoundError(f"{self.describe(key)} does not exist")
             if code in _PERMANENT or status == 403:
-                return StorageError(
+                return StorageAccessError(
                     f"cannot {what} {where}: {_PERMANENT.get(code, 'forbidden')} ({code or status});"
                     " check the credentials (AWS_PROFILE, keys, instance role) and that the "
                     f"bucket policy allows s3:GetObject/PutObject/ListBucket/DeleteObject on {self.bucket!r}"

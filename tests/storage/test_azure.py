@@ -16,7 +16,7 @@ import pytest
 from azure.storage.blob import BlobServiceClient
 
 from spotguard import checkpoint
-from spotguard.errors import CheckpointCorruptError, ConfigError, StorageError
+from spotguard.errors import CheckpointCorruptError, ConfigError, StorageAccessError, StorageError
 from spotguard.storage import open_storage
 from spotguard.storage.azure import META_CRC, AzureOptions, AzureStorage
 from spotguard.storage.retry import RetryOptions
@@ -100,6 +100,7 @@ def test_missing_credentials_fail_fast_naming_the_fixes(no_azure_env, tmp_path):
     msg = str(err.value)
     assert "az://ckpt@nosuchacct0.blob.core.windows.net/run" in msg and "no Azure credentials found" in msg
     assert "az login" in msg and "AZURE_STORAGE_CONNECTION_STRING" in msg
+    assert isinstance(err.value, StorageAccessError)
 
 
 def test_an_account_must_be_named_and_a_connection_string_must_be_readable(no_azure_env):
@@ -179,10 +180,11 @@ def test_permanent_errors_fail_fast_naming_container_key_and_fix(azurite, monkey
         assert time.monotonic() - t0 < 10 and proxy.requests == 1  # not retried (a retry would be a 2nd request)
     msg = str(err.value)
     assert f"az://{container}/run/step-00000001/manifest.json" in msg and "access denied" in msg
-    assert "Storage Blob Data Contributor" in msg
+    assert "Storage Blob Data Contributor" in msg and isinstance(err.value, StorageAccessError)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(azurite.port))
     with pytest.raises(
-        StorageError, match="container 'no-such-container' does not exist in account 'devstoreaccount1'; create it"
+        StorageAccessError,
+        match="container 'no-such-container' does not exist in account 'devstoreaccount1'; create it",
     ):
         AzureStorage("az://no-such-container/x").list()
 

@@ -15,7 +15,7 @@ import google_crc32c
 import pytest
 
 from spotguard import checkpoint
-from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.errors import CheckpointCorruptError, StorageAccessError, StorageError
 from spotguard.storage import open_storage
 from spotguard.storage._common import crc_b64
 from spotguard.storage.gcs import GCSOptions, GCSStorage
@@ -163,8 +163,9 @@ def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(fake_gcs, monkeypa
         assert sum("uploadType" in r for r in proxy.log) == 1, proxy.log
     msg = str(err.value)
     assert "gs://some-bucket/run/step-00000001/manifest.json" in msg and "credentials" in msg
+    assert isinstance(err.value, StorageAccessError)  # permanent: `spotguard run` exits 78, no restart
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs.url)
-    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist; create it"):
+    with pytest.raises(StorageAccessError, match="bucket 'no-such-bucket' does not exist; create it"):
         GCSStorage("gs://no-such-bucket/x").list()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spotguard
-from spotguard.errors import StorageError
+from spotguard.errors import StorageAccessError, StorageError
 from spotguard.ops.cli import main
 from spotguard.storage import open_storage
 from tests.helpers import WORKERS, subprocess_env
@@ -27,7 +27,7 @@ def test_a_root_below_a_file_is_a_storage_error_for_the_listing_resume_and_ls(tm
     """A path component that is a file (a typo, a mount missing): works as root too."""
     (tmp_path / "file").write_text("not a folder")
     url = str(tmp_path / "file" / "ckpt")
-    with pytest.raises(StorageError, match="cannot list .*: Not a directory"):
+    with pytest.raises(StorageAccessError, match="cannot list .*: Not a directory"):
         open_storage(url).list_sizes()
     with pytest.raises(StorageError, match="cannot list"):
         spotguard.Guard(url, providers=[], lease_ttl=None).track(x=torch.zeros(4)).resume()
@@ -48,7 +48,7 @@ RESUME_THEN_LS = textwrap.dedent("""
     try:
         print("resumed at", spotguard.Guard(url, providers=[], lease_ttl=None).track(x=torch.zeros(4)).resume())
     except spotguard.errors.StorageError as e:
-        print("resume failed:", e)
+        print(f"resume failed ({type(e).__name__}):", e)
     sys.stdout.flush()
     sys.exit(main(["ls", url]))
 """)
@@ -77,7 +77,7 @@ def test_an_unreadable_folder_fails_resume_and_ls_with_a_clear_message(tmp_path,
         target.chmod(0o755)
     if proc.returncode == 77:
         pytest.skip("cannot drop CAP_DAC_OVERRIDE here: root would read the folder anyway")
-    assert "resume failed: cannot list" in proc.stdout and "Permission denied" in proc.stdout, proc
+    assert "resume failed (StorageAccessError): cannot list" in proc.stdout and "Permission denied" in proc.stdout, proc
     assert proc.returncode == 2 and "spotguard: error: cannot list" in proc.stderr, proc
     assert "Traceback" not in proc.stderr and "no checkpoints" not in proc.stdout, proc
 

@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from spotguard import checkpoint
-from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.errors import CheckpointCorruptError, StorageAccessError, StorageError
 from spotguard.storage import open_storage
 from spotguard.storage.retry import RetryOptions
 from spotguard.storage.s3 import S3Options, S3Storage
@@ -78,8 +78,9 @@ def test_permanent_errors_fail_fast_naming_bucket_key_and_fix(s3_env):
         assert time.monotonic() - t0 < 10 and proxy.requests == 1  # not retried (a retry would be a 2nd request)
     msg = str(err.value)
     assert f"s3://{bucket}/run/step-00000001/manifest.json" in msg and "credentials" in msg
+    assert isinstance(err.value, StorageAccessError)  # permanent: `spotguard run` exits 78, no restart
     missing = S3Storage("s3://no-such-bucket-here/x")
-    with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist; create it"):
+    with pytest.raises(StorageAccessError, match="bucket 'no-such-bucket-here' does not exist; create it"):
         missing.list()
 
 
