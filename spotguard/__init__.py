@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         MissingDependencyError,
         NoLoadableCheckpointError,
         SpotguardError,
+        StorageAccessError,
         StorageError,
         UnloadableStateError,
     )
@@ -54,6 +55,7 @@ _WHERE = {
     "NoLoadableCheckpointError": "spotguard.errors",
     "UnloadableStateError": "spotguard.errors",
     "SpotguardError": "spotguard.errors",
+    "StorageAccessError": "spotguard.errors",
     "StorageError": "spotguard.errors",
     "Notice": "spotguard.notices.base",
     "NoticeProvider": "spotguard.notices.base",
@@ -84,6 +86,7 @@ __all__ = [
     "NoticeProvider",
     "SpotguardError",
     "Storage",
+    "StorageAccessError",
     "StorageError",
     "UnloadableStateError",
     "Value",
