@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -87,10 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch (rehearsals)")
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
+    p.add_argument("--deepspeed", type=int, choices=[0, 1, 2, 3], help="train through DeepSpeed, this ZeRO stage")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--eval-augment", action="store_true", help="evaluations draw random numbers (a random roll)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config for the Trainer ("auto": the Trainer fills in its own values); torch's AdamW,
+    so no op is compiled."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     transformers.utils.logging.disable_progress_bar()
+    if args.deepspeed is not None:  # before DeepSpeed is imported: it picks its accelerator then
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
@@ -122,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        deepspeed=None if args.deepspeed is None else deepspeed_config(args.deepspeed),
     )
     spot = SpotguardCallback(args.storage, providers=args.providers, interval=args.interval)
     trainer = Trainer(
