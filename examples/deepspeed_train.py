@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--losses", help="JSON lines {step, loss (float.hex)}: rank 0's, or every rank's with '{rank}' in the path"
     )
     p.add_argument("--final", help="rank 0 saves the final model state_dict here (torch.save)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -125,7 +126,7 @@ def setup(args: argparse.Namespace) -> None:
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s [rank " + rank + "] %(name)s: %(message)s",
     )
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.cuda else "cpu")
     import deepspeed  # after DS_ACCELERATOR: it picks its accelerator at import
     from deepspeed.utils import logger as ds_logger
 
@@ -133,9 +134,9 @@ def setup(args: argparse.Namespace) -> None:
         ds_logger.setLevel(logging.ERROR)
     if "RANK" not in os.environ:  # plain `python deepspeed_train.py`: a group of one (no MPI discovery)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    if torch.cuda.is_available():  # one GPU per rank on this node, before NCCL picks one
+    if args.cuda:  # one GPU per rank on this node, before NCCL picks one
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
     torch.set_num_threads(1)
 
 
