@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return guard.exit_code
     print(f"[accelerate] finished {step} steps ({progress.samples} samples seen)", flush=True)
-    if args.final and accelerator.is_main_process:
-        torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, args.final)
+    if args.final:
+        weights = accelerator.get_state_dict(model)  # collective under FSDP (gathers the shards): every rank
+        if accelerator.is_main_process:
+            torch.save({k: v.detach().clone() for k, v in weights.items()}, args.final)
     return 0
 
 
