@@ -46,9 +46,12 @@ def save(loaders: list[Any], folder: Path, process_index: int, cut: bool = False
     states = []
     for loader in loaders:
         iteration, generator = int(getattr(loader, "iteration", 0)), getattr(loader, "synchronized_generator", None)
-        if getattr(loader, "end_of_dataloader", False):
-            # Saved after the epoch's last batch: the resume begins the next epoch, with the generator as it is
-            # now (as at the last batch, the resumed loader's first pass is empty and does not count an epoch).
+        if getattr(loader, "end_of_dataloader", False) and cut:
+            # As at its last batch (a cut evaluation's save): the resumed loader's first pass is empty and counts
+            # no epoch, but fast-forwarding through the epoch draws its order again, from the epoch-start generator.
+            states.append({"iteration": iteration + 1, "generator": getattr(loader, "_spotguard_epoch_start", None)})
+        elif getattr(loader, "end_of_dataloader", False):
+            # Saved after the epoch's last batch: the resume begins the next epoch, with the generator as it is now.
             states.append({"iteration": iteration + 1, "generator": generator.get_state() if generator else None})
         else:
             states.append({"iteration": iteration, "generator": getattr(loader, "_spotguard_epoch_start", None)})
