@@ -171,20 +171,20 @@ def _as_at(cut: Cut | None, prepared: list[Any]) -> Iterator[None]:
     if cut is None:
         yield
         return
+    kept = {
+        str(i): dl
+        for i, loader in enumerate(prepared)
+        if isinstance(dl := getattr(loader, "dl_state_dict", None), dict)
+    }
+    at_last_batch = dict(kept)
+    data.as_at_last_batch({i: prepared[int(i)].base_dataloader for i in kept}, at_last_batch)
     now = state.capture_rng()
-    kept = [
-        (loader, loader.dl_state_dict)
-        for loader in prepared
-        if isinstance(getattr(loader, "dl_state_dict", None), dict)
-    ]
-    states = {str(i): dl for i, (_, dl) in enumerate(kept)}
-    data.as_at_last_batch({str(i): loader.base_dataloader for i, (loader, _) in enumerate(kept)}, states)
     try:
         state.restore_rng(cut.rng)
-        for i, (loader, _) in enumerate(kept):
-            loader.dl_state_dict = states[str(i)]
+        for i, dl in at_last_batch.items():
+            prepared[int(i)].dl_state_dict = dl  # what ``state_dict()`` returns to ``save_state``
         yield
     finally:
-        for loader, dl in kept:
-            loader.dl_state_dict = dl
+        for i, dl in kept.items():
+            prepared[int(i)].dl_state_dict = dl
         state.restore_rng(now)
