@@ -40,16 +40,21 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
 
 
-def evaluate(model: nn.Module, data: torch.utils.data.TensorDataset, stop: object, trace) -> float | None:
-    """Mean loss on held-out data, cut short (None) when a notice arrives: the checkpoint comes first."""
-    model.eval()
+def evaluate(
+    model: nn.Module, data: torch.utils.data.TensorDataset, guard, step: int, trace, augment: bool
+) -> float | None:
+    """Mean loss on held-out data, cut short (None) when a notice arrives: the checkpoint comes first.
+    ``augment``: dropout stays on and the inputs get random noise (draws that a resume must repeat)."""
+    model.train(augment)
     total = 0.0
-    with torch.no_grad():
+    with guard.evaluation(step) as ev, torch.no_grad():  # after training step `step`
         for i in range(0, len(data), 8):
-            if stop.is_set():  # guard.notices.preempted
+            if ev.should_stop():  # a stop notice (on any rank: the same answer on all)
                 model.train()
                 return None
             x, y = (t.to(next(model.parameters()).device) for t in data[i : i + 8])
+            if augment:
+                x = x + 0.1 * torch.randn_like(x)
             total += nn.functional.mse_loss(model(x), y).item()
             trace("eval_batch")
     model.train()
@@ -62,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every-steps", type=int, default=50, help="periodic checkpoint interval (0: off)")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
+    p.add_argument("--eval-augment", action="store_true", help="evaluate with dropout on and noisy inputs")
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument("--seed", type=int, default=0)
@@ -117,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         trace("train_begin")
         time.sleep(args.warmup_sleep)  # e.g. compiling, loading data: a notice now stops before any step
         stopped = guard.step(step)
+
+        def evaluation() -> None:
+            def batch_done(event: str) -> None:
+                trace(event)
+                time.sleep(args.eval_sleep)
+
+            evaluate(model, held_out, guard, step, batch_done, args.eval_augment)
+
+        if guard.resumed_in_evaluation and not stopped:
+            evaluation()  # the one a notice cut short: again from its start, with the same draws
+            stopped = guard.step(step)
         while step < args.steps and not stopped:
             for x, y in loader:
                 loss = nn.functional.mse_loss(model(x), y)
@@ -131,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                 time.sleep(args.step_sleep)
                 if args.eval_steps and step % args.eval_steps == 0:
-                    evaluate(
-                        model, held_out, guard.notices.preempted, lambda e: (trace(e), time.sleep(args.eval_sleep))
-                    )
+                    evaluation()
                 if guard.step(step) or step >= args.steps:  # after the evaluation: a notice in it counts too
                     stopped = guard.stopped_at is not None
                     break
@@ -148,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return guard.exit_code
     print(f"[accelerate] finished {step} steps ({progress.samples} samples seen)", flush=True)
-    if args.final and accelerator.is_main_process:
-        torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, args.final)
+    if args.final:
+        weights = accelerator.get_state_dict(model)  # collective under FSDP (gathers the shards): every rank
+        if accelerator.is_main_process:
+            torch.save({k: v.detach().clone() for k, v in weights.items()}, args.final)
     return 0
 
 

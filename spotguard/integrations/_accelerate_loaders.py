@@ -40,35 +40,42 @@ def watch(loaders: list[Any]) -> None:
         loader._spotguard_watched = True
 
 
-def save(loaders: list[Any], folder: Path, process_index: int) -> None:
-    """Write each prepared loader's epoch count and epoch-start generator into ``folder``."""
+def save(loaders: list[Any], folder: Path, process_index: int, cut: bool = False) -> None:
+    """Write each prepared loader's epoch count and epoch-start generator into ``folder``; ``cut``: the
+    save is of a step whose evaluation a notice cut short (``AcceleratorGuard.evaluation``)."""
     states = []
     for loader in loaders:
         iteration, generator = int(getattr(loader, "iteration", 0)), getattr(loader, "synchronized_generator", None)
-        if getattr(loader, "end_of_dataloader", False):
+        if getattr(loader, "end_of_dataloader", False) and cut:
+            # As at its last batch (a cut evaluation's save): the resumed loader's first pass is empty and counts
+            # no epoch, but fast-forwarding through the epoch draws its order again, from the epoch-start generator.
+            states.append({"iteration": iteration + 1, "generator": getattr(loader, "_spotguard_epoch_start", None)})
+        elif getattr(loader, "end_of_dataloader", False):
             # Saved after the epoch's last batch: the resume begins the next epoch, with the generator as it is now.
             states.append({"iteration": iteration + 1, "generator": generator.get_state() if generator else None})
         else:
             states.append({"iteration": iteration, "generator": getattr(loader, "_spotguard_epoch_start", None)})
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"loaders": states}, folder / file_name(process_index))
+    torch.save({"loaders": states, "evaluation_cut": cut}, folder / file_name(process_index))
 
 
-def restore(loaders: list[Any], folder: Path, process_index: int) -> None:
+def restore(loaders: list[Any], folder: Path, process_index: int) -> bool:
     """Put the epoch counts and epoch-start generators of ``folder`` back (a checkpoint of an older
-    spotguard has none: the loaders start at epoch 0, as before)."""
+    spotguard has none: the loaders start at epoch 0, as before). True: it was saved inside a cut
+    evaluation, which the resumed run must run again."""
     path = folder / file_name(process_index)
     if not path.is_file():
         logger.debug("%s has no loader positions (an older spotguard's checkpoint)", folder)
-        return
-    states = torch.load(path, weights_only=True)["loaders"]
+        return False
+    saved_file = torch.load(path, weights_only=True)
+    states, cut = saved_file["loaders"], bool(saved_file.get("evaluation_cut", False))
     if len(states) != len(loaders):
         logger.warning(
             "the checkpoint has %d prepared data loader(s), this run %d: their epochs are not restored",
             len(states),
             len(loaders),
         )
-        return
+        return cut
     for loader, saved in zip(loaders, states, strict=True):
         if hasattr(loader, "iteration"):
             loader.iteration = saved["iteration"]
@@ -76,3 +83,4 @@ def restore(loaders: list[Any], folder: Path, process_index: int) -> None:
         if generator is not None and saved["generator"] is not None:
             generator.set_state(saved["generator"])
             loader._spotguard_epoch_start = saved["generator"]
+    return cut

@@ -13,6 +13,11 @@
                 break                    # a notice came: the emergency checkpoint is committed
     sys.exit(guard.exit_code)            # 75 after a notice
 
+An evaluation between two steps is left early through ``guard.evaluation()`` (as for ``Guard``):
+the checkpoint of the last training step then holds the RNG streams as the evaluation found them
+and the loaders as at their last batch, and ``guard.resumed_in_evaluation`` tells the resumed run
+to run that evaluation again first.
+
 Every save is ``accelerator.save_state`` into a scratch folder (on the storage's filesystem for a
 local path, so storing it is a hard link), committed as ``step-N/`` with a manifest written last;
 ``resume()`` loads the newest folder whose files match their manifest. Accelerate saves the
@@ -24,12 +29,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint import data
+from spotguard.checkpoint import data, state
+from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.checkpoint.manifest import Manifest
 
 from ..errors import ConfigError
+from ..guard.evaluation import Evaluation
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
 from ._common import WatchOptions
@@ -68,6 +77,10 @@ class AcceleratorGuard(LoopGuard):
             )
         super().__init__(storage, every_steps, save_on_exit, options)
         self.accelerator = accelerator
+        self._evaluations = Tracked({}, {})  # holds the cut of the latest guard.evaluation()
+        #: The checkpoint ``resume()`` loaded was written inside an evaluation cut short by a notice:
+        #: run that evaluation again, from its start, before the next training step.
+        self.resumed_in_evaluation = False
 
     def track(self, *objects: Any) -> AcceleratorGuard:
         """Save and restore ``objects`` too (``accelerator.register_for_checkpointing``)."""
@@ -89,7 +102,7 @@ class AcceleratorGuard(LoopGuard):
         prepared = getattr(self.accelerator, "_dataloaders", [])
         try:
             self.accelerator.load_state(str(folder))
-            loaders.restore(prepared, folder, self.accelerator.process_index)
+            cut = loaders.restore(prepared, folder, self.accelerator.process_index)
         except BaseException:
             self.checkpoints.cleanup()
             raise
@@ -101,19 +114,46 @@ class AcceleratorGuard(LoopGuard):
             base = getattr(loader, "base_dataloader", loader)
             if data.is_stateful_loader(base):
                 data.neutralize_next_iterator(base)
+        self.resumed_in_evaluation = cut
+        if cut:
+            logger.warning("resumed inside the evaluation after step %d that a notice cut short: run it again", step)
         self._resumed(step)
         return step
+
+    def evaluation(self, step: int | None = None) -> Evaluation:
+        """Mark an evaluation run after training step ``step`` (default: the last one passed to ``step()``);
+        leave it when ``should_stop()`` says so.
+
+        ::
+
+            with guard.evaluation() as ev:
+                for batch in val_loader:
+                    if ev.should_stop():   # the same answer on every rank (one all-reduce in a group)
+                        break
+                    ...
+            if guard.step(step):           # the same step again: the emergency checkpoint, then stop
+                break
+
+        That checkpoint holds the RNG streams as the evaluation found them and each prepared loader
+        as at its last batch; after ``resume()``, ``resumed_in_evaluation`` is True: run the
+        evaluation again first, and the resumed run draws as the uninterrupted one did.
+        """
+        at = self._step if step is None else step
+        return Evaluation(self._evaluations, at, self.notices.preempted, self.checkpoints.group.get())
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.
 
         Collective in a process group: each rank saves into a scratch folder of its own (no shared
         filesystem assumed) and the folders are committed as one checkpoint."""
+        cut = self._evaluations.cut_at(step, final=reason == "final")
+        prepared = getattr(self.accelerator, "_dataloaders", [])
         with self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
             t0 = time.monotonic()
-            self.accelerator.save_state(str(folder))
-            loaders.save(getattr(self.accelerator, "_dataloaders", []), folder, self.accelerator.process_index)
+            with _as_at(cut, prepared):
+                self.accelerator.save_state(str(folder))
+                loaders.save(prepared, folder, self.accelerator.process_index, cut=cut is not None)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
             manifest = self.checkpoints.commit(step, folder, reason, deadline)
         self._saved(step)
@@ -122,3 +162,29 @@ class AcceleratorGuard(LoopGuard):
     def __enter__(self) -> AcceleratorGuard:
         loaders.watch(getattr(self.accelerator, "_dataloaders", []))
         return super().__enter__()
+
+
+@contextmanager
+def _as_at(cut: Cut | None, prepared: list[Any]) -> Iterator[None]:
+    """During a save inside a cut evaluation: the RNG streams as it found them (``save_state`` pickles
+    the global ones) and each prepared loader's state as at its last batch; all back afterwards."""
+    if cut is None:
+        yield
+        return
+    kept = {
+        str(i): dl
+        for i, loader in enumerate(prepared)
+        if isinstance(dl := getattr(loader, "dl_state_dict", None), dict)
+    }
+    at_last_batch = dict(kept)
+    data.as_at_last_batch({i: prepared[int(i)].base_dataloader for i in kept}, at_last_batch)
+    now = state.capture_rng()
+    try:
+        state.restore_rng(cut.rng)
+        for i, dl in at_last_batch.items():
+            prepared[int(i)].dl_state_dict = dl  # what ``state_dict()`` returns to ``save_state``
+        yield
+    finally:
+        for i, dl in kept.items():
+            prepared[int(i)].dl_state_dict = dl
+        state.restore_rng(now)

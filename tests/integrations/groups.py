@@ -44,14 +44,15 @@ def torchrun_args(nnodes: int, nproc: int, port: int, job: str) -> list[str]:
     ]
 
 
-def accelerate_args(nnodes: int, nproc: int, port: int, node: int) -> list[str]:
-    """``accelerate launch`` of ``nproc`` processes on machine ``node`` of ``nnodes`` (``--multi_gpu``
-    is its torchrun launcher; the scripts ask for the CPU themselves, and ``--cpu`` would run one process)."""
+def accelerate_args(nnodes: int, nproc: int, port: int, node: int, *mode: str) -> list[str]:
+    """``accelerate launch`` of ``nproc`` processes on machine ``node`` of ``nnodes`` (``mode`` default
+    ``--multi_gpu``, its torchrun launcher; the scripts ask for the CPU themselves, and ``--cpu`` would
+    run one process; ``--use_fsdp ...`` runs the same launcher)."""
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--multi_gpu",
+        *(mode or ("--multi_gpu",)),
         "--num_processes",
         str(nnodes * nproc),
         "--num_machines",
@@ -72,7 +73,8 @@ class Job:
 
     ``launcher``: "torchrun" or "accelerate" (``accelerate launch``). ``local_args(node)`` gives the
     arguments naming a node's own local folders (e.g. the Trainer's ``--output-dir``); every node
-    gets its own ``TMPDIR`` (spotguard's resume copy lives there).
+    gets its own ``TMPDIR`` (spotguard's resume copy lives there). ``launcher_args``: the mode of
+    ``accelerate launch`` and its options, instead of ``--multi_gpu`` (e.g. ``--use_fsdp ...``).
     """
 
     def __init__(
@@ -85,8 +87,10 @@ class Job:
         nproc: int = 2,
         local_args: Callable[[Path], tuple[str, ...]] = lambda node: (),
         launcher: str = "torchrun",
+        launcher_args: tuple[str, ...] = (),
     ) -> None:
         self.script, self.run_dir, self.args, self.launcher = script, run_dir, args, launcher
+        self.launcher_args = launcher_args
         self.nodes, self.nproc, self.local_args = nodes, nproc, local_args
         self.losses = run_dir / "losses.jsonl"
         self.final = run_dir / "final.pt"
@@ -105,7 +109,7 @@ class Job:
         for node in range(self.nodes):
             local = self.node_dir(node)
             launch = (
-                accelerate_args(self.nodes, self.nproc, port, node)
+                accelerate_args(self.nodes, self.nproc, port, node, *self.launcher_args)
                 if self.launcher == "accelerate"
                 else torchrun_args(self.nodes, self.nproc, port, job)
             )

@@ -1,8 +1,10 @@
-"""AcceleratorGuard warns about a prepared loader whose position cannot be saved, as Guard.track() does."""
+"""AcceleratorGuard in one process: it warns about a prepared loader whose position cannot be saved, as
+Guard.track() does, and resumes an evaluation a notice cut short exactly (``guard.evaluation()``)."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration  # noqa: E402
 
+from spotguard import EXIT_PREEMPTED  # noqa: E402
 from spotguard.integrations.accelerate import AcceleratorGuard  # noqa: E402
+from spotguard.notices.file import FileProvider  # noqa: E402
 
 
 @pytest.fixture
@@ -21,6 +25,7 @@ def accelerator():
     made = []
 
     def make(stateful: bool):
+        AcceleratorState._reset_state(True)  # a new run in this process
         acc = accelerate.Accelerator(
             cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful)
         )
@@ -50,3 +55,71 @@ def test_a_stateful_prepared_loader_gets_no_warning(tmp_path, accelerator):
         warnings.simplefilter("always")
         assert guard.resume() == 0
     assert not [w for w in seen if "plain torch DataLoader" in str(w.message)]
+
+
+class Epochs:
+    """The loop's epoch counter, saved with the checkpoint (``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = state["epoch"]
+
+
+def epoch_loop(acc, storage, notice: Path | None = None) -> tuple[list[tuple], int, dict]:
+    """3 epochs of 6 batches, each followed by an evaluation that draws (dropout on, noisy inputs); with
+    ``notice``, that file appears at the second batch of epoch 1's evaluation. Returns every logged row,
+    the exit code and the final weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = [(torch.randn(4), torch.randn(1)) for _ in range(24)]
+    model, opt, loader = acc.prepare(model, opt, StatefulDataLoader(data, batch_size=4, shuffle=True))
+    guard = AcceleratorGuard(acc, str(storage), providers=[FileProvider(notice)] if notice else [], interval=0.02)
+    epochs = Epochs()
+    guard.track(epochs)
+    step, rows = guard.resume(), []
+    with guard:
+        while epochs.epoch < 3:
+            for x, y in loader:
+                loss = ((model(x) - y) ** 2).mean()
+                opt.zero_grad()
+                acc.backward(loss)
+                opt.step()
+                step += 1
+                rows.append(("train", step, loss.item()))
+                if guard.step(step):
+                    return rows, guard.exit_code, {}
+            with guard.evaluation() as ev, torch.no_grad():  # dropout stays on: the draws matter
+                for i in range(4):
+                    if notice and epochs.epoch == 1 and i == 1:
+                        notice.write_text('{"deadline_in": 60}')
+                        assert guard.notices.preempted.wait(10)
+                    if ev.should_stop():
+                        break
+                    rows.append(("eval", epochs.epoch, model(data[i][0] + 0.1 * torch.randn(4)).item()))
+            if guard.step(step):
+                return rows, guard.exit_code, {}
+            epochs.epoch += 1
+    return rows, guard.exit_code, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_notice_in_an_epochs_closing_evaluation_resumes_it_from_its_start_exactly(tmp_path, accelerator):
+    """The evaluation after an epoch's last batch (the loader has ended its epoch): the checkpoint holds
+    the loader as at its last batch and the streams as the evaluation found them, so the resumed loop's
+    first pass is empty, it evaluates again with the same draws, then trains on as the reference."""
+    ref, code, ref_weights = epoch_loop(accelerator(stateful=True), tmp_path / "ref")
+    assert code == 0
+    cut, code, _ = epoch_loop(accelerator(stateful=True), tmp_path / "run", tmp_path / "notice")
+    assert code == EXIT_PREEMPTED
+    assert cut == ref[: len(cut)] and cut[-1][:2] == ("eval", 1)  # cut at its second batch
+    (tmp_path / "notice").unlink()
+    resumed, code, weights = epoch_loop(accelerator(stateful=True), tmp_path / "run")
+    assert code == 0
+    begun = ref.index(cut[-1])
+    assert resumed == ref[begun:]
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
