@@ -89,9 +89,9 @@ def _registered(group: Any) -> bool:
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
-    Creating it is itself collective (two ``new_group`` calls and, with ``async_save``, a broadcast
-    of the name its background saves use in the store): every rank must construct its Guard in
-    the same order. ``close()`` destroys the groups (``Guard.close`` calls it; an ``atexit`` hook
+    Creating it is itself collective (two ``new_group`` calls, with ``async_save`` a broadcast of
+    the name its background saves use in the store, with ``same`` one all-reduce that compares the
+    settings every rank must share): every rank must construct its Guard in the same order. ``close()`` destroys the groups (``Guard.close`` calls it; an ``atexit`` hook
     does it for a Guard never closed).
     """
 

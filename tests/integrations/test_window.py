@@ -106,6 +106,18 @@ def test_a_loop_guard_stops_at_once_without_a_deadline_or_with_the_default_polic
     assert steps_in(tmp_path / "a") == steps_in(tmp_path / "b") == [(3, "emergency")]
 
 
+def test_another_stop_notice_in_the_window_brings_the_second_checkpoint_forward(tmp_path):
+    guard = FolderLoop(str(tmp_path), **WINDOW)
+
+    def sigterm_later(step):
+        if step == 8:  # the window is open: a SIGTERM as the machine shuts down, no deadline
+            assert guard.notices.in_window
+            guard.notices.watcher.report(notice_in(None, "signal"))
+
+    assert train_loop(guard, notice_in(60.0), on_step=sigterm_later) == 9
+    assert steps_in(tmp_path) == [(3, "emergency"), (9, "emergency")]
+
+
 def test_azure_events_are_approved_only_after_the_second_checkpoint(mock_metadata, tmp_path):
     server = mock_metadata("azure")
     guard = FolderLoop(str(tmp_path), **{**WINDOW, "providers": [AzureProvider(server.url)], "interval": 0.05})
