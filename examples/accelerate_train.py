@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-augment", action="store_true", help="evaluate with dropout on and noisy inputs")
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
+    p.add_argument(
+        "--deadline-policy",
+        choices=("stop", "use-window"),
+        help="after the emergency checkpoint: stop, or train on in the notice window and checkpoint again "
+        "before the deadline (default: $SPOTGUARD_DEADLINE_POLICY, else stop)",
+    )
+    p.add_argument("--window-margin", type=float, default=5.0, help="use-window: seconds kept free (beyond the save)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         every_steps=args.every_steps or None,
         providers=args.providers,
         interval=args.interval,
+        deadline_policy=args.deadline_policy,
+        window_margin=args.window_margin,
     )
     guard.track(progress)
     step = guard.resume()  # 0 when there is no checkpoint

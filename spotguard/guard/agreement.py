@@ -10,7 +10,9 @@ no collective from a second thread, none that a destroyed group can leave blocke
 a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
 wall clocks, because monotonic clocks differ between machines). With ``deadline_policy="use-window"`` one
 more (``agree_window``) says whether every rank trains on after the first emergency checkpoint; the
-second stop is then voted on like the first.
+second stop is then voted on like the first. Settings the ranks must share for their votes to match
+(the deadline policy) are compared once, when the agreement is made (``same``): one all-reduce, and a
+``ConfigError`` on every rank instead of a collective that never completes.
 
 Without an initialised process group nothing here runs: the single-process ``Guard`` pays for one
 attribute check per step and no collective.
@@ -24,12 +26,13 @@ import logging
 import math
 import uuid
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spotguard.errors import SpotguardError
+from spotguard.errors import ConfigError, SpotguardError
 from spotguard.guard.ranks import is_distributed
 from spotguard.notices.base import Notice
 
@@ -40,6 +43,9 @@ STORE_TIMEOUT_S = 1800.0
 
 #: Verdicts, ordered so that MAX picks the most urgent one.
 NOTHING, PERIODIC, ADVISORY, STOP = 0, 1, 2, 3
+
+#: A setting every rank must share: its value as a number, and the names of the numbers for an enum (else None).
+Settings = Mapping[str, tuple[float, Sequence[str] | None]]
 
 
 def _epoch(deadline: dt.datetime | None) -> float:
@@ -83,13 +89,15 @@ def _registered(group: Any) -> bool:
 class Agreement:
     """The collective side of a ``Guard`` in a process group (one per Guard, built on every rank).
 
-    Creating it is itself collective (two ``new_group`` calls and, with ``async_save``, a broadcast
-    of the name its background saves use in the store): every rank must construct its Guard in
-    the same order. ``close()`` destroys the groups (``Guard.close`` calls it; an ``atexit`` hook
+    Creating it is itself collective (two ``new_group`` calls, with ``async_save`` a broadcast of
+    the name its background saves use in the store, with ``same`` one all-reduce that compares the
+    settings every rank must share): every rank must construct its Guard in the same order. ``close()`` destroys the groups (``Guard.close`` calls it; an ``atexit`` hook
     does it for a Guard never closed).
     """
 
-    def __init__(self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False) -> None:
+    def __init__(
+        self, sync_every: int = 1, timeout: float | None = None, async_save: bool = False, same: Settings | None = None
+    ) -> None:
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = dt.timedelta(seconds=timeout)
@@ -108,6 +116,33 @@ class Agreement:
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._deadline = torch.zeros(1, dtype=torch.float64)
         _at_exit.add(self)
+        if same:
+            try:
+                self.require_same(same)
+            except ConfigError:
+                self.close()
+                raise
+
+    def require_same(self, same: Settings) -> None:
+        """Collective: ``ConfigError`` on every rank when any of ``same`` differs between ranks (one
+        all-reduce of each value and its negation: the largest and the smallest)."""
+        values = [float(v) for v, _ in same.values()]
+        figures = torch.tensor(values + [-v for v in values], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        n = len(values)
+        for i, (name, (value, names)) in enumerate(same.items()):
+            high, low = float(figures[i]), -float(figures[n + i])
+            if high == low:
+                continue
+
+            def say(v: float, names: Sequence[str] | None = names) -> str:
+                return repr(names[int(v)]) if names is not None else f"{v:g}"
+
+            raise ConfigError(
+                f"{name} differs between ranks ({say(low)} on some, {say(high)} on others; rank {self.rank} has "
+                f"{say(value)}): every rank must stop and train on alike, so set the same {name} on every rank "
+                "(the option, or the environment variable it falls back to)"
+            )
 
     @property
     def usable(self) -> bool:
@@ -210,11 +245,14 @@ def _close_at_exit() -> None:
         agreement.close()
 
 
-def setup(sync_every: int, timeout: float | None = None, async_save: bool = False) -> Agreement | None:
-    """An ``Agreement`` when a process group is initialised, else None (single process)."""
+def setup(
+    sync_every: int, timeout: float | None = None, async_save: bool = False, same: Settings | None = None
+) -> Agreement | None:
+    """An ``Agreement`` when a process group is initialised, else None (single process). ``same``: settings
+    every rank must share (``Agreement.require_same``)."""
     if not is_distributed():
         return None
-    agreement = Agreement(sync_every, timeout, async_save)
+    agreement = Agreement(sync_every, timeout, async_save, same)
     logger.info(
         "rank %d/%d: agreeing on stops every %d step(s) on a dedicated gloo group",
         agreement.rank,

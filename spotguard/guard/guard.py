@@ -14,7 +14,6 @@ writes the emergency checkpoint before the deadline.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import Emergency
-from spotguard.guard.window import DeadlinePolicy, Window
+from spotguard.guard.window import Window, WindowPolicy
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
@@ -60,11 +59,13 @@ class Guard:
 
     def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
         self.options = o = GuardOptions.from_kwargs(options)
+        #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
+        self.windowing = WindowPolicy(o.deadline_policy, o.window_margin)
         self.storage: Storage = open_storage(_env.storage_or_env(storage))
         local_dir = o.local_dir or os.environ.get(_env.LOCAL_DIR)  # set by `spotguard run --local-dir`
         self.local: Storage | None = open_storage(local_dir) if local_dir else None
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
-        self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded)
+        self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded, same=self.windowing.settings())
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
         self.watcher = Watcher(
@@ -79,9 +80,11 @@ class Guard:
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
         self.stopped_at: int | None = None
-        #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
-        self.window: Window | None = None
+        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
         self.emergency_error: BaseException | None = None
+        #: ``"use-window"``: why the second checkpoint, at the window's end, was not committed; the first
+        #: stays the resume point (``emergency_error`` None), and the job still exits 75.
+        self.window_error: BaseException | None = None
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
@@ -111,6 +114,11 @@ class Guard:
     def place(self) -> ranks.Place:
         """This process's rank, local rank and world size (what the metrics label their figures with)."""
         return ranks.place()
+
+    @property
+    def window(self) -> Window | None:
+        """The open notice window (``deadline_policy="use-window"``, after the first stop), or None."""
+        return self.windowing.window
 
     @property
     def notice(self) -> Notice | None:
@@ -227,7 +235,7 @@ class Guard:
             return True
         if step % self.options.sync_every:
             return False
-        s, window = self.schedule, self.window
+        s, window = self.schedule, self.windowing.window
         if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
             code = STOP if window.closing() else NOTHING
         else:
@@ -290,12 +298,12 @@ class Guard:
         """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
         if self.stopped_at is not None:
             return True
-        window = self.window
+        window = self.windowing.window
         if window is None:
             return self._first_stop(step)
         if self.agreement is None and not window.closing():  # in a process group the vote said so already
             return False
-        self.window = None
+        self.windowing.end()
         self.stopped_at = step
         self._emergency(step, window.left(), self.watcher.acknowledge, first_step=window.first_step)
         return True
@@ -312,21 +320,22 @@ class Guard:
         elif self.notice is not None:
             left = self.notice.seconds_left()
         self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
-        if self.options.deadline_policy is not DeadlinePolicy.USE_WINDOW:
+        if not self.windowing.wanted:
             self._emergency(step, left, self.watcher.acknowledge)
             return True
         deadline = None if left is None else time.monotonic() + left
         held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
         stop = self._emergency(step, left, held.append, emit=False)
-        self.window = self._open_window(step, stop, deadline)
-        if self.window is None:
+        committed = stop.error is None and self.saves.durable_step == step
+        measured = stop.save_s if stop.save_s is not None else stop.estimate()
+        if self.windowing.open(step, deadline, measured if committed else None, self.agreement) is None:
             stop.emit("stop")
             self.lease.release()  # nothing more is written: the replacement machine may take the lease at once
             for notice in held:
                 self.watcher.acknowledge(notice)
             return True
         self.stopped_at = None
-        stop.emit("window", deadline_in=self.window.left(), save_s=self.window.save_s, reserve_s=self.window.reserve_s)
+        stop.emit("window", **self.windowing.describe())
         return False
 
     def _emergency(
@@ -342,7 +351,10 @@ class Guard:
         try:
             stop.run(left)
         finally:
-            self.emergency_error = stop.error
+            if "first_step" in more:  # the window's end: the first checkpoint stands, whatever happens here
+                self.window_error = stop.error
+            else:
+                self.emergency_error = stop.error
             if stop.committed:  # the supervisor exits 75 ("checkpoint written") only on this
                 self._beat[1] |= heartbeat.COMMITTED
             if emit:  # the last checkpoint of this stop
@@ -350,20 +362,6 @@ class Guard:
                 # Nothing more is written after a stop: the replacement machine may take the lease at once.
                 self.lease.release()
         return stop
-
-    def _open_window(self, step: int, stop: Emergency, deadline: float | None) -> Window | None:
-        """[distributed] Collective when a deadline is known (every rank knows the same one): the slowest
-        save and the least time left decide for all."""
-        if deadline is None:
-            logger.info("the notice has no deadline: stopping at step %d (no window to use)", step)
-            return None
-        committed = stop.error is None and self.saves.durable_step == step
-        measured = stop.save_s if stop.save_s is not None else stop.estimate()
-        save_s = measured if committed and measured is not None else math.inf
-        left = deadline - time.monotonic()
-        if self.agreement is not None:
-            save_s, left = self.agreement.agree_window(save_s, left)
-        return Window.open(step, deadline, save_s, self.options.window_margin, left)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
@@ -386,9 +384,8 @@ class Guard:
     def _on_notice(self, notice: Notice) -> None:
         self._stats.notices[notice.kind] = self._stats.notices.get(notice.kind, 0) + 1
         self.events.emit("notice", **{k: v for k, v in notice.to_json().items() if k != "raw"})
-        window = self.window
-        if window is not None and (self.options.stop_on_advisory or not notice.advisory):
-            window.cut(notice.seconds_left())  # a later stop notice: no longer than it allows
+        if self.windowing.cut(notice, bool(self.options.stop_on_advisory)):
+            pass  # in the notice window: a later stop notice brings its deadline forward
         elif notice.advisory and not self.options.stop_on_advisory and self.options.checkpoint_on_advisory:
             self.schedule.early()  # the next step() checkpoints early (from the loop's thread)
 
@@ -396,7 +393,9 @@ class Guard:
     def __enter__(self) -> Guard:
         if self.agreement is not None and self.agreement.group is None and ranks.is_distributed():
             # entered again after close(): collective too
-            self.agreement = agreement.setup(self.options.sync_every, async_save=self.options.background_sharded)
+            self.agreement = agreement.setup(
+                self.options.sync_every, async_save=self.options.background_sharded, same=self.windowing.settings()
+            )
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
             self.lease.agreement = self.agreement
             self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel

@@ -15,7 +15,7 @@ from spotguard.checkpoint.data import Rebatch
 from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
-from spotguard.guard.window import DeadlinePolicy
+from spotguard.guard.window import DeadlinePolicy, WindowPolicy
 from spotguard.notices.base import NoticeProvider
 from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
@@ -127,18 +127,8 @@ class GuardOptions:
             raise ConfigError(f"lease_ttl must be a positive number of seconds or None, got {self.lease_ttl!r}")
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
-        if self.deadline_policy is None:  # not given: the job's environment decides (a fleet's unit, a pod spec)
-            self.deadline_policy = _env.choices(_env.DEADLINE_POLICY, DeadlinePolicy.STOP, _policy)
-        try:
-            self.deadline_policy = DeadlinePolicy(self.deadline_policy)
-        except ValueError:
-            raise ConfigError(
-                f"deadline_policy must be one of {[p.value for p in DeadlinePolicy]}, got {self.deadline_policy!r}"
-            ) from None
-        if isinstance(self.window_margin, bool) or not (
-            isinstance(self.window_margin, (int, float)) and 0 <= self.window_margin < float("inf")
-        ):
-            raise ConfigError(f"window_margin must be a number of seconds >= 0, got {self.window_margin!r}")
+        window = WindowPolicy(self.deadline_policy, self.window_margin)  # $SPOTGUARD_DEADLINE_POLICY, checks
+        self.deadline_policy, self.window_margin = window.policy, window.margin_s
         if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
             self.metrics_file = os.environ.get(_env.METRICS_FILE, "").strip() or None
         if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
@@ -178,10 +168,3 @@ class GuardOptions:
                 enum_cls(value)
             except ValueError:
                 raise ConfigError(f"{value!r} is not one of {[e.value for e in enum_cls]}") from None
-
-
-def _policy(value: str) -> DeadlinePolicy:
-    try:
-        return DeadlinePolicy(value.lower())
-    except ValueError:
-        raise ValueError(f"must be one of {[p.value for p in DeadlinePolicy]}, got {value!r}") from None

@@ -17,6 +17,12 @@ exits: the rest of the window is idle. With ``"use-window"`` the order is:
    window (the SIGTERM of a shutdown, Ctrl-C) brings its deadline forward, to now without one;
 4. the second checkpoint is written under the deadline, and the guard stops. If it cannot finish,
    the first one stays the newest complete checkpoint, and the resume point.
+
+``WindowPolicy`` holds these steps once for the ``Guard`` and for the trainer integrations (their
+``NoticeWatch``): ``open`` after the first checkpoint, ``closing`` after each step, ``cut`` on a later
+notice, ``end`` at the second stop. In a process group every rank must use the same policy and
+margin: ``settings()`` is checked when the ranks' ``Agreement`` is made (a ``ConfigError`` on every
+rank, not a hang at the first window).
 """
 
 from __future__ import annotations
@@ -26,8 +32,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from spotguard.planner import window_reserve
+from spotguard import _env
+from spotguard.errors import ConfigError
+from spotguard.planner import DEFAULT_WINDOW_MARGIN_S, window_reserve
+
+if TYPE_CHECKING:
+    from spotguard.guard.agreement import Agreement
+    from spotguard.notices.base import Notice
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +91,13 @@ class Window:
         )
         return window
 
-    def closing(self, now: float | None = None) -> bool:
-        """After a step: whether one more step would eat into the reserve (then write the second checkpoint)."""
+    def closing(self, now: float | None = None, tick: bool = True) -> bool:
+        """After a step: whether one more step would eat into the reserve (then write the second checkpoint).
+        ``tick=False`` asks without ending a step (inside an evaluation: its time counts in the step's)."""
         now = time.monotonic() if now is None else now
-        self.step_s = max(self.step_s, now - self.last)
-        self.last = now
+        if tick:
+            self.step_s = max(self.step_s, now - self.last)
+            self.last = now
         return now + self.step_s + self.reserve_s >= self.deadline
 
     def cut(self, seconds_left: float | None) -> None:
@@ -98,3 +113,93 @@ class Window:
     def left(self) -> float:
         """Seconds to the deadline now."""
         return self.deadline - time.monotonic()
+
+
+def parse_policy(value: str) -> DeadlinePolicy:
+    try:
+        return DeadlinePolicy(value.lower())
+    except ValueError:
+        raise ValueError(f"must be one of {[p.value for p in DeadlinePolicy]}, got {value!r}") from None
+
+
+class WindowPolicy:
+    """A stop's notice window, for the ``Guard`` and every trainer integration alike.
+
+    ``policy`` (None: ``$SPOTGUARD_DEADLINE_POLICY``, else ``"stop"``) and ``margin_s`` are checked
+    here. Order: after the first emergency checkpoint ``open()`` (collective in a process group when
+    the deadline is known); while ``window`` is set, ``closing()`` after each step (the ranks vote on
+    it); ``cut()`` from the watcher for a later notice; ``end()`` at the second stop, whose checkpoint
+    is written before ``spent.deadline``.
+    """
+
+    def __init__(self, policy: DeadlinePolicy | str | None = None, margin_s: float = DEFAULT_WINDOW_MARGIN_S) -> None:
+        if policy is None:  # not given: the job's environment decides (a fleet's unit, a pod spec)
+            policy = _env.choices(_env.DEADLINE_POLICY, DeadlinePolicy.STOP, parse_policy)
+        try:
+            self.policy = DeadlinePolicy(policy)
+        except ValueError:
+            raise ConfigError(
+                f"deadline_policy must be one of {[p.value for p in DeadlinePolicy]}, got {policy!r}"
+            ) from None
+        if isinstance(margin_s, bool) or not (isinstance(margin_s, (int, float)) and 0 <= margin_s < math.inf):
+            raise ConfigError(f"window_margin must be a number of seconds >= 0, got {margin_s!r}")
+        self.margin_s = float(margin_s)
+        self.window: Window | None = None  # open: training goes on after the first checkpoint
+        self.spent: Window | None = None  # ended: the stop's second checkpoint is (being) written
+
+    @property
+    def wanted(self) -> bool:
+        return self.policy is DeadlinePolicy.USE_WINDOW
+
+    def settings(self) -> dict[str, tuple[float, tuple[str, ...] | None]]:
+        """What every rank of a process group must share: a number each (with the names of an enum's)."""
+        names = tuple(p.value for p in DeadlinePolicy)
+        return {
+            "deadline_policy": (float(names.index(self.policy.value)), names),
+            "window_margin": (self.margin_s, None),
+        }
+
+    def open(
+        self, step: int, deadline: float | None, save_s: float | None, agreement: Agreement | None = None
+    ) -> Window | None:
+        """After the first emergency checkpoint of ``step``: the window to train on in, or None (stop now).
+
+        ``deadline``: ``time.monotonic()`` of the notice's (in a process group the earliest, known alike
+        on every rank); ``save_s``: that checkpoint's measured seconds, None when it was not committed or
+        not measured. [distributed] Collective when a deadline is known: the slowest save and the least
+        time left decide for every rank, so all open the window or none does."""
+        if not self.wanted:
+            return None
+        if deadline is None:
+            logger.info("the notice has no deadline: stopping at step %d (no window to use)", step)
+            return None
+        save = math.inf if save_s is None else save_s
+        left = deadline - time.monotonic()
+        if agreement is not None:
+            save, left = agreement.agree_window(save, left)
+        self.window = Window.open(step, deadline, save, self.margin_s, left)
+        return self.window
+
+    def closing(self, tick: bool = True) -> bool:
+        """In an open window, after a step: whether to write the second checkpoint now."""
+        return self.window is not None and self.window.closing(tick=tick)
+
+    def end(self) -> Window | None:
+        """The second stop: the window closes (its checkpoint goes before ``spent.deadline``)."""
+        if self.window is not None:
+            self.spent, self.window = self.window, None
+        return self.spent
+
+    def cut(self, notice: Notice, stop_on_advisory: bool) -> bool:
+        """A notice while the window is open: a stop notice brings its deadline forward. True: handled."""
+        window = self.window
+        if window is None:
+            return False
+        if stop_on_advisory or not notice.advisory:
+            window.cut(notice.seconds_left())  # no longer than the later notice allows
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        """For the ``window`` event: how long is left, the save time and the reserve."""
+        w = self.window
+        return {} if w is None else {"deadline_in": w.left(), "save_s": w.save_s, "reserve_s": w.reserve_s}

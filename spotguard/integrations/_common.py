@@ -6,7 +6,9 @@ loads half a state. ``FolderCheckpoints`` commits such a folder to spotguard sto
 first, manifest with SHA-256 last), prunes, and finds the newest folder that verifies for the
 resume. ``NoticeWatch`` wraps spotguard's ``Watcher``; its ``check(step)`` is the verdict of a
 step: one attribute read in a single process, one all-reduce of one integer in a process group
-(the ``Guard``'s agreement), so that every rank stops after the same step.
+(the ``Guard``'s agreement), so that every rank stops after the same step. With
+``deadline_policy="use-window"`` it follows the Guard's ``WindowPolicy``: after the first emergency
+checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the second stop is due.
 
 In a process group (``torch.distributed`` initialised, world size > 1) both become collective
 through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
@@ -22,7 +24,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -37,7 +39,9 @@ from spotguard.guard import agreement, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
 from spotguard.guard.lease import WriterLease
 from spotguard.guard.options import Unloadable
+from spotguard.guard.window import DeadlinePolicy, WindowPolicy
 from spotguard.heartbeat import EXIT_PREEMPTED
+from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseHeldError
 from ..notices.base import Notice, NoticeProvider
@@ -57,7 +61,10 @@ class WatchOptions(TypedDict, total=False):
     ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
     ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
     ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
-    ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``."""
+    ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``;
+    ``deadline_policy`` ($SPOTGUARD_DEADLINE_POLICY, else "stop") / ``window_margin`` (5 s): after the
+    emergency checkpoint of a notice with a deadline, stop, or train on and checkpoint again before the
+    deadline ("use-window"), as for ``Guard`` (``spotguard.guard.window``)."""
 
     keep: int
     lease_ttl: float | None
@@ -67,6 +74,8 @@ class WatchOptions(TypedDict, total=False):
     interval: float
     stop_on_advisory: bool
     work_dir: str | None
+    deadline_policy: DeadlinePolicy | str | None
+    window_margin: float
 
 
 def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[FolderCheckpoints, NoticeWatch]:
@@ -76,7 +85,8 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         raise ConfigError(
             f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
         )
-    group = RankGroup()
+    windowing = WindowPolicy(options.get("deadline_policy"), options.get("window_margin", DEFAULT_WINDOW_MARGIN_S))
+    group = RankGroup(windowing)
     fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
     checkpoints = FolderCheckpoints(
         storage,
@@ -92,6 +102,8 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         options.get("interval", 1.0),
         options.get("stop_on_advisory", False),
         group=group,
+        windowing=windowing,
+        release=checkpoints.release,
     )
     return checkpoints, notices
 
@@ -99,17 +111,19 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
 class RankGroup:
     """An integration's share of the process group: the ``Guard``'s agreement (two small gloo
     groups), made on first use, on every rank at the same point (making it is collective).
-    ``get()`` is None in a single process, or before ``torch.distributed`` is initialised."""
+    ``get()`` is None in a single process, or before ``torch.distributed`` is initialised. Making it checks
+    that every rank uses the same deadline policy (``ConfigError`` on every rank otherwise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, windowing: WindowPolicy | None = None) -> None:
         self._agreement: Agreement | None = None
         self._settled = False
+        self._same = (windowing or WindowPolicy()).settings()
 
     def get(self) -> Agreement | None:
         if self._settled:
             return self._agreement  # the per-step path: no look at torch.distributed
         if self._agreement is None and ranks.is_distributed() and ranks.world_size() > 1:
-            self._agreement = agreement.setup(sync_every=1)
+            self._agreement = agreement.setup(sync_every=1, same=self._same)
         return self._agreement
 
     def settle(self) -> None:
@@ -135,7 +149,9 @@ class NoticeWatch:
     ``due`` is True once any notice arrived on this rank (stop or advisory). ``preempted`` (an
     Event) is set for this rank's stop notices only; ``stopping`` once this rank or any other
     saw one (``check`` agreed on it). Call ``start()`` from the main thread (signal handlers),
-    ``stop()`` when training ends.
+    ``stop()`` when training ends. After a stop's emergency checkpoint (committed or not) the
+    integration calls ``stop_saved``: it says whether to train on in the notice window
+    (``windowing``, ``deadline_policy="use-window"``), and tells ``spotguard run`` and the cloud.
     """
 
     def __init__(
@@ -144,6 +160,8 @@ class NoticeWatch:
         interval: float = 1.0,
         stop_on_advisory: bool = False,
         group: RankGroup | None = None,
+        windowing: WindowPolicy | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
         self.watcher = Watcher(
@@ -151,16 +169,23 @@ class NoticeWatch:
         )
         self.preempted = self.watcher.preempted
         self.due = False
-        self.group = group or RankGroup()
+        self.windowing = windowing or WindowPolicy()
+        self.group = group or RankGroup(self.windowing)
         #: True once the ranks agreed to stop (this rank's notice, or another rank's).
         self.stopping = False
+        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
+        self.emergency_error: BaseException | None = None
+        #: ``"use-window"``: why the second checkpoint was not committed (the first stays the resume point).
+        self.window_error: BaseException | None = None
+        self._stop_on_advisory = stop_on_advisory
+        self._release = release  # the writer lease, given back after the stop's last checkpoint
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
         #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags].
         self._beat = heartbeat.attach()
 
-    def check(self, step: int, stop_only: bool = False) -> int:
+    def check(self, step: int, stop_only: bool = False, tick: bool | None = None) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
 
         In a single process one attribute read when nothing is due. In a process group it is
@@ -168,24 +193,75 @@ class NoticeWatch:
         gets the same verdict, also when only another rank saw the notice. An advisory verdict is
         consumed (the next check says ``NOTHING`` until a new notice); ``stop_only`` (where no
         checkpoint can be written, e.g. inside an evaluation) leaves advisories for later.
+        In the notice window the verdict is ``STOP`` once the second checkpoint is due, else
+        ``NOTHING``; ``tick`` (default: not ``stop_only``) says that a training step ended here.
         """
         self._beat[0] = step  # `spotguard run`'s hang watchdog: one memory write
         agreed = self.group.get()
+        window = self.windowing.window
         if agreed is None:
             if not self.due or (stop_only and not self.preempted.is_set()):
                 return NOTHING
-            verdict = STOP if self.preempted.is_set() else ADVISORY
+            if window is not None:
+                verdict = STOP if window.closing(tick=not stop_only if tick is None else tick) else NOTHING
+            else:
+                verdict = STOP if self.preempted.is_set() else ADVISORY
         else:
-            own = STOP if self.preempted.is_set() else ADVISORY if self._advisory and not stop_only else NOTHING
+            if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
+                own = STOP if window.closing(tick=not stop_only if tick is None else tick) else NOTHING
+            else:
+                own = STOP if self.preempted.is_set() else ADVISORY if self._advisory and not stop_only else NOTHING
             verdict = agreed.vote(own)
             if stop_only and verdict != STOP:
                 return NOTHING
         if verdict == STOP:
-            if not self.stopping:
+            if window is not None:
+                self.windowing.end()  # the second stop: its checkpoint goes before the window's deadline
+            elif not self.stopping:
                 self._agree_stop(agreed, step)
         elif verdict == ADVISORY:
             self.take_advisory()
         return verdict
+
+    @property
+    def in_window(self) -> bool:
+        """Training on in the notice window: no periodic checkpoint (the second stop's comes soon)."""
+        return self.windowing.window is not None
+
+    def stop_saved(
+        self, step: int, error: BaseException | None = None, save_s: float | None = None, *, may_train_on: bool = True
+    ) -> bool:
+        """After the stop's checkpoint of ``step``: committed now or before (``error`` None), or not.
+
+        ``save_s``: the seconds that checkpoint took (or the last one measured, when ``step`` was
+        committed before; None: unknown). Returns True to train on in the notice window: the first
+        stop, ``deadline_policy="use-window"``, a deadline, time beyond the reserve, and
+        ``may_train_on`` (False where the trainer has left its loop). [distributed] Collective when
+        a deadline is known: call it on every rank at the same point. Then, on the stop's last
+        checkpoint: the cloud is told (Azure approves the eviction) and the writer lease given back."""
+        if error is None:
+            self._beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
+        spent = self.windowing.end()
+        if spent is not None:  # the second stop: whatever happens, the first checkpoint stands
+            self.window_error = error
+            if error is not None:
+                logger.error(
+                    "the second checkpoint of the notice window (step %d) is NOT committed: the resume point "
+                    "stays the first, step %d",
+                    step,
+                    spent.first_step,
+                )
+        else:
+            self.emergency_error = error
+            if may_train_on and self.windowing.open(
+                step, self.deadline(), save_s if error is None else None, self.group.get()
+            ):
+                return True  # the cloud is told after the second checkpoint: Azure evicts once approved
+        if error is None and self.watcher.notice is not None:
+            self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
+        if self._release is not None:
+            self._release()  # nothing more is written: the replacement machine takes the lease at once
+        return False
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
@@ -198,6 +274,8 @@ class NoticeWatch:
             logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreed.rank, step)
 
     def _on_notice(self, notice: Notice) -> None:
+        if self.windowing.cut(notice, self._stop_on_advisory):
+            return  # in the notice window: a later stop notice brings the second checkpoint forward
         if not self.preempted.is_set():
             self._advisory = True
         else:  # the job exits 75 now (exit_code): `spotguard run` reads it here when a launcher hides it
@@ -217,7 +295,11 @@ class NoticeWatch:
 
     def deadline(self) -> float | None:
         """The notice deadline as a ``time.monotonic()`` value (for storage retries), or None; in a
-        process group the earliest deadline of all ranks, once the stop is agreed."""
+        process group the earliest deadline of all ranks, once the stop is agreed; in or after the
+        notice window, the window's (a later notice may have brought it forward)."""
+        window = self.windowing.window or self.windowing.spent
+        if window is not None:
+            return window.deadline
         if self._deadline is not None:
             return self._deadline
         left = self.watcher.notice.seconds_left() if self.watcher.notice else None
@@ -236,15 +318,10 @@ class NoticeWatch:
             # another has exited is killed (-15) and its "preempted" code lost.
             gc.freeze()
 
-    def acknowledge(self) -> None:
-        """The stop's checkpoint is committed: tell ``spotguard run`` (it exits 75 only then) and the cloud."""
-        self._beat[1] |= heartbeat.COMMITTED
-        if self.watcher.notice is not None:
-            self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
-
     @property
     def exit_code(self) -> int:
-        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (on any rank), else 0: the job's exit code."""
+        """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (on any rank), else 0: the job's exit code
+        (also after a second checkpoint of the notice window that failed: the first is the resume point)."""
         return EXIT_PREEMPTED if self.preempted.is_set() or self.stopping else 0
 
 
@@ -256,7 +333,7 @@ class FolderCheckpoints:
     process group (``group``) ``commit`` and ``newest_verified`` are collective: every rank passes
     the folder it (or its node) wrote, and gets the folder its node fetched. The first of them takes
     the run's writer lease (docs/lease.md; ``lease_ttl=None``: none), ``release()`` gives it back
-    (the integrations' ``close()``; after an emergency checkpoint it is released at once).
+    (the integrations' ``close()``; after a stop's last checkpoint, ``NoticeWatch.stop_saved``).
     """
 
     def __init__(
@@ -315,9 +392,7 @@ class FolderCheckpoints:
         except LeaseHeldError:  # LeaseLostError: another job took the run over; nothing was committed
             self._lease_lost("")
             raise
-        self.last_saved = manifest
-        if reason == "emergency":
-            self.lease.release()  # nothing more is written: the replacement machine starts at once
+        self.last_saved = manifest  # (after a stop's last checkpoint NoticeWatch.stop_saved releases the lease)
         took = time.monotonic() - t0
         tail = "" if deadline is None else f", T-{deadline - time.monotonic():.1f}s before the deadline"
         logger.log(

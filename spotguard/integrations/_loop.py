@@ -2,14 +2,17 @@
 
 ``guard.step(n)`` after every step: nearly free when nothing is due in a single process, one vote
 in a process group; a periodic or advisory checkpoint when due, the emergency checkpoint and True
-(stop) after a notice on any rank. Subclasses say how a checkpoint is written (``save``) and read
-(``resume``); the schedule, the emergency and the lifetime (``with guard:``) are the same for all.
+(stop) after a notice on any rank; with ``deadline_policy="use-window"`` False after that first
+emergency checkpoint while the notice window lasts, and True after the second one (``NoticeWatch``).
+Subclasses say how a checkpoint is written (``save``) and read (``resume``); the schedule, the
+emergency and the lifetime (``with guard:``) are the same for all.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, TypeVar
 
 from spotguard.checkpoint.manifest import Manifest
@@ -46,9 +49,9 @@ class LoopGuard:
         self.checkpoints, self.notices = watch_parts(storage, options)
         self.every_steps = every_steps
         self.save_on_exit = save_on_exit
-        #: The step this run stopped at for a notice, or None.
+        #: The step this run stopped at for a notice, or None (also while training on in the notice window).
         self.stopped_at: int | None = None
-        self.emergency_error: BaseException | None = None
+        self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
         self._watch = self.notices  # one attribute lookup less on the hot path
         self._beat = self.notices._beat
         self._step: int | None = None
@@ -60,6 +63,16 @@ class LoopGuard:
     @property
     def notice(self) -> Notice | None:
         return self.notices.notice
+
+    @property
+    def emergency_error(self) -> BaseException | None:
+        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
+        return self.notices.emergency_error
+
+    @property
+    def window_error(self) -> BaseException | None:
+        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
+        return self.notices.window_error
 
     @property
     def exit_code(self) -> int:
@@ -97,13 +110,15 @@ class LoopGuard:
         if verdict == STOP:
             if self.stopped_at is None:
                 self.stopped_at = step
-                self._emergency(step)
+                if self._emergency(step):
+                    self.stopped_at = None  # the notice window: train on, checkpoint again before the deadline
+                    return False
             return True
-        if verdict != ADVISORY and step < self._due_step:
+        if verdict != ADVISORY and (step < self._due_step or self.notices.in_window):
             return False
         reason = "advisory" if verdict == ADVISORY else "periodic"
         try:
-            self.save(step, reason)
+            self._timed_save(step, reason)
         except ConfigError:  # the state cannot be checkpointed at all (the same on every rank): say so now
             raise
         except Exception as e:  # a failed periodic save must not end the training
@@ -111,16 +126,20 @@ class LoopGuard:
             self._schedule(step)
         return False
 
-    def _emergency(self, step: int) -> None:
+    def _timed_save(self, step: int, reason: str, deadline: float | None = None) -> None:
+        t0 = time.monotonic()
+        self.save(step, reason, deadline=deadline)
+        self._save_s = time.monotonic() - t0
+
+    def _emergency(self, step: int) -> bool:
+        """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.stop_saved``)."""
         if self._saved_step == step:
             logger.warning("stop at step %d: already checkpointed", step)
-            self.notices.acknowledge()
-            return
+            return self.notices.stop_saved(step, save_s=self._save_s)
         logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
         try:
-            self.save(step, "emergency", deadline=self.notices.deadline())
+            self._timed_save(step, "emergency", deadline=self.notices.deadline())
         except Exception as e:
-            self.emergency_error = e
             logger.error(
                 "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
                 step,
@@ -128,8 +147,8 @@ class LoopGuard:
                 e,
                 self._saved_step,
             )
-            return
-        self.notices.acknowledge()
+            return self.notices.stop_saved(step, e)
+        return self.notices.stop_saved(step, save_s=self._save_s)
 
     def _schedule(self, step: int) -> None:
         self._due_step = next_multiple(step, self.every_steps)  # on multiples of N, as HF's save_steps

@@ -14,6 +14,11 @@ so the storage always holds folders that verify. The resume goes the other way: 
 resume_from_checkpoint=...)``, which restores model, optimizer, scheduler, RNG streams and the
 data position itself; a folder cut short by a kill has no manifest and is skipped.
 
+With ``deadline_policy="use-window"`` the Trainer goes on after that first emergency checkpoint
+(``on_save`` lifts ``should_training_stop`` again) until one more step would leave too little time
+for a second one before the deadline; that second checkpoint is written the same way, and the
+Trainer stops. No periodic save is made in between.
+
 A notice that comes while no training step runs: during an evaluation, the evaluation is cut
 short (``cb.train`` only; with a bare callback it runs to its end) and the checkpoint written at
 once; before the first step of this run (loading, warm-up), the run stops at once when its state
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,19 +74,22 @@ class SpotguardCallback(TrainerCallback):
     checkpoints are kept there. ``providers``/``interval``: what to watch and how often, as for
     ``spotguard.Guard``. ``stop_on_advisory``: stop on an advisory notice (rebalance, migrate)
     instead of only checkpointing early. ``work_dir``: where verified copies are fetched for a resume.
+    ``deadline_policy``/``window_margin``: stop at the first emergency checkpoint, or train on in the
+    notice window (``"use-window"``), as for ``spotguard.Guard``.
     """
 
     def __init__(self, storage: str | Storage | None = None, **options: Unpack[WatchOptions]) -> None:
         self.checkpoints, self.notices = watch_parts(storage, options)
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
-        self.emergency_error: BaseException | None = None
         self._trainer: Any = None
         self._resumed_step = 0
         self._committed_step: int | None = None
         self._reason: str | None = None
         self._rng_before_eval: dict[str, Any] | None = None  # while cb.train's Trainer evaluates
         self._replay_eval = False  # resumed from an evaluation cut short: run it again first
+        self._save_began: float | None = None  # when the Trainer was asked to save (its own write counts)
+        self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
 
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
@@ -130,6 +139,16 @@ class SpotguardCallback(TrainerCallback):
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0."""
         return self.notices.exit_code
 
+    @property
+    def emergency_error(self) -> BaseException | None:
+        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
+        return self.notices.emergency_error
+
+    @property
+    def window_error(self) -> BaseException | None:
+        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
+        return self.notices.window_error
+
     def close(self) -> None:
         """Stop watching and remove the fetched resume copy (``on_train_end`` does it too)."""
         self.notices.stop()
@@ -167,24 +186,28 @@ class SpotguardCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if not self._act(self.notices.check(state.global_step), state, control) and (
-            control.should_save and state.global_step == self._committed_step
+            control.should_save and (state.global_step == self._committed_step or self.notices.in_window)
         ):
-            control.should_save = False
+            control.should_save = False  # in the notice window: the second stop's checkpoint comes soon
+        self._save_began = time.monotonic() if control.should_save else None
         return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.stopped_at is not None:
             # The Trainer evaluates and saves at every epoch end, also after a stop mid-epoch: skip both.
             control.should_save = control.should_evaluate = False
-        else:
-            self._act(self.notices.check(state.global_step), state, control)
+        elif (
+            not self._act(self.notices.check(state.global_step, tick=False), state, control) and self.notices.in_window
+        ):
+            control.should_save = False
         if control.should_save and state.global_step == self._committed_step:
             control.should_save = False  # committed files may be hard links: never rewrite them
+        self._save_began = time.monotonic() if control.should_save else None
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.stopped_at is None:
-            self._act(self.notices.check(state.global_step), state, control)  # the Trainer saves next
+        if self.stopped_at is None and self._act(self.notices.check(state.global_step, tick=False), state, control):
+            self._save_began = self._save_began or time.monotonic()  # the Trainer saves next
         return control
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -194,7 +217,9 @@ class SpotguardCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step, reason = state.global_step, self._reason or "periodic"
         self._reason = None
-        self._commit(step, Path(args.output_dir) / f"checkpoint-{step}", reason)
+        began, self._save_began = self._save_began, None
+        if self._commit(step, Path(args.output_dir) / f"checkpoint-{step}", reason, began):
+            control.should_training_stop = False  # the notice window: train on, checkpoint again before the deadline
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
@@ -207,11 +232,15 @@ class SpotguardCallback(TrainerCallback):
                 self.stopped_at = state.global_step
                 self._reason = "emergency"
                 control.should_save = state.global_step != self._committed_step
-                if not control.should_save:
-                    self.notices.acknowledge()  # already committed: the resume point is safe
-                logger.warning(
-                    "stopping after step %d for a notice: writing the emergency checkpoint", state.global_step
-                )
+                if not control.should_save:  # already committed: the resume point is safe
+                    logger.warning("stop at step %d: already checkpointed", state.global_step)
+                    if self.notices.stop_saved(state.global_step, save_s=self._save_s):
+                        self.stopped_at = self._reason = None  # the notice window: train on
+                        return True
+                else:
+                    logger.warning(
+                        "stopping after step %d for a notice: writing the emergency checkpoint", state.global_step
+                    )
             control.should_training_stop = True
             return True
         if verdict == ADVISORY:
@@ -220,14 +249,19 @@ class SpotguardCallback(TrainerCallback):
             return True
         return False
 
-    def _commit(self, step: int, folder: Path, reason: str) -> None:
-        """Commit the Trainer's folder; collective in a process group (a rank without it stores nothing)."""
+    def _commit(
+        self, step: int, folder: Path, reason: str, began: float | None = None, may_train_on: bool = True
+    ) -> bool:
+        """Commit the Trainer's folder; collective in a process group (a rank without it stores nothing).
+        ``began``: when the Trainer was asked to write it. True: an emergency one opened the notice window."""
         emergency = reason == "emergency"
         try:
             if self.checkpoints.group.get() is None and not folder.is_dir():
                 raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+            t0 = time.monotonic() if began is None else began
             self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step
+            self._save_s = time.monotonic() - t0
         except Exception as e:  # a failed periodic commit must not end the training
             logger.error(
                 "%s checkpoint of step %d NOT committed (%s: %s)%s",
@@ -237,11 +271,11 @@ class SpotguardCallback(TrainerCallback):
                 e,
                 "" if not emergency else "; the resume point stays the previous checkpoint",
             )
-            if emergency:
-                self.emergency_error = e
-            return
-        if emergency:
-            self.notices.acknowledge()
+            return emergency and self.notices.stop_saved(step, e, may_train_on=may_train_on)
+        if not emergency or not self.notices.stop_saved(step, save_s=self._save_s, may_train_on=may_train_on):
+            return False
+        self.stopped_at = None  # the notice window: train on, checkpoint again before the deadline
+        return True
 
     def _save_interrupted(self, trainer: Any) -> None:
         """After a notice cut training short outside a step: checkpoint unless the state is already saved."""
@@ -249,7 +283,7 @@ class SpotguardCallback(TrainerCallback):
         self.stopped_at = step
         if step == self._resumed_step or step == self._committed_step:
             logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
-            self.notices.acknowledge()
+            self.notices.stop_saved(step, may_train_on=False)
             return
         logger.warning(
             "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step
@@ -258,8 +292,9 @@ class SpotguardCallback(TrainerCallback):
         if self._rng_before_eval is not None:  # the streams the cut evaluation started with: it is run again
             state_module.restore_rng(self._rng_before_eval)
         # The Trainer's own save (its private method: the public save_model() writes no optimizer/RNG state).
+        began = time.monotonic()
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         if self._rng_before_eval is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / EVAL_CUT).write_text(json.dumps({"step": step}))
-        self._commit(step, folder, "emergency")
+        self._commit(step, folder, "emergency", began, may_train_on=False)  # the Trainer has left its loop

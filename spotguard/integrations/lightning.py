@@ -11,6 +11,11 @@ then a manifest with its SHA-256). A notice during validation cuts it short and 
 written from ``on_exception`` (as Lightning's ``OnExceptionCheckpoint`` does); a notice before
 the first step of a resumed run stops it at once, its state being the checkpoint it resumed from.
 
+With ``deadline_policy="use-window"`` training goes on after that first emergency checkpoint (the
+callback lifts ``trainer.should_stop`` again) until one more step would leave too little time for a
+second one before the deadline; that one is written the same way and the fit stops. No periodic
+save (``every_steps``) is made in between.
+
 Lightning does not save the global RNG streams; this callback's own state does (in the ``.ckpt``),
 and restores them where an uninterrupted run would have had them, so dropout continues exactly.
 Data positions are Lightning's: use torchdata's ``StatefulDataLoader`` for mid-epoch resumes.
@@ -74,7 +79,8 @@ class SpotguardCallback(Callback):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
     checkpoints are kept there. ``every_steps``: periodic checkpoints through the same path (None:
-    only on notices). ``providers``/``interval``/``stop_on_advisory``: as for ``spotguard.Guard``.
+    only on notices). ``providers``/``interval``/``stop_on_advisory``/``deadline_policy``/``window_margin``:
+    as for ``spotguard.Guard``.
     """
 
     def __init__(
@@ -84,7 +90,7 @@ class SpotguardCallback(Callback):
         self.every_steps = every_steps
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
-        self.emergency_error: BaseException | None = None
+        self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
         self._trainer: Any = None
         self._resumed_step = 0
         self._steps = self._seen_steps = 0  # optimizer steps (as trainer.global_step), and the last one acted on
@@ -128,6 +134,16 @@ class SpotguardCallback(Callback):
     def exit_code(self) -> int:
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (or Lightning's own SIGTERM stop), else 0."""
         return EXIT_PREEMPTED if self.stopped_at is not None or self.notices.exit_code else 0
+
+    @property
+    def emergency_error(self) -> BaseException | None:
+        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
+        return self.notices.emergency_error
+
+    @property
+    def window_error(self) -> BaseException | None:
+        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
+        return self.notices.window_error
 
     def close(self) -> None:
         self.notices.stop()
@@ -218,7 +234,12 @@ class SpotguardCallback(Callback):
             self._stop(trainer)
         elif verdict == ADVISORY:
             self._save(trainer, "advisory", batch_end=True)
-        elif self.every_steps and self._steps % self.every_steps == 0 and trainer.global_step != self._committed_step:
+        elif (
+            self.every_steps
+            and self._steps % self.every_steps == 0
+            and trainer.global_step != self._committed_step
+            and not self.notices.in_window  # the second stop's checkpoint comes soon
+        ):
             self._save(trainer, "periodic", batch_end=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -260,13 +281,13 @@ class SpotguardCallback(Callback):
             self.stopped_at = trainer.global_step
             if trainer.global_step in (self._resumed_step, self._committed_step):
                 logger.warning("stopped for a notice at step %d: it is already checkpointed", trainer.global_step)
-                self.notices.acknowledge()
+                self.notices.stop_saved(trainer.global_step, may_train_on=False)
                 return
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"
             logger.warning(
                 "stopped for a notice %s after step %d: writing the emergency checkpoint", where, trainer.global_step
             )
-            self._save(trainer, "emergency")
+            self._save(trainer, "emergency", may_train_on=False)  # Lightning has left its loop
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
@@ -277,12 +298,16 @@ class SpotguardCallback(Callback):
     def _stop(self, trainer: Any) -> None:
         trainer.should_stop = True
         if self.stopped_at is None:
-            self.stopped_at = trainer.global_step
-            logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", trainer.global_step)
-            if trainer.global_step != self._committed_step:
-                self._save(trainer, "emergency", batch_end=True)
-            else:
-                self.notices.acknowledge()  # already committed: the resume point is safe
+            step = self.stopped_at = trainer.global_step
+            if step != self._committed_step:
+                logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
+                train_on = self._save(trainer, "emergency", batch_end=True)
+            else:  # already committed: the resume point is safe
+                logger.warning("stop at step %d: already checkpointed", step)
+                train_on = self.notices.stop_saved(step, save_s=self._save_s)
+            if train_on:  # the notice window: train on, checkpoint again before the deadline
+                trainer.should_stop = False
+                self.stopped_at = None
 
     def _bypass_lightning_sigterm(self, trainer: Any) -> None:
         """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).
@@ -293,13 +318,14 @@ class SpotguardCallback(Callback):
         if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
             signal.signal(signal.SIGTERM, original)
 
-    def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
+    def _save(self, trainer: Any, reason: str, batch_end: bool = False, may_train_on: bool = True) -> bool:
+        """Write and commit a checkpoint of this step; True: an emergency one opened the notice window."""
         step, emergency = trainer.global_step, reason == "emergency"
+        t0 = time.monotonic()
         self._validation_next = batch_end and _validation_due(trainer)
         try:
             with self.checkpoints.storage.scratch() as scratch:
                 folder = scratch / "lightning"
-                t0 = time.monotonic()
                 try:
                     trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
                 finally:
@@ -312,13 +338,11 @@ class SpotguardCallback(Callback):
                 logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
                 self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step
+            self._save_s = time.monotonic() - t0
         except Exception as e:  # a failed periodic save must not end the training
             logger.error("%s checkpoint of step %d NOT committed (%s: %s)", reason, step, type(e).__name__, e)
-            if emergency:
-                self.emergency_error = e
-            return
-        if emergency:
-            self.notices.acknowledge()
+            return emergency and self.notices.stop_saved(step, e, may_train_on=may_train_on)
+        return emergency and self.notices.stop_saved(step, save_s=self._save_s, may_train_on=may_train_on)
 
 
 def _validation_due(trainer: Any) -> bool:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import spotguard
-from spotguard import Notice, checkpoint
+from spotguard import Notice, checkpoint, heartbeat
 from spotguard.errors import ConfigError, StorageError
 from spotguard.guard.window import DeadlinePolicy, Window
 from spotguard.notices.azure import AzureProvider
@@ -175,7 +175,10 @@ def test_a_second_checkpoint_that_fails_leaves_the_first_as_the_resume_point(tmp
     with caplog.at_level(logging.ERROR):
         stopped, _ = train(guard, 3, notice_in(4.0), on_step=break_disk)
     assert stopped is not None and stopped > 6
-    assert "NOT committed" in caplog.text and guard.emergency_error is not None
+    assert "NOT committed" in caplog.text and "resume point stays step 3" in caplog.text
+    # the first checkpoint stands: no emergency error, the second's apart, and the job still exits 75
+    assert guard.emergency_error is None and isinstance(guard.window_error, StorageError)
+    assert guard._beat[1] & heartbeat.COMMITTED and guard._beat[1] & heartbeat.STOPPED_FOR_NOTICE
     assert steps_in(tmp_path) == [(3, "emergency")]
     assert window_guard(tmp_path).resume() == 3
 

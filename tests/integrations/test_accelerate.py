@@ -4,9 +4,13 @@ warm-up, resumed each time with load_state, and equal to an uninterrupted run bi
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
+from spotguard import EXIT_PREEMPTED
+
+from ..helpers import after_step, read_losses, subprocess_env
 from . import runs
 
 pytest.importorskip("accelerate")
@@ -35,3 +39,34 @@ def test_accelerate_notice_during_evaluation_and_warmup_still_checkpoints(tmp_pa
     # At an epoch's last step: the resumed run evaluates again with the same draws, then begins the next epoch.
     runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, ARGS, [32], 4, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+
+
+def test_accelerate_trains_through_the_notice_window_and_resumes_from_its_second_checkpoint(
+    tmp_path, reference, mock_metadata
+):
+    """``$SPOTGUARD_DEADLINE_POLICY=use-window`` and an AWS spot notice 8 s ahead: the emergency checkpoint
+    at once, training on, a second one before the deadline; the resume replays nothing and is exact."""
+    from spotguard.ops.mockmeta import endpoint_env
+
+    server = mock_metadata("aws")
+    env = subprocess_env(SPOTGUARD_DEADLINE_POLICY="use-window", **endpoint_env("aws", server.url))
+    losses = tmp_path / "losses.jsonl"
+    first = runs.stop_when(
+        SCRIPT,
+        tmp_path,
+        (*ARGS, "--step-sleep", "0.15", "--providers", "aws", "--window-margin", "1"),
+        after_step(losses, 4),
+        lambda proc: server.mock.trigger("spot", warning=8),
+        env=env,
+    )
+    assert first.returncode == EXIT_PREEMPTED, first.stderr[-4000:]
+    done = [i for i in runs.checkpoints(tmp_path) if i.complete]
+    opened, stopped = (i.step for i in done if i.manifest.reason == "emergency")
+    assert 4 <= opened and stopped - opened >= 3, (opened, stopped, first.stderr[-4000:])
+    assert read_losses(losses)[-1][0] == stopped  # trained on after the first checkpoint, up to the second
+    assert not any(opened < i.step < stopped for i in done)  # no periodic save inside the window
+    assert re.search(
+        rf"emergency checkpoint of step {stopped} committed .*T-[0-9.]+s before the deadline", first.stderr
+    )
+    runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+    assert [s for s, _ in read_losses(losses)] == list(range(1, STEPS + 1))  # resumed at the second: no replay

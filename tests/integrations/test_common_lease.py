@@ -10,7 +10,7 @@ import pytest
 from spotguard import checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.errors import LeaseHeldError, LeaseLostError
-from spotguard.integrations._common import FolderCheckpoints
+from spotguard.integrations._common import FolderCheckpoints, watch_parts
 from spotguard.storage import open_storage
 
 from .test_common import trainer_folder
@@ -47,10 +47,11 @@ def test_a_job_whose_lease_was_taken_over_commits_nothing_more(tmp_path):
     assert ckpts._beat[1] & heartbeat.LEASE_HELD
 
 
-def test_an_emergency_commit_releases_the_lease_for_the_replacement(tmp_path):
+def test_the_stops_last_checkpoint_releases_the_lease_for_the_replacement(tmp_path):
     storage = open_storage(str(tmp_path / "ckpt"))
-    ckpts = FolderCheckpoints(storage)
+    ckpts, notices = watch_parts(storage, {"providers": []})
     ckpts.commit(10, trainer_folder(tmp_path / "out", 10), "periodic")
     assert not lease_record.read(storage).released
     ckpts.commit(11, trainer_folder(tmp_path / "out", 11), "emergency")
+    assert not notices.stop_saved(11, save_s=0.1)  # "stop": the emergency checkpoint is the last
     assert lease_record.read(storage).released
