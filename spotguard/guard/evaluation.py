@@ -13,7 +13,7 @@ draws, then the next epoch, as the uninterrupted run does.
 from __future__ import annotations
 
 import copy
-import threading
+from collections.abc import Callable
 from typing import Any
 
 from spotguard.checkpoint import state
@@ -25,9 +25,11 @@ class Evaluation:
     """The context ``Guard.evaluation()`` returns; ``should_stop()`` says when to leave it."""
 
     def __init__(
-        self, tracked: Tracked, step: int | None, preempted: threading.Event, agreement: Agreement | None
+        self, tracked: Tracked, step: int | None, stopping: Callable[[], bool], agreement: Agreement | None
     ) -> None:
-        self._tracked, self._step, self._preempted, self._agreement = tracked, step, preempted, agreement
+        """``stopping()``: whether a stop is pending (a notice, but not inside a notice window where
+        training goes on: an evaluation cut there would change the draws of the steps after it)."""
+        self._tracked, self._step, self._stopping, self._agreement = tracked, step, stopping, agreement
         self.cut_short = False  # should_stop() said yes
 
     def __enter__(self) -> Evaluation:
@@ -41,7 +43,7 @@ class Evaluation:
         """True when a stop notice arrived: leave the evaluation, then call ``guard.step(step)`` with the
         last training step. In a process group this is one all-reduce and the same answer on every rank:
         call it at the same batches on every rank (the evaluation's own collectives stay matched)."""
-        stop = self._preempted.is_set()
+        stop = self._stopping()
         if self._agreement is not None:
             stop = self._agreement.vote(STOP if stop else NOTHING) == STOP
         self.cut_short |= stop

@@ -227,7 +227,9 @@ class Guard:
         same random draws, as the uninterrupted run did. Call ``step()`` right after the block, before
         the loop's end-of-epoch code changes anything (``guard.extra``, a scheduler).
         """
-        return Evaluation(self._tracked, self._step, self.preempted, self.agreement)
+        return Evaluation(
+            self._tracked, self._step, lambda: self.preempted.is_set() and self.window is None, self.agreement
+        )
 
     def _vote(self, step: int) -> bool:
         """[distributed] The same verdict, hence the same step, on every rank (on sync steps only)."""

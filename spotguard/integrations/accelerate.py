@@ -139,7 +139,9 @@ class AcceleratorGuard(LoopGuard):
         evaluation again first, and the resumed run draws as the uninterrupted one did.
         """
         at = self._step if step is None else step
-        return Evaluation(self._evaluations, at, self.notices.preempted, self.checkpoints.group.get())
+        notices = self.notices
+        stopping = lambda: notices.preempted.is_set() and not notices.in_window  # noqa: E731
+        return Evaluation(self._evaluations, at, stopping, self.checkpoints.group.get())
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.
