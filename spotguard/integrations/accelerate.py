@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard.checkpoint import data
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.pernode import RankFiles
 
 from ..errors import ConfigError
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
+from . import _rankfiles
 from ._common import WatchOptions
 from ._loop import LoopGuard
 
@@ -82,7 +84,7 @@ class AcceleratorGuard(LoopGuard):
             data.warn_if_plain_loader(
                 f"prepared loader {i}", getattr(loader, "base_dataloader", loader), data.ACCELERATE_HINT
             )
-        found = self.checkpoints.newest_verified()
+        found = self.checkpoints.newest_verified(RankFiles(_rankfiles.accelerate))
         if found is None:
             return 0
         step, folder = found

@@ -35,11 +35,13 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from spotguard.checkpoint import state
+from spotguard.checkpoint.pernode import RankFiles
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
+from . import _rankfiles
 from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
@@ -101,7 +103,7 @@ class SpotguardCallback(Callback):
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local ``.ckpt`` path for ``trainer.fit(ckpt_path=...)``."""
-        found = self.checkpoints.newest_verified()
+        found = self.checkpoints.newest_verified(RankFiles(_rankfiles.lightning))
         self._resume_folder = found[1] if found else None
         return str(found[1] / CKPT_NAME) if found else None
 
