@@ -413,6 +413,10 @@ class FolderCheckpoints:
             agreed.reduce(0, agreed.save_group)
         self.cleanup()
 
+    def adopt(self, path: Path) -> None:
+        """Remove ``path`` too at ``cleanup``: a fetched copy moved there."""
+        self._fetched.append(path)
+
     def cleanup(self) -> None:
         """Remove the local copies fetched for a resume (the trainer has loaded them; in a process
         group, every rank of the node has: call it after a collective that follows the load)."""
