@@ -11,8 +11,8 @@ step: one attribute read in a single process, one all-reduce of one integer in a
 In a process group (``torch.distributed`` initialised, world size > 1) both become collective
 through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
 (``spotguard.checkpoint.folders``), and the resume fetches one verified copy per node, without the
-files of other nodes' ranks (each trainer's rule: ``_rankfiles``). Every rank
-must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
+files of other nodes' ranks (each trainer's rule: ``_rankfiles``). Every rank must then call
+``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
 """
 
 from __future__ import annotations

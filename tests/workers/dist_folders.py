@@ -8,6 +8,7 @@ checkpoint may hold: every rank raises, nothing committed), ``fetch`` (the newes
 every rank skips it and gets step 1's files, from the one copy the node's local rank 0 fetched into
 the shared ``work_dir``), ``per-node`` (each rank a node of its own, fetching by a rule: the shared
 file and its own; the corrupt file is rank 1's, seen by node 1 alone, and both still skip step 2),
+``planned`` (Lightning's resume: the copy of step 2 named before the fetch gets step 1's files),
 ``resharded`` (a checkpoint of 4 ranks: every node fetches every file), ``none-loads`` (every
 checkpoint corrupt: every rank raises).
 """
@@ -25,6 +26,8 @@ from spotguard.checkpoint import folders, write_dir
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.guard import agreement
+from spotguard.integrations._common import FolderCheckpoints
+from spotguard.integrations._planned_resume import PlannedResume
 from spotguard.storage import LocalStorage
 from tests.workers.results import emit
 
@@ -84,6 +87,17 @@ def main(root: str, out: str) -> None:
     found = folders.fetch(storage, groups, work_dir=str(Path(out) / f"work-{rank}"), rank_files=rule)
     assert found is not None
     emit(out, case="per-node", step=found[0], files=listing(found[1]))
+    # Lightning's planned resume: step 2's copy named before the group was up; step 2 does not verify,
+    # so step 1 is moved there (every rank agrees on step 1).
+    checkpoints = FolderCheckpoints(storage, work_dir=str(Path(out) / f"work-{rank}"), lease_ttl=None)
+    planned = PlannedResume(checkpoints, rule)
+    planned.step, planned.planned = 2, folders.node_folder(storage, 2, checkpoints.work_dir)  # as plan() names it
+    planned.fetch()
+    shared = (planned.planned / "shared.bin").read_bytes()[0]
+    emit(out, case="planned", step=planned.step, files=listing(planned.planned), shared=shared)
+    checkpoints.loaded()
+    emit(out, case="planned-removed", gone=not planned.planned.exists())
+    checkpoints.group.close()
     if rank == 0:  # a checkpoint written by 4 ranks: every node fetches every file
         write_folder(local / "s4", 0, 4)
         write_dir(storage, 4, write_folder(local / "s4", 1, 4), reason="periodic", world_size=4)
