@@ -65,6 +65,7 @@ class PlannedResume:
         agreed = self.checkpoints.group.get()
         if agreed is None or not agreed.reduce(int(self.planned is not None), agreed.save_group):
             return
+        self.failed = False
         try:
             self._fetch(agreed)
         except Exception:
@@ -90,4 +91,4 @@ class PlannedResume:
                 folder.rename(self.planned)
                 self.checkpoints.adopt(self.planned)
             agreed.reduce(0, agreed.save_group)  # every rank of the node sees the moved copy
-        self.step = step
+        self.step, self.planned = step, None  # fetched: a later fit plans again

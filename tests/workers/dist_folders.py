@@ -91,12 +91,12 @@ def main(root: str, out: str) -> None:
     # so step 1 is moved there (every rank agrees on step 1).
     checkpoints = FolderCheckpoints(storage, work_dir=str(Path(out) / f"work-{rank}"), lease_ttl=None)
     planned = PlannedResume(checkpoints, rule)
-    planned.step, planned.planned = 2, folders.node_folder(storage, 2, checkpoints.work_dir)  # as plan() names it
+    where = folders.node_folder(storage, 2, checkpoints.work_dir)
+    planned.step, planned.planned = 2, where  # as plan() names it before the group is up
     planned.fetch()
-    shared = (planned.planned / "shared.bin").read_bytes()[0]
-    emit(out, case="planned", step=planned.step, files=listing(planned.planned), shared=shared)
+    emit(out, case="planned", step=planned.step, files=listing(where), shared=(where / "shared.bin").read_bytes()[0])
     checkpoints.loaded()
-    emit(out, case="planned-removed", gone=not planned.planned.exists())
+    emit(out, case="planned-removed", gone=not where.exists())
     checkpoints.group.close()
     if rank == 0:  # a checkpoint written by 4 ranks: every node fetches every file
         write_folder(local / "s4", 0, 4)
