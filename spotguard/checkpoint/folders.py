@@ -15,8 +15,9 @@ step collective on the agreement's save group, in the same order whatever happen
 4. rank 0 writes the manifest only when every rank succeeded, and broadcasts the outcome.
 
 The resume goes the other way (``fetch``): rank 0 proposes the newest complete checkpoint, local
-rank 0 of every node fetches and verifies what its ranks need into a folder of that node, and when
-any node failed (a corrupt file) all ranks move to the next older checkpoint together.
+rank 0 of every node fetches and verifies what its ranks need into a folder of that node (the
+shared files and its own ranks' files, by the integration's rule: ``spotguard.checkpoint.pernode``),
+and when any node failed (a corrupt file) all ranks move to the next older checkpoint together.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import layout, leaseholder
+from spotguard.checkpoint import layout, leaseholder, pernode
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
+from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import fetch as fetch_checkpoint
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseLostError, StorageError
@@ -181,19 +183,25 @@ def fetch(
     storage: Storage,
     groups: Groups,
     work_dir: str | None = None,
-    select: Callable[[str], bool] | None = None,
+    rank_files: RankFiles | None = None,
     fresh_ok: bool = False,
 ) -> tuple[int, Path] | None:
     """Collective: the newest checkpoint every node could fetch and verify, as (step, local folder).
 
-    Local rank 0 of each node fetches the files ``select`` accepts (all by default) into
-    ``node_folder``; the other ranks of the node read the same folder once this returns. A
-    checkpoint whose files fail their checksums on any node is skipped by every rank, with a
-    warning, and the next older one tried; a newer spotguard's raises ``CheckpointFormatError``.
-    When checkpoints exist but none loads, every rank raises ``NoLoadableCheckpointError`` (None with
-    a warning when ``fresh_ok``): starting again from step 0 would silently redo their work.
+    Local rank 0 of each node fetches into ``node_folder`` the files its ranks need: all of them
+    without ``rank_files``; with it, all but other ranks' own files (``pernode``). The other ranks of
+    the node read the same folder once this returns. A checkpoint whose files fail their checksums
+    on any node is skipped by every rank, with a warning, and the next older one tried; a newer
+    spotguard's raises ``CheckpointFormatError``. When checkpoints exist but none loads, every rank
+    raises ``NoLoadableCheckpointError`` (None with a warning when ``fresh_ok``): starting again from
+    step 0 would silently redo their work.
     """
     group, rank = groups.save_group, groups.rank
+    # Which ranks share this node's copy, and whether every rank trusts its rule: one gather.
+    nodes: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(nodes, (_node_key(rank), rank_files.unsure if rank_files else ""), group=group)
+    node_ranks = frozenset(r for r, (node, _) in enumerate(nodes) if node == _node_key(rank))
+    unsure = [doubt for _, doubt in nodes]
     tried: set[int] = set()
     skipped: list[str] = []  # corrupt checkpoints (rank 0's list decides)
     while True:
@@ -220,7 +228,8 @@ def fetch(
         error = ""
         if is_node_leader():
             try:
-                _fetch_into(storage, info, dest, select)
+                names, why = _selection(info, rank_files, node_ranks, groups.world_size, unsure)
+                _fetch_into(storage, info, dest, names, why, node_ranks)
             except CheckpointCorruptError as e:
                 error = str(e)
             except Exception as e:  # a storage error: every rank raises it, nothing older is tried
@@ -241,6 +250,25 @@ def fetch(
         tried.add(info.step)
 
 
+def _node_key(rank: int) -> int:
+    """Ranks with the same key share one node's copy (``node_folder``); a rank that fetches for itself
+    (no ``LOCAL_RANK``) is keyed apart from every node."""
+    return node_rank() if "LOCAL_RANK" in os.environ else -1 - rank
+
+
+def _selection(
+    info: CheckpointInfo, rank_files: RankFiles | None, node_ranks: frozenset[int], world: int, unsure: list[str]
+) -> tuple[set[str] | None, str]:
+    """The names this node fetches (None: every file) and, when every file, why (logged)."""
+    if rank_files is None:
+        return None, ""
+    manifest = info.manifest
+    why = pernode.why_everything(manifest.world_size if manifest else 0, world, unsure)
+    if why or manifest is None:
+        return None, why
+    return set(pernode.needed((f.name for f in manifest.files), rank_files.rank_of, node_ranks, world)), ""
+
+
 def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> CheckpointInfo | None:
     """Rank 0: the newest complete checkpoint not tried yet. Incomplete ones (a save cut short) are
     named and passed over; corrupt ones are also counted in ``skipped``."""
@@ -257,7 +285,29 @@ def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> Checkpoin
     return None
 
 
-def _fetch_into(storage: Storage, info: CheckpointInfo, dest: Path, select: Callable[[str], bool] | None) -> None:
-    """The verified files of ``info`` that ``select`` accepts, in ``dest`` (emptied first)."""
+def _fetch_into(
+    storage: Storage, info: CheckpointInfo, dest: Path, names: set[str] | None, why: str, ranks: frozenset[int]
+) -> None:
+    """The verified files of ``info`` in ``names`` (None: all), in ``dest`` (emptied first); one INFO
+    line says what the node of ``ranks`` fetched, what it left to other nodes, or ``why`` it took all."""
     shutil.rmtree(dest, ignore_errors=True)
-    fetch_checkpoint(storage, info, dest, select)
+    fetch_checkpoint(storage, info, dest, None if names is None else names.__contains__)
+    files = info.manifest.files if info.manifest else ()
+    have = list_folder(dest)
+    left = [f.name for f in files if f.name not in have]
+    logger.info(
+        "the node of rank(s) %s fetched %d of %d files of %s (%d of %d bytes)%s%s",
+        ",".join(map(str, sorted(ranks))),
+        len(files) - len(left),
+        len(files),
+        info.name,
+        sum(f.size for f in files if f.name in have),
+        sum(f.size for f in files),
+        f"; every file: {why}" if why else "",
+        f"; left to other nodes' ranks: {_names(left)}" if left else "",
+    )
+
+
+def _names(names: list[str], most: int = 12) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"

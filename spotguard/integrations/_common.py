@@ -12,8 +12,9 @@ checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the 
 
 In a process group (``torch.distributed`` initialised, world size > 1) both become collective
 through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
-(``spotguard.checkpoint.folders``), and the resume fetches one verified copy per node. Every rank
-must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
+(``spotguard.checkpoint.folders``), and the resume fetches one verified copy per node, without the
+files of other nodes' ranks (each trainer's rule: ``_rankfiles``). Every rank must then call
+``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import folders
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
 from spotguard.guard import agreement, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
@@ -413,18 +415,19 @@ class FolderCheckpoints:
             logger.warning("pruning old checkpoints in %s failed: %s", self.storage.describe(), e)
         return manifest
 
-    def newest_verified(self) -> tuple[int, Path] | None:
+    def newest_verified(self, rank_files: RankFiles | None = None) -> tuple[int, Path] | None:
         """The newest checkpoint whose files all match their manifest, as a local folder, and its step.
 
         Folders without a manifest (a save cut short), or whose files fail their checksums, are
         skipped with a warning naming the reason, and the previous one is tried; a newer spotguard's
         checkpoint raises ``CheckpointFormatError`` (upgrade spotguard). Collective in a process
-        group: the same step on every rank, one verified copy per node (``folders.fetch``).
+        group: the same step on every rank, one verified copy per node (``folders.fetch``), holding
+        the shared files and the node's own ranks' files (``rank_files``: the trainer's rule; None: all).
         """
         self._hold()
         agreed = self.group.get()
         if agreed is not None:
-            found = folders.fetch(self.storage, agreed, self.work_dir, fresh_ok=self.fresh_ok)
+            found = folders.fetch(self.storage, agreed, self.work_dir, rank_files, fresh_ok=self.fresh_ok)
             if found is not None and folders.is_node_leader():
                 self._fetched.append(found[1])
             return found
@@ -484,6 +487,10 @@ class FolderCheckpoints:
         if agreed is not None:
             agreed.reduce(0, agreed.save_group)
         self.cleanup()
+
+    def adopt(self, path: Path) -> None:
+        """Remove ``path`` too at ``cleanup``: a fetched copy moved there."""
+        self._fetched.append(path)
 
     def cleanup(self) -> None:
         """Remove the local copies fetched for a resume (the trainer has loaded them; in a process

@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.pernode import RankFiles
 
 from ..errors import ConfigError
 from ..guard.evaluation import Evaluation
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
+from . import _rankfiles
 from ._common import WatchOptions
 from ._loop import LoopGuard
 
@@ -95,7 +97,7 @@ class AcceleratorGuard(LoopGuard):
             data.warn_if_plain_loader(
                 f"prepared loader {i}", getattr(loader, "base_dataloader", loader), data.ACCELERATE_HINT
             )
-        found = self.checkpoints.newest_verified()
+        found = self.checkpoints.newest_verified(RankFiles(_rankfiles.accelerate))
         if found is None:
             return 0
         step, folder = found

@@ -37,10 +37,12 @@ import torch
 from spotguard.checkpoint import data, loadable, state
 from spotguard.checkpoint.collective import agree
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.pernode import RankFiles
 
 from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError
 from ..guard import ranks
 from ..storage import Storage
+from . import _rankfiles
 from ._common import WatchOptions
 from ._loop import LoopGuard
 
@@ -60,6 +62,30 @@ def tag_for(step: int) -> str:
 def rank_file(rank: int) -> str:
     """spotguard's file of one rank, in the tag's subfolder beside DeepSpeed's files."""
     return f"spotguard-rank{rank}.pt"
+
+
+def fetch_rule(engine: Any, world: int) -> RankFiles:
+    """Which files a node fetches for a resume (``_rankfiles.deepspeed``), and when that rule is unsure:
+    DeepSpeed names ZeRO files by data-parallel rank, and reads the other ranks' ones with its elastic
+    checkpoint or a universal checkpoint load; then every node fetches every file."""
+    doubt = ""
+    parallel = [
+        getattr(engine, k, d) for k, d in (("mp_world_size", 1), ("dp_world_size", world), ("seq_dp_world_size", world))
+    ]
+    if _call(engine, "zero_elastic_checkpoint"):
+        doubt = "DeepSpeed's elastic checkpoint is on: every rank reads every ZeRO partition"
+    elif _call(engine, "load_universal_checkpoint"):
+        doubt = "DeepSpeed loads a universal checkpoint"
+    elif getattr(engine, "has_moe_layers", False):
+        doubt = "DeepSpeed's expert parallelism names files by expert-parallel rank"
+    elif parallel != [1, world, world]:
+        doubt = "model, pipeline or sequence parallelism: ZeRO files are named by data-parallel rank"
+    return RankFiles(_rankfiles.deepspeed, doubt)
+
+
+def _call(engine: Any, name: str) -> bool:
+    method = getattr(engine, name, None)
+    return bool(method()) if callable(method) else False
 
 
 class DeepSpeedGuard(LoopGuard):
@@ -152,7 +178,7 @@ class DeepSpeedGuard(LoopGuard):
     def resume(self) -> int:
         """``engine.load_checkpoint`` from the newest checkpoint that verifies, and every rank's own state;
         return its step (0 if none). Collective: every rank loads the same step, from its node's copy."""
-        found = self.checkpoints.newest_verified()
+        found = self.checkpoints.newest_verified(fetch_rule(self.engine, ranks.world_size()))
         if found is None:
             return 0
         step, folder = found
@@ -181,13 +207,24 @@ class DeepSpeedGuard(LoopGuard):
             raise CheckpointMismatchError(
                 f"checkpoint of step {step} was not written by DeepSpeedGuard (no {tag}/{rank_file(0)})"
             )
-        if len(saved) != world:
-            raise CheckpointMismatchError(
-                f"checkpoint of step {step} was saved by {len(saved)} ranks, this job has {world}: each rank's "
+        # A node holds its own ranks' files only when the world size is the checkpoint's (else every
+        # rank's: ``fetch_rule``): each rank's own file says how many ranks saved (the same on every rank).
+        mine = folder / tag / rank_file(rank)
+        own: dict[str, Any] | None = torch.load(mine, weights_only=True) if mine.is_file() else None
+        saved_world = len(saved) if own is None else int(own.get("world_size", len(saved)))
+        error = None
+        if saved_world != world or own is None:
+            error = CheckpointMismatchError(
+                f"checkpoint of step {step} was saved by {saved_world} ranks, this job has {world}: each rank's "
                 "data position and RNG streams cannot be split or merged; resume it with the same world size"
             )
+        agreed = self.checkpoints.group.get()
+        if agreed is not None:  # no rank enters load_checkpoint's collectives alone
+            agree(agreed, f"the checkpoint of step {step}", error)
+        elif error is not None:
+            raise error
+        assert own is not None
         path, _ = self.engine.load_checkpoint(str(folder), tag=tag)
         if path is None:
             raise CheckpointMismatchError(f"DeepSpeed found no checkpoint in {folder / tag}")
-        own: dict[str, Any] = torch.load(folder / tag / rank_file(rank), weights_only=True)
         return own

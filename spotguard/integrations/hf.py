@@ -40,11 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import checkpoint
 from spotguard.checkpoint import state as state_module
+from spotguard.checkpoint.pernode import RankFiles
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..heartbeat import EXIT_CONFIG
 from ..storage import Storage
+from . import _rankfiles
 from ._common import WatchOptions, watch_parts
 
 if TYPE_CHECKING:
@@ -94,7 +96,7 @@ class SpotguardCallback(TrainerCallback):
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local folder for ``trainer.train(resume_from_checkpoint=...)``."""
-        found = self.checkpoints.newest_verified()
+        found = self.checkpoints.newest_verified(RankFiles(_rankfiles.hf))  # a node: its ranks' rng_state_N
         self._resumed_step = found[0] if found else 0
         self._replay_eval = found is not None and (found[1] / EVAL_CUT).is_file()
         return str(found[1]) if found else None

@@ -40,12 +40,15 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from spotguard.checkpoint import state
+from spotguard.checkpoint.pernode import RankFiles
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
+from . import _rankfiles
 from ._common import WatchOptions, watch_parts
+from ._planned_resume import PlannedResume
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -99,6 +102,7 @@ class SpotguardCallback(Callback):
         self._rng_after_iterator: dict[str, Any] | None = None
         self._resume_folder: Path | None = None
         self._validation_next = False  # the save in progress is of a step whose validation has not run yet
+        self._planned = PlannedResume(self.checkpoints, RankFiles(_rankfiles.lightning))
 
     @property
     def state_key(self) -> str:
@@ -107,7 +111,12 @@ class SpotguardCallback(Callback):
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local ``.ckpt`` path for ``trainer.fit(ckpt_path=...)``."""
-        found = self.checkpoints.newest_verified()
+        planned = self._planned.plan()  # under torchrun: fetched per node in ``setup``, once the group is up
+        if planned is not None:
+            self._resume_folder = planned
+            return str(planned / CKPT_NAME)
+        found = self.checkpoints.newest_verified(self._planned.rule)
+        self._planned.step = found[0] if found else None
         self._resume_folder = found[1] if found else None
         return str(found[1] / CKPT_NAME) if found else None
 
@@ -126,6 +135,11 @@ class SpotguardCallback(Callback):
         except (_Interrupt, SIGTERMException):
             if self.stopped_at is None:
                 raise
+        except PERMANENT as e:
+            if not self._planned.failed:
+                raise
+            logger.error("cannot resume: %s: %s", type(e).__name__, e)
+            return EXIT_CONFIG
         finally:
             self.close()
         return self.exit_code
@@ -202,6 +216,7 @@ class SpotguardCallback(Callback):
     # -- Lightning events --------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
+            self._planned.fetch()  # the planned resume's copy, before Lightning reads it
             self._trainer = trainer
             self._capture_before_validations(trainer)
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too

@@ -48,6 +48,13 @@ def test_folders_of_two_ranks_commit_as_one_checkpoint_fail_together_and_fetch_v
         assert failed["kind"] == "ConfigError" and "rank 1" in failed["message"], failed
         fetched = by[(rank, "fetch", 1)]  # step 2 fails its checksum: both skip to step 1 together
         assert fetched["files"] == ["shared.bin", "sub/own-0.bin", "sub/own-1.bin"] and fetched["shared"] == 1
+        # A node of its own: the shared file and its own rank's, never the other rank's; rank 1's
+        # corrupt file of step 2 is seen by node 1 alone, and node 0 skips step 2 with it.
+        assert by[(rank, "per-node", 1)]["files"] == ["shared.bin", f"sub/own-{rank}.bin"]
+        planned = by[(rank, "planned", 1)]  # step 2 was planned, step 1 verified: moved to step 2's place
+        assert planned["files"] == ["shared.bin", f"sub/own-{rank}.bin"] and planned["shared"] == 1, planned
+        assert by[(rank, "planned-removed", None)]["gone"] is True
+        assert by[(rank, "resharded", 4)]["files"] == ["shared.bin", "sub/own-0.bin", "sub/own-1.bin"]
         assert by[(rank, "none-loads", None)] == {
             "rank": rank,
             "case": "none-loads",

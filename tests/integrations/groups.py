@@ -97,13 +97,14 @@ class Job:
         self.notices = run_dir / "notices"
         self.notices.mkdir(parents=True, exist_ok=True)
         self._rng = random.Random()
+        self.resumed: list[subprocess.CompletedProcess[str]] = []  # the last ``finish``'s processes
 
     def node_dir(self, node: int) -> Path:
         path = self.run_dir / f"node{node}"
         (path / "tmp").mkdir(parents=True, exist_ok=True)
         return path
 
-    def commands(self, *extra: str) -> list[tuple[list[str], dict[str, str]]]:
+    def commands(self, *extra: str, quiet: bool = True) -> list[tuple[list[str], dict[str, str]]]:
         port, job = free_port(), f"job-{self._rng.randrange(1 << 30)}"
         out = []
         for node in range(self.nodes):
@@ -120,7 +121,7 @@ class Job:
                 str(self.run_dir / "ckpt"),
                 "--losses",
                 str(self.losses),
-                "--quiet",
+                *(("--quiet",) if quiet else ()),  # not quiet: spotguard's INFO lines (what each node fetched)
                 *self.args,
                 *self.local_args(local),
                 *extra,
@@ -129,9 +130,9 @@ class Job:
             out.append((cmd, env))
         return out
 
-    def run(self, *extra: str) -> list[subprocess.CompletedProcess[str]]:
+    def run(self, *extra: str, quiet: bool = True) -> list[subprocess.CompletedProcess[str]]:
         """Every node to its end."""
-        cmds = self.commands(*extra)
+        cmds = self.commands(*extra, quiet=quiet)
         with ThreadPoolExecutor(len(cmds)) as pool:
             return list(pool.map(lambda c: run(c[0], env=c[1], cwd=self.run_dir), cmds))
 
@@ -193,18 +194,60 @@ def reference(script: str, run_dir: Path, args: tuple[str, ...], **job_kwargs) -
     return read_losses(job.losses), job.final
 
 
-def stop_one_rank_then_finish(job: Job, steps: int, ref, rng: random.Random) -> tuple[int, set[str]]:
+def stop_one_rank_then_finish(
+    job: Job, steps: int, ref, rng: random.Random, quiet: bool = True
+) -> tuple[int, set[str]]:
     """A notice on rank 1 only at a random step: all ranks stop after the same step and commit; the
-    resume finishes exactly like the reference. Returns the stop step and its checkpoint's files."""
+    resume finishes exactly like the reference (``finish``). Returns the stop step and its checkpoint's files."""
     at = rng.randint(3, steps - 6)
     stopped = assert_all_stopped(job, job.stop_rank_at(1, at), at)
-    finish(job, ref)
+    finish(job, ref, quiet)
     return stopped
 
 
-def finish(job: Job, ref) -> None:
-    """The resume, uninterrupted to the end: every logged loss and the final weights equal ``ref``."""
-    last = job.run("--final", str(job.final))
+def finish(job: Job, ref, quiet: bool = True) -> list[subprocess.CompletedProcess[str]]:
+    """The resume, uninterrupted to the end: every logged loss and the final weights equal ``ref``.
+    Returns its processes, one per node, also kept as ``job.resumed`` (``quiet=False``: with
+    spotguard's INFO lines, e.g. what each node fetched: ``fetched``)."""
+    last = job.run("--final", str(job.final), quiet=quiet)
     for proc in last:
         assert proc.returncode == 0, proc.stderr[-4000:]
     assert_same_run(job.losses, job.final, ref)
+    job.resumed = last
+    return last
+
+
+FETCHED = re.compile(
+    r"the node of rank\(s\) ([\d,]+) fetched (\d+) of (\d+) files of (\S+) \((\d+) of (\d+) bytes\)"
+    r"(?:; every file: [^;\n]*)?(?:; left to other nodes' ranks: ([^\n]*))?"
+)
+
+
+def fetched(procs: list[subprocess.CompletedProcess[str]]) -> dict[int, dict]:
+    """What each node fetched at the resume, from spotguard's INFO line (runs with ``quiet=False``):
+    by rank (each node of one rank), the checkpoint, the bytes fetched and in all, the names left out."""
+    found = {}
+    for proc in procs:
+        for m in FETCHED.finditer(proc.stderr):
+            ranks, _, _, name, got, total, left = m.groups()
+            for rank in map(int, ranks.split(",")):
+                assert rank not in found, f"rank {rank}'s node fetched twice: {proc.stderr[-3000:]}"
+                found[rank] = {
+                    "step": name,
+                    "bytes": int(got),
+                    "total": int(total),
+                    "left": set((left or "").split(", ")) - {""},
+                }
+    return found
+
+
+def assert_each_node_left_out_the_others(procs, stopped: int, own: Callable[[int], set[str]]) -> dict[int, dict]:
+    """Two nodes of one rank each resumed checkpoint ``stopped``: each node's folder held all of it but
+    the other rank's own files ``own(rank)`` (the shared files and its own), and fetched fewer bytes."""
+    nodes = fetched(procs)
+    assert sorted(nodes) == [0, 1], [p.stderr[-3000:] for p in procs]
+    for rank, node in nodes.items():
+        assert node["step"] == f"step-{stopped:08d}", node
+        assert node["left"] == own(1 - rank), (rank, node)
+        assert 0 < node["bytes"] < node["total"], node
+    return nodes

@@ -50,5 +50,9 @@ def test_accelerate_launch_stops_every_rank_for_a_notice_in_one_ranks_evaluation
 
 def test_accelerate_on_two_machines_without_a_shared_folder_commits_one_checkpoint(tmp_path, reference):
     job = groups.Job(SCRIPT, tmp_path, ARGS, nodes=2, nproc=1, launcher="accelerate")
-    _, names = groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
+    stopped, names = groups.stop_one_rank_then_finish(job, STEPS, reference, _rng, quiet=False)
     assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"} <= names
+    # Each machine fetched the shared files and its own process's RNG and loader files, not the other's.
+    groups.assert_each_node_left_out_the_others(
+        job.resumed, stopped, lambda rank: {f"random_states_{rank}.pkl", f"spotguard-loaders-{rank:05d}.pt"}
+    )

@@ -74,9 +74,16 @@ def test_zero2_notice_on_one_rank_stops_both_and_resume_is_exact(tmp_path, launc
 
 
 def test_zero3_on_two_nodes_with_local_folders_stops_both_and_resume_is_exact(tmp_path, launch):
-    stop, names = groups.stop_one_rank_then_finish(job(tmp_path, 3, 2, 1), STEPS, reference(launch, 3), _rng)
+    two_nodes = job(tmp_path, 3, 2, 1)
+    stop, names = groups.stop_one_rank_then_finish(two_nodes, STEPS, reference(launch, 3), _rng, quiet=False)
     assert_written_by_both_ranks(stop, names)
     assert {f"step{stop}/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)} <= names  # ZeRO-3: per rank
+
+    def own(rank: int) -> set[str]:  # DeepSpeed 0.19 reads only its own ZeRO partition (no elastic checkpoint)
+        zero = f"step{stop}/zero_pp_rank_{rank}_mp_rank_00"
+        return {f"{zero}_optim_states.pt", f"{zero}_model_states.pt", f"step{stop}/spotguard-rank{rank}.pt"}
+
+    groups.assert_each_node_left_out_the_others(two_nodes.resumed, stop, own)
     for node in (0, 1):  # each node fetched its copy into its own folder, removed once both ranks had loaded
         work = tmp_path / f"node{node}" / "work"
         assert work.is_dir() and not any(work.iterdir()), node

@@ -74,4 +74,6 @@ def test_hf_trainer_on_two_nodes_without_a_shared_folder_commits_one_checkpoint(
     assert (rank1 / "rng_state_1.pth").exists() and not (rank1 / "model.safetensors").exists()
     assert (rank0 / "model.safetensors").exists() and not (rank0 / "rng_state_1.pth").exists()
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= names
-    groups.finish(job, reference_two_nodes)
+    resumed = groups.finish(job, reference_two_nodes, quiet=False)
+    # Each node fetched the shared files and its own rank's RNG file, not the other rank's.
+    groups.assert_each_node_left_out_the_others(resumed, stopped, lambda rank: {f"rng_state_{rank}.pth"})

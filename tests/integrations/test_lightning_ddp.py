@@ -44,7 +44,9 @@ def test_lightning_ddp_stops_every_rank_for_one_ranks_notice_and_resumes_exactly
 
 def test_lightning_ddp_on_two_nodes_without_a_shared_folder_resumes_exactly(tmp_path, reference):
     job = groups.Job(SCRIPT, tmp_path, ARGS, nodes=2, nproc=1)
-    groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
+    stopped, _ = groups.stop_one_rank_then_finish(job, STEPS, reference, _rng, quiet=False)
+    # Each node fetched (once Lightning's process group was up) the .ckpt and its own rank's RNG streams only.
+    groups.assert_each_node_left_out_the_others(job.resumed, stopped, lambda rank: {f"rng-rank-{rank:05d}.pt"})
 
 
 def test_lightning_ddp_resumes_a_checkpoint_of_an_epochs_last_batch_exactly(tmp_path, reference):

@@ -6,19 +6,28 @@ would be) and a file of its own. Cases, reported with ``emit`` as ``{case, kind,
 ``commit`` (one checkpoint with every rank's files), ``failing-rank`` (rank 1 holds a file no
 checkpoint may hold: every rank raises, nothing committed), ``fetch`` (the newest is corrupt on disk:
 every rank skips it and gets step 1's files, from the one copy the node's local rank 0 fetched into
-the shared ``work_dir``), ``none-loads`` (every checkpoint corrupt: every rank raises).
+the shared ``work_dir``), ``per-node`` (each rank a node of its own, fetching by a rule: the shared
+file and its own; the corrupt file is rank 1's, seen by node 1 alone, and both still skip step 2),
+``planned`` (Lightning's resume: the copy of step 2 named before the fetch gets step 1's files),
+``resharded`` (a checkpoint of 4 ranks: every node fetches every file), ``none-loads`` (every
+checkpoint corrupt: every rank raises).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import folders
+from spotguard.checkpoint import folders, write_dir
+from spotguard.checkpoint.pernode import RankFiles
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.guard import agreement
+from spotguard.integrations._common import FolderCheckpoints
+from spotguard.integrations._planned_resume import PlannedResume
 from spotguard.storage import LocalStorage
 from tests.workers.results import emit
 
@@ -29,6 +38,10 @@ def write_folder(folder: Path, rank: int, step: int) -> Path:
     (folder / "sub").mkdir(exist_ok=True)
     (folder / "sub" / f"own-{rank}.bin").write_bytes(bytes([rank, step]) * 10)
     return folder
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
 def main(root: str, out: str) -> None:
@@ -65,8 +78,37 @@ def main(root: str, out: str) -> None:
     found = folders.fetch(storage, groups, work_dir=str(Path(out) / "work"))
     assert found is not None
     step, folder = found
-    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    emit(out, case="fetch", step=step, files=names, shared=(folder / "shared.bin").read_bytes()[0])
+    emit(out, case="fetch", step=step, files=listing(folder), shared=(folder / "shared.bin").read_bytes()[0])
+
+    # Each rank a node of its own, with its own folder, fetching by a rule (``sub/own-<rank>.bin`` is
+    # that rank's own file): step 2's corrupt file is rank 1's, seen by node 1 alone, and both skip it.
+    os.environ["LOCAL_RANK"] = "0"
+    rule = RankFiles(lambda name: int(name[8]) if name.startswith("sub/own-") else None)
+    found = folders.fetch(storage, groups, work_dir=str(Path(out) / f"work-{rank}"), rank_files=rule)
+    assert found is not None
+    emit(out, case="per-node", step=found[0], files=listing(found[1]))
+    # Lightning's planned resume: step 2's copy named before the group was up; step 2 does not verify,
+    # so step 1 is moved there (every rank agrees on step 1).
+    checkpoints = FolderCheckpoints(storage, work_dir=str(Path(out) / f"work-{rank}"), lease_ttl=None)
+    planned = PlannedResume(checkpoints, rule)
+    where = folders.node_folder(storage, 2, checkpoints.work_dir)
+    planned.step, planned.planned = 2, where  # as plan() names it before the group is up
+    planned.fetch()
+    emit(out, case="planned", step=planned.step, files=listing(where), shared=(where / "shared.bin").read_bytes()[0])
+    checkpoints.loaded()
+    emit(out, case="planned-removed", gone=not where.exists())
+    checkpoints.group.close()
+    if rank == 0:  # a checkpoint written by 4 ranks: every node fetches every file
+        write_folder(local / "s4", 0, 4)
+        write_dir(storage, 4, write_folder(local / "s4", 1, 4), reason="periodic", world_size=4)
+    dist.barrier()
+    found = folders.fetch(storage, groups, work_dir=str(Path(out) / f"work-{rank}"), rank_files=rule)
+    assert found is not None
+    emit(out, case="resharded", step=found[0], files=listing(found[1]))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(root) / "step-00000004")
+    os.environ["LOCAL_RANK"] = str(rank)
 
     dist.barrier()
     if rank == 0:

@@ -1,0 +1,60 @@
+"""Each trainer's per-rank files: which rank alone reads a file of its checkpoint folder (None: any rank).
+
+The rules behind a node's resume fetch (``spotguard.checkpoint.pernode``): a node fetches the shared
+files and its own ranks' files, not other nodes' ranks' ones. Each rule is a pure function of the
+file's relative name, written from the names the trainer's own save writes and its load reads
+(checked in their sources, versions in docs/integrations.md); a name a rule does not claim is shared,
+so a name it misses is fetched by every node, never left out:
+
+- HF ``Trainer``: ``rng_state_<process_index>.pth`` (``_save_rng_state``/``_load_rng_state``; each
+  rank loads its own only). Weights, optimizer, scheduler, ``trainer_state.json``: shared. Under
+  DeepSpeed or FSDP, their shard files are fetched whole (not claimed).
+- Accelerate: ``random_states_<process_index>.pkl`` (``load_accelerator_state`` reads its own) and
+  spotguard's ``spotguard-loaders-NNNNN.pt`` (``_accelerate_loaders``).
+- Lightning: spotguard's ``rng-rank-NNNNN.pt`` (Lightning writes rank 0's ``.ckpt`` only).
+- DeepSpeed (in the tag's folder): spotguard's ``spotguard-rank<R>.pt``, and ZeRO's
+  ``[bf16_]zero_pp_rank_<D>_mp_rank_<M>_{optim,model}_states.pt``, named by the data-parallel rank:
+  DeepSpeed 0.19 reads only its own (``_get_all_zero_checkpoint_state_dicts`` loads the other ranks'
+  partitions only with ``zero_elastic_checkpoint()``; ``_get_all_zero_checkpoint_names`` builds their
+  names and needs no file; ZeRO-3's ``_get_all_ckpt_names`` globs its own ``zero_pp_rank``), so no
+  placeholder is needed. The data-parallel rank is the global rank only without model, pipeline,
+  sequence or expert parallelism: ``DeepSpeedGuard`` says it is unsure otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+_HF = re.compile(r"rng_state_(\d+)\.pth")
+_ACCELERATE = re.compile(r"random_states_(\d+)\.pkl|spotguard-loaders-(\d+)\.pt")
+_LIGHTNING = re.compile(r"rng-rank-(\d+)\.pt")
+_DEEPSPEED = re.compile(
+    r"[^/]+/(?:spotguard-rank(\d+)\.pt|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt)"
+)
+
+
+def _rank(pattern: re.Pattern[str], name: str) -> int | None:
+    match = pattern.fullmatch(name)
+    if match is None:
+        return None
+    return int(next(g for g in match.groups() if g is not None))
+
+
+def hf(name: str) -> int | None:
+    """The rank whose own file ``name`` is in an HF ``Trainer`` checkpoint folder; None: shared."""
+    return _rank(_HF, name)
+
+
+def accelerate(name: str) -> int | None:
+    """The rank whose own file ``name`` is in an ``accelerator.save_state`` folder; None: shared."""
+    return _rank(_ACCELERATE, name)
+
+
+def lightning(name: str) -> int | None:
+    """The rank whose own file ``name`` is in spotguard's Lightning checkpoint folder; None: shared."""
+    return _rank(_LIGHTNING, name)
+
+
+def deepspeed(name: str) -> int | None:
+    """The (data-parallel) rank whose own file ``name`` is in a ``DeepSpeedGuard`` folder; None: shared."""
+    return _rank(_DEEPSPEED, name)
