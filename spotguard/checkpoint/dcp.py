@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotguard.checkpoint import item_io
+from spotguard.checkpoint import item_io, serialize
 from spotguard.checkpoint.item_io import Slice
 from spotguard.checkpoint.manifest import FileEntry, HashingWriter
 from spotguard.errors import CheckpointCorruptError, SaveCancelled
@@ -132,7 +132,7 @@ class SpotguardWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
                 else:
-                    torch.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
+                    serialize.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
                 length = out.size - offset
                 results.append(
                     WriteResult(

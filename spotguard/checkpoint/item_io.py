@@ -60,29 +60,41 @@ class Slice(io.RawIOBase):
         return n
 
 
+def _record_start(part: Slice, info: zipfile.ZipInfo) -> int | None:
+    """Offset in ``part`` of a stored record's bytes (after its local header), or None."""
+    header = bytearray(_LOCAL_HEADER.size)
+    part.seek(info.header_offset)
+    if info.compress_type != zipfile.ZIP_STORED or part.readinto(header) != len(header):
+        return None
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    start = info.header_offset + len(header) + name_len + extra_len
+    return start if signature == _LOCAL_SIGNATURE and start + info.file_size <= part.length else None
+
+
 def _data_offset(part: Slice, nbytes: int) -> int | None:
-    """Offset in ``part`` of the saved tensor's bytes, or None when the item is not the plain case."""
+    """Offset in ``part`` of the saved tensor's bytes, or None when the item is not the plain case.
+
+    Records are read raw, never through ``ZipFile.read``: our files carry no zip CRC32s
+    (``serialize``), which ``zipfile`` would take for damage.
+    """
     part.seek(0)
     try:
         with zipfile.ZipFile(part) as z:  # type: ignore[arg-type]
             infos = z.infolist()
-            records = [i for i in infos if i.filename.rpartition("/")[0].endswith("/data")]
-            order = next((i for i in infos if i.filename.endswith("/byteorder")), None)
-            if order is not None and z.read(order).decode(errors="replace") != sys.byteorder:
-                return None
     except (zipfile.BadZipFile, OSError, ValueError):
         return None
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != nbytes:
+    records = [i for i in infos if i.filename.rpartition("/")[0].endswith("/data")]
+    order = next((i for i in infos if i.filename.endswith("/byteorder")), None)
+    if order is not None:
+        where = _record_start(part, order)
+        if where is None or order.file_size > 8:
+            return None
+        part.seek(where)
+        if part.read(order.file_size) != sys.byteorder.encode():
+            return None
+    if len(records) != 1 or records[0].file_size != nbytes:
         return None
-    header = bytearray(_LOCAL_HEADER.size)
-    part.seek(records[0].header_offset)
-    if part.readinto(header) != len(header):
-        return None
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-    if signature != _LOCAL_SIGNATURE:
-        return None
-    start = records[0].header_offset + len(header) + name_len + extra_len
-    return start if start + nbytes <= part.length else None
+    return _record_start(part, records[0])
 
 
 def read_into(part: Slice, saved: torch.Tensor, target: torch.Tensor) -> bool:
