@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from spotguard.checkpoint import item_io, serialize
+from spotguard.checkpoint.item_io import Slice
 from spotguard.checkpoint.manifest import FileEntry, HashingWriter
 from spotguard.errors import CheckpointCorruptError, SaveCancelled
 from spotguard.storage.base import Storage
@@ -130,7 +132,7 @@ class SpotguardWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
                 else:
-                    torch.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
+                    serialize.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
                 length = out.size - offset
                 results.append(
                     WriteResult(
@@ -208,34 +210,6 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
 Opener = Callable[[str], AbstractContextManager[Path]]
 
 
-class _Slice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file, seen as a file of their own (one saved item)."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self._length - self._pos)]
-        n = os.preadv(self._fd, [view], self._offset + self._pos) if len(view) else 0
-        self._pos += n
-        return n
-
-
 class SpotguardReader(StorageReader):
     """Reads a sharded checkpoint; ``open_verified(name)`` yields a local, checksum-verified copy.
 
@@ -288,34 +262,43 @@ class SpotguardReader(StorageReader):
             with open(self._path(name), "rb", buffering=0) as f:
                 for loc, item in sorted(items, key=lambda p: p[0].offset):
                     self.bytes_read += loc.length
-                    self._load_item(name, _Slice(f.fileno(), loc.offset, loc.length), item, planner)
+                    self._load_item(name, Slice(f.fileno(), loc.offset, loc.length), item, planner)
         return _done(None)
 
     @staticmethod
-    def _load_item(name: str, part: _Slice, item: Any, planner: LoadPlanner) -> None:
-        try:
-            # weights_only first: DCP's default planner unpickles byte items freely; we only
-            # hand it content that already loads safely. Read from the file itself, torch.load
-            # copies each tensor's bytes once, straight into its storage.
-            value = torch.load(part, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
-        except Exception as e:
-            raise CheckpointCorruptError(
-                f"shards/{name}: {item.storage_index.fqn} cannot be loaded safely ({e})"
-            ) from e
+    def _load_item(name: str, part: Slice, item: Any, planner: LoadPlanner) -> None:
+        # weights_only first: DCP's default planner unpickles byte items freely; we only hand it
+        # content that already loads safely. A tensor item is loaded to the meta device first (its
+        # dtype and shape, no bytes read); when it fills its target whole, its bytes are then read
+        # straight into the target: one copy from the page cache, where loading it to the CPU
+        # would allocate a fresh tensor and copy twice (``item_io.read_into``).
         if item.type == LoadItemType.BYTE_IO:
+            _safe_load(name, part, item, "cpu")
             part.seek(0)
             planner.load_bytes(item, io.BytesIO(part.read()))
             return
-        tensor = _narrow(value, item.storage_offsets, item.lengths)
+        saved = _safe_load(name, part, item, "meta")
+        if not isinstance(saved, torch.Tensor):
+            raise CheckpointCorruptError(f"shards/{name}: {item.storage_index.fqn} is not a tensor")
+        wanted = _narrow(saved, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
+        if target.size() != wanted.size():
             raise CheckpointCorruptError(
-                f"shards/{name}: {item.storage_index.fqn} has shape {tuple(tensor.shape)}, "
+                f"shards/{name}: {item.storage_index.fqn} has shape {tuple(wanted.shape)}, "
                 f"expected {tuple(target.shape)}"
             )
-        target.copy_(tensor)
+        if wanted.size() != saved.size() or not item_io.read_into(part, saved, target):
+            part.seek(0)
+            target.copy_(_narrow(_safe_load(name, part, item, "cpu"), item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+def _safe_load(name: str, part: Slice, item: Any, device: str) -> Any:
+    try:
+        return torch.load(part, map_location=device, weights_only=True)  # type: ignore[arg-type]
+    except Exception as e:
+        raise CheckpointCorruptError(f"shards/{name}: {item.storage_index.fqn} cannot be loaded safely ({e})") from e

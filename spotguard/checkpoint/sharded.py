@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, leaseholder, loadable, sharded_async, sharded_load, state
+from spotguard.checkpoint import data, layout, leaseholder, loadable, serialize, sharded_async, sharded_load, state
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
@@ -195,7 +195,7 @@ class ShardedEngine:
         try:
             with self.storage.open_write(f"{step_dir(step)}/{rank_file(rank)}", deadline=deadline) as raw:
                 out = HashingWriter(raw)
-                torch.save(staged.payload, out)  # type: ignore[arg-type]
+                serialize.save(staged.payload, out)  # type: ignore[arg-type]
         except Exception as e:
             return explain(e, rank), []
         return "", [out.entry(rank_file(rank))]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, loadable, reader, state
+from spotguard.checkpoint import data, layout, loadable, reader, serialize, state
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
@@ -167,7 +167,7 @@ class SingleEngine:
             manifest = layout.write(
                 storage,
                 step,
-                {STATE_FILE: lambda f: torch.save(payload, f)},
+                {STATE_FILE: lambda f: serialize.save(payload, f)},
                 reason=reason,
                 extra=extra,
                 world_size=_world_size(),
