@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch (rehearsals)")
+    p.add_argument(
+        "--eval-sleep-step", type=int, help="--eval-sleep in the evaluation of this step only (default: every one)"
+    )
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         def evaluation() -> None:
             def batch_done(event: str) -> None:
                 trace(event)
-                time.sleep(args.eval_sleep)
+                time.sleep(args.eval_sleep if args.eval_sleep_step in (None, step) else 0.0)
 
             evaluate(model, held_out, guard, step, batch_done, args.eval_augment)
 

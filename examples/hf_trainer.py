@@ -69,7 +69,8 @@ class Rehearsal(TrainerCallback):
 
     def on_prediction_step(self, args, state, control, **kwargs):
         self.event("eval_batch", state.global_step)
-        time.sleep(self.args.eval_sleep)
+        if self.args.eval_sleep_step in (None, state.global_step):
+            time.sleep(self.args.eval_sleep)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per evaluation batch (rehearsals)")
+    p.add_argument(
+        "--eval-sleep-step", type=int, help="--eval-sleep in the evaluation of this step only (default: every one)"
+    )
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
     p.add_argument("--deepspeed", type=int, choices=[0, 1, 2, 3], help="train through DeepSpeed, this ZeRO stage")

@@ -61,7 +61,8 @@ class Regressor(L.LightningModule):
         if self.args.eval_augment:  # test-time augmentation: random numbers drawn during validation
             x = x + 0.1 * torch.randn_like(x)
         self.trace("eval_batch")
-        time.sleep(self.args.eval_sleep)
+        if self.args.eval_sleep_step in (None, self.trainer.global_step):
+            time.sleep(self.args.eval_sleep)
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_start(self):
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="extra seconds per validation batch (rehearsals)")
+    p.add_argument(
+        "--eval-sleep-step", type=int, help="--eval-sleep in the validation of this step only (default: every one)"
+    )
     p.add_argument("--warmup-sleep", type=float, default=0.0, help="extra seconds before the first step (rehearsals)")
     p.add_argument("--trace", help="append one JSON line per event: train_begin, eval_batch (rehearsals)")
     p.add_argument("--eval-augment", action="store_true", help="validation draws random numbers (noisy inputs)")

@@ -11,11 +11,23 @@ from pathlib import Path
 
 import pytest
 
+from . import xdist_order
 from .helpers import DDP_ARGS, block_cloud_metadata, ddp_example_cmd, read_losses, run, run_example
 
 # Never let cloud detection (providers="auto", here or in child processes) reach a real metadata
 # address: every endpoint variable points at a 127.0.0.1 port that refuses connections.
 block_cloud_metadata()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) times every test
+        config.pluginmanager.register(xdist_order.Durations(), "spotguard-test-seconds")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` gives out the longest files first (tests/xdist_order.py)."""
+    return xdist_order.make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def _computed_once(factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], None]) -> Path:

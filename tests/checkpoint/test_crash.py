@@ -2,77 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
-import subprocess
-import time
-from pathlib import Path
+import sys
 
 import pytest
 import torch
 
-from spotguard import checkpoint
-from spotguard.storage import open_storage
-from tests.helpers import example_cmd, read_losses, run_example, subprocess_env
+from tests.helpers import WORKERS, read_losses, run
 
 pytestmark = pytest.mark.slow
 
 # A wider model makes each save take long enough to be hit; a save every 2 steps.
 ARGS = ("--steps", "70", "--every-steps", "2", "--keep", "2", "--num-workers", "0", "--width", "192")
-
-
-def has_temp_file(root: Path) -> bool:
-    return root.exists() and any(".tmp-" in p.name for p in root.rglob("*"))
-
-
-def kill_once(storage: Path, losses: Path, during_save: bool, rng: random.Random) -> bool:
-    """Start the example and SIGKILL it; True when the kill left a partial save behind."""
-    proc = subprocess.Popen(
-        example_cmd(storage, *ARGS, "--losses", str(losses)),
-        env=subprocess_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    start = len(read_losses(losses))
-    target = start + rng.randint(1, 6)
-    deadline = time.monotonic() + 90
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if len(read_losses(losses)) >= target and (not during_save or has_temp_file(storage)):
-                if not during_save:
-                    time.sleep(rng.uniform(0, 0.05))
-                proc.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.0005 if during_save else 0.005)
-    finally:
-        proc.kill()
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode in (-signal.SIGKILL, 0), err
-    infos = checkpoint.scan(open_storage(str(storage)))
-    assert not [i for i in infos if i.status == "corrupt"], infos
-    for info in infos:
-        if info.complete:
-            checkpoint.verify(open_storage(str(storage)), info)
-    return has_temp_file(storage) or any(i.status == "incomplete" for i in infos)
+DRIVER = WORKERS / "crash_example.py"  # examples/train.py forked from one process that imported it: no imports per run
 
 
 def test_sigkill_at_random_moments_never_breaks_resume(tmp_path, reference_runs):
-    ref_losses, ref_final = reference_runs(*ARGS)
+    ref_losses, ref_final = reference_runs(*ARGS)  # a run of the example as its own process
     ref = dict(ref_losses)
-    rng = random.Random()
+    seed = random.randrange(2**32)
     storage, losses, final = tmp_path / "ckpt", tmp_path / "losses.jsonl", tmp_path / "final.pt"
-    partial = 0
-    for i in range(8):
-        partial += kill_once(storage, losses, during_save=i % 2 == 1, rng=rng)
-    done = run_example(storage, *ARGS, "--losses", str(losses), "--final", str(final))
-    assert done.returncode == 0, done.stderr
+    # 8 runs, each SIGKILLed: odd ones while a save is half written, even ones at a random moment.
+    proc = run([sys.executable, str(DRIVER), str(storage), str(losses), "8", str(seed), "--", *ARGS])
+    assert proc.returncode == 0, (seed, proc.stderr[-3000:])  # a complete checkpoint failed to verify
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kill in summary["rounds"]:
+        assert kill["code"] in (-signal.SIGKILL, 0), (seed, kill["code"], kill["stderr"])
+        assert not kill["corrupt"], (seed, kill["corrupt"])
+    assert summary["final"] == 0, (seed, summary["final_stderr"])
     # Every step ever logged, replays after a kill included, equals the uninterrupted run.
     logged = read_losses(losses)
     assert len(logged) >= len(ref_losses)
     for step, loss in logged:
-        assert loss == ref[step], step
+        assert loss == ref[step], (seed, step)
     assert {s for s, _ in logged} == set(ref)
     a, b = torch.load(final, weights_only=True), torch.load(ref_final, weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in b)
+    partial = sum(kill["partial"] for kill in summary["rounds"])
     assert partial >= 1, "no kill landed during a save: the test did not exercise what it should"

@@ -129,7 +129,9 @@ def stop_during_evaluation_then_warmup(
     def in_eval() -> bool:
         return any(e["event"] == "eval_batch" and e["step"] == at for e in events(run_dir))
 
-    first = stop_when(script, run_dir, (*args, *SLOW, "--eval-sleep", "2"), in_eval, sigterm)
+    # Only the chosen evaluation is slowed: the ones before it run at full speed.
+    slow_eval = ("--eval-sleep", "2", "--eval-sleep-step", str(at))
+    first = stop_when(script, run_dir, (*args, *SLOW, *slow_eval), in_eval, sigterm)
     assert assert_stopped(first, run_dir) == at
     batches = [e for e in events(run_dir) if e["event"] == "eval_batch" and e["step"] == at]
     assert len(batches) < eval_batches  # cut short: the checkpoint did not wait for the whole evaluation
