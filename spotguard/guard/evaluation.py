@@ -16,6 +16,7 @@ import copy
 import threading
 from typing import Any
 
+from spotguard import heartbeat
 from spotguard.checkpoint import state
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.guard.agreement import NOTHING, STOP, Agreement
@@ -25,9 +26,16 @@ class Evaluation:
     """The context ``Guard.evaluation()`` returns; ``should_stop()`` says when to leave it."""
 
     def __init__(
-        self, tracked: Tracked, step: int | None, preempted: threading.Event, agreement: Agreement | None
+        self,
+        tracked: Tracked,
+        step: int | None,
+        preempted: threading.Event,
+        agreement: Agreement | None,
+        activity: heartbeat.Activity | None = None,
     ) -> None:
         self._tracked, self._step, self._preempted, self._agreement = tracked, step, preempted, agreement
+        self._activity = activity or heartbeat.Activity()
+        self._mark = 0
         self.cut_short = False  # should_stop() said yes
 
     def __enter__(self) -> Evaluation:
@@ -35,6 +43,7 @@ class Evaluation:
         # or on another rank) is still a stop of this step. A later step's save ignores it (another step).
         t = self._tracked
         t.cut = Cut(self._step, state.capture_rng(), copy.deepcopy(t.extra))
+        self._mark = self._activity.begin(heartbeat.EVALUATING, self._step or 0)  # `spotguard rehearse` sees it
         return self
 
     def should_stop(self) -> bool:
@@ -48,4 +57,4 @@ class Evaluation:
         return stop
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        self._activity.end(heartbeat.EVALUATING, self._mark)
