@@ -28,6 +28,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         lead_s=args.lead,
         replacement_s=args.replacement_delay,
         after_restart=args.after_restart,
+        during_save=args.during_save,
+        during_eval=args.during_eval,
         storage=args.storage,
         fresh_local=args.fresh_local,
         timeout_s=args.timeout,
@@ -85,7 +87,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, help="seed of the notice moments (default: a new draw each time)")
     p.add_argument(
-        "--notices", choices=SOURCES, default="aws", help="where notices come from (default aws: a mock IMDS)"
+        "--notices",
+        choices=SOURCES,
+        default="aws",
+        help="where notices come from: a mock metadata service (default aws; gcp, azure), a SIGTERM, a notice file",
     )
     p.add_argument(
         "--lead",
@@ -106,6 +111,20 @@ def register(sub: Any) -> None:
         default=0,
         metavar="K",
         help="K of the notices come within 3 s of a machine's start instead",
+    )
+    p.add_argument(
+        "--during-save",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="K of the notices wait for the job's next save in flight (a Guard's; default 0)",
+    )
+    p.add_argument(
+        "--during-eval",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="K of the notices wait for the job's next evaluation in guard.evaluation() (default 0)",
     )
     p.add_argument("--storage", help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND; empty")
     p.add_argument(
