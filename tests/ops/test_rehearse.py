@@ -18,6 +18,7 @@ from tests.helpers import REPO, WORKERS, run
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 TRAIN = ("examples/train.py", "--quiet", "--steps", "90", "--every-steps", "20", "--interval", "0.2")
+EVAL = ("--eval-every", "15")  # evaluations inside guard.evaluation(), 4 batches each
 
 
 def rehearse(tmp_path: Path, *args: str, command: list[str]) -> tuple[int, dict, str]:
@@ -34,12 +35,13 @@ def rehearse(tmp_path: Path, *args: str, command: list[str]) -> tuple[int, dict,
 
 def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     # Seed 0 draws 0.9, 0.7, 0.3 and 0.4 s of training, and puts the 4th notice 2.8 s after its
-    # machine's start, while the job is still starting: all five land within the ~5 s job.
+    # machine's start, while the job is still starting; the 2nd waits for the next evaluation and the
+    # 3rd for the next save in flight: all five land within the ~6 s job.
     code, doc, err = rehearse(
         tmp_path,
         *("-n", "5", "--mtbf", "0.5", "--seed", "0", "--lead", "20", "--fresh-local", "--after-restart", "1"),
-        *("--storage", str(tmp_path / "ckpt"), "--reference"),
-        command=[sys.executable, *TRAIN, "--step-sleep", "0.03"],
+        *("--during-save", "1", "--during-eval", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[sys.executable, *TRAIN, *EVAL, "--step-sleep", "0.03"],
     )
     assert code == 0, err[-4000:]
     pre = doc["preemptions"]
@@ -48,6 +50,8 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     assert [p["steps_lost"] for p in pre] == [0] * 5
     assert [p["steps_replayed"] for p in pre] == [0] * 5
     assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
+    landed = [p["landed"].split("+") for p in pre]  # what the heartbeat said the job was doing then
+    assert "evaluation" in landed[1] and "save" in landed[2], landed
     stops = [p["stop_step"] for p in pre]
     assert stops == sorted(stops) and len(set(stops)) == 5 and stops[-1] < 90
     for p in pre:  # every figure measured, from the Guard's events and the fleet's clock

@@ -5,11 +5,11 @@ start the command in its own session with the notice source's environment, ``$SP
 and ``$SPOTGUARD_METRICS_FILE`` set -> watch it every ``poll_s``: its heartbeat (steps, the stop
 flag) on our own clock, the moment its notice is due, the notice's deadline (past it the job is
 killed, as the cloud kills the machine; a notice meant for a save or an evaluation waits for the
-heartbeat's mark and is looked for every ``FAST_POLL_S`` meanwhile) -> once it exited and nothing
-of it is left, note the
-newest checkpoint in the storage -> the replacement starts ``replacement_s`` after the job is gone
-(the old machine idles on until its deadline: the report shows that window on its own line). What the job's Guard measured is read from its
-JSON lines afterwards (``report``); the job's output is never parsed.
+heartbeat's mark, looked at every ``FAST_POLL_S`` meanwhile) -> once it exited and nothing of it
+is left, note the newest checkpoint in the storage -> the replacement starts ``replacement_s``
+after the job is gone (the old machine idles on until its deadline: the report shows that window
+on its own line). What the job's Guard measured is read from its JSON lines afterwards
+(``report``); the job's output is never parsed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 #: How often the heartbeat is looked at while a notice waits for a save or an evaluation to begin
 #: (a small model's save can take a few tens of milliseconds).
-FAST_POLL_S = 0.002
+FAST_POLL_S = 0.005
 
 
 @dataclass
@@ -116,10 +116,20 @@ def plan_notices(o: RehearsalOptions) -> list[Planned]:
     return planned
 
 
+#: The heartbeat's slot of each mark a notice can wait for.
+MARKS = {"save": heartbeat.SAVING, "evaluation": heartbeat.EVALUATING}
+
+
+def _wait_mark(slots: memoryview, slot: int, until: float) -> None:
+    """Look at one of the heartbeat's marks every ``FAST_POLL_S`` until it is set or ``until``."""
+    while not slots[slot] and time.time() < until:
+        time.sleep(FAST_POLL_S)
+
+
 def landed(slots: memoryview, stepped: bool) -> str:
     """What the heartbeat says the job is doing: "save", "evaluation" (both: "save+evaluation"), else
     "step" once it made a step on this machine, "startup" before (starting, resuming)."""
-    marks = [name for slot, name in ((heartbeat.SAVING, "save"), (heartbeat.EVALUATING, "evaluation")) if slots[slot]]
+    marks = [name for name, slot in MARKS.items() if slots[slot]]
     return "+".join(marks) if marks else "step" if stepped else "startup"
 
 
@@ -262,7 +272,11 @@ class Fleet:
                 return
             if until is not None and now >= until:
                 return
-            time.sleep(min(o.poll_s, FAST_POLL_S) if waiting else o.poll_s)
+            if waiting:  # only the mark, often, until it is set or the next full look is due
+                assert m.planned is not None and m.planned.during is not None
+                _wait_mark(slots, MARKS[m.planned.during], time.time() + o.poll_s)
+            else:
+                time.sleep(o.poll_s)
 
     # -- the storage ---------------------------------------------------------------------------
     def _check_storage(self) -> None:
