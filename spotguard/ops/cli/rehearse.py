@@ -110,7 +110,7 @@ def register(sub: Any) -> None:
         type=_positive_int,
         default=0,
         metavar="K",
-        help="K of the notices come within 3 s of a machine's start instead",
+        help="K of the notices come within 3 s of a later machine's start instead (K < N)",
     )
     p.add_argument(
         "--during-save",

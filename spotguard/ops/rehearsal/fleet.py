@@ -102,12 +102,15 @@ class Machine:
 
 def plan_notices(o: RehearsalOptions) -> list[Planned]:
     """The notices, in order: exponential gaps of training (mean ``mtbf_s``), ``after_restart`` of them
-    replaced by moments within ``restart_window_s`` of a start, ``during_save`` and ``during_eval`` of
+    replaced by moments within ``restart_window_s`` of a later machine's start, ``during_save`` and ``during_eval`` of
     the others sent at the next save or evaluation after their gap; all from one private generator
     (the draws of a plan without the last two are those of older versions)."""
     rng = random.Random(o.seed)
     planned = [Planned(rng.expovariate(1.0 / o.mtbf_s)) for _ in range(o.preemptions)]
-    for i in rng.sample(range(o.preemptions), o.after_restart):
+    picks = rng.sample(range(o.preemptions), o.after_restart)
+    if 0 in picks:  # the first machine's start is no restart (and has nothing to resume): another one
+        picks[picks.index(0)] = rng.choice([i for i in range(1, o.preemptions) if i not in picks])
+    for i in picks:
         planned[i] = Planned(rng.uniform(0.0, o.restart_window_s), restart=True)
     if o.during_save or o.during_eval:
         free = [i for i, p in enumerate(planned) if not p.restart]

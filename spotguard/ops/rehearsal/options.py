@@ -21,7 +21,7 @@ class RehearsalOptions:
 
     ``mtbf_s``: mean seconds of training between preemptions (an exponential draw per notice, from a
     private generator seeded by ``seed``). ``after_restart``: how many of the ``preemptions`` come
-    instead within ``restart_window_s`` of a machine's start (before or while it resumes);
+    instead within ``restart_window_s`` of a later machine's start (before or while it resumes);
     ``during_save`` and ``during_eval`` of the others wait, after their draw, for the job's next save
     in flight or its next ``guard.evaluation()`` (the heartbeat's marks) and come then.
     ``lead_s``: seconds from a notice to the machine's end (None: the cloud's published lead); the
@@ -61,6 +61,11 @@ class RehearsalOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= self.preemptions:
                 raise ConfigError(f"{name} must be an int from 0 to the preemptions, got {value!r}")
+        if self.after_restart and self.after_restart >= self.preemptions:
+            raise ConfigError(
+                f"after_restart must be less than the {self.preemptions} preemption(s): the first machine's "
+                "start is no restart"
+            )
         if self.after_restart + self.during_save + self.during_eval > self.preemptions:
             raise ConfigError(
                 f"{self.after_restart} after a restart + {self.during_save} during a save + {self.during_eval} "

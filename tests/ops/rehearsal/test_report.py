@@ -87,6 +87,10 @@ def test_notice_moments_come_from_the_seed():
     a, b = plan_notices(o), plan_notices(o)
     assert a == b and len(a) == 6
     assert sum(p.restart for p in a) == 2 and all(p.after <= 1.5 for p in a if p.restart)
+    # The first machine's start is no restart: a draw that picks it moves to another machine.
+    for seed in range(40):
+        first = plan_notices(RehearsalOptions(["true"], preemptions=3, mtbf_s=2.0, seed=seed, after_restart=2))[0]
+        assert not first.restart
     assert plan_notices(RehearsalOptions(["true"], preemptions=6, mtbf_s=2.0, seed=4)) != a
 
 
@@ -126,6 +130,7 @@ def test_an_approved_notice_ends_the_paid_window_at_its_approval():
         ({"source": "ibm"}, "unknown notice source"),
         ({"mtbf_s": 0}, "mtbf_s"),
         ({"preemptions": 2, "after_restart": 3}, "after_restart"),
+        ({"preemptions": 2, "after_restart": 2}, "no restart"),
         ({"preemptions": 2, "during_save": -1}, "during_save"),
         ({"preemptions": 3, "after_restart": 1, "during_save": 1, "during_eval": 2}, "more than the 3"),
         ({"lead_s": float("nan")}, "lead_s"),
