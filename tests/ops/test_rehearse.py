@@ -8,12 +8,15 @@ deadline. The report is read from its ``--json`` document.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, WORKERS, run
+from tests.helpers import REPO, WORKERS, run, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -97,6 +100,34 @@ def test_a_job_that_ignores_notices_fails_the_rehearsal(tmp_path):
     assert p["steps_replayed"] == p["stop_step"] and p["detection_s"] is None
     assert doc["all_committed"] is False and doc["steps"] == 60  # the replacement redid it all
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"]
+
+
+def test_a_sigterm_to_rehearse_ends_the_job_it_runs(tmp_path):
+    # A CI job's timeout or a `kill`: the job on the current "machine" must not be left running.
+    pid_file = tmp_path / "job.pid"
+    job = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotguard", "rehearse", "-n", "1", "--mtbf", "100", "--", sys.executable, "-c", job],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the job outlived the rehearsal"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):

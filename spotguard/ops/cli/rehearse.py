@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from spotguard.errors import StorageError
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from spotguard.ops import rehearsal
 
+    # A SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C: the fleet kills the job it runs and
+    # stops the mock server on its way out, instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -58,6 +62,10 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
         print("rehearsal passed" if result.ok else "rehearsal FAILED", file=sys.stderr if not result.ok else sys.stdout)
     return 0 if result.ok else 1
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _positive_int(text: str) -> int:
