@@ -20,6 +20,9 @@ from tests.helpers import REPO, WORKERS, run, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
+# The notice's lead costs nothing while jobs stop at once (the next machine starts when the job is
+# gone); a long one keeps a notice sent while a job still imports on a loaded machine from killing it.
+LEAD = ("--lead", "60")
 TRAIN = ("examples/train.py", "--quiet", "--steps", "90", "--every-steps", "20", "--interval", "0.2")
 EVAL = ("--eval-every", "15")  # evaluations inside guard.evaluation(), 4 batches each
 
@@ -42,7 +45,7 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     # 3rd for the next save in flight: all five land within the ~6 s job.
     code, doc, err = rehearse(
         tmp_path,
-        *("-n", "5", "--mtbf", "0.5", "--seed", "0", "--lead", "20", "--fresh-local", "--after-restart", "1"),
+        *("-n", "5", "--mtbf", "0.5", "--seed", "0", *LEAD, "--fresh-local", "--after-restart", "1"),
         *("--during-save", "1", "--during-eval", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[sys.executable, *TRAIN, *EVAL, "--step-sleep", "0.03"],
     )
@@ -58,8 +61,9 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     stops = [p["stop_step"] for p in pre]
     assert stops == sorted(stops) and len(set(stops)) == 5 and stops[-1] < 90
     for p in pre:  # every figure measured, from the Guard's events and the fleet's clock
-        assert 0 < p["detection_s"] < 5 and 0 < p["save_s"] < 10, p
-        assert p["teardown_s"] > 0 and 0 < p["idle_s"] <= 20 and p["restart_s"] > 0, p
+        limit = 60 if p["after_restart"] else 5  # one sent while the job starts is seen once it trains
+        assert 0 < p["detection_s"] < limit and 0 < p["save_s"] < 10, p
+        assert p["teardown_s"] > 0 and 0 < p["idle_s"] <= 60 and p["restart_s"] > 0, p
         assert p["resume_s"] > 0 and p["restore_s"] is not None and not p["killed"], p
     # The planner, given the costs measured here, predicts the goodput measured here.
     assert abs(doc["goodput"] - doc["planner_goodput"]) <= 0.02, (doc["goodput"], doc["planner_goodput"], doc["costs"])
@@ -151,7 +155,7 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     # transformers' lazy module index); the 40 steps of 0.05 s leave the notices room on an idle machine.
     code, doc, err = rehearse(
         tmp_path,
-        *("-n", "5", "--mtbf", "1", "--seed", "4", "--lead", "20", "--fresh-local", "--after-restart", "1"),
+        *("-n", "5", "--mtbf", "1", "--seed", "4", *LEAD, "--fresh-local", "--after-restart", "1"),
         *("--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[
             sys.executable,
@@ -165,7 +169,7 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 5
     assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
     for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
-        limit = 20 if p["after_restart"] else 5  # one sent while the job imports is seen once it trains
+        limit = 60 if p["after_restart"] else 5  # one sent while the job imports is seen once it trains
         assert 0 < p["detection_s"] < limit and p["teardown_s"] > 0 and p["restart_s"] > 0, p
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 40, ref
