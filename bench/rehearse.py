@@ -90,7 +90,7 @@ def main() -> None:
             t,
             "hf",
             *("-n", "5", "--mtbf", "1", "--seed", "4", "--after-restart", "1", "--reference"),
-            *("--lead", "20", "--replacement-delay", "0.5"),
+            *("--replacement-delay", "0.5"),
             command=[
                 sys.executable,
                 *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "20", "--interval", "0.2"),
