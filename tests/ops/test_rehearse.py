@@ -170,6 +170,9 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
     for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
         limit = 60 if p["after_restart"] else 5  # one sent while the job imports is seen once it trains
-        assert 0 < p["detection_s"] < limit and p["teardown_s"] > 0 and p["restart_s"] > 0, p
+        assert 0 < p["detection_s"] < limit and p["restart_s"] > 0, p
+        # A Trainer that sees the notice before its first step stops at the resumed checkpoint: nothing
+        # new is committed on that machine, so there is no commit to count its teardown from.
+        assert (p["after_restart"] and p["teardown_s"] is None) or (p["teardown_s"] or 0) > 0, p
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 40, ref
