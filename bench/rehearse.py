@@ -3,8 +3,10 @@
 Three rehearsals, each a real job through real preemptions (the mock AWS metadata service over
 HTTP, a fresh local folder per machine, AWS's 120 s lead):
 
-1. exactness: 5 preemptions of a 90-step run, with ``--reference``: steps lost per noticed
-   preemption, and whether the final checkpoint is bit for bit the uninterrupted run's;
+1. exactness: 5 preemptions of a 90-step run (one within 3 s of a restart, one during a save in
+   flight, one during an evaluation), with ``--reference``: steps lost per noticed preemption, and
+   whether the final checkpoint is bit for bit the uninterrupted run's; the same for the Hugging
+   Face Trainer example (one notice while it imports);
 2. goodput: 5 preemptions at a mean of 40 s of training between them (slow steps, so the
    restart is small beside the MTBF, as on a real fleet): measured goodput against the planner's
    prediction for the same measured costs (``planner.goodput``), and the idle window per preemption;
@@ -55,13 +57,19 @@ def main() -> None:
             t,
             "exact",
             *("-n", "5", "--mtbf", "0.5", "--seed", "0", "--reference", "--replacement-delay", "0.5"),
-            command=[*TRAIN, "--steps", "90", "--every-steps", "20", "--interval", "0.2", "--step-sleep", "0.03"],
+            *("--after-restart", "1", "--during-save", "1", "--during-eval", "1"),
+            command=[
+                *TRAIN,
+                *("--steps", "90", "--every-steps", "20", "--eval-every", "15"),
+                *("--interval", "0.2", "--step-sleep", "0.03"),
+            ],
         )
         pre = exact["preemptions"]
+        where = ", ".join(str(p["landed"]) for p in pre)
         lost = max((p["steps_lost"] or 0) + (p["steps_replayed"] or 0) for p in pre) if pre else -1
         rows.append(
             row(
-                f"train.py, {len(pre)} preemptions: steps lost per noticed preemption (worst)",
+                f"train.py, {len(pre)} preemptions ({where}): steps lost per noticed preemption (worst)",
                 lost,
                 "steps",
                 target="0, all committed",
@@ -76,6 +84,30 @@ def main() -> None:
                 "(1 = exact)",
                 target="exact",
                 passed=lambda v, _: v == 1.0,
+            )
+        )
+        hf = rehearse(
+            t,
+            "hf",
+            *("-n", "5", "--mtbf", "1", "--seed", "4", "--after-restart", "1", "--reference"),
+            *("--replacement-delay", "0.5"),
+            command=[
+                sys.executable,
+                *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "20", "--interval", "0.2"),
+                *("--step-sleep", "0.05", "--output-dir", "{local}/hf-output"),
+            ],
+        )
+        hpre = hf["preemptions"]
+        hlost = max((p["steps_lost"] or 0) + (p["steps_replayed"] or 0) for p in hpre) if hpre else -1
+        rows.append(
+            row(
+                f"hf_trainer.py, {len(hpre)} preemptions: steps lost per noticed preemption (worst); exact",
+                hlost,
+                "steps",
+                target="0, all committed, exact",
+                passed=lambda v, _: (
+                    v == 0 and hf["all_committed"] and len(hpre) == 5 and bool((hf["reference"] or {}).get("exact"))
+                ),
             )
         )
         good = rehearse(

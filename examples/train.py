@@ -49,8 +49,8 @@ def make_text(n_chars: int = 24_000, seed: int = 1234) -> str:
 
 
 class CharWindows(torch.utils.data.Dataset):
-    def __init__(self, text: str, seq_len: int) -> None:
-        self.vocab = sorted(set(text))
+    def __init__(self, text: str, seq_len: int, vocab: list[str] | None = None) -> None:
+        self.vocab = vocab or sorted(set(text))
         self.data = torch.tensor([self.vocab.index(c) for c in text], dtype=torch.long)
         self.seq_len = seq_len
 
@@ -123,7 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64, help="model width (state size grows with its square)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (fixed for reproducibility)")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to rehearse long steps)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="extra seconds per step and evaluation batch (long steps)"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate on held-out text every N steps, inside guard.evaluation() (0: never)",
+    )
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--quiet", action="store_true")
@@ -176,10 +185,46 @@ def main(argv: list[str] | None = None) -> int:
     step = start = guard.resume()
     print(f"[train] {'resuming at' if start else 'starting at'} step {start} of {args.steps}", flush=True)
     log = open(args.losses, "a") if args.losses else None
+    held_text = make_text(args.eval_batches * args.batch_size * args.seq_len + 1, seed=4321)
+    held = CharWindows(held_text, args.seq_len, vocab=dataset.vocab)  # held-out text, indexed as in training
+    rows = [held[i] for i in range(len(held))]
+    batches = [
+        (
+            torch.stack([x for x, _ in rows[i : i + args.batch_size]]),
+            torch.stack([y for _, y in rows[i : i + args.batch_size]]),
+        )
+        for i in range(0, args.eval_batches * args.batch_size, args.batch_size)
+    ]
+
+    def evaluate(at: int) -> bool:
+        """The held-out loss after step ``at``, left early for a notice; True: stop (checkpoint committed).
+        Dropout is off and the batches are fixed: an evaluation draws no random number."""
+        model.eval()
+        total, n = 0.0, 0
+        with guard.evaluation() as ev, torch.no_grad():
+            for x, y in batches:
+                if ev.should_stop():
+                    break
+                total += nn.functional.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()).item()
+                n += 1
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+        model.train()
+        if guard.step(at):  # the same step again: a stop here resumes into this evaluation
+            return True
+        guard.extra["evaluated"] = at  # after step(): a checkpoint of `at` from inside it repeats it
+        if log and n:
+            log.write(json.dumps({"step": at, "eval": (total / n).hex()}) + "\n")
+            log.flush()
+        return False
+
     stopped = False
     loss = None  # a run resumed at its last step trains no step
     t0 = time.monotonic()
     with guard:
+        due = args.eval_every and start and start % args.eval_every == 0
+        if due and guard.extra.get("evaluated") != start:  # stopped before or inside this evaluation
+            stopped = evaluate(start)
         while step < args.steps and not stopped:
             for x, y in loader:
                 x, y = x.to(device), y.to(device)
@@ -197,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 if guard.step(step):
+                    stopped = True
+                    break
+                if args.eval_every and step % args.eval_every == 0 and evaluate(step):
                     stopped = True
                     break
                 inject_fault(args, step)

@@ -12,6 +12,15 @@ restart would meet again (a checkpoint that no resume can load, a changed data l
 supervisor reads the file (the page cache is shared) and measures time on its own clock: the child
 never calls a clock for the heartbeat.
 
+Two more slots say what the job is doing between steps, so ``spotguard rehearse`` can time a notice
+into it and say where each one landed (``Activity``): ``SAVING`` holds 1 + the step of the save in
+flight (a background save until its thread ends), ``EVALUATING`` 1 + the step an evaluation follows
+inside ``guard.evaluation()``; 0 otherwise. Each is written at a save's or an evaluation's start and
+end, never by ``guard.step()``. They are slots of their own, not flag bits: a background save's
+thread clears its mark while the loop's thread may be setting a stop flag, and a read-modify-write of
+one shared word from two threads could lose one of them. A file of the older 16-byte layout still
+works: the two marks are then not kept.
+
 When the variable is set, the Guard also registers ``faulthandler`` on ``STACKS_SIGNAL`` so a hung
 child prints every thread's Python stack to its stderr (the supervisor's log) when asked, even while
 its main thread is blocked in C code.
@@ -39,12 +48,16 @@ EXIT_CONFIG = 78
 EXIT_LEASE_HELD = 73
 HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
 STACKS_SIGNAL = signal.SIGUSR2
-SIZE = 16  # two native int64 slots: [last completed step, flags]
+SIZE = 32  # four native int64 slots: [last completed step, flags, save in flight, evaluating]
+MIN_SIZE = 16  # the first two slots: a file an older spotguard created
+#: Slot indices of the two marks (``Activity``): 1 + the step, 0 when none.
+SAVING = 2
+EVALUATING = 3
 STOPPED_FOR_NOTICE = 1
 CONFIG_ERROR = 2  # the Guard raised an error a restart would meet again (``errors.PERMANENT``)
 COMMITTED = 4  # with STOPPED_FOR_NOTICE: the stop's checkpoint is committed, the resume point is safe
 LEASE_HELD = 8  # another job writes to the run's storage (``errors.LeaseHeldError``, ``LeaseLostError``)
-_LAYOUT = struct.Struct("=qq")
+_LAYOUT = struct.Struct("=qq")  # the first two slots
 
 
 def create(path: str | Path) -> Path:
@@ -59,14 +72,15 @@ def create(path: str | Path) -> Path:
 def read(path: str | Path) -> tuple[int, int]:
     """Supervisor side: ``(step, flags)``; ``(0, 0)`` when the file is missing or short."""
     try:
-        raw = Path(path).read_bytes()[:SIZE]
+        raw = Path(path).read_bytes()[:MIN_SIZE]
     except OSError:
         return 0, 0
-    return _LAYOUT.unpack(raw) if len(raw) == SIZE else (0, 0)
+    return _LAYOUT.unpack(raw) if len(raw) == MIN_SIZE else (0, 0)
 
 
 def attach(path: str | None = None) -> memoryview:
-    """Child side: two writable int64 slots, shared with the supervisor when ``path`` is set.
+    """Child side: the writable int64 slots, shared with the supervisor when ``path`` is set (two of
+    them in a file of the older layout, else four).
 
     Without a usable path the slots are private memory, so ``Guard.step()`` writes the same way
     either way (no branch on the hot path). Called once, from ``Guard.__init__``.
@@ -75,7 +89,10 @@ def attach(path: str | None = None) -> memoryview:
     if path:
         try:
             with open(path, "r+b") as f:
-                mapped = mmap.mmap(f.fileno(), SIZE)  # the mapping outlives the file object
+                size = min(os.fstat(f.fileno()).st_size, SIZE) // 8 * 8
+                if size < MIN_SIZE:
+                    raise ValueError(f"{size} bytes, not {SIZE}")
+                mapped = mmap.mmap(f.fileno(), size)  # the mapping outlives the file object
             _register_stack_dump()
             return memoryview(mapped).cast("q")
         except (OSError, ValueError) as e:
@@ -90,3 +107,23 @@ def _register_stack_dump() -> None:
         faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     except (RuntimeError, ValueError, AttributeError) as e:  # e.g. no usable stderr
         logger.warning("cannot register the stack dump on %s: %s", STACKS_SIGNAL.name, e)
+
+
+class Activity:
+    """The ``SAVING`` and ``EVALUATING`` marks of a heartbeat: set at a save's or an evaluation's start,
+    cleared at its end (from any thread; a clear leaves a mark another save set since alone)."""
+
+    def __init__(self, slots: memoryview | None = None) -> None:
+        self._slots = slots if slots is not None and len(slots) > EVALUATING else None
+
+    def begin(self, slot: int, step: int) -> int:
+        """Mark ``slot`` for ``step``; returns the mark, for ``end``."""
+        mark = step + 1
+        if self._slots is not None:
+            self._slots[slot] = mark
+        return mark
+
+    def end(self, slot: int, mark: int) -> None:
+        slots = self._slots
+        if slots is not None and slots[slot] == mark:
+            slots[slot] = 0

@@ -16,6 +16,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from spotguard import heartbeat
 from spotguard.checkpoint import state
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.guard.agreement import NOTHING, STOP, Agreement
@@ -25,11 +26,18 @@ class Evaluation:
     """The context ``Guard.evaluation()`` returns; ``should_stop()`` says when to leave it."""
 
     def __init__(
-        self, tracked: Tracked, step: int | None, stopping: Callable[[], bool], agreement: Agreement | None
+        self,
+        tracked: Tracked,
+        step: int | None,
+        stopping: Callable[[], bool],
+        agreement: Agreement | None,
+        activity: heartbeat.Activity | None = None,
     ) -> None:
         """``stopping()``: whether a stop is pending (a notice, but not inside a notice window where
         training goes on: an evaluation cut there would change the draws of the steps after it)."""
         self._tracked, self._step, self._stopping, self._agreement = tracked, step, stopping, agreement
+        self._activity = activity or heartbeat.Activity()
+        self._mark = 0
         self.cut_short = False  # should_stop() said yes
 
     def __enter__(self) -> Evaluation:
@@ -37,6 +45,7 @@ class Evaluation:
         # or on another rank) is still a stop of this step. A later step's save ignores it (another step).
         t = self._tracked
         t.cut = Cut(self._step, state.capture_rng(), copy.deepcopy(t.extra))
+        self._mark = self._activity.begin(heartbeat.EVALUATING, self._step or 0)  # `spotguard rehearse` sees it
         return self
 
     def should_stop(self) -> bool:
@@ -50,4 +59,4 @@ class Evaluation:
         return stop
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        self._activity.end(heartbeat.EVALUATING, self._mark)

@@ -89,12 +89,21 @@ class Guard:
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
         self._tracked = Tracked({}, self.extra)
+        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
+        #: the heartbeat's marks of a save in flight and of ``evaluation()`` (never written by step())
+        self._activity = heartbeat.Activity(self._beat)
         self._stats = GuardStats(
             async_save=o.async_save if self.agreement is None else self.agreement.store is not None
         )
         self.schedule = Schedule(o.every_steps, o.every_seconds, o.mtbf_hours, self._stats)
         self.saves = Saves(
-            self._tracked, self._stats, self.events, self.schedule, BusyPolicy(o.busy), o.background_nice
+            self._tracked,
+            self._stats,
+            self.events,
+            self.schedule,
+            BusyPolicy(o.busy),
+            o.background_nice,
+            self._activity,
         )
         self.saves.engine = make_engine(
             self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard, o.rebatch
@@ -102,7 +111,6 @@ class Guard:
         self._step: int | None = None
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
-        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from spotguard import metrics
@@ -227,9 +235,8 @@ class Guard:
         same random draws, as the uninterrupted run did. Call ``step()`` right after the block, before
         the loop's end-of-epoch code changes anything (``guard.extra``, a scheduler).
         """
-        return Evaluation(
-            self._tracked, self._step, lambda: self.preempted.is_set() and self.window is None, self.agreement
-        )
+        stopping = lambda: self.preempted.is_set() and self.window is None  # noqa: E731
+        return Evaluation(self._tracked, self._step, stopping, self.agreement, self._activity)
 
     def _vote(self, step: int) -> bool:
         """[distributed] The same verdict, hence the same step, on every rank (on sync steps only)."""

@@ -10,8 +10,10 @@ as a ``checkpoint`` event; failures are kept and raised by ``wait()``, never los
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
+from spotguard import heartbeat
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.errors import UnloadableStateError
@@ -39,9 +41,12 @@ class Saves:
         schedule: Schedule,
         busy: BusyPolicy,
         nice: int | None,
+        activity: heartbeat.Activity | None = None,
     ) -> None:
         self.tracked, self.stats, self.events, self.schedule = tracked, stats, events, schedule
         self.busy, self.nice = busy, nice
+        #: the heartbeat's ``SAVING`` mark, from a save's start to its end (what `spotguard rehearse` times)
+        self.activity = activity or heartbeat.Activity()
         self.pending: PendingSave | None = None
         #: [distributed] a save dropped for an emergency one, whose thread may still be ending
         self.abandoned: PendingSave | None = None
@@ -92,7 +97,11 @@ class Saves:
     def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:
         """Write ``step`` now to the durable storage (None: committed already). Raises on failure."""
         t0 = time.monotonic()
-        manifest = self.engine.save(self.tracked, step, reason, deadline=deadline, final=final)
+        mark = self.activity.begin(heartbeat.SAVING, step)
+        try:
+            manifest = self.engine.save(self.tracked, step, reason, deadline=deadline, final=final)
+        finally:
+            self.activity.end(heartbeat.SAVING, mark)
         self.saved_step = step
         if manifest is not None and reason in ("periodic", "advisory"):
             self.schedule.observe(time.monotonic() - t0)  # a synchronous save stalls the loop for all of it
@@ -132,12 +141,25 @@ class Saves:
             self.wait_pending()
         self.reap()
         t0 = time.perf_counter()
-        work = self.engine.stage(self.tracked, step, reason)
+        activity = self.activity
+        mark = activity.begin(heartbeat.SAVING, step)
+        try:
+            work = self.engine.stage(self.tracked, step, reason)
+        except BaseException:
+            activity.end(heartbeat.SAVING, mark)
+            raise
         stall = time.perf_counter() - t0
         self.stats.record_snapshot(stall, self.engine.staged_bytes)
         self.schedule.observe(stall)  # with async saves the loop only loses the snapshot
         self.saved_step = step
-        self.pending = PendingSave(step, reason, work, nice=self.nice)
+
+        def write(cancel: threading.Event) -> None:
+            try:
+                work(cancel)
+            finally:  # the save is in flight until its thread ends, committed or not
+                activity.end(heartbeat.SAVING, mark)
+
+        self.pending = PendingSave(step, reason, write, nice=self.nice)
         self.schedule.after(step)
 
     def _skip(self, step: int, reason: str, pending: PendingSave | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from spotguard.errors import StorageError
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from spotguard.ops import rehearsal
 
+    # A SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C: the fleet kills the job it runs and
+    # stops the mock server on its way out, instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -28,6 +32,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         lead_s=args.lead,
         replacement_s=args.replacement_delay,
         after_restart=args.after_restart,
+        during_save=args.during_save,
+        during_eval=args.during_eval,
         storage=args.storage,
         fresh_local=args.fresh_local,
         timeout_s=args.timeout,
@@ -58,6 +64,10 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -85,7 +95,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, help="seed of the notice moments (default: a new draw each time)")
     p.add_argument(
-        "--notices", choices=SOURCES, default="aws", help="where notices come from (default aws: a mock IMDS)"
+        "--notices",
+        choices=SOURCES,
+        default="aws",
+        help="where notices come from: a mock metadata service (default aws; gcp, azure), a SIGTERM, a notice file",
     )
     p.add_argument(
         "--lead",
@@ -105,7 +118,21 @@ def register(sub: Any) -> None:
         type=_positive_int,
         default=0,
         metavar="K",
-        help="K of the notices come within 3 s of a machine's start instead",
+        help="K of the notices come within 3 s of a later machine's start instead (K < N)",
+    )
+    p.add_argument(
+        "--during-save",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="K of the notices wait for the job's next save in flight (a Guard's; default 0)",
+    )
+    p.add_argument(
+        "--during-eval",
+        type=_positive_int,
+        default=0,
+        metavar="K",
+        help="K of the notices wait for the job's next evaluation in guard.evaluation() (default 0)",
     )
     p.add_argument("--storage", help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND; empty")
     p.add_argument(

@@ -108,7 +108,10 @@ def rehearse(options: RehearsalOptions, work_dir: str | Path | None = None, refe
         if reference:
             (wd / "reference").mkdir(exist_ok=True)
             ref = Fleet(
-                dataclasses.replace(options, storage=reference, preemptions=0, after_restart=0), wd / "reference"
+                dataclasses.replace(
+                    options, storage=reference, preemptions=0, after_restart=0, during_save=0, during_eval=0
+                ),
+                wd / "reference",
             )
             t0 = time.time()
             done = ref.run()

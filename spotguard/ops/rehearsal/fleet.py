@@ -4,10 +4,12 @@ Order of one machine: a fresh heartbeat file (and, with ``fresh_local``, a fresh
 start the command in its own session with the notice source's environment, ``$SPOTGUARD_HEARTBEAT``
 and ``$SPOTGUARD_METRICS_FILE`` set -> watch it every ``poll_s``: its heartbeat (steps, the stop
 flag) on our own clock, the moment its notice is due, the notice's deadline (past it the job is
-killed, as the cloud kills the machine) -> once it exited and nothing of it is left, note the
-newest checkpoint in the storage -> the replacement starts ``replacement_s`` after the job is gone
-(the old machine idles on until its deadline: the report shows that window on its own line). What the job's Guard measured is read from its
-JSON lines afterwards (``report``); the job's output is never parsed.
+killed, as the cloud kills the machine; a notice meant for a save or an evaluation waits for the
+heartbeat's mark, looked at every ``FAST_POLL_S`` meanwhile) -> once it exited and nothing of it
+is left, note the newest checkpoint in the storage -> the replacement starts ``replacement_s``
+after the job is gone (the old machine idles on until its deadline: the report shows that window
+on its own line). What the job's Guard measured is read from its JSON lines afterwards
+(``report``); the job's output is never parsed.
 """
 
 from __future__ import annotations
@@ -37,13 +39,19 @@ from .options import RehearsalOptions
 
 logger = logging.getLogger(__name__)
 
+#: How often the heartbeat is looked at while a notice waits for a save or an evaluation to begin
+#: (a small model's save can take a few tens of milliseconds).
+FAST_POLL_S = 0.005
+
 
 @dataclass
 class Planned:
-    """One notice to send: ``after`` seconds after the machine's first step, or of its start (``restart``)."""
+    """One notice to send: ``after`` seconds after the machine's first step, or of its start (``restart``);
+    with ``during`` ("save" or "evaluation") at the first moment after that the job is in one."""
 
     after: float
     restart: bool = False
+    during: str | None = None
 
 
 @dataclass
@@ -58,6 +66,8 @@ class Machine:
     stopped_flag: float | None = None  # when the heartbeat's stop flag was first seen
     planned: Planned | None = None
     notice: float | None = None  # when the notice was sent
+    landed: str | None = None  # what the job was doing then: step, save, evaluation (joined by +), startup
+    approved: float | None = None  # when the job approved the notice (Azure): the machine may go then
     deadline: float | None = None
     killed: bool = False  # still running at the deadline: killed
     events: list[dict[str, Any]] = field(default_factory=list)  # the Guard's JSON lines
@@ -92,12 +102,38 @@ class Machine:
 
 def plan_notices(o: RehearsalOptions) -> list[Planned]:
     """The notices, in order: exponential gaps of training (mean ``mtbf_s``), ``after_restart`` of them
-    replaced by moments within ``restart_window_s`` of a start; all from one private generator."""
+    replaced by moments within ``restart_window_s`` of a later machine's start, ``during_save`` and ``during_eval`` of
+    the others sent at the next save or evaluation after their gap; all from one private generator
+    (the draws of a plan without the last two are those of older versions)."""
     rng = random.Random(o.seed)
     planned = [Planned(rng.expovariate(1.0 / o.mtbf_s)) for _ in range(o.preemptions)]
-    for i in rng.sample(range(o.preemptions), o.after_restart):
+    picks = rng.sample(range(o.preemptions), o.after_restart)
+    if 0 in picks:  # the first machine's start is no restart (and has nothing to resume): another one
+        picks[picks.index(0)] = rng.choice([i for i in range(1, o.preemptions) if i not in picks])
+    for i in picks:
         planned[i] = Planned(rng.uniform(0.0, o.restart_window_s), restart=True)
+    if o.during_save or o.during_eval:
+        free = [i for i, p in enumerate(planned) if not p.restart]
+        for n, i in enumerate(rng.sample(free, o.during_save + o.during_eval)):
+            planned[i].during = "save" if n < o.during_save else "evaluation"
     return planned
+
+
+#: The heartbeat's slot of each mark a notice can wait for.
+MARKS = {"save": heartbeat.SAVING, "evaluation": heartbeat.EVALUATING}
+
+
+def _wait_mark(slots: memoryview, slot: int, until: float) -> None:
+    """Look at one of the heartbeat's marks every ``FAST_POLL_S`` until it is set or ``until``."""
+    while not slots[slot] and time.time() < until:
+        time.sleep(FAST_POLL_S)
+
+
+def landed(slots: memoryview, stepped: bool) -> str:
+    """What the heartbeat says the job is doing: "save", "evaluation" (both: "save+evaluation"), else
+    "step" once it made a step on this machine, "startup" before (starting, resuming)."""
+    marks = [name for name, slot in MARKS.items() if slots[slot]]
+    return "+".join(marks) if marks else "step" if stepped else "startup"
 
 
 def _fill(arg: str, values: dict[str, str]) -> str:
@@ -202,7 +238,7 @@ class Fleet:
     def _watch(self, m: Machine, job: Job, beat: Path, sender: Sender, until: float | None) -> None:
         o, proc = self.o, job.proc
         assert o.lead_s is not None
-        last = 0
+        last, approvals, waiting = 0, sender.approvals(), False
         with open(beat, "rb") as f:  # mapped: a look at the job's step costs no system call
             slots = memoryview(mmap.mmap(f.fileno(), heartbeat.SIZE, access=mmap.ACCESS_READ)).cast("q")
         while True:
@@ -223,16 +259,27 @@ class Fleet:
             if m.notice is None and m.planned is not None and not done:
                 since = m.start if m.planned.restart else m.first_step
                 if since is not None and now >= since + m.planned.after:
-                    m.notice, m.deadline = now, now + o.lead_s
-                    logger.info("machine %d: notice at step %d, deadline in %.1fs", m.index, step, o.lead_s)
-                    sender.send(job)
+                    where = landed(slots, bool(m.timeline))
+                    waiting = m.planned.during is not None and m.planned.during not in where.split("+")
+                    if not waiting:
+                        m.notice, m.deadline, m.landed = now, now + o.lead_s, where
+                        logger.info(
+                            "machine %d: notice at step %d (%s), deadline in %.1fs", m.index, step, m.landed, o.lead_s
+                        )
+                        sender.send(job)
+            elif m.notice is not None and m.approved is None and sender.approvals() > approvals:
+                m.approved = now
             if m.deadline is not None and now >= m.deadline:
                 logger.error("machine %d: the job is still running at its notice's deadline: killed", m.index)
                 m.killed = True
                 return
             if until is not None and now >= until:
                 return
-            time.sleep(o.poll_s)
+            if waiting:  # only the mark, often, until it is set or the next full look is due
+                assert m.planned is not None and m.planned.during is not None
+                _wait_mark(slots, MARKS[m.planned.during], time.time() + o.poll_s)
+            else:
+                time.sleep(o.poll_s)
 
     # -- the storage ---------------------------------------------------------------------------
     def _check_storage(self) -> None:

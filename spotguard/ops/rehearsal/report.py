@@ -32,13 +32,14 @@ class Preemption:
     index: int
     machine: int
     after_restart: bool  # sent within the first seconds after a start
+    landed: str | None  # what the job was doing at the notice: step, save, evaluation, startup
     stop_step: int  # the machine's last step
     detection_s: float | None  # notice -> the job saw it (its Guard's notice event, else its stop flag)
     save_s: float | None  # the emergency checkpoint (the Guard's stop event)
     committed: bool | None  # the machine's last step is the resume point (None: no storage to look at)
     steps_lost: int | None  # steps done on the machine after the newest checkpoint
     teardown_s: float | None  # the last commit -> the job's processes all exited
-    idle_s: float | None  # the last commit -> the notice's deadline: paid, unused
+    idle_s: float | None  # the last commit -> the notice's deadline (or its approval, Azure): paid, unused
     killed: bool  # still running at the deadline
     restart_s: float | None  # the job gone -> the next machine's first step
     resume_s: float | None  # the next machine's start -> its Guard resumed
@@ -152,19 +153,22 @@ def measure(
             committed = bool(stop_ev.get("committed")) if stop_ev else None
         resume_ev = _first(nxt, "resume") if nxt else None
         fresh = commit is not None and commit >= m.start  # a commit of this machine, not an older one
+        # An approved notice (Azure's StartRequests) lets the cloud take the machine at once: paid until then.
+        gone = m.deadline if m.approved is None else min(m.approved, m.deadline)
         windows.append(m.end - (t_stop if t_stop is not None and t_stop >= m.notice else m.notice))
         pre.append(
             Preemption(
                 index=len(pre) + 1,
                 machine=m.index,
                 after_restart=bool(m.planned and m.planned.restart),
+                landed=m.landed,
                 stop_step=m.last_step,
                 detection_s=None if seen is None else seen - m.notice,
                 save_s=stop_ev.get("seconds") if stop_ev else None,
                 committed=committed,
                 steps_lost=lost,
                 teardown_s=m.end - commit if fresh and commit is not None and not m.killed else None,
-                idle_s=m.deadline - commit if fresh and commit is not None else None,
+                idle_s=max(gone - commit, 0.0) if fresh and commit is not None else None,
                 killed=m.killed,
                 restart_s=None if nxt is None or nxt.first_step is None else nxt.first_step - m.end,
                 resume_s=None if resume_ev is None or nxt is None else resume_ev["unix"] - nxt.start,
@@ -235,7 +239,9 @@ def _pct(v: float | None) -> str:
 
 def table(r: Report) -> str:
     """The report as text: one row per preemption, then the totals and the planner beside them."""
-    head = f"{'#':>2} {'STEP':>6} {'DETECT':>7} {'SAVE':>7} {'COMMITTED':>9} {'LOST':>5} {'TEARDOWN':>9} "
+    head = (
+        f"{'#':>2} {'STEP':>6} {'LANDED':>10} {'DETECT':>7} {'SAVE':>7} {'COMMITTED':>9} {'LOST':>5} {'TEARDOWN':>9} "
+    )
     head += f"{'IDLE':>8} {'RESTART':>8} {'RESUME':>7} {'REPLAYED':>8}"
     rows = [head]
     for p in r.preemptions:
@@ -243,7 +249,7 @@ def table(r: Report) -> str:
         if p.killed:
             committed += " (killed)"
         rows.append(
-            f"{p.index:>2} {p.stop_step:>6} {_s(p.detection_s):>7} {_s(p.save_s):>7} {committed:>9} "
+            f"{p.index:>2} {p.stop_step:>6} {p.landed or '?':>10} {_s(p.detection_s):>7} {_s(p.save_s):>7} {committed:>9} "
             f"{'-' if p.steps_lost is None else p.steps_lost:>5} {_s(p.teardown_s):>9} {_s(p.idle_s):>8} "
             f"{_s(p.restart_s):>8} {_s(p.resume_s):>7} {'-' if p.steps_replayed is None else p.steps_replayed:>8}"
             + ("  (after a restart)" if p.after_restart else "")
@@ -256,7 +262,8 @@ def table(r: Report) -> str:
         f"preemptions {len(r.preemptions)} on {r.machines} machines, {r.steps} steps; "
         f"every emergency checkpoint committed: {'yes' if r.all_committed else 'NO'}",
         f"teardown after the last commit: mean {_s(_mean(teardown))}",
-        f"idle window after the stop (last commit -> deadline, of a {c['lead_s']:g}s notice): mean {_s(_mean(idle))}",
+        f"idle window after the stop (last commit -> deadline or approval, of a {c['lead_s']:g}s notice): "
+        f"mean {_s(_mean(idle))}",
         f"useful training {_s(r.useful_s)} of {_s(r.wall_s)} (first step -> last step; {_s(r.end_to_end_s)} "
         f"start to end): goodput {_pct(r.goodput)}",
         f"planner, same costs (checkpoint {_s(c['checkpoint_s'])} every {_s(c['interval_s'])}, restart "

@@ -10,9 +10,10 @@ import math
 
 import pytest
 
+from spotguard import heartbeat
 from spotguard.errors import ConfigError
 from spotguard.ops.rehearsal import RehearsalOptions
-from spotguard.ops.rehearsal.fleet import Machine, Planned, plan_notices
+from spotguard.ops.rehearsal.fleet import Machine, Planned, landed, plan_notices
 from spotguard.ops.rehearsal.report import measure
 from spotguard.planner import goodput
 
@@ -86,16 +87,52 @@ def test_notice_moments_come_from_the_seed():
     a, b = plan_notices(o), plan_notices(o)
     assert a == b and len(a) == 6
     assert sum(p.restart for p in a) == 2 and all(p.after <= 1.5 for p in a if p.restart)
+    # The first machine's start is no restart: a draw that picks it moves to another machine.
+    for seed in range(40):
+        first = plan_notices(RehearsalOptions(["true"], preemptions=3, mtbf_s=2.0, seed=seed, after_restart=2))[0]
+        assert not first.restart
     assert plan_notices(RehearsalOptions(["true"], preemptions=6, mtbf_s=2.0, seed=4)) != a
+
+
+def test_notices_for_a_save_or_an_evaluation_are_others_than_those_after_a_restart():
+    kw = {"preemptions": 6, "mtbf_s": 2.0, "seed": 3, "after_restart": 2}
+    plain = plan_notices(RehearsalOptions(["true"], **kw))
+    timed = plan_notices(RehearsalOptions(["true"], **kw, during_save=2, during_eval=1))
+    assert [p.during for p in plain] == [None] * 6
+    assert sorted(str(p.during) for p in timed) == ["None", "None", "None", "evaluation", "save", "save"]
+    assert not any(p.restart and p.during for p in timed)
+    # The same moments: only where some of them wait is added (a seed keeps its older plans).
+    assert [(p.after, p.restart) for p in timed] == [(p.after, p.restart) for p in plain]
+
+
+def test_where_a_notice_lands_is_read_from_the_heartbeats_marks():
+    slots = memoryview(bytearray(heartbeat.SIZE)).cast("q")
+    assert landed(slots, stepped=False) == "startup" and landed(slots, stepped=True) == "step"
+    slots[heartbeat.SAVING] = 21
+    assert landed(slots, stepped=True) == "save"
+    slots[heartbeat.EVALUATING] = 21
+    assert landed(slots, stepped=True) == "save+evaluation"
+    slots[heartbeat.SAVING] = 0
+    assert landed(slots, stepped=False) == "evaluation"
+
+
+def test_an_approved_notice_ends_the_paid_window_at_its_approval():
+    ms = machines()
+    ms[0].approved = 21.0  # Azure: approved 0.5 s after the commit at t=20.5
+    (p,) = measure(ms, lead_s=30.0, mtbf_asked_s=None, has_storage=True).preemptions
+    assert p.idle_s == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"command": []}, "no command"),
-        ({"source": "azure"}, "unknown notice source"),
+        ({"source": "ibm"}, "unknown notice source"),
         ({"mtbf_s": 0}, "mtbf_s"),
         ({"preemptions": 2, "after_restart": 3}, "after_restart"),
+        ({"preemptions": 2, "after_restart": 2}, "no restart"),
+        ({"preemptions": 2, "during_save": -1}, "during_save"),
+        ({"preemptions": 3, "after_restart": 1, "during_save": 1, "during_eval": 2}, "more than the 3"),
         ({"lead_s": float("nan")}, "lead_s"),
     ],
 )
