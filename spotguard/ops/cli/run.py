@@ -35,6 +35,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("spotguard.ops.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     supervisor = Supervisor(options)
+    supervisor.stops.hold_after_stop = True  # this process exits with the run's code: a late repeat must not kill it
     exporter = None
     if args.metrics_port is not None or args.metrics_file:
         from spotguard.metrics.run import RunMetrics

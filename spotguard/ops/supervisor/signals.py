@@ -48,6 +48,9 @@ class Forwarder:
         self._job: Job | None = None
         self._unforwarded: int | None = None
         self._previous: dict[int, object] = {}
+        #: After a stop, ``restore()`` ignores the stop signals instead of giving them back: for a process
+        #: that exits right after the run (``spotguard run``), not for a library caller.
+        self.hold_after_stop = False
 
     @property
     def job(self) -> Job | None:
@@ -103,8 +106,12 @@ class Forwarder:
         self._previous = {sig: signal.signal(sig, self.on_signal) for sig in FORWARDED}
 
     def restore(self) -> None:
+        """Give the stop signals back; with ``hold_after_stop``, after a stop, ignore them instead: the run
+        ends for that stop, and a repeat of it (a storm) arriving while the process exits would kill it
+        (-15) before it exits with the code the stop decided (75 for a committed checkpoint)."""
+        hold = self.hold_after_stop and self.signal is not None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, signal.SIG_IGN if hold else handler)  # type: ignore[arg-type]
         self._previous = {}
 
     def stop_code(self, default: int = 0) -> int:
