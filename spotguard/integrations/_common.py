@@ -327,6 +327,22 @@ class NoticeWatch:
         return EXIT_PREEMPTED if self.preempted.is_set() or self.stopping else 0
 
 
+class StopOutcome:
+    """What every integration says about its stop, read from its ``notices`` (a ``NoticeWatch``)."""
+
+    notices: NoticeWatch
+
+    @property
+    def emergency_error(self) -> BaseException | None:
+        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
+        return self.notices.emergency_error
+
+    @property
+    def window_error(self) -> BaseException | None:
+        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
+        return self.notices.window_error
+
+
 class FolderCheckpoints:
     """A trainer's checkpoint folders, committed to spotguard storage as ``step-N/`` with a manifest.
 

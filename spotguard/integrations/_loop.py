@@ -22,14 +22,14 @@ from ..guard.agreement import ADVISORY, STOP
 from ..guard.schedule import next_multiple
 from ..notices.base import Notice
 from ..storage import Storage
-from ._common import WatchOptions, watch_parts
+from ._common import StopOutcome, WatchOptions, watch_parts
 
 logger = logging.getLogger(__name__)
 
 G = TypeVar("G", bound="LoopGuard")
 
 
-class LoopGuard:
+class LoopGuard(StopOutcome):
     """Checkpoints a hand-written training loop periodically and on a notice (subclass: ``save``/``resume``).
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``every_steps``:
@@ -63,16 +63,6 @@ class LoopGuard:
     @property
     def notice(self) -> Notice | None:
         return self.notices.notice
-
-    @property
-    def emergency_error(self) -> BaseException | None:
-        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
-        return self.notices.emergency_error
-
-    @property
-    def window_error(self) -> BaseException | None:
-        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
-        return self.notices.window_error
 
     @property
     def exit_code(self) -> int:

@@ -47,7 +47,7 @@ from ..guard.agreement import ADVISORY, STOP
 from ..heartbeat import EXIT_CONFIG
 from ..storage import Storage
 from . import _rankfiles
-from ._common import WatchOptions, watch_parts
+from ._common import StopOutcome, WatchOptions, watch_parts
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -69,7 +69,7 @@ class _Interrupt(Exception):
     """Raised from a callback to leave ``Trainer.train`` where the Trainer offers no way out."""
 
 
-class SpotguardCallback(TrainerCallback):
+class SpotguardCallback(StopOutcome, TrainerCallback):
     """Stops a ``Trainer`` after the current step on a notice, commits its checkpoints, resumes verified ones.
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
@@ -140,16 +140,6 @@ class SpotguardCallback(TrainerCallback):
     def exit_code(self) -> int:
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice, else 0."""
         return self.notices.exit_code
-
-    @property
-    def emergency_error(self) -> BaseException | None:
-        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
-        return self.notices.emergency_error
-
-    @property
-    def window_error(self) -> BaseException | None:
-        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
-        return self.notices.window_error
 
     def close(self) -> None:
         """Stop watching and remove the fetched resume copy (``on_train_end`` does it too)."""

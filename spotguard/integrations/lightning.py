@@ -47,7 +47,7 @@ from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
 from . import _rankfiles
-from ._common import WatchOptions, watch_parts
+from ._common import StopOutcome, WatchOptions, watch_parts
 from ._planned_resume import PlannedResume
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class _Interrupt(Exception):
     """Raised from a hook to leave ``trainer.fit`` where Lightning offers no way out (validation, warm-up)."""
 
 
-class SpotguardCallback(Callback):
+class SpotguardCallback(StopOutcome, Callback):
     """Stops a Lightning ``Trainer`` after the current step on a notice, commits its checkpoint, resumes verified ones.
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
@@ -148,16 +148,6 @@ class SpotguardCallback(Callback):
     def exit_code(self) -> int:
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (or Lightning's own SIGTERM stop), else 0."""
         return EXIT_PREEMPTED if self.stopped_at is not None or self.notices.exit_code else 0
-
-    @property
-    def emergency_error(self) -> BaseException | None:
-        """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
-        return self.notices.emergency_error
-
-    @property
-    def window_error(self) -> BaseException | None:
-        """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
-        return self.notices.window_error
 
     def close(self) -> None:
         self.notices.stop()
