@@ -59,7 +59,10 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     landed = [p["landed"].split("+") for p in pre]  # what the heartbeat said the job was doing then
     assert "evaluation" in landed[1] and "save" in landed[2], landed
     stops = [p["stop_step"] for p in pre]
-    assert stops == sorted(stops) and len(set(stops)) == 5 and stops[-1] < 90
+    assert stops == sorted(stops) and stops[-1] < 90, stops
+    # Each machine trained before its notice, but the one sent while it starts may stop before a first step.
+    for before, p in zip(stops[:-1], pre[1:], strict=True):
+        assert p["stop_step"] > before or p["after_restart"], stops
     for p in pre:  # every figure measured, from the Guard's events and the fleet's clock
         limit = 60 if p["after_restart"] else 5  # one sent while the job starts is seen once it trains
         assert 0 < p["detection_s"] < limit and 0 < p["save_s"] < 10, p
