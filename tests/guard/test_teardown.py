@@ -32,7 +32,7 @@ from tests.workers.dist_teardown import KINDS, gloo_threads, job_args, newest_st
 
 WORKER = WORKERS / "dist_teardown.py"
 ORDERS = ("after", "inside", "none", "fsdp2")
-RUNS_PER_ORDER = 10  # 40 runs in all
+RUNS_PER_ORDER = 6  # 24 runs in all: with the abort in 1 run of 4, all 24 clean by chance: 0.1%
 
 
 def threads() -> int:
@@ -241,12 +241,12 @@ def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_forty_jobs_exit_0_in_every_teardown_order(tmp_path):
-    """10 jobs per teardown order (uninterrupted, SIGTERM on one rank, resumed); two chains at a time."""
+def test_two_dozen_jobs_exit_0_in_every_teardown_order(tmp_path):
+    """6 jobs per teardown order (uninterrupted, SIGTERM on one rank, resumed); two chains at a time."""
     with ThreadPoolExecutor(2) as pool:
         futures = {}
         for order in ORDERS:
             (tmp_path / order).mkdir()
             futures[order] = pool.submit(chain, tmp_path / order, order, RUNS_PER_ORDER)
     runs = [run for future in futures.values() for _, run in future.result()]
-    assert len(runs) == 40 and [run.launcher for run in runs].count("torchrun") == len(ORDERS)
+    assert len(runs) == len(ORDERS) * RUNS_PER_ORDER and [run.launcher for run in runs].count("torchrun") == len(ORDERS)
