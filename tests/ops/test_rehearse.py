@@ -60,14 +60,14 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     assert "evaluation" in landed[1] and "save" in landed[2], landed
     stops = [p["stop_step"] for p in pre]
     assert stops == sorted(stops) and stops[-1] < 90, stops
-    # Each machine trained before its notice, but the one sent while it starts may stop before a first step.
-    for before, p in zip(stops[:-1], pre[1:], strict=True):
-        assert p["stop_step"] > before or p["after_restart"], stops
-    for p in pre:  # every figure measured, from the Guard's events and the fleet's clock
+    for before, p in zip([None, *stops[:-1]], pre, strict=True):  # every figure measured
         limit = 60 if p["after_restart"] else 5  # one sent while the job starts is seen once it trains
-        assert 0 < p["detection_s"] < limit and 0 < p["save_s"] < 10, p
-        assert p["teardown_s"] > 0 and 0 < p["idle_s"] <= 60 and p["restart_s"] > 0, p
-        assert p["resume_s"] > 0 and p["restore_s"] is not None and not p["killed"], p
+        assert 0 < p["detection_s"] < limit, p
+        if before is None or p["stop_step"] > before:  # a checkpoint written on this machine, and the time after
+            assert 0 < p["save_s"] < 10 and p["teardown_s"] > 0 and 0 < p["idle_s"] <= 60, p
+        else:  # the notice sent while it started stopped it at its resume point: nothing new to write
+            assert p["after_restart"] and 0 <= p["save_s"] < 10, p
+        assert p["restart_s"] > 0 and p["resume_s"] > 0 and p["restore_s"] is not None and not p["killed"], p
     # The planner, given the costs measured here, predicts the goodput measured here.
     assert abs(doc["goodput"] - doc["planner_goodput"]) <= 0.02, (doc["goodput"], doc["planner_goodput"], doc["costs"])
     assert doc["costs"]["interval_s"] > 0 and doc["costs"]["mtbf_s"] > 0
