@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import warnings
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--losses", help="JSON lines {step, loss (float.hex)}: rank 0's, or every rank's with '{rank}' in the path"
     )
     p.add_argument("--final", help="rank 0 saves the final model state_dict here (torch.save)")
+    p.add_argument("--trace", help="rank 0 appends one JSON line per event: train_begin (rehearsals)")
     p.add_argument("--cuda", action="store_true", help="train on the GPU (one per rank; NCCL under torchrun)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -133,7 +135,10 @@ def setup(args: argparse.Namespace) -> None:
     if args.quiet:
         ds_logger.setLevel(logging.ERROR)
     if "RANK" not in os.environ:  # plain `python deepspeed_train.py`: a group of one (no MPI discovery)
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        with socket.socket() as s:  # a free port, not a fixed one: two such jobs on one machine must not clash
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if args.cuda:  # one GPU per rank on this node, before NCCL picks one
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
@@ -161,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     log = None
     if args.losses and ("{rank}" in args.losses or rank == 0):
         log = open(args.losses.format(rank=rank), "a")
+    if args.trace and rank == 0:
+        with open(args.trace, "a") as trace:
+            trace.write(json.dumps({"event": "train_begin", "step": start}) + "\n")
     t0 = time.monotonic()
     with guard:
         step = train(args, engine, loader, sampler, guard, start, log)
