@@ -7,8 +7,10 @@ file's relative name, written from the names the trainer's own save writes and i
 so a name it misses is fetched by every node, never left out:
 
 - HF ``Trainer``: ``rng_state_<process_index>.pth`` (``_save_rng_state``/``_load_rng_state``; each
-  rank loads its own only). Weights, optimizer, scheduler, ``trainer_state.json``: shared. Under
-  DeepSpeed or FSDP, their shard files are fetched whole (not claimed).
+  rank loads its own only). Weights, optimizer, scheduler, ``trainer_state.json``: shared. With a
+  DeepSpeed config, also DeepSpeed's ZeRO files in the Trainer's ``global_step<N>/`` folder (below:
+  the Trainer loads through ``engine.load_checkpoint``). Under FSDP its shard files are fetched
+  whole (not claimed).
 - Accelerate: ``random_states_<process_index>.pkl`` (``load_accelerator_state`` reads its own) and
   spotguard's ``spotguard-loaders-NNNNN.pt`` (``_accelerate_loaders``).
 - Lightning: spotguard's ``rng-rank-NNNNN.pt`` (Lightning writes rank 0's ``.ckpt`` only).
@@ -58,3 +60,9 @@ def lightning(name: str) -> int | None:
 def deepspeed(name: str) -> int | None:
     """The (data-parallel) rank whose own file ``name`` is in a ``DeepSpeedGuard`` folder; None: shared."""
     return _rank(_DEEPSPEED, name)
+
+
+def hf_deepspeed(name: str) -> int | None:
+    """As ``hf``, for a Trainer with a DeepSpeed config: its ZeRO files too (``global_step<N>/...``)."""
+    rank = hf(name)
+    return rank if rank is not None else deepspeed(name)

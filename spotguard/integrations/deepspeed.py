@@ -83,6 +83,22 @@ def fetch_rule(engine: Any, world: int) -> RankFiles:
     return RankFiles(_rankfiles.deepspeed, doubt)
 
 
+def config_doubt(config: dict[str, Any], model: Any = None) -> str:
+    """``fetch_rule``'s doubt, before the engine exists (the HF Trainer builds it inside ``train``):
+    from the DeepSpeed config dict and the model's modules ("" when the ZeRO files are per rank)."""
+    zero, ckpt = config.get("zero_optimization") or {}, config.get("checkpoint") or {}
+    if zero.get("elastic_checkpoint") is True:
+        return "DeepSpeed's elastic checkpoint is on: every rank reads every ZeRO partition"
+    if ckpt.get("load_universal") is True:
+        return "DeepSpeed loads a universal checkpoint"
+    if model is not None and any(type(m).__module__.startswith("deepspeed.moe") for m in model.modules()):
+        return "DeepSpeed's expert parallelism names files by expert-parallel rank"
+    sizes = ((config.get("tensor_parallel") or {}).get("autotp_size"), config.get("sequence_parallel_size"))
+    if any(isinstance(n, int) and n > 1 for n in sizes):
+        return "model, pipeline or sequence parallelism: ZeRO files are named by data-parallel rank"
+    return ""
+
+
 def _call(engine: Any, name: str) -> bool:
     method = getattr(engine, name, None)
     return bool(method()) if callable(method) else False

@@ -48,6 +48,7 @@ from ..heartbeat import EXIT_CONFIG
 from ..storage import Storage
 from . import _rankfiles
 from ._common import StopOutcome, WatchOptions, watch_parts
+from .deepspeed import config_doubt
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -96,10 +97,21 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local folder for ``trainer.train(resume_from_checkpoint=...)``."""
-        found = self.checkpoints.newest_verified(RankFiles(_rankfiles.hf))  # a node: its ranks' rng_state_N
+        found = self.checkpoints.newest_verified(self._rank_files())  # a node: its ranks' own files
         self._resumed_step = found[0] if found else 0
         self._replay_eval = found is not None and (found[1] / EVAL_CUT).is_file()
         return str(found[1]) if found else None
+
+    def _rank_files(self) -> RankFiles:
+        """The node's fetch rule: its ranks' ``rng_state_N``, and with DeepSpeed their ZeRO partitions
+        (known once ``train`` was given the Trainer; without it DeepSpeed's files are fetched whole)."""
+        trainer = self._trainer
+        if trainer is None or not getattr(trainer, "is_deepspeed_enabled", False):
+            return RankFiles(_rankfiles.hf)
+        ds_config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
+        if not isinstance(ds_config, dict):
+            return RankFiles(_rankfiles.hf)
+        return RankFiles(_rankfiles.hf_deepspeed, config_doubt(ds_config, getattr(trainer, "model", None)))
 
     def train(self, trainer: Any, **kwargs: Any) -> int:
         """``trainer.train`` from the newest verified checkpoint; returns the exit code for the job.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from spotguard.checkpoint import pernode
 from spotguard.integrations import _accelerate_loaders, _rankfiles, deepspeed
@@ -31,6 +32,17 @@ from spotguard.integrations import _accelerate_loaders, _rankfiles, deepspeed
             {"random_states_0.pkl": 0, "random_states_3.pkl": 3, _accelerate_loaders.file_name(2): 2},
             ["model.safetensors", "optimizer.bin", "scheduler.bin", "dl_state_dict.bin", "custom_checkpoint_0.pkl"]
             + ["pytorch_model_fsdp_0/__1_0.distcp", "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+        ),
+        (
+            _rankfiles.hf_deepspeed,  # a Trainer with a DeepSpeed config: its ZeRO partitions too
+            {
+                "rng_state_1.pth": 1,
+                "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
+                "global_step10/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": 0,
+                "global_step10/zero_pp_rank_1_mp_rank_00_model_states.pt": 1,
+            },
+            ["model.safetensors", "latest", "trainer_state.json", "global_step10/mp_rank_00_model_states.pt"]
+            + ["zero_to_fp32.py", "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
         ),
         (_rankfiles.lightning, {"rng-rank-00000.pt": 0, "rng-rank-00001.pt": 1}, ["lightning.ckpt", "rng-rank-x.pt"]),
         (
@@ -88,3 +100,29 @@ def test_deepspeed_trusts_its_rule_for_plain_data_parallelism():
 )
 def test_deepspeed_is_unsure_where_zero_files_are_not_one_per_global_rank(over, why):
     assert why in deepspeed.fetch_rule(engine(**over), world=4).unsure
+
+
+def test_an_hf_deepspeed_config_trusts_the_rule_for_plain_data_parallelism():
+    config = {"zero_optimization": {"stage": 2, "elastic_checkpoint": "auto"}, "train_batch_size": "auto"}
+    assert deepspeed.config_doubt(config, torch.nn.Linear(2, 2)) == ""
+
+
+class MoE(torch.nn.Module):
+    """Stands for a layer of ``deepspeed.moe.layer`` (only its module's name is looked at)."""
+
+
+MoE.__module__ = "deepspeed.moe.layer"
+
+
+@pytest.mark.parametrize(
+    ("config", "model", "why"),
+    [
+        ({"zero_optimization": {"elastic_checkpoint": True}}, None, "elastic checkpoint"),
+        ({"checkpoint": {"load_universal": True}}, None, "universal"),
+        ({}, torch.nn.Sequential(torch.nn.Linear(2, 2), MoE()), "expert"),
+        ({"tensor_parallel": {"autotp_size": 2}}, None, "data-parallel rank"),
+        ({"sequence_parallel_size": 2}, None, "data-parallel rank"),
+    ],
+)
+def test_an_hf_deepspeed_config_makes_the_rule_unsure_where_zero_files_are_not_per_rank(config, model, why):
+    assert why in deepspeed.config_doubt(config, model)
