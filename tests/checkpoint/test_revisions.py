@@ -84,3 +84,16 @@ def test_folder_checkpoints_supersede_a_committed_step_and_resume_from_the_new_s
     found = checkpoints.newest_verified()
     assert found is not None and found[0] == 8 and (found[1] / "state.bin").read_text() == "the evaluation's state"
     checkpoints.cleanup()
+
+
+def test_ls_names_a_revision_and_pull_takes_the_highest(tmp_path, capsys) -> None:
+    from spotguard.ops.cli import main
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+    checkpoint.write_dir(storage, 8, folder(tmp_path / "a", "periodic"), reason="periodic")
+    checkpoint.write_dir(storage, 8, folder(tmp_path / "b", "cut"), reason="emergency", revision=1)
+    assert main(["ls", str(tmp_path / "ckpt")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:3]]
+    assert [(r[0], r[3]) for r in rows] == [("8", "periodic"), ("8.r1", "emergency")]
+    assert main(["pull", str(tmp_path / "ckpt"), str(tmp_path / "dest"), "--step", "8"]) == 0
+    assert (tmp_path / "dest" / "step-00000008.r1" / "state.bin").read_text() == "cut"
