@@ -139,7 +139,9 @@ class AcceleratorGuard(LoopGuard):
 
         That checkpoint holds the RNG streams as the evaluation found them and each prepared loader
         as at its last batch; after ``resume()``, ``resumed_in_evaluation`` is True: run the
-        evaluation again first, and the resumed run draws as the uninterrupted one did.
+        evaluation again first, and the resumed run draws as the uninterrupted one did. A checkpoint
+        of that step committed before the evaluation (``guard.step(step)`` saved, then the loop
+        evaluated) is replaced: the stop commits the cut state as the step's next revision.
         """
         at = self._step if step is None else step
         notices = self.notices
