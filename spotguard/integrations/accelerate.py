@@ -160,8 +160,9 @@ class AcceleratorGuard(LoopGuard):
         supersede = cut is not None and step == self._saved_step and not self._saved_cut
         if supersede:
             logger.warning(
-                "stop at step %d: its checkpoint was written before the evaluation a notice cut short; "
-                "committing the evaluation's state in its place",
+                "%s checkpoint of step %d: the committed one was written before the evaluation a notice cut "
+                "short; committing the evaluation's state in its place",
+                reason,
                 step,
             )
         prepared = getattr(self.accelerator, "_dataloaders", [])
