@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every-steps", type=int, default=50, help="periodic checkpoint interval (0: off)")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: never)")
     p.add_argument("--eval-augment", action="store_true", help="evaluate with dropout on and noisy inputs")
+    p.add_argument(
+        "--save-before-eval",
+        action="store_true",
+        help="call guard.step(step) before an evaluation too, so a periodic checkpoint of that step lands before it",
+    )
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument(
@@ -160,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                 time.sleep(args.step_sleep)
                 if args.eval_steps and step % args.eval_steps == 0:
+                    if args.save_before_eval and guard.step(step):  # a periodic save of `step` comes first
+                        stopped = True
+                        break
                     evaluation()
                 if guard.step(step) or step >= args.steps:  # after the evaluation: a notice in it counts too
                     stopped = guard.stopped_at is not None

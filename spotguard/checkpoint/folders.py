@@ -87,18 +87,27 @@ def commit(
     extra: Mapping[str, Any] | None = None,
     torch_version: str = "",
     deadline: float | None = None,
+    supersede: bool = False,
 ) -> Manifest:
     """Collective: commit the folders every rank holds for ``step`` as one checkpoint (module docstring).
 
     Returns the manifest on every rank. Raises ``CheckpointExistsError`` on every rank when ``step``
     is already committed, ``StorageError`` on every rank when any rank failed (nothing committed),
-    ``ConfigError`` when no rank holds a file.
+    ``ConfigError`` when no rank holds a file. ``supersede``: as the step's next revision (rank 0
+    picks it, ``layout.next_revision``), which replaces the committed one once it is committed itself.
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
     group, rank = groups.save_group, groups.rank
-    name = layout.step_dir(step)
-    status = broadcast(layout.prepare(storage, name) if rank == 0 else "", group)
+    revision, status = 0, ""
+    if rank == 0:
+        try:
+            revision = layout.next_revision(storage, step) if supersede else 0
+            status = layout.prepare(storage, layout.step_dir(step, revision))
+        except Exception as e:
+            status = f"rank 0 cannot list {storage.describe(layout.step_dir(step))}: {type(e).__name__}: {e}"
+    revision, status = broadcast((revision, status), group)
+    name = layout.step_dir(step, revision)
     if status == "exists":
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if status != "ok":
@@ -202,7 +211,7 @@ def fetch(
     dist.all_gather_object(nodes, (_node_key(rank), rank_files.unsure if rank_files else ""), group=group)
     node_ranks = frozenset(r for r, (node, _) in enumerate(nodes) if node == _node_key(rank))
     unsure = [doubt for _, doubt in nodes]
-    tried: set[int] = set()
+    tried: set[str] = set()  # names: a step's revisions are tried one by one
     skipped: list[str] = []  # corrupt checkpoints (rank 0's list decides)
     while True:
         proposal: Any = None
@@ -247,7 +256,7 @@ def fetch(
         why = "; ".join(f"rank {r}: {err}" for r, err in failed)
         logger.warning("skipping %s: %s", storage.describe(info.name), why)
         skipped.append(f"{storage.describe(info.name)}: {why}")
-        tried.add(info.step)
+        tried.add(info.name)
 
 
 def _node_key(rank: int) -> int:
@@ -269,11 +278,11 @@ def _selection(
     return set(pernode.needed((f.name for f in manifest.files), rank_files.rank_of, node_ranks, world)), ""
 
 
-def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> CheckpointInfo | None:
+def _propose(storage: Storage, tried: set[str], skipped: list[str]) -> CheckpointInfo | None:
     """Rank 0: the newest complete checkpoint not tried yet. Incomplete ones (a save cut short) are
     named and passed over; corrupt ones are also counted in ``skipped``."""
     for info in reversed(scan(storage)):
-        if info.step in tried:
+        if info.name in tried:
             continue
         refuse_newer_format(storage, info)
         if info.complete:
@@ -281,7 +290,7 @@ def _propose(storage: Storage, tried: set[int], skipped: list[str]) -> Checkpoin
         logger.warning("skipping %s: %s (%s)", storage.describe(info.name), info.status, info.problem)
         if info.status != "incomplete":
             skipped.append(f"{storage.describe(info.name)}: {info.status} ({info.problem})")
-        tried.add(info.step)
+        tried.add(info.name)
     return None
 
 

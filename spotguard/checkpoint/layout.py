@@ -25,6 +25,7 @@ from spotguard.checkpoint.manifest import (
     FileEntry,
     Manifest,
     check_file_name,
+    dir_order,
     parse_step_dir,
     step_dir,
 )
@@ -141,6 +142,7 @@ def write_dir(
     world_size: int = 1,
     torch_version: str = "",
     deadline: float | None = None,
+    revision: int = 0,
 ) -> Manifest:
     """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
 
@@ -148,11 +150,12 @@ def write_dir(
     a folder cut short by a kill looks like a checkpoint. Here every regular file below
     ``directory`` is hashed and stored under ``step-N/`` with its relative path, and the manifest
     is written last, so the folder obeys the same rules as ``write``. The files must not change
-    afterwards: local storage hard-links them when it can.
+    afterwards: local storage hard-links them when it can. ``revision`` > 0: as ``step-N.rK/``, which
+    supersedes the step's lower revisions (``next_revision``; ``prune`` deletes them).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
-    name = step_dir(step)
+    name = step_dir(step, revision)
     root = Path(directory)
     if not root.is_dir():
         raise ConfigError(f"cannot commit {root}: not a directory")
@@ -214,6 +217,18 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
         logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name))
         storage.delete(existing)
     return committed
+
+
+def next_revision(storage: Storage, step: int) -> int:
+    """The revision a new checkpoint of ``step`` takes to supersede the committed ones (``step_dir``):
+    one above the highest that holds a manifest. Only the step's own keys are listed: no manifest is read."""
+    committed = [
+        dir_order(top)[1]
+        for key in storage.list(step_dir(step))  # also lists step-N.rK/ (and nothing of another step)
+        for top, _, rest in [key.partition("/")]
+        if rest == MANIFEST and parse_step_dir(top) == step
+    ]
+    return max(committed) + 1 if committed else 0
 
 
 def prepare(storage: Storage, name: str) -> str:
@@ -321,16 +336,24 @@ def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None
     Of the corrupt ones only those corrupt for good (``broken``: the manifest names a file that is
     missing or of another size) and older than the newest complete checkpoint go: resume would
     skip them, and nothing mends them. One whose manifest cannot be read or parsed is kept (a
-    passing fault, or something to look at).
+    passing fault, or something to look at). A revision of a step below its highest complete one
+    (``step_dir``) is superseded: it goes, complete, incomplete or broken (no writer returns to it),
+    and does not count among the ``keep``.
     """
     if keep < 1:
         raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
     infos = scan(storage) if infos is None else infos
-    complete = [i for i in infos if i.complete]
-    doomed = complete[:-keep]
+    newest = {i.step: i.revision for i in infos if i.complete}  # scan's order: the highest revision last
+    superseded = {
+        i.name
+        for i in infos
+        if i.revision < newest.get(i.step, -1) and (i.complete or i.broken or i.status == "incomplete")
+    }
+    complete = [i for i in infos if i.complete and i.name not in superseded]
+    doomed = complete[:-keep] + [i for i in infos if i.name in superseded]
     if complete:
-        doomed += [i for i in infos if i.broken and i.step < complete[-1].step]
-    doomed.sort(key=lambda i: i.step)
+        doomed += [i for i in infos if i.broken and i.step < complete[-1].step and i.name not in superseded]
+    doomed.sort(key=lambda i: dir_order(i.name))
     for info in doomed:
         delete(storage, info.name)
         logger.debug("pruned %s%s", storage.describe(info.name), f" ({info.problem})" if info.broken else "")

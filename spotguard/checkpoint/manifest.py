@@ -30,17 +30,25 @@ _NUMBERED_FORMAT = re.compile(r"^spotguard/([0-9]{1,6})$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,39}$")
 MANIFEST = "manifest.json"
 REASONS = ("periodic", "emergency", "final", "advisory", "manual")
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# ``step-NNNNNNNN``, and ``step-NNNNNNNN.rK`` for a later revision of the same step (``step_dir``).
+_STEP_DIR = re.compile(r"^step-(\d{8,})(?:\.r([1-9][0-9]{0,5}))?$")
 # A path component may start with a dot (DCP's ``.metadata``, which Lightning's sharded FSDP checkpoint
 # holds) but may not be ``.`` or ``..``.
 _PART = r"(?!\.\.?(?:/|$))[A-Za-z0-9._][A-Za-z0-9._-]*"
 _FILE_NAME = re.compile(rf"^{_PART}(/{_PART})*$")
 
 
-def step_dir(step: int) -> str:
+def step_dir(step: int, revision: int = 0) -> str:
+    """The directory of checkpoint ``step``: ``step-NNNNNNNN``, or ``step-NNNNNNNN.rK`` for revision K > 0.
+
+    A revision supersedes the checkpoints of its step with a lower one (an evaluation's cut state
+    replacing a periodic checkpoint of the step it follows): it is written beside them, so the one it
+    replaces stays the resume point until its manifest lands, and readers take the highest revision."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    return f"step-{step:08d}"
+    if not isinstance(revision, int) or isinstance(revision, bool) or not 0 <= revision < 1_000_000:
+        raise ConfigError(f"revision must be an int from 0 to 999999, got {revision!r}")
+    return f"step-{step:08d}" + (f".r{revision}" if revision else "")
 
 
 def check_file_name(fname: str) -> None:
@@ -50,9 +58,15 @@ def check_file_name(fname: str) -> None:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-NNNNNNNN`` name, or None for anything else."""
+    """The step of a ``step-NNNNNNNN`` (or ``step-NNNNNNNN.rK``) name, or None for anything else."""
     m = _STEP_DIR.match(name)
     return int(m.group(1)) if m else None
+
+
+def dir_order(name: str) -> tuple[int, int]:
+    """(step, revision) of a checkpoint directory's name: directories sort by it, the newest last."""
+    m = _STEP_DIR.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -202,7 +216,7 @@ def _refuse_newer_format(data: Any, where: str) -> None:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One ``step-N/`` directory as found in storage."""
+    """One ``step-N/`` (or ``step-N.rK/``) directory as found in storage."""
 
     step: int
     name: str
@@ -217,6 +231,11 @@ class CheckpointInfo:
     @property
     def complete(self) -> bool:
         return self.status == "complete"
+
+    @property
+    def revision(self) -> int:
+        """0, or K for ``step-NNNNNNNN.rK``: a later revision of the step supersedes this one."""
+        return dir_order(self.name)[1]
 
 
 class HashingWriter:

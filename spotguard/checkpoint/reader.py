@@ -20,6 +20,7 @@ from spotguard.checkpoint.manifest import (
     NEWER_FORMAT,
     CheckpointInfo,
     Manifest,
+    dir_order,
     parse_step_dir,
 )
 from spotguard.errors import (
@@ -35,7 +36,8 @@ _ALG_NAMES = {digest.SHA256: "SHA-256", digest.BLAKE3: "BLAKE3", digest.XXH3: "X
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:
-    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored.
+    """Every ``step-N/`` directory, oldest first, with its status. Other keys are ignored. Revisions of one
+    step (``step-N.rK/``, ``manifest.step_dir``) follow it, the highest last.
 
     A file missing, or listed with another size than the manifest's, makes the checkpoint corrupt:
     the listing carries the sizes, so a truncated object is caught without reading it (contents
@@ -47,7 +49,7 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
         if rest and parse_step_dir(top) is not None:
             groups.setdefault(top, {})[rest] = size
     infos = []
-    for name in sorted(groups, key=lambda n: parse_step_dir(n) or 0):
+    for name in sorted(groups, key=dir_order):  # a step's later revision after it: the newest is last
         step = parse_step_dir(name) or 0
         if MANIFEST not in groups[name]:
             infos.append(CheckpointInfo(step, name, "incomplete", problem="no manifest"))

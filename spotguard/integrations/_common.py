@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import folders
+from spotguard.checkpoint import folders, layout
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
@@ -388,18 +388,22 @@ class FolderCheckpoints:
         reason: str,
         deadline: float | None = None,
         extra: dict[str, Any] | None = None,
+        supersede: bool = False,
     ) -> Manifest | None:
         """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed.
+        ``supersede``: a committed checkpoint of ``step`` holds another state; this one replaces it, as the
+        step's next revision (``step-N.rK/``): the old one stays the resume point until this one is
+        committed, and ``prune`` deletes it then.
 
         Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
         self._hold()
         agreed = self.group.get()
-        write = (
-            functools.partial(checkpoint.write_dir, self.storage)
-            if agreed is None
-            else functools.partial(folders.commit, self.storage, agreed)
-        )
+        if agreed is None:
+            revision = layout.next_revision(self.storage, step) if supersede else 0
+            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision)
+        else:
+            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede)
         try:
             manifest = write(
                 step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline

@@ -121,9 +121,14 @@ class LoopGuard(StopOutcome):
         self.save(step, reason, deadline=deadline)
         self._save_s = time.monotonic() - t0
 
+    def _holds(self, step: int) -> bool:
+        """Whether the committed checkpoint of ``step`` is what a stop at ``step`` must leave (subclasses:
+        not when it was written before an evaluation a notice then cut short)."""
+        return self._saved_step == step
+
     def _emergency(self, step: int) -> bool:
         """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.stop_saved``)."""
-        if self._saved_step == step:
+        if self._holds(step):
             logger.warning("stop at step %d: already checkpointed", step)
             return self.notices.stop_saved(step, save_s=self._save_s)
         logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)

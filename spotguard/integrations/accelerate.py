@@ -83,6 +83,7 @@ class AcceleratorGuard(LoopGuard):
         #: The checkpoint ``resume()`` loaded was written inside an evaluation cut short by a notice:
         #: run that evaluation again, from its start, before the next training step.
         self.resumed_in_evaluation = False
+        self._saved_cut = False  # the committed checkpoint of ``_saved_step`` holds a cut evaluation
 
     def track(self, *objects: Any) -> AcceleratorGuard:
         """Save and restore ``objects`` too (``accelerator.register_for_checkpointing``)."""
@@ -116,7 +117,7 @@ class AcceleratorGuard(LoopGuard):
             base = getattr(loader, "base_dataloader", loader)
             if data.is_stateful_loader(base):
                 data.neutralize_next_iterator(base)
-        self.resumed_in_evaluation = cut
+        self.resumed_in_evaluation = self._saved_cut = cut
         if cut:
             logger.warning("resumed inside the evaluation after step %d that a notice cut short: run it again", step)
         self._resumed(step)
@@ -138,7 +139,9 @@ class AcceleratorGuard(LoopGuard):
 
         That checkpoint holds the RNG streams as the evaluation found them and each prepared loader
         as at its last batch; after ``resume()``, ``resumed_in_evaluation`` is True: run the
-        evaluation again first, and the resumed run draws as the uninterrupted one did.
+        evaluation again first, and the resumed run draws as the uninterrupted one did. A checkpoint
+        of that step committed before the evaluation (``guard.step(step)`` saved, then the loop
+        evaluated) is replaced: the stop commits the cut state as the step's next revision.
         """
         at = self._step if step is None else step
         notices = self.notices
@@ -151,6 +154,17 @@ class AcceleratorGuard(LoopGuard):
         Collective in a process group: each rank saves into a scratch folder of its own (no shared
         filesystem assumed) and the folders are committed as one checkpoint."""
         cut = self._evaluations.cut_at(step, final=reason == "final")
+        # A checkpoint of this step committed before the evaluation a notice cut short (a periodic one:
+        # the loop saved, then evaluated): resumed from it, the run would skip the evaluation and its draws.
+        # This one replaces it, as the step's next revision (the old one stays until this one is committed).
+        supersede = cut is not None and step == self._saved_step and not self._saved_cut
+        if supersede:
+            logger.warning(
+                "%s checkpoint of step %d: the committed one was written before the evaluation a notice cut "
+                "short; committing the evaluation's state in its place",
+                reason,
+                step,
+            )
         prepared = getattr(self.accelerator, "_dataloaders", [])
         with self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
@@ -159,9 +173,15 @@ class AcceleratorGuard(LoopGuard):
                 self.accelerator.save_state(str(folder))
                 loaders.save(prepared, folder, self.accelerator.process_index, cut=cut is not None)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)
-            manifest = self.checkpoints.commit(step, folder, reason, deadline)
+            manifest = self.checkpoints.commit(step, folder, reason, deadline, supersede=supersede)
+        if manifest is not None or step != self._saved_step:
+            self._saved_cut = cut is not None
         self._saved(step)
         return manifest
+
+    def _holds(self, step: int) -> bool:
+        # Not a checkpoint written before the evaluation that a notice is cutting short now (``save``).
+        return super()._holds(step) and (self._saved_cut or self._evaluations.cut_at(step) is None)
 
     def __enter__(self) -> AcceleratorGuard:
         loaders.watch(getattr(self.accelerator, "_dataloaders", []))

@@ -55,6 +55,9 @@ def test_folders_of_two_ranks_commit_as_one_checkpoint_fail_together_and_fetch_v
         assert planned["files"] == ["shared.bin", f"sub/own-{rank}.bin"] and planned["shared"] == 1, planned
         assert by[(rank, "planned-removed", None)]["gone"] is True
         assert by[(rank, "resharded", 4)]["files"] == ["shared.bin", "sub/own-0.bin", "sub/own-1.bin"]
+        # Both revisions are there (folders.commit does not prune): the fetch took the newer one's files.
+        superseded = by[(rank, "supersede", 1)]
+        assert superseded["names"] == ["step-00000001", "step-00000001.r1"] and superseded["shared"] == 11
         assert by[(rank, "none-loads", None)] == {
             "rank": rank,
             "case": "none-loads",

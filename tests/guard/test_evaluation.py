@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from spotguard import EXIT_PREEMPTED
+from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Cut, Tracked
+from spotguard.storage import open_storage
 
 from ..helpers import WORKERS, run
 
@@ -31,11 +33,10 @@ def rows(log: Path) -> list[list]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_notice_during_an_evaluation_resumes_it_from_its_start_exactly(tmp_path: Path, workers: str) -> None:
+def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
+    """A reference run; a run stopped at the second batch of epoch 1's evaluation, then resumed: the
+    resumed run starts with the cut evaluation, from its start, with the same draws; then the rest."""
     ref_log, cut_log, resumed_log = tmp_path / "ref.jsonl", tmp_path / "cut.jsonl", tmp_path / "resumed.jsonl"
-    common = ("--num-workers", workers)
     assert job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common) == 0
     storage = tmp_path / "run"
     assert job(storage, cut_log, "--notice-epoch", "1", *common) == EXIT_PREEMPTED
@@ -46,10 +47,26 @@ def test_a_notice_during_an_evaluation_resumes_it_from_its_start_exactly(tmp_pat
     assert cut[-1][0] == "eval" and cut[-1][1] == 1, "the notice fell inside epoch 1's evaluation"
     begun = next(i for i, r in enumerate(ref) if r[:2] == ["eval", 1])
     assert len(cut) - begun == 1, "the evaluation was left at its second batch"
-    # The resumed run starts with the cut evaluation, from its start, with the same draws; then the rest.
     assert resumed == ref[begun:]
     got, want = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_notice_during_an_evaluation_resumes_it_from_its_start_exactly(tmp_path: Path, workers: str) -> None:
+    stop_in_an_evaluation_and_resume(tmp_path, "--num-workers", workers)
+
+
+@pytest.mark.timeout(300)
+def test_a_periodic_checkpoint_written_before_the_evaluation_is_its_resume_point(tmp_path: Path) -> None:
+    """Epochs of 6 steps, ``every_steps=6``: the periodic checkpoint of step 12 is committed at ``guard.step(12)``,
+    before epoch 1's evaluation, with the loader at its last batch (not yet ended) and the streams the
+    evaluation then finds: the state a cut would save. The stop inside the evaluation keeps it (nothing is
+    written twice), and the resume from it is exact as well."""
+    stop_in_an_evaluation_and_resume(tmp_path, "--every-steps", "6")
+    (info,) = [i for i in scan(open_storage(str(tmp_path / "run"))) if i.step == 12]
+    assert info.complete and info.manifest is not None and info.manifest.reason == "periodic", info
 
 
 def test_a_cut_applies_only_to_its_own_step_and_never_to_the_final_checkpoint() -> None:

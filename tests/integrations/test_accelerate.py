@@ -70,3 +70,25 @@ def test_accelerate_trains_through_the_notice_window_and_resumes_from_its_second
     )
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
     assert [s for s, _ in read_losses(losses)] == list(range(1, STEPS + 1))  # resumed at the second: no replay
+
+
+def test_accelerate_notice_in_an_evaluation_after_its_steps_periodic_checkpoint_runs_it_again(tmp_path, reference):
+    """``--save-before-eval``: the periodic checkpoint of step 16 is committed before its evaluation (mid-epoch),
+    which a SIGTERM then cuts short. That checkpoint holds no cut: resumed from it, the run would skip the
+    evaluation and its draws. The stop commits the cut state of step 16 in its place, and the resume runs
+    the evaluation again and goes on as the reference (the losses after it depend on its draws)."""
+    args = (*ARGS[:2], "--every-steps", "16", *ARGS[4:], "--save-before-eval")
+
+    def in_eval() -> bool:
+        return any(e["event"] == "eval_batch" and e["step"] == 16 for e in runs.events(tmp_path))
+
+    slow = ("--eval-sleep", "2", "--eval-sleep-step", "16")
+    first = runs.stop_when(SCRIPT, tmp_path, (*args, *runs.SLOW, *slow), in_eval, runs.sigterm)
+    assert first.returncode == EXIT_PREEMPTED, first.stderr[-4000:]
+    assert read_losses(tmp_path / "losses.jsonl")[-1][0] == 16
+    assert "committing the evaluation's state in its place" in first.stderr, first.stderr[-4000:]
+    (info,) = [i for i in runs.checkpoints(tmp_path) if i.step == 16]  # the periodic one is superseded
+    assert info.name == "step-00000016.r1" and info.complete and info.manifest.reason == "emergency", info
+    last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
+    assert "resumed inside the evaluation after step 16" in last.stderr
+    assert sum(e["event"] == "eval_batch" and e["step"] == 16 for e in runs.events(tmp_path)) > 4  # run again

@@ -16,8 +16,10 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration  # noqa: E402
 
 from spotguard import EXIT_PREEMPTED  # noqa: E402
+from spotguard.checkpoint import scan  # noqa: E402
 from spotguard.integrations.accelerate import AcceleratorGuard  # noqa: E402
 from spotguard.notices.file import FileProvider  # noqa: E402
+from spotguard.storage import open_storage  # noqa: E402
 
 
 @pytest.fixture
@@ -70,7 +72,9 @@ class Epochs:
         self.epoch = state["epoch"]
 
 
-def epoch_loop(acc, storage, notice: Path | None = None) -> tuple[list[tuple], int, dict]:
+def epoch_loop(
+    acc, storage, notice: Path | None = None, every_steps: int | None = None
+) -> tuple[list[tuple], int, dict]:
     """3 epochs of 6 batches, each followed by an evaluation that draws (dropout on, noisy inputs); with
     ``notice``, that file appears at the second batch of epoch 1's evaluation. Returns every logged row,
     the exit code and the final weights."""
@@ -79,7 +83,8 @@ def epoch_loop(acc, storage, notice: Path | None = None) -> tuple[list[tuple], i
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = [(torch.randn(4), torch.randn(1)) for _ in range(24)]
     model, opt, loader = acc.prepare(model, opt, StatefulDataLoader(data, batch_size=4, shuffle=True))
-    guard = AcceleratorGuard(acc, str(storage), providers=[FileProvider(notice)] if notice else [], interval=0.02)
+    providers = [FileProvider(notice)] if notice else []
+    guard = AcceleratorGuard(acc, str(storage), providers=providers, interval=0.02, every_steps=every_steps)
     epochs = Epochs()
     guard.track(epochs)
     step, rows = guard.resume(), []
@@ -108,17 +113,24 @@ def epoch_loop(acc, storage, notice: Path | None = None) -> tuple[list[tuple], i
     return rows, guard.exit_code, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_a_notice_in_an_epochs_closing_evaluation_resumes_it_from_its_start_exactly(tmp_path, accelerator):
+@pytest.mark.parametrize("every_steps", [None, 6], ids=["no-periodic", "periodic-before-evaluation"])
+def test_a_notice_in_an_epochs_closing_evaluation_resumes_it_from_its_start_exactly(tmp_path, accelerator, every_steps):
     """The evaluation after an epoch's last batch (the loader has ended its epoch): the checkpoint holds
     the loader as at its last batch and the streams as the evaluation found them, so the resumed loop's
-    first pass is empty, it evaluates again with the same draws, then trains on as the reference."""
-    ref, code, ref_weights = epoch_loop(accelerator(stateful=True), tmp_path / "ref")
+    first pass is empty, it evaluates again with the same draws, then trains on as the reference.
+
+    With ``every_steps=6`` the periodic checkpoint of step 12 is committed before that evaluation, with the
+    loader as after its epoch and no cut: the stop commits the cut state of step 12 in its place."""
+    ref, code, ref_weights = epoch_loop(accelerator(stateful=True), tmp_path / "ref", every_steps=every_steps)
     assert code == 0
-    cut, code, _ = epoch_loop(accelerator(stateful=True), tmp_path / "run", tmp_path / "notice")
+    cut, code, _ = epoch_loop(accelerator(stateful=True), tmp_path / "run", tmp_path / "notice", every_steps)
     assert code == EXIT_PREEMPTED
     assert cut == ref[: len(cut)] and cut[-1][:2] == ("eval", 1)  # cut at its second batch
+    (info,) = [i for i in scan(open_storage(str(tmp_path / "run"))) if i.step == 12]  # one checkpoint of step 12
+    assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
+    assert info.revision == (1 if every_steps else 0)  # written beside the periodic one, which is then pruned
     (tmp_path / "notice").unlink()
-    resumed, code, weights = epoch_loop(accelerator(stateful=True), tmp_path / "run")
+    resumed, code, weights = epoch_loop(accelerator(stateful=True), tmp_path / "run", every_steps=every_steps)
     assert code == 0
     begun = ref.index(cut[-1])
     assert resumed == ref[begun:]

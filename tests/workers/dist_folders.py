@@ -10,7 +10,8 @@ the shared ``work_dir``), ``per-node`` (each rank a node of its own, fetching by
 file and its own; the corrupt file is rank 1's, seen by node 1 alone, and both still skip step 2),
 ``planned`` (Lightning's resume: the copy of step 2 named before the fetch gets step 1's files),
 ``resharded`` (a checkpoint of 4 ranks: every node fetches every file), ``none-loads`` (every
-checkpoint corrupt: every rank raises).
+checkpoint corrupt: every rank raises), ``supersede`` (a committed step written again as its next
+revision, in another storage: the fetch takes the new one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import folders, write_dir
+from spotguard.checkpoint import folders, scan, write_dir
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.guard import agreement
@@ -57,6 +58,16 @@ def main(root: str, out: str) -> None:
             storage, groups, step, write_folder(local / f"s{step}", rank, step), reason="periodic"
         )
         emit(out, case="commit", step=step, files=sorted(f.name for f in manifest.files), world=manifest.world_size)
+
+    # Step 1 again, superseding (an evaluation's cut state): beside it as step-00000001.r1 (rank 0 picks
+    # the name for all), which the fetch then takes.
+    other = LocalStorage(root + "-supersede")
+    folders.commit(other, groups, 1, write_folder(local / "o1", rank, 1), reason="periodic")
+    folders.commit(other, groups, 1, write_folder(local / "o1b", rank, 11), reason="emergency", supersede=True)
+    found = folders.fetch(other, groups, work_dir=str(Path(out) / "work-supersede"))
+    assert found is not None
+    names = [i.name for i in scan(other)]
+    emit(out, case="supersede", step=found[0], names=names, shared=(found[1] / "shared.bin").read_bytes()[0])
 
     bad = write_folder(local / "s3", rank, 3)
     if rank == 1:

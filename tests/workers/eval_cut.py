@@ -1,7 +1,7 @@
 """A Guard epoch loop with an evaluation that draws random numbers (dropout left on, a random
 augmentation), stopped by SIGTERM in the middle of an evaluation (after the epoch's last batch).
 
-    python tests/workers/eval_cut.py --storage ckpt --log log.jsonl [--notice-epoch 1] [--num-workers 2]
+    python tests/workers/eval_cut.py --storage ckpt --log log.jsonl [--notice-epoch 1] [--num-workers 2] [--every-steps 6]
 
 Each line of ``--log`` is ``[kind, step or epoch, value]``; the final weights go to ``--final``.
 Exits 75 after a notice. Used by tests/guard/test_evaluation.py.
@@ -34,6 +34,7 @@ def main() -> int:
     p.add_argument("--notice-batch", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--every-steps", type=int, default=0, help="periodic checkpoints (0: none)")
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -44,7 +45,7 @@ def main() -> int:
     loader = StatefulDataLoader(
         data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1), num_workers=a.num_workers, **kw
     )
-    guard = spotguard.Guard(a.storage, providers="signal", every_steps=None, async_save=False)
+    guard = spotguard.Guard(a.storage, providers="signal", every_steps=a.every_steps or None, async_save=False)
     guard.track(model=model, optimizer=opt, loader=loader)
     step = guard.resume()
     epoch = guard.extra.get("epoch", 0)

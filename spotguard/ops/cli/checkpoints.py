@@ -84,7 +84,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             bad = verified[info.name]
             status = f"{_bad_status(bad)} ({bad.removeprefix(UNREADABLE + ': ')})" if bad else "complete (verified)"
-        print(f"{info.step:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
+        label = f"{info.step}.r{info.revision}" if info.revision else str(info.step)  # a later revision of a step
+        print(f"{label:>10}  {when:<19}  {(m.reason if m else '-'):<9}  {size:>10}  {status}")
     if not args.verify and any(i.complete for i in infos):
         print("(unverified: manifest and sizes checked; --verify reads every file and checks its checksum)")
     print_hidden(storage)
@@ -160,11 +161,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _find(storage: Storage, step: int | None) -> checkpoint.CheckpointInfo | None:
-    """The checkpoint of ``step`` (any status), or the newest complete one without a step
-    (``CheckpointFormatError`` when a newer spotguard wrote the newest)."""
+    """The checkpoint of ``step`` (any status; its highest revision), or the newest complete one without a
+    step (``CheckpointFormatError`` when a newer spotguard wrote the newest)."""
     if step is None:
         return checkpoint.latest(storage)
-    return next((i for i in checkpoint.scan(storage) if i.step == step), None)
+    return next((i for i in reversed(checkpoint.scan(storage)) if i.step == step), None)
 
 
 def _progress_bar(total: int, desc: str) -> Any:

@@ -118,7 +118,7 @@ class Supervisor:
     def _prefetch(self, storage: Storage, info: checkpoint.CheckpointInfo) -> None:
         """Copy a checkpoint into the local tier, verified, so the job's resume reads local disk."""
         local = open_storage(self.options.local_dir or "")
-        if any(i.complete and i.step == info.step for i in checkpoint.scan(local)):
+        if any(i.complete and i.name == info.name for i in checkpoint.scan(local)):  # a revision is another
             logger.info("%s is already in the local tier %s", info.name, local.describe())
             return
         t0 = time.monotonic()
