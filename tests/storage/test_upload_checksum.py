@@ -272,3 +272,12 @@ def test_periodic_saves_through_a_local_tier_to_azure_never_read_a_file_again(az
     assert info.complete and info.step == 1
     state = next(r for r in sent if r.method == "PUT" and r.url.split("?")[0].endswith("/state.pt"))
     assert "x-ms-content-crc64" in state.headers  # the writer's CRC64, kept in the local tier's pass
+
+
+def test_without_awscrt_azure_blocks_carry_an_md5(az_url, monkeypatch):
+    from spotguard.errors import MissingDependencyError
+
+    monkeypatch.setattr(azure_blocks, "_crc64", None)
+    assert azure(az_url, "auto").upload_crc.kind == "md5"
+    with pytest.raises(MissingDependencyError, match=r"pip install 'spotguard\[azure\]'"):
+        azure(az_url, "crc64")
