@@ -47,10 +47,11 @@ class DirectFile:
         path: str | Path,
         buffer_size: int = BUFFER,
         direct: bool = True,
-        crc: Callable[[Any, int], int] | None = None,
+        crc: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        """``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``)
-        in the same pass, for the service that receives the file to check it against (``self.crc``)."""
+        """``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``:
+        a CRC, or Azure's per-block digests) in the same pass, for the service that receives the file to
+        check it against (``self.crc``, its final state)."""
         if buffer_size <= 0 or buffer_size % ALIGN:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGN}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -67,7 +68,7 @@ class DirectFile:
         self.chunk_size = self._hash_state.chunk_size
         self.alg = self._hash_state.alg
         self._crc_update = crc
-        self.crc: int | None = 0 if crc is not None else None
+        self.crc: Any = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
         self._arrays = [np.frombuffer(b, np.uint8) for b in self._buffers]  # the same memory, for write()
@@ -175,7 +176,7 @@ class DirectFile:
         """On the hashing thread, buffer after buffer in file order."""
         self._hash_state.update(data)
         if self._crc_update is not None:
-            self.crc = self._crc_update(data, self.crc or 0)
+            self.crc = self._crc_update(data, self.crc)
 
     def _write_all(self, view: memoryview) -> None:
         while view:

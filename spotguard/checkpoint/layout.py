@@ -59,8 +59,8 @@ def write(
     cancel: threading.Event | None = None,
     replace: bool = False,
     on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
-    upload_crc: Callable[[Any, int], int] | None = None,
-    crcs: dict[str, int] | None = None,
+    upload_crc: Callable[[Any, Any], Any] | None = None,
+    crcs: dict[str, Any] | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -92,7 +92,7 @@ def write(
         check_file_name(fname)
     committed = _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
-    held: list[tuple[str, Path, int | None]] = []  # replace=True: stored only once the content is known
+    held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
@@ -188,7 +188,7 @@ def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline
     return entries
 
 
-def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, crc: int | None) -> None:
+def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, crc: Any) -> None:
     """``put_file`` with the CRC the writer kept (the service checks what it receives against it)."""
     if crc is None:
         storage.put_file(key, path, deadline=deadline)
@@ -285,7 +285,7 @@ def copy(
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     verify: bool = False,
-    crcs: Mapping[str, int] | None = None,
+    crcs: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
 

@@ -128,7 +128,7 @@ class SingleEngine:
         """Background: serialise to the first tier, then upload to the durable storage."""
         first = self.local or self.storage
         t0 = time.monotonic()
-        crcs: dict[str, int] = {}  # the durable storage's upload CRCs, kept while the local tier is written
+        crcs: dict[str, Any] = {}  # the durable storage's upload CRCs, kept while the local tier is written
         manifest = self._write(first, step, reason, payload, extra, cancel=cancel, crcs=crcs)
         if manifest is None:
             return
@@ -158,7 +158,7 @@ class SingleEngine:
         deadline: float | None = None,
         cancel: threading.Event | None = None,
         on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
-        crcs: dict[str, int] | None = None,
+        crcs: dict[str, Any] | None = None,
     ) -> Manifest | None:
         """``on_content`` given: a final save, which replaces a committed ``step`` of other content.
         ``crcs`` given (a save to the local tier): filled with the durable storage's upload CRCs."""

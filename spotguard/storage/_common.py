@@ -88,9 +88,9 @@ def _is_http_url(url: str) -> bool:
 class Crc32File:
     """A write-only wrapper that keeps a running checksum of what passes (one pass, no re-read)."""
 
-    def __init__(self, raw: BinaryIO, update: Callable[[Any, int], int] = zlib.crc32) -> None:
+    def __init__(self, raw: BinaryIO, update: Callable[[Any, Any], Any] = zlib.crc32) -> None:
         self.raw = raw
-        self.crc = 0
+        self.crc: Any = 0
         self._update = update
         self.size = 0
 
@@ -118,8 +118,9 @@ def crc_b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
-def file_crc(path: Path, update: Callable[[bytes, int], int] = zlib.crc32) -> int:
-    crc = 0
+def file_crc(path: Path, update: Callable[[bytes, Any], Any] = zlib.crc32) -> Any:
+    """The final state of the running checksum ``update`` over the file (an int CRC by default)."""
+    crc: Any = 0
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
             crc = update(chunk, crc)

@@ -12,9 +12,11 @@ Credentials: the connection string when it is set and names the same account, el
 ``DefaultAzureCredential`` (managed identity on a VM, ``az login``, ``AZURE_CLIENT_ID``/... service
 principals, workload identity). ``azure_client.py`` resolves both and builds the clients.
 
-Transfers: large objects go up as blocks in parallel (``concurrency``), each with a Content-MD5
-that the service checks, committed by one Put Block List; small ones in one Put Blob with a
-Content-MD5. A CRC32 of the whole object, computed while spooling, is stored in the blob's metadata;
+Transfers: large objects go up as blocks in parallel (``concurrency``), committed by one Put Block
+List; small ones in one Put Blob. Each request carries a digest the service checks (CRC64, or MD5
+without ``awscrt``) that the writer computed while it wrote the file (``azure_blocks.py``): a file
+damaged on the local disk before its upload is refused, not stored. A CRC32 of the whole object,
+computed in the same pass, is stored in the blob's metadata;
 ``local_copy`` downloads with concurrent ranged GETs pinned to the blob's ETag and checks it again (the
 checkpoint layer then checks the manifest's SHA-256). The manifest is written with
 ``If-None-Match: *``: write-once, so two writers can never both commit one step.
@@ -27,6 +29,7 @@ timeouts, as on S3. Random streams: see ``azure_client.py``.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import zlib
@@ -39,14 +42,17 @@ import azure.core.exceptions as aze
 import requests
 from azure.core import MatchConditions
 
-from ..errors import ConfigError, StorageAccessError, StorageError
+from ..errors import ConfigError, MissingDependencyError, StorageAccessError, StorageError
 from . import retry
-from ._common import check_fields, crc_b64
+from ._common import check_fields, crc_b64, file_crc
+from .azure_blocks import KINDS, BlockChecksum, BlockSums, crc64_available, default_kind, digest_arg, stage_blocks
 from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolicy, error_code, parse_url
 from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
 
 __all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 META_CRC = "spotguard_crc32"  # metadata names must be C# identifiers: no dashes
@@ -77,6 +83,7 @@ class AzureOptions:
     read_timeout: float = 60.0
     urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves)
     account_url: str | None = None  # Blob endpoint override (a private endpoint, an HTTPS emulator)
+    block_checksum: str = "auto"  # what each block carries for the service to check: "crc64", "md5", "auto"
     retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
     def __post_init__(self) -> None:
@@ -93,6 +100,10 @@ class AzureOptions:
             positive=("connect_timeout", "read_timeout", "urgent_timeout"),
             urls=("account_url",),
         )
+        if self.block_checksum not in ("auto", *KINDS):
+            raise ConfigError(
+                f"AzureOptions.block_checksum must be 'auto', 'crc64' or 'md5', got {self.block_checksum!r}"
+            )
 
 
 class AzureStorage(CloudStorage):
@@ -111,6 +122,12 @@ class AzureStorage(CloudStorage):
             self._account.name,
         )
         super().__init__(url, options)
+        kind = default_kind() if options.block_checksum == "auto" else options.block_checksum
+        if kind == "crc64" and not crc64_available():
+            raise MissingDependencyError(
+                "AzureOptions(block_checksum='crc64') needs awscrt for a fast CRC64: pip install 'spotguard[azure]'"
+            )
+        self.block_checksum = BlockChecksum(options.block_size, kind)
         self.container = self._make_client(None)
 
     def _make_client(self, deadline: float | None) -> Any:
@@ -162,6 +179,12 @@ class AzureStorage(CloudStorage):
                 "(managed identity, az login, connection string) and that they hold the 'Storage "
                 f"Blob Data Contributor' role on container {self.container_name!r}"
             )
+        if code in CHECKSUM_CODES:
+            return StorageError(
+                f"cannot {what} {where}: Azure refused its bytes ({code}): they do not match the "
+                f"{self.block_checksum.kind.upper()} computed when the file was written, so the local file was "
+                "damaged or changed since (or every try was damaged on the way); nothing was stored"
+            )
         if isinstance(e, aze.ServiceRequestError) and "resolve" in str(e).lower():
             return StorageError(
                 f"cannot {what} {where} (gave up after retries): the account's endpoint does not "
@@ -184,17 +207,38 @@ class AzureStorage(CloudStorage):
         return hook
 
     # -- the SDK's calls -------------------------------------------------------------------------
-    def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
-        """Blocks in parallel; validate_content: a Content-MD5 with every block (and a single Put Blob)."""
-        with open(path, "rb") as f:
-            client.get_blob_client(self._key(key)).upload_blob(
-                f,
-                overwrite=True,
-                max_concurrency=self.options.concurrency,
-                validate_content=True,
-                metadata={META_CRC: crc},
-                progress_hook=self._hook(),
+    @property
+    def upload_crc(self) -> BlockChecksum:
+        """Per-block digests (and the CRC32 for the metadata), kept while a file is written."""
+        return self.block_checksum
+
+    def _upload_checksum(self, key: str, crc: Any, path: Path, size: int) -> BlockSums:
+        sums = crc
+        if not isinstance(sums, BlockSums) or sums.block_size != self.options.block_size:
+            logger.debug("%s: block digests computed from the file (none kept for this block size)", key)
+            sums = file_crc(path, self.block_checksum)
+            if not isinstance(sums, BlockSums):  # an empty file: no data passed
+                sums = self.block_checksum(b"", 0)
+        if sums.size != size:
+            raise StorageError(
+                f"cannot upload {self.describe(key)}: {path} has {size} bytes, but {sums.size} were written; "
+                "the local file was changed since it was written"
             )
+        return sums
+
+    def _send(self, client: Any, key: str, path: Path, crc: BlockSums, size: int, deadline: float | None) -> None:
+        """One Put Blob (a file of one block at most) or staged blocks, each with the writer's digest."""
+        blob = client.get_blob_client(self._key(key))
+        metadata = {META_CRC: crc_b64(crc.crc32)}
+        digests = crc.blocks()
+        if len(digests) == 1 and size <= self.options.single_put_threshold:
+            with open(path, "rb") as f:
+                data = f.read()
+            blob.upload_blob(data, overwrite=True, metadata=metadata, **{digest_arg(crc.kind): digests[0]})
+            if self.progress is not None:
+                self.progress(len(data))
+            return
+        stage_blocks(blob, path, crc, self.options.concurrency, metadata, self.progress)
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         self._key(key)

@@ -36,6 +36,10 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
 #: leftovers only inside them (and, for local storage, its scratch folders at the root).
 STEP_DIR = re.compile(r"step-\d+")
 
+#: A running upload checksum, ``update(data, state) -> state`` with ``0`` as the first state, as
+#: ``zlib.crc32``: an int CRC for S3 and GCS, per-block digests for Azure (``azure_blocks.BlockSums``).
+UploadCrc = Callable[[Any, Any], Any]
+
 
 @dataclass(frozen=True)
 class Leftover:
@@ -93,13 +97,13 @@ class Storage(abc.ABC):
         return _scratch_dir(None)
 
     @property
-    def upload_crc(self) -> Callable[[Any, int], int] | None:
+    def upload_crc(self) -> UploadCrc | None:
         """The running checksum this backend sends with an upload for the service to check
-        (``update(data, crc) -> crc``, as ``zlib.crc32``), or None. A writer that keeps it while the
-        bytes pass hands the value to ``put_file(crc=...)``: the file is not read twice."""
+        (``update(data, state) -> state``, as ``zlib.crc32``), or None. A writer that keeps it while
+        the bytes pass hands the final state to ``put_file(crc=...)``: the file is not read twice."""
         return None
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         """Store a local file (backends override this with their parallel transfer machinery).
         ``crc``: the file's ``upload_crc``, computed when it was written (ignored where there is none)."""
         with open(path, "rb") as src, self.open_write(key, deadline=deadline) as dst:

@@ -2,9 +2,9 @@
 
 The base owns the flow, the backend the wire:
 
-- writes: ``open_write`` spools to a local temp file while a running checksum (CRC32, or CRC32C
-  for GCS) is kept, then ``_send`` uploads that file (``put_file`` skips the spool). The
-  checksum travels with the upload so the server can check it.
+- writes: ``open_write`` spools to a local temp file while the running ``upload_crc`` (CRC32, or
+  CRC32C for GCS, per-block digests for Azure) is kept, then ``_send`` uploads that file
+  (``put_file`` skips the spool). The checksum travels with the upload so the server can check it.
 - write-once: ``put_bytes(exclusive=True)`` calls ``_put``, which raises ``_Conflict`` when the
   key exists; the base reads the object back, since an earlier attempt may have landed although
   its reply was lost (same bytes: ours), else raises ``CheckpointExistsError``.
@@ -41,7 +41,7 @@ from ..errors import (
 )
 from . import retry
 from ._common import Crc32File, Progress, crc_b64, file_crc, temp_dir, tmp_parent
-from .base import Storage, check_key
+from .base import Storage, UploadCrc, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +96,13 @@ class CloudStorage(Storage):
         """The error to raise for an SDK failure that retries did not cure, naming the likely fix."""
 
     @abc.abstractmethod
-    def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
-        """Upload the local file ``path`` as ``key`` (one attempt), carrying checksum ``crc`` (base64)."""
+    def _send(self, client: Any, key: str, path: Path, crc: Any, size: int, deadline: float | None) -> None:
+        """Upload the local file ``path`` as ``key`` (one attempt), carrying checksum ``crc`` (what
+        ``_upload_checksum`` made of it: the base64 CRC by default)."""
+
+    def _upload_checksum(self, key: str, crc: Any, path: Path, size: int) -> Any:
+        """What ``_send`` carries, from the final state of ``upload_crc`` over the file."""
+        return crc_b64(crc)
 
     @abc.abstractmethod
     def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
@@ -187,15 +192,15 @@ class CloudStorage(Storage):
         with temp_dir(tmp_parent()) as d:
             spool = d / "spool"
             with open(spool, "wb") as raw:
-                crc = Crc32File(raw, self.checksum_update)
+                crc = Crc32File(raw, self.upload_crc)
                 yield crc  # type: ignore[misc]
-            self._upload(key, spool, crc.b64(), crc.size, deadline)
+            self._upload(key, spool, self._upload_checksum(key, crc.crc, spool, crc.size), crc.size, deadline)
 
     @property
-    def upload_crc(self) -> Callable[[Any, int], int]:
+    def upload_crc(self) -> UploadCrc:
         return self.checksum_update
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         """Upload a local file straight from where it lies (no spool copy).
 
         ``crc`` (the writer's, kept while it wrote the file) is what the service checks the bytes it
@@ -204,10 +209,11 @@ class CloudStorage(Storage):
         """
         check_key(key)
         if crc is None:
-            crc = file_crc(path, self.checksum_update)
-        self._upload(key, path, crc_b64(crc), path.stat().st_size, deadline)
+            crc = file_crc(path, self.upload_crc)
+        size = path.stat().st_size
+        self._upload(key, path, self._upload_checksum(key, crc, path, size), size, deadline)
 
-    def _upload(self, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
+    def _upload(self, key: str, path: Path, crc: Any, size: int, deadline: float | None) -> None:
         with self._client_for(deadline) as client:
             self._call("upload", key, lambda: self._send(client, key, path, crc, size, deadline), deadline)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageAccessError, StorageError
 from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
@@ -243,7 +243,7 @@ class LocalStorage(Storage):
                 with contextlib.suppress(OSError):
                     path.rmdir()  # only when empty: a checkpoint's directory never is
 
-    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: int | None = None) -> None:
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_path(final)

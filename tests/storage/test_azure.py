@@ -1,5 +1,5 @@
-"""Azure Blob specifics against Azurite: URL forms and credentials, blocks with a Content-MD5 the
-service checks, integrity on read, fail-fast permanent errors, deadline-bounded retries, and no
+"""Azure Blob specifics against Azurite: URL forms and credentials, blocks with a digest the
+service checks (tests/storage/test_upload_checksum.py: the writer's digests), integrity on read, fail-fast permanent errors, deadline-bounded retries, and no
 trace on the global random streams."""
 
 from __future__ import annotations
@@ -114,9 +114,11 @@ def test_an_account_must_be_named_and_a_connection_string_must_be_readable(no_az
         open_storage("az://ckpt/run")
 
 
-def test_blocks_carry_an_md5_so_blocks_damaged_on_the_way_are_refused_and_sent_again(az_url: str, azurite, monkeypatch):
+def test_blocks_carry_a_digest_so_blocks_damaged_on_the_way_are_refused_and_sent_again(
+    az_url: str, azurite, monkeypatch
+):
     """Half the Put Block requests reach Azurite with a flipped byte: the service refuses them
-    (Content-MD5), the upload is retried, and the stored blob is exactly what was written."""
+    (x-ms-content-crc64), the upload is retried, and the stored blob is exactly what was written."""
     container = az_url.split("/")[2]
     with FaultProxy(azurite.port, rate=0.5, faults=("corrupt",), only="blockid=", seed=2) as proxy:
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection(proxy.port))
