@@ -153,16 +153,19 @@ def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
 def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     # The Trainer's own folder is on each machine's fresh local disk: only the storage survives.
     # Seed 4 at a mean of 1 s draws 0.27, 0.10, 0.50 and 0.08 s of training, and puts the 4th notice
-    # 1.65 s after its machine's start, while the Trainer is still importing. Seven starts in all
-    # (six machines and the reference) are most of the time: a start is ~3 s of imports (torch,
-    # transformers' lazy module index); the 40 steps of 0.05 s leave the notices room on an idle machine.
+    # 1.65 s after its machine's start, while the Trainer is still importing. The 1st then waits for the
+    # evaluation of step 10 (slowed, so the notice cuts it short and the resume runs it again) and the
+    # 3rd for the save of step 20: the callback's heartbeat marks. Seven starts in all (six machines and
+    # the reference) are most of the time: a start is ~3 s of imports (torch, transformers' lazy module
+    # index); the 40 steps of 0.05 s leave the notices room on an idle machine.
     code, doc, err = rehearse(
         tmp_path,
         *("-n", "5", "--mtbf", "1", "--seed", "4", *LEAD, "--fresh-local", "--after-restart", "1"),
-        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        *("--during-eval", "1", "--during-save", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[
             sys.executable,
             *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "20", "--interval", "0.2"),
+            *("--eval-steps", "10", "--eval-sleep", "0.1", "--eval-sleep-step", "10"),
             *("--step-sleep", "0.05", "--output-dir", "{local}/hf-output"),
         ],
     )
@@ -171,11 +174,16 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     assert len(pre) == 5 and doc["machines"] == 6 and doc["steps"] == 40
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 5
     assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
-    for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
+    landed = [p["landed"].split("+") for p in pre]
+    assert "evaluation" in landed[0] and "save" in landed[2], landed
+    stops = [p["stop_step"] for p in pre]
+    for before, p in zip([0, *stops[:-1]], pre, strict=True):
+        # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
         limit = 60 if p["after_restart"] else 5  # one sent while the job imports is seen once it trains
         assert 0 < p["detection_s"] < limit and p["restart_s"] > 0, p
-        # A Trainer that sees the notice before its first step stops at the resumed checkpoint: nothing
-        # new is committed on that machine, so there is no commit to count its teardown from.
-        assert (p["after_restart"] and p["teardown_s"] is None) or (p["teardown_s"] or 0) > 0, p
+        # A Trainer that sees the notice before its first step (while it imports, or during the cut
+        # evaluation it runs again first) stops at the resumed checkpoint: nothing new is committed on
+        # that machine, so there is no commit to count its teardown from.
+        assert (p["teardown_s"] or 0) > 0 if p["stop_step"] > before else p["teardown_s"] is None, (before, p)
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 40, ref
