@@ -187,3 +187,22 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
         assert (p["teardown_s"] or 0) > 0 if p["stop_step"] > before else p["teardown_s"] is None, (before, p)
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 40, ref
+
+
+def test_a_deepspeed_job_is_preempted_during_its_save(tmp_path):
+    # Seed 4 at a mean of 1 s draws 0.27 s of training; the notice then waits for the next save (every
+    # 10 steps) in flight: DeepSpeedGuard's heartbeat mark. Without it the notice never comes and the
+    # job finishes first. (The other integrations' marks: tests/integrations/test_marks.py.)
+    pytest.importorskip("deepspeed")
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "1", "--mtbf", "1", "--seed", "4", *LEAD, "--during-save", "1", "--storage", str(tmp_path / "ckpt")),
+        command=[
+            sys.executable,
+            *("examples/deepspeed_train.py", "--quiet", "--steps", "40", "--every-steps", "10", "--interval", "0.2"),
+            *("--step-sleep", "0.05"),
+        ],
+    )
+    assert code == 0, (err[-3000:], doc)
+    (p,) = doc["preemptions"]
+    assert doc["steps"] == 40 and p["committed"] and p["steps_lost"] == 0 and "save" in p["landed"].split("+"), p

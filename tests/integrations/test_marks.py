@@ -1,0 +1,134 @@
+"""The heartbeat's marks of a save and of an evaluation, set by the trainer integrations in one process
+(``_common.Marks``): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
+own save and evaluation read the marks while they run; both are cleared once they end. (The HF
+Trainer's and DeepSpeed's are rehearsed end to end in tests/ops/test_rehearse.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from spotguard import heartbeat
+from spotguard.heartbeat import EVALUATING, SAVING
+from spotguard.integrations._common import Marks
+
+
+@pytest.fixture
+def slots(tmp_path, monkeypatch) -> memoryview:
+    """The heartbeat the job is given, as the fleet reads it (another mapping of the same file)."""
+    beat = heartbeat.create(tmp_path / "beat")
+    monkeypatch.setenv(heartbeat.HEARTBEAT_ENV, str(beat))
+    return heartbeat.attach(str(beat))
+
+
+class Peek:
+    """Registered for checkpointing: its ``state_dict()`` runs inside a save and reads the marks."""
+
+    def __init__(self, slots: memoryview) -> None:
+        self.slots = slots
+        self.seen: list[tuple[int, int]] = []
+
+    def state_dict(self) -> dict:
+        self.seen.append((self.slots[SAVING], self.slots[EVALUATING]))
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_mark_begun_in_one_hook_is_cleared_in_another_and_a_block_keeps_an_earlier_start(slots):
+    marks = Marks(slots)
+    marks.begin(SAVING, 4)  # e.g. the Trainer begins writing its folder
+    marks.begin(SAVING, 9)  # a later hook of the same save: the earlier start stands
+    with marks.during(SAVING, 9):
+        assert slots[SAVING] == 5
+    assert slots[SAVING] == 5  # a block inside the save leaves it marked
+    with marks.during(SAVING, 4, last=True):  # the commit: the save's last part
+        assert slots[SAVING] == 5
+    assert slots[SAVING] == 0
+    marks.end(SAVING)  # nothing held: nothing happens
+    with pytest.raises(RuntimeError), marks.during(EVALUATING, 0):
+        assert slots[EVALUATING] == 1
+        raise RuntimeError
+    assert slots[EVALUATING] == 0
+
+
+def test_accelerator_guard_marks_its_saves_and_evaluations(tmp_path, slots):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    from spotguard.integrations.accelerate import AcceleratorGuard
+
+    AcceleratorState._reset_state(True)  # a new run in this process
+    try:
+        acc = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(2, 2)
+        acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        peek = Peek(slots)
+        guard = AcceleratorGuard(acc, str(tmp_path / "ckpt"), every_steps=2, providers=[], lease_ttl=None)
+        guard.track(peek)
+        during_evaluations = []
+        with guard:
+            for step in range(1, 5):
+                assert not guard.step(step)
+                with guard.evaluation():
+                    during_evaluations.append((slots[SAVING], slots[EVALUATING]))
+                assert slots[SAVING] == slots[EVALUATING] == 0
+    finally:
+        AcceleratorState._reset_state(True)
+    assert peek.seen == [(3, 0), (5, 0)]  # 1 + the step, while save_state runs
+    assert during_evaluations == [(0, 2), (0, 3), (0, 4), (0, 5)]
+
+
+def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
+    L = pytest.importorskip("lightning.pytorch")
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.seen: list[tuple[str, int, int, int]] = []
+
+        def _look(self, what: str) -> None:
+            self.seen.append((what, self.trainer.global_step, slots[SAVING], slots[EVALUATING]))
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def validation_step(self, batch, batch_idx):
+            self._look("sanity" if self.trainer.sanity_checking else "validation")
+
+        def on_save_checkpoint(self, checkpoint) -> None:
+            self._look("save")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        max_steps=4,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    cb = SpotguardCallback(str(tmp_path / "ckpt"), every_steps=2, providers=[], lease_ttl=None)
+    loader = DataLoader(torch.randn(8, 2), batch_size=1)
+    assert cb.fit(trainer, module, train_dataloaders=loader, val_dataloaders=DataLoader(torch.randn(2, 2))) == 0
+    # saved at the batch's end, then validated; the sanity check before training is no evaluation
+    assert module.seen == [
+        ("sanity", 0, 0, 0),
+        ("save", 2, 3, 0),
+        ("validation", 2, 0, 3),
+        ("save", 4, 5, 0),
+        ("validation", 4, 0, 5),
+    ]
+    assert slots[SAVING] == slots[EVALUATING] == 0
