@@ -76,6 +76,31 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     assert ref["line"].startswith("exact: yes")
 
 
+def test_train_through_two_azure_evictions_approves_each_once_committed_and_is_exact(tmp_path):
+    # Azure's notice is a Preempt scheduled event on the mock IMDS (30 s ahead); the job's Guard
+    # approves it (StartRequests) once its emergency checkpoint is committed, and the machine counts as
+    # gone from then. Seed 0 at a mean of 0.5 s draws 0.9 and 0.7 s of training: both within the job.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "2", "--mtbf", "0.5", "--seed", "0", "--notices", "azure", "--fresh-local"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[
+            sys.executable,
+            *("examples/train.py", "--quiet", "--steps", "60", "--every-steps", "20", "--interval", "0.2"),
+            *("--step-sleep", "0.03"),
+        ],
+    )
+    assert code == 0, err[-4000:]
+    pre = doc["preemptions"]
+    assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2, pre
+    assert doc["machines"] == 3 and doc["steps"] == 60
+    for m in doc["machines_detail"][:2]:  # approved after the commit, long before the event's NotBefore
+        assert m["latest_time"] <= m["approved"] < m["deadline"] - 20, m
+    assert all(p["idle_s"] < 10 for p in pre), pre  # the idle window ends at the approval, not at NotBefore
+    ref = doc["reference"]
+    assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 60, ref
+
+
 def test_a_job_that_does_not_resume_its_data_is_not_exact(tmp_path):
     # The worker tracks everything but its data generator; each step's loss is in guard.extra.
     code, doc, _ = rehearse(
