@@ -282,7 +282,9 @@ class NoticeWatch:
         stop, ``deadline_policy="use-window"``, a deadline, time beyond the reserve, and
         ``may_train_on`` (False where the trainer has left its loop). [distributed] Collective when
         a deadline is known: call it on every rank at the same point. Then, on the stop's last
-        checkpoint: the cloud is told (Azure approves the eviction) and the writer lease given back."""
+        checkpoint: the writer lease is given back and, last, the cloud told (Azure approves the
+        eviction and may take the machine at once: a lease still held would keep the replacement
+        waiting for its TTL)."""
         if error is None:
             self._beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
         spent = self.windowing.end()
@@ -301,10 +303,11 @@ class NoticeWatch:
                 step, self.deadline(), save_s if error is None else None, self.group.get()
             ):
                 return True  # the cloud is told after the second checkpoint: Azure evicts once approved
-        if error is None and self.watcher.notice is not None:
-            self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
         if self._release is not None:
             self._release()  # nothing more is written: the replacement machine takes the lease at once
+        if error is None and self.watcher.notice is not None:
+            # e.g. Azure: approve the eviction, the state is safe. Last: the machine may go at once then.
+            self.watcher.acknowledge(self.watcher.notice)
         return False
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
