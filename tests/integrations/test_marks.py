@@ -5,6 +5,10 @@ Trainer's and DeepSpeed's are rehearsed end to end in tests/ops/test_rehearse.py
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -81,16 +85,18 @@ def test_accelerator_guard_marks_its_saves_and_evaluations(tmp_path, slots):
     assert during_evaluations == [(0, 2), (0, 3), (0, 4), (0, 5)]
 
 
-def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
+def lightning_run(slots: memoryview, notice_in_validation: bool = False):
+    """A tiny Lightning module that notes the marks in each validation batch and inside each save
+    (``on_save_checkpoint``), and a Trainer validating every 2 steps; optionally a SIGUSR1 (a notice)
+    in the first validation batch of training, which cuts that validation short."""
     L = pytest.importorskip("lightning.pytorch")
-
-    from spotguard.integrations.lightning import SpotguardCallback
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.layer = torch.nn.Linear(2, 1)
             self.seen: list[tuple[str, int, int, int]] = []
+            self.notice: threading.Event | None = None
 
         def _look(self, what: str) -> None:
             self.seen.append((what, self.trainer.global_step, slots[SAVING], slots[EVALUATING]))
@@ -100,6 +106,9 @@ def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
 
         def validation_step(self, batch, batch_idx):
             self._look("sanity" if self.trainer.sanity_checking else "validation")
+            if notice_in_validation and not self.trainer.sanity_checking and self.notice is not None:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                assert self.notice.wait(10)
 
         def on_save_checkpoint(self, checkpoint) -> None:
             self._look("save")
@@ -111,7 +120,7 @@ def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
         max_steps=4,
         val_check_interval=2,
         check_val_every_n_epoch=None,
-        limit_val_batches=1,
+        limit_val_batches=2,
         num_sanity_val_steps=1,
         accelerator="cpu",
         logger=False,
@@ -119,7 +128,13 @@ def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = Module()
+    return trainer, Module()
+
+
+def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    trainer, module = lightning_run(slots)
     cb = SpotguardCallback(str(tmp_path / "ckpt"), every_steps=2, providers=[], lease_ttl=None)
     loader = DataLoader(torch.randn(8, 2), batch_size=1)
     assert cb.fit(trainer, module, train_dataloaders=loader, val_dataloaders=DataLoader(torch.randn(2, 2))) == 0
@@ -128,7 +143,24 @@ def test_lightning_callback_marks_its_saves_and_validations(tmp_path, slots):
         ("sanity", 0, 0, 0),
         ("save", 2, 3, 0),
         ("validation", 2, 0, 3),
+        ("validation", 2, 0, 3),
         ("save", 4, 5, 0),
         ("validation", 4, 0, 5),
+        ("validation", 4, 0, 5),
     ]
+    assert slots[SAVING] == slots[EVALUATING] == 0
+
+
+def test_a_validation_cut_short_by_a_notice_is_no_longer_marked_during_the_emergency_save(tmp_path, slots):
+    from spotguard import EXIT_PREEMPTED
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    trainer, module = lightning_run(slots, notice_in_validation=True)
+    cb = SpotguardCallback(str(tmp_path / "ckpt"), providers=["signal"], interval=0.05, lease_ttl=None)
+    module.notice = cb.notices.preempted
+    loader = DataLoader(torch.randn(8, 2), batch_size=1)
+    code = cb.fit(trainer, module, train_dataloaders=loader, val_dataloaders=DataLoader(torch.randn(2, 2)))
+    assert code == EXIT_PREEMPTED and cb.stopped_at == 2
+    # left after its first batch; the emergency checkpoint of step 2 is a save, not an evaluation
+    assert module.seen == [("sanity", 0, 0, 0), ("validation", 2, 0, 3), ("save", 2, 3, 0)]
     assert slots[SAVING] == slots[EVALUATING] == 0
