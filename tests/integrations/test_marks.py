@@ -1,7 +1,7 @@
 """The heartbeat's marks of a save and of an evaluation, set by the trainer integrations in one process
 (``_common.Marks``): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
 own save and evaluation read the marks while they run; both are cleared once they end. (The HF
-Trainer's and DeepSpeed's are rehearsed end to end in tests/ops/test_rehearse.py.)"""
+Trainer's and DeepSpeed's are also rehearsed end to end in tests/ops/test_rehearse.py.)"""
 
 from __future__ import annotations
 
@@ -163,4 +163,71 @@ def test_a_validation_cut_short_by_a_notice_is_no_longer_marked_during_the_emerg
     assert code == EXIT_PREEMPTED and cb.stopped_at == 2
     # left after its first batch; the emergency checkpoint of step 2 is a save, not an evaluation
     assert module.seen == [("sanity", 0, 0, 0), ("validation", 2, 0, 3), ("save", 2, 3, 0)]
+    assert slots[SAVING] == slots[EVALUATING] == 0
+
+
+class Looked(torch.utils.data.Dataset):
+    """Evaluation data whose items note the marks as the Trainer's evaluation loop fetches them."""
+
+    def __init__(self, slots: memoryview) -> None:
+        self.slots = slots
+        self.seen: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.seen.append((self.slots[SAVING], self.slots[EVALUATING]))
+        ids = torch.arange(8) % 16
+        return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("via_train", [True, False], ids=["cb.train", "bare-callback"])
+def test_hf_callback_marks_the_trainers_saves_and_evaluations(tmp_path, slots, via_train):
+    transformers = pytest.importorskip("transformers")
+
+    from spotguard.integrations.hf import SpotguardCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,  # three batches per evaluation
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    evaluation = Looked(slots)
+    cb = SpotguardCallback(str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
+    commit, committing = cb.checkpoints.commit, []
+
+    def looked_commit(step, *a, **kw):
+        committing.append((step, slots[SAVING], slots[EVALUATING]))
+        return commit(step, *a, **kw)
+
+    cb.checkpoints.commit = looked_commit  # type: ignore[method-assign]
+    train = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 4
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[cb],
+    )
+    if via_train:
+        assert cb.train(trainer) == 0
+        assert evaluation.seen == [(0, 3)] * 6  # the whole evaluation of step 2
+    else:
+        trainer.train()  # the callback sees the evaluation from its first prediction step on
+        marked = [looked == (0, 3) for looked in evaluation.seen]  # (the loader fetches a batch ahead)
+        assert marked[:2] == [False, False] and marked[-2:] == [True, True], evaluation.seen
+        assert set(evaluation.seen) == {(0, 0), (0, 3)}
+    assert committing == [(2, 3, 0)]  # the Trainer's folder of step 2, committed while marked
     assert slots[SAVING] == slots[EVALUATING] == 0
