@@ -180,7 +180,8 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     # Seed 4 at a mean of 1 s draws 0.27, 0.10, 0.50 and 0.08 s of training, and puts the 4th notice
     # 1.65 s after its machine's start, while the Trainer is still importing. The 1st then waits for the
     # evaluation of step 10 (slowed, so the notice cuts it short and the resume runs it again) and the
-    # 3rd for the save of step 20: the callback's heartbeat marks. Seven starts in all (six machines and
+    # 3rd for the next save (of step 20, or 30 should a busy machine hide that one from rehearse's
+    # 5 ms looks): the callback's heartbeat marks. Seven starts in all (six machines and
     # the reference) are most of the time: a start is ~3 s of imports (torch, transformers' lazy module
     # index); the 40 steps of 0.05 s leave the notices room on an idle machine.
     code, doc, err = rehearse(
@@ -189,7 +190,7 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
         *("--during-eval", "1", "--during-save", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[
             sys.executable,
-            *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "20", "--interval", "0.2"),
+            *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "10", "--interval", "0.2"),
             *("--eval-steps", "10", "--eval-sleep", "0.1", "--eval-sleep-step", "10"),
             *("--step-sleep", "0.05", "--output-dir", "{local}/hf-output"),
         ],
