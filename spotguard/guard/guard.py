@@ -350,11 +350,12 @@ class Guard:
     def _emergency(
         self, step: int, left: float | None, acknowledge: Callable[[Notice], None], emit: bool = True, **more: Any
     ) -> Emergency:
+        held: list[Notice] = []  # acknowledged once the lease is given back: Azure evicts once approved
         stop = Emergency(
             self.saves,
             step,
             self.notice,
-            acknowledge,
+            held.append,
             self.agreement.agree_inflight if self.agreement is not None else None,
         )
         try:
@@ -370,6 +371,8 @@ class Guard:
                 stop.emit("stop", **more)
                 # Nothing more is written after a stop: the replacement machine may take the lease at once.
                 self.lease.release()
+            for notice in held:
+                acknowledge(notice)
         return stop
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:

@@ -9,6 +9,7 @@ step: one attribute read in a single process, one all-reduce of one integer in a
 (the ``Guard``'s agreement), so that every rank stops after the same step. With
 ``deadline_policy="use-window"`` it follows the Guard's ``WindowPolicy``: after the first emergency
 checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the second stop is due.
+Its ``marks`` (``Marks``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
 
 In a process group (``torch.distributed`` initialised, world size > 1) both become collective
 through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
@@ -25,7 +26,8 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -145,6 +147,44 @@ class RankGroup:
             self._agreement = None
 
 
+class Marks:
+    """The heartbeat's ``SAVING`` and ``EVALUATING`` marks of an integration, as the ``Guard`` sets them
+    (``heartbeat.Activity``): ``spotguard rehearse --during-save/--during-eval`` times notices into them.
+
+    A trainer's save or evaluation often begins in one hook and ends in another, so a mark is held
+    here by its slot: ``begin`` while one is held keeps the earlier start (the save began before this
+    hook), ``end`` clears it (nothing when none is held). ``during`` is both around one block."""
+
+    def __init__(self, slots: memoryview) -> None:
+        #: Also what ``guard.evaluation()`` (the Guard's ``Evaluation``) marks through.
+        self.activity = heartbeat.Activity(slots)
+        self._held: dict[int, int] = {}
+
+    def begin(self, slot: int, step: int) -> None:
+        if slot not in self._held:
+            self._held[slot] = self.activity.begin(slot, step)
+
+    def end(self, slot: int) -> None:
+        mark = self._held.pop(slot, None)
+        if mark is not None:
+            self.activity.end(slot, mark)
+
+    def held(self, slot: int) -> bool:
+        return slot in self._held
+
+    @contextmanager
+    def during(self, slot: int, step: int, *, last: bool = False) -> Iterator[None]:
+        """Marked for the block. A mark held already stays after it, unless the block is the save's or
+        the evaluation's ``last`` part (a trainer's commit of the folder it wrote)."""
+        ends = last or slot not in self._held
+        self.begin(slot, step)
+        try:
+            yield
+        finally:
+            if ends:
+                self.end(slot)
+
+
 class NoticeWatch:
     """Notices from signals and cloud metadata as two flags the training loop can read for free.
 
@@ -184,8 +224,10 @@ class NoticeWatch:
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
-        #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags].
+        #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags, marks].
         self._beat = heartbeat.attach()
+        #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
+        self.marks = Marks(self._beat)
 
     def check(self, step: int, stop_only: bool = False, tick: bool | None = None) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
@@ -240,7 +282,9 @@ class NoticeWatch:
         stop, ``deadline_policy="use-window"``, a deadline, time beyond the reserve, and
         ``may_train_on`` (False where the trainer has left its loop). [distributed] Collective when
         a deadline is known: call it on every rank at the same point. Then, on the stop's last
-        checkpoint: the cloud is told (Azure approves the eviction) and the writer lease given back."""
+        checkpoint: the writer lease is given back and, last, the cloud told (Azure approves the
+        eviction and may take the machine at once: a lease still held would keep the replacement
+        waiting for its TTL)."""
         if error is None:
             self._beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
         spent = self.windowing.end()
@@ -259,10 +303,11 @@ class NoticeWatch:
                 step, self.deadline(), save_s if error is None else None, self.group.get()
             ):
                 return True  # the cloud is told after the second checkpoint: Azure evicts once approved
-        if error is None and self.watcher.notice is not None:
-            self.watcher.acknowledge(self.watcher.notice)  # e.g. Azure: approve the eviction, the state is safe
         if self._release is not None:
             self._release()  # nothing more is written: the replacement machine takes the lease at once
+        if error is None and self.watcher.notice is not None:
+            # e.g. Azure: approve the eviction, the state is safe. Last: the machine may go at once then.
+            self.watcher.acknowledge(self.watcher.notice)
         return False
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:

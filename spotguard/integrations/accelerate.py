@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from spotguard import heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.checkpoint.manifest import Manifest
@@ -146,7 +147,7 @@ class AcceleratorGuard(LoopGuard):
         at = self._step if step is None else step
         notices = self.notices
         stopping = lambda: notices.preempted.is_set() and not notices.in_window  # noqa: E731
-        return Evaluation(self._evaluations, at, stopping, self.checkpoints.group.get())
+        return Evaluation(self._evaluations, at, stopping, self.checkpoints.group.get(), self.notices.marks.activity)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.
@@ -166,7 +167,7 @@ class AcceleratorGuard(LoopGuard):
                 step,
             )
         prepared = getattr(self.accelerator, "_dataloaders", [])
-        with self.checkpoints.storage.scratch() as scratch:
+        with self.notices.marks.during(heartbeat.SAVING, step), self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
             t0 = time.monotonic()
             with _as_at(cut, prepared):

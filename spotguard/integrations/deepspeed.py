@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from spotguard import heartbeat
 from spotguard.checkpoint import data, loadable, state
 from spotguard.checkpoint.collective import agree
 from spotguard.checkpoint.manifest import Manifest
@@ -150,7 +151,7 @@ class DeepSpeedGuard(LoopGuard):
 
         Collective: every rank calls it at the same step (``step()`` does)."""
         rank = ranks.rank()
-        with self.checkpoints.storage.scratch() as scratch:
+        with self.notices.marks.during(heartbeat.SAVING, step), self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "deepspeed"
             (folder / tag_for(step)).mkdir(parents=True)  # ZeRO-0: DeepSpeed writes nothing on rank 1+
             t0 = time.monotonic()

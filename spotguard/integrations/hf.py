@@ -44,7 +44,7 @@ from spotguard.checkpoint.pernode import RankFiles
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
-from ..heartbeat import EXIT_CONFIG
+from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
 from ..storage import Storage
 from . import _rankfiles
 from ._common import StopOutcome, WatchOptions, watch_parts
@@ -123,16 +123,26 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         self._trainer = trainer
-        evaluate = trainer.evaluate
+        evaluate, save_checkpoint, marks = trainer.evaluate, trainer._save_checkpoint, self.notices.marks
 
         def evaluate_from_its_start(*args: Any, **kw: Any) -> Any:
             # The RNG streams an evaluation starts with: a cut one is run again from them on resume.
             self._rng_before_eval = state_module.capture_rng()
-            result = evaluate(*args, **kw)  # cut short (_Interrupt): the streams stay for the save
+            with marks.during(EVALUATING, trainer.state.global_step):  # `spotguard rehearse` sees it
+                result = evaluate(*args, **kw)  # cut short (_Interrupt): the streams stay for the save
             self._rng_before_eval = None
             return result
 
-        trainer.evaluate = evaluate_from_its_start
+        def save_marked(*args: Any, **kw: Any) -> Any:
+            # The Trainer writes its folder here; the mark ends once ``_commit`` has committed it.
+            marks.begin(SAVING, trainer.state.global_step)
+            try:
+                return save_checkpoint(*args, **kw)
+            except BaseException:
+                marks.end(SAVING)
+                raise
+
+        trainer.evaluate, trainer._save_checkpoint = evaluate_from_its_start, save_marked
         try:
             try:
                 resume = self.resume_from_checkpoint()
@@ -143,7 +153,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         except _Interrupt:
             self._save_interrupted(trainer)
         finally:
-            del trainer.evaluate  # the class's method again
+            del trainer.evaluate, trainer._save_checkpoint  # the class's methods again
             self._trainer = None
             self.close()
         return self.exit_code
@@ -210,11 +220,17 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.notices.marks.end(EVALUATING)
         if self.stopped_at is None and self._act(self.notices.check(state.global_step, tick=False), state, control):
             self._save_began = self._save_began or time.monotonic()  # the Trainer saves next
         return control
 
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self.notices.marks.end(EVALUATING)
+
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A bare callback (no ``cb.train``) learns of an evaluation here first, after its first batch.
+        self.notices.marks.begin(EVALUATING, state.global_step)
         if self._trainer is not None and self.notices.check(state.global_step, stop_only=True) == STOP:
             raise _Interrupt  # cut the evaluation short: the checkpoint must make the deadline
 
@@ -260,10 +276,11 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         ``began``: when the Trainer was asked to write it. True: an emergency one opened the notice window."""
         emergency = reason == "emergency"
         try:
-            if self.checkpoints.group.get() is None and not folder.is_dir():
-                raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
-            t0 = time.monotonic() if began is None else began
-            self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
+            with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
+                if self.checkpoints.group.get() is None and not folder.is_dir():
+                    raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+                t0 = time.monotonic() if began is None else began
+                self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
             self._committed_step = step
             self._save_s = time.monotonic() - t0
         except Exception as e:  # a failed periodic commit must not end the training

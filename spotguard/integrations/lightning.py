@@ -41,7 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from spotguard.checkpoint import state
 from spotguard.checkpoint.pernode import RankFiles
-from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
+from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
@@ -248,8 +248,10 @@ class SpotguardCallback(StopOutcome, Callback):
             self._save(trainer, "periodic", batch_end=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.sanity_checking and self._rng_before_validation is None:
-            self._rng_before_validation = state.capture_rng()  # when the loop could not be wrapped
+        if not trainer.sanity_checking:
+            self.notices.marks.begin(EVALUATING, self._steps)  # when the loop could not be wrapped
+            if self._rng_before_validation is None:
+                self._rng_before_validation = state.capture_rng()
 
     def _capture_before_validations(self, trainer: Any) -> None:
         """Capture the streams as each validation of ``fit`` begins, before its loader's iterator exists.
@@ -263,9 +265,11 @@ class SpotguardCallback(StopOutcome, Callback):
         run = loop.run
 
         def run_from_its_start(*args: Any, **kwargs: Any) -> Any:
-            if not trainer.sanity_checking:
-                self._rng_before_validation = state.capture_rng()
-            return run(*args, **kwargs)
+            if trainer.sanity_checking:
+                return run(*args, **kwargs)
+            self._rng_before_validation = state.capture_rng()
+            with self.notices.marks.during(EVALUATING, self._steps):  # also when a notice cuts it short
+                return run(*args, **kwargs)
 
         loop.run = run_from_its_start
         loop._spotguard_wrapped = True
@@ -278,10 +282,12 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._rng_before_validation = None
+        self.notices.marks.end(EVALUATING)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if not isinstance(exception, (_Interrupt, SIGTERMException)):
             return
+        self.notices.marks.end(EVALUATING)  # a validation cut short has ended (the save is no part of it)
         if self.stopped_at is None:
             self.stopped_at = trainer.global_step
             if trainer.global_step in (self._resumed_step, self._committed_step):
@@ -329,7 +335,7 @@ class SpotguardCallback(StopOutcome, Callback):
         t0 = time.monotonic()
         self._validation_next = batch_end and _validation_due(trainer)
         try:
-            with self.checkpoints.storage.scratch() as scratch:
+            with self.notices.marks.during(SAVING, step), self.checkpoints.storage.scratch() as scratch:
                 folder = scratch / "lightning"
                 try:
                     trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state

@@ -194,3 +194,41 @@ def test_in_a_process_group_every_rank_is_refused_alike(tmp_path: Path):
         assert done.returncode != 0 and "LeaseHeldError" in done.stderr, (rank, done.stderr[-3000:])
         assert "host other-host pid 4242" in done.stderr, (rank, done.stderr[-3000:])
     assert checkpoint.scan(storage) == [] and lease_record.read(storage) == other
+
+
+def test_an_azure_eviction_is_approved_only_once_the_lease_is_released(tmp_path: Path, monkeypatch):
+    """Azure may evict the machine as soon as its Preempt event is approved: a lease still held then
+    would keep the replacement waiting for its TTL. The mock IMDS over real HTTP, the Guard's own
+    provider; the lease is read when the approval goes out."""
+    import torch
+
+    from spotguard.notices.azure import AzureProvider
+    from spotguard.ops.rehearsal.notices import make_sender
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+    released: list[bool] = []
+
+    class Watched(AzureProvider):
+        def acknowledge(self, notice):
+            record = lease_record.read(storage)
+            released.append(record is not None and record.released)
+            super().acknowledge(notice)
+
+    sender = make_sender("azure", 30.0, tmp_path)
+    try:
+        for name, value in sender.env.items():
+            monkeypatch.setenv(name, value)
+        guard = Guard(str(tmp_path / "ckpt"), providers=[Watched(vm_name="spot-trainer-1")], interval=0.05)
+        guard.track(model=torch.nn.Linear(2, 2))
+        with guard:
+            assert not guard.step(1)
+            sender.send(None)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 30
+            while guard.notice is None:
+                assert time.monotonic() < deadline, "the Preempt event was never seen"
+                time.sleep(0.02)
+            assert guard.step(2)  # the emergency checkpoint of step 2, then the approval
+        assert released == [True] and sender.approvals() == 1
+        assert [i.step for i in checkpoint.scan(storage) if i.complete] == [2]
+    finally:
+        sender.close()

@@ -55,3 +55,41 @@ def test_the_stops_last_checkpoint_releases_the_lease_for_the_replacement(tmp_pa
     ckpts.commit(11, trainer_folder(tmp_path / "out", 11), "emergency")
     assert not notices.stop_saved(11, save_s=0.1)  # "stop": the emergency checkpoint is the last
     assert lease_record.read(storage).released
+
+
+def test_the_stops_approval_goes_out_once_the_lease_is_released(tmp_path, monkeypatch):
+    # Azure may evict the machine as soon as its Preempt event is approved: a lease still held then
+    # keeps the replacement waiting for its TTL. The mock IMDS over real HTTP; the lease is read when
+    # the approval goes out.
+    from spotguard.notices.azure import AzureProvider
+    from spotguard.ops.rehearsal.notices import make_sender
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+    released: list[bool] = []
+
+    class Watched(AzureProvider):
+        def acknowledge(self, notice):
+            record = lease_record.read(storage)
+            released.append(record is not None and record.released)
+            super().acknowledge(notice)
+
+    sender = make_sender("azure", 30.0, tmp_path)
+    try:
+        for name, value in sender.env.items():
+            monkeypatch.setenv(name, value)
+        ckpts, notices = watch_parts(storage, {"providers": [Watched(vm_name="spot-trainer-1")], "interval": 0.05})
+        notices.start()
+        try:
+            ckpts.commit(10, trainer_folder(tmp_path / "out", 10), "periodic")
+            sender.send(None)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 30
+            while not notices.preempted.is_set():
+                assert time.monotonic() < deadline, "the Preempt event was never seen"
+                time.sleep(0.02)
+            ckpts.commit(11, trainer_folder(tmp_path / "out", 11), "emergency")
+            assert not notices.stop_saved(11, save_s=0.1)
+        finally:
+            notices.stop()
+        assert released == [True] and sender.approvals() == 1
+    finally:
+        sender.close()

@@ -76,6 +76,31 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     assert ref["line"].startswith("exact: yes")
 
 
+def test_train_through_two_azure_evictions_approves_each_once_committed_and_is_exact(tmp_path):
+    # Azure's notice is a Preempt scheduled event on the mock IMDS (30 s ahead); the job's Guard
+    # approves it (StartRequests) once its emergency checkpoint is committed, and the machine counts as
+    # gone from then. Seed 0 at a mean of 0.5 s draws 0.9 and 0.7 s of training: both within the job.
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "2", "--mtbf", "0.5", "--seed", "0", "--notices", "azure", "--fresh-local"),
+        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        command=[
+            sys.executable,
+            *("examples/train.py", "--quiet", "--steps", "60", "--every-steps", "20", "--interval", "0.2"),
+            *("--step-sleep", "0.03"),
+        ],
+    )
+    assert code == 0, err[-4000:]
+    pre = doc["preemptions"]
+    assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2, pre
+    assert doc["machines"] == 3 and doc["steps"] == 60
+    for m in doc["machines_detail"][:2]:  # approved after the commit, long before the event's NotBefore
+        assert m["latest_time"] <= m["approved"] < m["deadline"] - 20, m
+    assert all(p["idle_s"] < 10 for p in pre), pre  # the idle window ends at the approval, not at NotBefore
+    ref = doc["reference"]
+    assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 60, ref
+
+
 def test_a_job_that_does_not_resume_its_data_is_not_exact(tmp_path):
     # The worker tracks everything but its data generator; each step's loss is in guard.extra.
     code, doc, _ = rehearse(
@@ -153,16 +178,20 @@ def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
 def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     # The Trainer's own folder is on each machine's fresh local disk: only the storage survives.
     # Seed 4 at a mean of 1 s draws 0.27, 0.10, 0.50 and 0.08 s of training, and puts the 4th notice
-    # 1.65 s after its machine's start, while the Trainer is still importing. Seven starts in all
-    # (six machines and the reference) are most of the time: a start is ~3 s of imports (torch,
-    # transformers' lazy module index); the 40 steps of 0.05 s leave the notices room on an idle machine.
+    # 1.65 s after its machine's start, while the Trainer is still importing. The 1st then waits for the
+    # evaluation of step 10 (slowed, so the notice cuts it short and the resume runs it again) and the
+    # 3rd for the next save (of step 20, or 30 should a busy machine hide that one from rehearse's
+    # 5 ms looks): the callback's heartbeat marks. Seven starts in all (six machines and
+    # the reference) are most of the time: a start is ~3 s of imports (torch, transformers' lazy module
+    # index); the 40 steps of 0.05 s leave the notices room on an idle machine.
     code, doc, err = rehearse(
         tmp_path,
         *("-n", "5", "--mtbf", "1", "--seed", "4", *LEAD, "--fresh-local", "--after-restart", "1"),
-        *("--storage", str(tmp_path / "ckpt"), "--reference"),
+        *("--during-eval", "1", "--during-save", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[
             sys.executable,
-            *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "20", "--interval", "0.2"),
+            *("examples/hf_trainer.py", "--quiet", "--steps", "40", "--every-steps", "10", "--interval", "0.2"),
+            *("--eval-steps", "10", "--eval-sleep", "0.1", "--eval-sleep-step", "10"),
             *("--step-sleep", "0.05", "--output-dir", "{local}/hf-output"),
         ],
     )
@@ -171,11 +200,35 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
     assert len(pre) == 5 and doc["machines"] == 6 and doc["steps"] == 40
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 5
     assert [p["after_restart"] for p in pre] == [False, False, False, True, False]
-    for p in pre:  # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
+    landed = [p["landed"].split("+") for p in pre]
+    assert "evaluation" in landed[0] and "save" in landed[2], landed
+    stops = [p["stop_step"] for p in pre]
+    for before, p in zip([0, *stops[:-1]], pre, strict=True):
+        # no Guard events in a Trainer: the heartbeat's stop flag and the manifests say it
         limit = 60 if p["after_restart"] else 5  # one sent while the job imports is seen once it trains
         assert 0 < p["detection_s"] < limit and p["restart_s"] > 0, p
-        # A Trainer that sees the notice before its first step stops at the resumed checkpoint: nothing
-        # new is committed on that machine, so there is no commit to count its teardown from.
-        assert (p["after_restart"] and p["teardown_s"] is None) or (p["teardown_s"] or 0) > 0, p
+        # A Trainer that sees the notice before its first step (while it imports, or during the cut
+        # evaluation it runs again first) stops at the resumed checkpoint: nothing new is committed on
+        # that machine, so there is no commit to count its teardown from.
+        assert (p["teardown_s"] or 0) > 0 if p["stop_step"] > before else p["teardown_s"] is None, (before, p)
     ref = doc["reference"]
     assert ref["exact"] is True and ref["step"] == ref["reference_step"] == 40, ref
+
+
+def test_a_deepspeed_job_is_preempted_during_its_save(tmp_path):
+    # Seed 4 at a mean of 1 s draws 0.27 s of training; the notice then waits for the next save (every
+    # 10 steps) in flight: DeepSpeedGuard's heartbeat mark. Without it the notice never comes and the
+    # job finishes first. (The other integrations' marks: tests/integrations/test_marks.py.)
+    pytest.importorskip("deepspeed")
+    code, doc, err = rehearse(
+        tmp_path,
+        *("-n", "1", "--mtbf", "1", "--seed", "4", *LEAD, "--during-save", "1", "--storage", str(tmp_path / "ckpt")),
+        command=[
+            sys.executable,
+            *("examples/deepspeed_train.py", "--quiet", "--steps", "40", "--every-steps", "10", "--interval", "0.2"),
+            *("--step-sleep", "0.05"),
+        ],
+    )
+    assert code == 0, (err[-3000:], doc)
+    (p,) = doc["preemptions"]
+    assert doc["steps"] == 40 and p["committed"] and p["steps_lost"] == 0 and "save" in p["landed"].split("+"), p

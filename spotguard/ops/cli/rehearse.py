@@ -125,14 +125,14 @@ def register(sub: Any) -> None:
         type=_positive_int,
         default=0,
         metavar="K",
-        help="K of the notices wait for the job's next save in flight (a Guard's; default 0)",
+        help="K of the notices wait for the job's next save in flight (default 0)",
     )
     p.add_argument(
         "--during-eval",
         type=_positive_int,
         default=0,
         metavar="K",
-        help="K of the notices wait for the job's next evaluation in guard.evaluation() (default 0)",
+        help="K of the notices wait for the job's next evaluation (guard.evaluation(), a trainer's; default 0)",
     )
     p.add_argument("--storage", help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND; empty")
     p.add_argument(

@@ -23,7 +23,7 @@ class RehearsalOptions:
     private generator seeded by ``seed``). ``after_restart``: how many of the ``preemptions`` come
     instead within ``restart_window_s`` of a later machine's start (before or while it resumes);
     ``during_save`` and ``during_eval`` of the others wait, after their draw, for the job's next save
-    in flight or its next ``guard.evaluation()`` (the heartbeat's marks) and come then.
+    in flight or its next evaluation (the heartbeat's marks: a Guard's or a trainer integration's) and come then.
     ``lead_s``: seconds from a notice to the machine's end (None: the cloud's published lead); the
     fleet kills the job then, as the cloud would. ``replacement_s``: from a machine's end to the start
     of the next. ``storage``: given to the job as ``$SPOTGUARD_STORAGE`` and ``{storage}`` in the
