@@ -1,56 +1,40 @@
-"""What every trainer integration shares: the notice flag, the rank vote, and trainer folders as checkpoints.
+"""What every trainer integration shares: the notice flag and the rank vote, and how they are made.
 
-Trainers write their checkpoint as a folder of files, with no commit marker and no checksums; a
-kill during the save leaves a folder that looks whole, and resuming from it fails or, worse,
-loads half a state. ``FolderCheckpoints`` commits such a folder to spotguard storage (files
-first, manifest with SHA-256 last), prunes, and finds the newest folder that verifies for the
-resume. ``NoticeWatch`` wraps spotguard's ``Watcher``; its ``check(step)`` is the verdict of a
-step: one attribute read in a single process, one all-reduce of one integer in a process group
-(the ``Guard``'s agreement), so that every rank stops after the same step. With
+``NoticeWatch`` wraps spotguard's ``Watcher``; its ``check(step)`` is the verdict of a step: one
+attribute read in a single process, one all-reduce of one integer in a process group (the
+``Guard``'s agreement, ``RankGroup``), so that every rank stops after the same step. With
 ``deadline_policy="use-window"`` it follows the Guard's ``WindowPolicy``: after the first emergency
 checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the second stop is due.
 Its ``marks`` (``Marks``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
-
-In a process group (``torch.distributed`` initialised, world size > 1) both become collective
-through one ``RankGroup``: the folder every rank (or node) wrote is committed as one checkpoint
-(``spotguard.checkpoint.folders``), and the resume fetches one verified copy per node, without the
-files of other nodes' ranks (each trainer's rule: ``_rankfiles``). Every rank must then call
-``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
+``watch_parts`` makes it with the trainer's ``FolderCheckpoints`` (``_folders``) over one
+``RankGroup``: in a process group (``torch.distributed`` initialised, world size > 1) every rank
+must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypedDict
 
-import torch
-
-from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import folders, layout
+from spotguard import heartbeat
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.reader import none_loads, refuse_newer_format
-from spotguard.guard import agreement, ranks
+from spotguard.guard import ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
-from spotguard.guard.lease import WriterLease
 from spotguard.guard.options import Unloadable
 from spotguard.guard.window import DeadlinePolicy, WindowPolicy
 from spotguard.heartbeat import EXIT_PREEMPTED
 from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
-from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseHeldError
+from ..errors import ConfigError
 from ..notices.base import Notice, NoticeProvider
-from ..storage import Storage, open_storage
+from ..storage import Storage
 from ..watcher import Watcher
+from ._folders import FolderCheckpoints
+from ._group import RankGroup
+from ._marks import Marks
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # noqa: F401  (in typing from 3.11)
@@ -110,79 +94,6 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         release=checkpoints.release,
     )
     return checkpoints, notices
-
-
-class RankGroup:
-    """An integration's share of the process group: the ``Guard``'s agreement (two small gloo
-    groups), made on first use, on every rank at the same point (making it is collective).
-    ``get()`` is None in a single process, or before ``torch.distributed`` is initialised. Making it checks
-    that every rank uses the same deadline policy (``ConfigError`` on every rank otherwise)."""
-
-    def __init__(self, windowing: WindowPolicy | None = None) -> None:
-        self._agreement: Agreement | None = None
-        self._settled = False
-        self._same = (windowing or WindowPolicy()).settings()
-
-    def get(self) -> Agreement | None:
-        if self._settled:
-            return self._agreement  # the per-step path: no look at torch.distributed
-        if self._agreement is None and ranks.is_distributed() and ranks.world_size() > 1:
-            self._agreement = agreement.setup(sync_every=1, same=self._same)
-        return self._agreement
-
-    def settle(self) -> None:
-        """From now on (training runs: the process group, if any, is up) ``get()`` is one attribute read."""
-        self.get()
-        self._settled = True
-
-    @property
-    def rank(self) -> int:
-        return self._agreement.rank if self._agreement is not None else 0
-
-    def close(self) -> None:
-        """Destroy spotguard's groups (idempotent); a later ``get()`` makes new ones."""
-        self._settled = False
-        if self._agreement is not None:
-            self._agreement.close()
-            self._agreement = None
-
-
-class Marks:
-    """The heartbeat's ``SAVING`` and ``EVALUATING`` marks of an integration, as the ``Guard`` sets them
-    (``heartbeat.Activity``): ``spotguard rehearse --during-save/--during-eval`` times notices into them.
-
-    A trainer's save or evaluation often begins in one hook and ends in another, so a mark is held
-    here by its slot: ``begin`` while one is held keeps the earlier start (the save began before this
-    hook), ``end`` clears it (nothing when none is held). ``during`` is both around one block."""
-
-    def __init__(self, slots: memoryview) -> None:
-        #: Also what ``guard.evaluation()`` (the Guard's ``Evaluation``) marks through.
-        self.activity = heartbeat.Activity(slots)
-        self._held: dict[int, int] = {}
-
-    def begin(self, slot: int, step: int) -> None:
-        if slot not in self._held:
-            self._held[slot] = self.activity.begin(slot, step)
-
-    def end(self, slot: int) -> None:
-        mark = self._held.pop(slot, None)
-        if mark is not None:
-            self.activity.end(slot, mark)
-
-    def held(self, slot: int) -> bool:
-        return slot in self._held
-
-    @contextmanager
-    def during(self, slot: int, step: int, *, last: bool = False) -> Iterator[None]:
-        """Marked for the block. A mark held already stays after it, unless the block is the save's or
-        the evaluation's ``last`` part (a trainer's commit of the folder it wrote)."""
-        ends = last or slot not in self._held
-        self.begin(slot, step)
-        try:
-            yield
-        finally:
-            if ends:
-                self.end(slot)
 
 
 class NoticeWatch:
@@ -386,180 +297,3 @@ class StopOutcome:
     def window_error(self) -> BaseException | None:
         """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
         return self.notices.window_error
-
-
-class FolderCheckpoints:
-    """A trainer's checkpoint folders, committed to spotguard storage as ``step-N/`` with a manifest.
-
-    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``work_dir``
-    holds the verified copies fetched for a resume (default: the system's temp directory). In a
-    process group (``group``) ``commit`` and ``newest_verified`` are collective: every rank passes
-    the folder it (or its node) wrote, and gets the folder its node fetched. The first of them takes
-    the run's writer lease (docs/lease.md; ``lease_ttl=None``: none), ``release()`` gives it back
-    (the integrations' ``close()``; after a stop's last checkpoint, ``NoticeWatch.stop_saved``).
-    """
-
-    def __init__(
-        self,
-        storage: str | Storage | None,
-        keep: int = 3,
-        work_dir: str | None = None,
-        group: RankGroup | None = None,
-        fresh_ok: bool = False,
-        *,
-        lease_ttl: float | None = DEFAULT_TTL_S,
-        takeover: bool | None = None,
-    ) -> None:
-        storage = _env.storage_or_env(storage)
-        if not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
-        if lease_ttl is not None and not (isinstance(lease_ttl, (int, float)) and 0 < lease_ttl < 1e7):
-            raise ConfigError(f"lease_ttl must be a positive number of seconds or None, got {lease_ttl!r}")
-        self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
-        takeover = _env.flag(_env.TAKEOVER, default=False) if takeover is None else takeover
-        self.lease = WriterLease(self.storage, lease_ttl, bool(takeover), None, self)
-        self._beat = heartbeat.attach()  # `spotguard run` does not restart a job another one writes over
-        self.keep = keep
-        self.work_dir = work_dir
-        self.group = group or RankGroup()
-        self.fresh_ok = fresh_ok  # on_unloadable="fresh": checkpoints that all fail to load mean a fresh start
-        self.last_saved: Manifest | None = None
-        self._fetched: list[Path] = []
-
-    def commit(
-        self,
-        step: int,
-        folder: str | Path,
-        reason: str,
-        deadline: float | None = None,
-        extra: dict[str, Any] | None = None,
-        supersede: bool = False,
-    ) -> Manifest | None:
-        """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed.
-        ``supersede``: a committed checkpoint of ``step`` holds another state; this one replaces it, as the
-        step's next revision (``step-N.rK/``): the old one stays the resume point until this one is
-        committed, and ``prune`` deletes it then.
-
-        Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
-        t0 = time.monotonic()
-        self._hold()
-        agreed = self.group.get()
-        if agreed is None:
-            revision = layout.next_revision(self.storage, step) if supersede else 0
-            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision)
-        else:
-            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede)
-        try:
-            manifest = write(
-                step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline
-            )
-        except CheckpointExistsError:
-            logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
-            return None
-        except LeaseHeldError:  # LeaseLostError: another job took the run over; nothing was committed
-            self._lease_lost("")
-            raise
-        self.last_saved = manifest  # (after a stop's last checkpoint NoticeWatch.stop_saved releases the lease)
-        took = time.monotonic() - t0
-        tail = "" if deadline is None else f", T-{deadline - time.monotonic():.1f}s before the deadline"
-        logger.log(
-            logging.WARNING if reason == "emergency" else logging.INFO,
-            "%s checkpoint of step %d committed to %s in %.2fs (%.1f MB)%s",
-            reason,
-            step,
-            self.storage.describe(),
-            took,
-            manifest.size / 1e6,
-            tail,
-        )
-        if self.group.rank != 0:
-            return manifest  # rank 0 prunes for all
-        try:
-            checkpoint.prune(self.storage, self.keep)
-        except Exception as e:
-            logger.warning("pruning old checkpoints in %s failed: %s", self.storage.describe(), e)
-        return manifest
-
-    def newest_verified(self, rank_files: RankFiles | None = None) -> tuple[int, Path] | None:
-        """The newest checkpoint whose files all match their manifest, as a local folder, and its step.
-
-        Folders without a manifest (a save cut short), or whose files fail their checksums, are
-        skipped with a warning naming the reason, and the previous one is tried; a newer spotguard's
-        checkpoint raises ``CheckpointFormatError`` (upgrade spotguard). Collective in a process
-        group: the same step on every rank, one verified copy per node (``folders.fetch``), holding
-        the shared files and the node's own ranks' files (``rank_files``: the trainer's rule; None: all).
-        """
-        self._hold()
-        agreed = self.group.get()
-        if agreed is not None:
-            found = folders.fetch(self.storage, agreed, self.work_dir, rank_files, fresh_ok=self.fresh_ok)
-            if found is not None and folders.is_node_leader():
-                self._fetched.append(found[1])
-            return found
-        skipped: list[str] = []
-        for info in reversed(checkpoint.scan(self.storage)):
-            where = self.storage.describe(info.name)
-            refuse_newer_format(self.storage, info)  # a newer spotguard's: upgrade, never fall back past it
-            if not info.complete:
-                logger.warning("skipping %s: %s (%s)", where, info.status, info.problem)
-                if info.status != "incomplete":  # a save cut short is no lost work; a corrupt one is
-                    skipped.append(f"{where}: {info.status} ({info.problem})")
-                continue
-            if self.work_dir:
-                Path(self.work_dir).mkdir(parents=True, exist_ok=True)
-            dest = Path(tempfile.mkdtemp(prefix=f"spotguard-{info.name}-", dir=self.work_dir))
-            try:
-                checkpoint.fetch(self.storage, info, dest)
-            except CheckpointCorruptError as e:
-                logger.warning("skipping %s: %s", where, e)
-                skipped.append(f"{where}: {e}")
-                shutil.rmtree(dest, ignore_errors=True)
-                continue
-            self._fetched.append(dest)
-            logger.info(
-                "resuming from %s (step %d, %s)", where, info.step, info.manifest.reason if info.manifest else "?"
-            )
-            return info.step, dest
-        if skipped and not self.fresh_ok:
-            raise none_loads(self.storage, skipped)
-        logger.log(
-            logging.WARNING if skipped else logging.INFO,
-            "no checkpoint that loads in %s: starting from the beginning",
-            self.storage.describe(),
-        )
-        return None
-
-    def _hold(self) -> None:
-        """The run's writer lease, before the first load or commit (collective in a process group)."""
-        self.lease.agreement = self.group.get()
-        try:
-            self.lease.hold()
-        except LeaseHeldError:
-            self._lease_lost("")
-            raise
-
-    def _lease_lost(self, why: str) -> None:
-        self._beat[1] |= heartbeat.LEASE_HELD  # `spotguard run` exits 73, no restart
-
-    def release(self) -> None:
-        """This job writes nothing more here: the next job on the storage takes the lease at once."""
-        self.lease.release()
-
-    def loaded(self) -> None:
-        """After the trainer loaded the fetched copy on every rank: remove it. Collective in a process
-        group (a barrier first: the ranks of a node share one copy)."""
-        agreed = self.group.get()
-        if agreed is not None:
-            agreed.reduce(0, agreed.save_group)
-        self.cleanup()
-
-    def adopt(self, path: Path) -> None:
-        """Remove ``path`` too at ``cleanup``: a fetched copy moved there."""
-        self._fetched.append(path)
-
-    def cleanup(self) -> None:
-        """Remove the local copies fetched for a resume (the trainer has loaded them; in a process
-        group, every rank of the node has: call it after a collective that follows the load)."""
-        for path in self._fetched:
-            shutil.rmtree(path, ignore_errors=True)
-        self._fetched.clear()

@@ -27,7 +27,7 @@ from spotguard.checkpoint.reader import refuse_newer_format, scan
 from spotguard.guard import ranks
 
 from ..errors import CheckpointMismatchError, ConfigError
-from ._common import FolderCheckpoints
+from ._folders import FolderCheckpoints
 
 logger = logging.getLogger(__name__)
 

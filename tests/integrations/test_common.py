@@ -12,7 +12,8 @@ import pytest
 
 from spotguard import EXIT_PREEMPTED, checkpoint
 from spotguard.errors import CheckpointFormatError, ConfigError, NoLoadableCheckpointError
-from spotguard.integrations._common import FolderCheckpoints, NoticeWatch
+from spotguard.integrations._common import NoticeWatch
+from spotguard.integrations._folders import FolderCheckpoints
 from spotguard.notices.base import Notice
 
 from ..helpers import subprocess_env

@@ -10,7 +10,8 @@ import pytest
 from spotguard import checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.errors import LeaseHeldError, LeaseLostError
-from spotguard.integrations._common import FolderCheckpoints, watch_parts
+from spotguard.integrations._common import watch_parts
+from spotguard.integrations._folders import FolderCheckpoints
 from spotguard.storage import open_storage
 
 from .test_common import trainer_folder

@@ -1,5 +1,5 @@
 """The heartbeat's marks of a save and of an evaluation, set by the trainer integrations in one process
-(``_common.Marks``): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
+(``_marks.Marks``): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
 own save and evaluation read the marks while they run; both are cleared once they end. (The HF
 Trainer's and DeepSpeed's are also rehearsed end to end in tests/ops/test_rehearse.py.)"""
 
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from spotguard import heartbeat
 from spotguard.heartbeat import EVALUATING, SAVING
-from spotguard.integrations._common import Marks
+from spotguard.integrations._marks import Marks
 
 
 @pytest.fixture

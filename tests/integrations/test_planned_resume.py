@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from spotguard.checkpoint import folders, write_dir
 from spotguard.checkpoint.pernode import RankFiles
-from spotguard.integrations._common import FolderCheckpoints
+from spotguard.integrations._folders import FolderCheckpoints
 from spotguard.integrations._planned_resume import PlannedResume
 from spotguard.storage import LocalStorage
 
