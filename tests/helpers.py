@@ -284,3 +284,38 @@ def chunked_digest(data: bytes, chunk: int = 16 << 20, alg: str = "blake3") -> s
     new = {"sha256": hashlib.sha256, "blake3": blake3.blake3, "xxh3-128": xxhash.xxh3_128}[alg]
     pieces = [data[i : i + chunk] for i in range(0, len(data), chunk)] or [b""]
     return new(b"".join(new(p).digest() for p in pieces)).hexdigest()
+
+
+@contextlib.contextmanager
+def azure_approvals_read_the_lease(storage: Any, work_dir: Path, monkeypatch: Any) -> Any:
+    """The mock Azure IMDS over real HTTP (its endpoint in the environment) and an Azure provider that
+    reads ``storage``'s writer lease whenever it approves a Preempt event (Azure may evict the machine
+    as soon as it is approved). Yields (provider, sender, released): ``released`` gets one bool per
+    approval, whether the lease was released by then; ``sender.send(None)`` posts the event."""
+    from spotguard.checkpoint import lease as lease_record
+    from spotguard.notices.azure import AzureProvider
+    from spotguard.ops.rehearsal.notices import make_sender
+
+    released: list[bool] = []
+
+    class Watched(AzureProvider):
+        def acknowledge(self, notice: Any) -> None:
+            record = lease_record.read(storage)
+            released.append(record is not None and record.released)
+            super().acknowledge(notice)
+
+    sender = make_sender("azure", 30.0, work_dir)
+    try:
+        for name, value in sender.env.items():
+            monkeypatch.setenv(name, value)
+        yield Watched(vm_name="spot-trainer-1"), sender, released
+    finally:
+        sender.close()
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``ready`` every 20 ms; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)

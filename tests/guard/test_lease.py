@@ -22,7 +22,16 @@ from spotguard import Guard, LeaseHeldError, checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
-from tests.helpers import WORKERS, _finish, _start, run, run_ranks, subprocess_env
+from tests.helpers import (
+    WORKERS,
+    _finish,
+    _start,
+    azure_approvals_read_the_lease,
+    run,
+    run_ranks,
+    subprocess_env,
+    wait_until,
+)
 
 JOB = Path(__file__).with_name("lease_job.py")
 
@@ -202,33 +211,14 @@ def test_an_azure_eviction_is_approved_only_once_the_lease_is_released(tmp_path:
     provider; the lease is read when the approval goes out."""
     import torch
 
-    from spotguard.notices.azure import AzureProvider
-    from spotguard.ops.rehearsal.notices import make_sender
-
     storage = open_storage(str(tmp_path / "ckpt"))
-    released: list[bool] = []
-
-    class Watched(AzureProvider):
-        def acknowledge(self, notice):
-            record = lease_record.read(storage)
-            released.append(record is not None and record.released)
-            super().acknowledge(notice)
-
-    sender = make_sender("azure", 30.0, tmp_path)
-    try:
-        for name, value in sender.env.items():
-            monkeypatch.setenv(name, value)
-        guard = Guard(str(tmp_path / "ckpt"), providers=[Watched(vm_name="spot-trainer-1")], interval=0.05)
+    with azure_approvals_read_the_lease(storage, tmp_path, monkeypatch) as (provider, sender, released):
+        guard = Guard(str(tmp_path / "ckpt"), providers=[provider], interval=0.05)
         guard.track(model=torch.nn.Linear(2, 2))
         with guard:
             assert not guard.step(1)
             sender.send(None)  # type: ignore[arg-type]
-            deadline = time.monotonic() + 30
-            while guard.notice is None:
-                assert time.monotonic() < deadline, "the Preempt event was never seen"
-                time.sleep(0.02)
+            wait_until(lambda: guard.notice is not None, "the Preempt event was never seen")
             assert guard.step(2)  # the emergency checkpoint of step 2, then the approval
         assert released == [True] and sender.approvals() == 1
         assert [i.step for i in checkpoint.scan(storage) if i.complete] == [2]
-    finally:
-        sender.close()

@@ -14,6 +14,7 @@ from spotguard.integrations._common import watch_parts
 from spotguard.integrations._folders import FolderCheckpoints
 from spotguard.storage import open_storage
 
+from ..helpers import azure_approvals_read_the_lease, wait_until
 from .test_common import trainer_folder
 
 
@@ -62,35 +63,16 @@ def test_the_stops_approval_goes_out_once_the_lease_is_released(tmp_path, monkey
     # Azure may evict the machine as soon as its Preempt event is approved: a lease still held then
     # keeps the replacement waiting for its TTL. The mock IMDS over real HTTP; the lease is read when
     # the approval goes out.
-    from spotguard.notices.azure import AzureProvider
-    from spotguard.ops.rehearsal.notices import make_sender
-
     storage = open_storage(str(tmp_path / "ckpt"))
-    released: list[bool] = []
-
-    class Watched(AzureProvider):
-        def acknowledge(self, notice):
-            record = lease_record.read(storage)
-            released.append(record is not None and record.released)
-            super().acknowledge(notice)
-
-    sender = make_sender("azure", 30.0, tmp_path)
-    try:
-        for name, value in sender.env.items():
-            monkeypatch.setenv(name, value)
-        ckpts, notices = watch_parts(storage, {"providers": [Watched(vm_name="spot-trainer-1")], "interval": 0.05})
+    with azure_approvals_read_the_lease(storage, tmp_path, monkeypatch) as (provider, sender, released):
+        ckpts, notices = watch_parts(storage, {"providers": [provider], "interval": 0.05})
         notices.start()
         try:
             ckpts.commit(10, trainer_folder(tmp_path / "out", 10), "periodic")
             sender.send(None)  # type: ignore[arg-type]
-            deadline = time.monotonic() + 30
-            while not notices.preempted.is_set():
-                assert time.monotonic() < deadline, "the Preempt event was never seen"
-                time.sleep(0.02)
+            wait_until(notices.preempted.is_set, "the Preempt event was never seen")
             ckpts.commit(11, trainer_folder(tmp_path / "out", 11), "emergency")
             assert not notices.stop_saved(11, save_s=0.1)
         finally:
             notices.stop()
         assert released == [True] and sender.approvals() == 1
-    finally:
-        sender.close()
