@@ -59,7 +59,8 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     landed = [p["landed"].split("+") for p in pre]  # what the heartbeat said the job was doing then
     assert "evaluation" in landed[1] and "save" in landed[2], landed
     stops = [p["stop_step"] for p in pre]
-    assert stops == sorted(stops) and stops[-1] < 90, stops
+    # The last notice may land in the job's last step (a loaded machine): a stop at 90 is still a preemption.
+    assert stops == sorted(stops) and stops[-1] <= 90, stops
     for before, p in zip([None, *stops[:-1]], pre, strict=True):  # every figure measured
         limit = 60 if p["after_restart"] else 5  # one sent while the job starts is seen once it trains
         assert 0 < p["detection_s"] < limit, p
