@@ -319,3 +319,15 @@ def wait_until(ready: Callable[[], bool], what: str, timeout: float = 30.0) -> N
     while not ready():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+def wait_exit(pid: int, deadline: float, poll: float = 0.01) -> int:
+    """The exit code of child ``pid`` (``os.waitstatus_to_exitcode``); SIGKILLed once past ``deadline``
+    (``time.monotonic()``), then reaped."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(poll)

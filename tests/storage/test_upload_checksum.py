@@ -125,17 +125,23 @@ def test_an_upload_from_the_local_tier_sends_the_crc32c_kept_when_it_was_written
 def test_periodic_saves_through_a_local_tier_never_read_a_file_again_for_its_crc(
     gcp_emulator_url, tmp_path, monkeypatch
 ):
+    one_periodic_save_through_a_local_tier(gcp_emulator_url, tmp_path, monkeypatch)
+
+
+def one_periodic_save_through_a_local_tier(url: str, tmp_path, monkeypatch) -> None:
+    """A Guard's periodic save of step 1 to ``url`` through a local tier, with the file never read again
+    for its upload checksum (``cloud.file_crc`` raises): the writer's pass must have kept it."""
+
     def no_second_read(*args, **kw):
-        raise AssertionError("the file was read again to compute its CRC")
+        raise AssertionError("the file was read again to compute its upload checksum")
 
     monkeypatch.setattr(cloud, "file_crc", no_second_read)
-    model = torch.nn.Linear(8, 8)
-    guard = spotguard.Guard(gcp_emulator_url, local_dir=str(tmp_path / "local"), every_steps=1, providers=[])
-    guard.track(model=model)
+    guard = spotguard.Guard(url, local_dir=str(tmp_path / "local"), every_steps=1, providers=[])
+    guard.track(model=torch.nn.Linear(8, 8))
     with guard:
         guard.step(1)
         guard.wait()
-    (info,) = checkpoint.scan(open_storage(gcp_emulator_url))
+    (info,) = checkpoint.scan(open_storage(url))
     assert info.complete and info.step == 1
 
 
@@ -257,19 +263,8 @@ def test_azure_refuses_to_upload_a_file_whose_size_changed_since_it_was_written(
 
 
 def test_periodic_saves_through_a_local_tier_to_azure_never_read_a_file_again(az_url, tmp_path, monkeypatch):
-    def no_second_read(*args, **kw):
-        raise AssertionError("the file was read again to compute its checksums")
-
-    monkeypatch.setattr(cloud, "file_crc", no_second_read)
     sent = record_requests(monkeypatch)
-    model = torch.nn.Linear(8, 8)
-    guard = spotguard.Guard(az_url, local_dir=str(tmp_path / "local"), every_steps=1, providers=[])
-    guard.track(model=model)
-    with guard:
-        guard.step(1)
-        guard.wait()
-    (info,) = checkpoint.scan(open_storage(az_url))
-    assert info.complete and info.step == 1
+    one_periodic_save_through_a_local_tier(az_url, tmp_path, monkeypatch)
     state = next(r for r in sent if r.method == "PUT" and r.url.split("?")[0].endswith("/state.pt"))
     assert "x-ms-content-crc64" in state.headers  # the writer's CRC64, kept in the local tier's pass
 

@@ -23,7 +23,7 @@ import torch._dynamo  # noqa: F401  # the first optimizer step imports it: secon
 
 from spotguard import checkpoint
 from spotguard.storage import open_storage
-from tests.helpers import EXAMPLE, read_losses
+from tests.helpers import EXAMPLE, read_losses, wait_exit
 
 spec = importlib.util.spec_from_file_location("train_example", EXAMPLE)
 assert spec and spec.loader
@@ -56,17 +56,6 @@ def start(args: list[str], err: Path) -> int:
     return pid
 
 
-def wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
 def kill_once(args: list[str], storage: Path, losses: Path, err: Path, during_save: bool, rng: random.Random) -> dict:
     """Run the example and SIGKILL it; what the kill left in storage."""
     pid = start(args, err)
@@ -85,7 +74,7 @@ def kill_once(args: list[str], storage: Path, losses: Path, err: Path, during_sa
         time.sleep(0.0005 if during_save else 0.005)
     if code is None:
         os.kill(pid, signal.SIGKILL)
-        code = wait(pid, 30)
+        code = wait_exit(pid, time.monotonic() + 30)
     store = open_storage(str(storage))
     infos = checkpoint.scan(store)
     for info in infos:
@@ -106,7 +95,7 @@ def main() -> int:
     rng = random.Random(seed)
     err = storage.parent / "stderr.txt"
     rounds = [kill_once(args, storage, losses, err, i % 2 == 1, rng) for i in range(kills)]
-    final = wait(start([*args, "--final", str(storage.parent / "final.pt")], err), 240)
+    final = wait_exit(start([*args, "--final", str(storage.parent / "final.pt")], err), time.monotonic() + 240)
     print(json.dumps({"rounds": rounds, "final": final, "final_stderr": err.read_text()[-3000:]}))
     return 0
 

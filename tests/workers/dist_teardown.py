@@ -42,6 +42,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from spotguard import Guard
 from spotguard.checkpoint import latest
 from spotguard.storage import open_storage
+from tests.helpers import wait_exit
 
 KINDS = ("uninterrupted", "sigterm", "resumed")
 
@@ -118,19 +119,9 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
                 sys.argv = [__file__, *args]
                 sys.exit(main())
             pids.append(pid)
-        codes = [_wait(pid, time.monotonic() + timeout) for pid in pids]
+        codes = [wait_exit(pid, time.monotonic() + timeout, poll=0.05) for pid in pids]
         (work / "codes").write_text(" ".join(map(str, codes)))
         (work / "newest").write_text(str(newest_step(storage)))
-
-
-def _wait(pid: int, deadline: float) -> int:
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
 
 
 def main() -> int:
