@@ -65,6 +65,7 @@ class Commit:
     tier: str  # "local" (the fast first tier) or "durable"
     seconds: float
     uploaded: bool = False  # copied from the local tier (else serialised straight to this tier)
+    synchronous: bool = False  # written while the loop waited (emergency, final, manual): its own rate
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ class Engine(Protocol):
     @property
     def staged_bytes(self) -> int:
         """Bytes held in the reused host buffers of staged saves."""
+
+    @property
+    def alloc_s(self) -> float:
+        """Seconds the last snapshot spent allocating those buffers (a first save's, not the loop's cost)."""
 
     def resume(self, tracked: Tracked) -> Resumed | None:
         """Restore the newest checkpoint that verifies into ``tracked`` (None: there is none)."""

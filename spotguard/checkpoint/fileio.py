@@ -21,6 +21,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 
 from spotguard.checkpoint.digest import CHUNK, ChunkedDigest
 from spotguard.checkpoint.manifest import FileEntry
-from spotguard.errors import ConfigError
+from spotguard.errors import ConfigError, SaveCancelled
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
@@ -48,8 +49,11 @@ class DirectFile:
         buffer_size: int = BUFFER,
         direct: bool = True,
         crc: Callable[[Any, Any], Any] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
-        """``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``:
+        """``cancel``: once set, the next full buffer raises ``SaveCancelled`` instead of being written, so an
+        abandoned save gives the disk up within one buffer, not at the end of its file.
+        ``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``:
         a CRC, or Azure's per-block digests) in the same pass, for the service that receives the file to
         check it against (``self.crc``, its final state)."""
         if buffer_size <= 0 or buffer_size % ALIGN:
@@ -68,6 +72,7 @@ class DirectFile:
         self.chunk_size = self._hash_state.chunk_size
         self.alg = self._hash_state.alg
         self._crc_update = crc
+        self._cancel = cancel
         self.crc: Any = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
@@ -154,6 +159,8 @@ class DirectFile:
         """Write the buffer's first ``length`` bytes on the I/O thread while the hashing thread hashes
         its first ``data`` (default: all): the hash is off the write's critical path."""
         self._wait()  # the other buffer's write and hash must be done before it is refilled
+        if self._cancel is not None and self._cancel.is_set():
+            raise SaveCancelled("save abandoned while writing a file")
         view = self._views[self._current]
         self._inflight = [
             self._io.submit(self._write_all, view[:length]),

@@ -69,7 +69,8 @@ def write(
     hashed on the way, so that a background save takes little CPU from the training loop and an
     upload never waits on a slow stream. A complete checkpoint for ``step`` already there raises
     ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
-    ``cancel``, when set, abandons the save before the next file or the manifest.
+    ``cancel``, when set, abandons the save within one write buffer (``DirectFile``), or before the
+    next file or the manifest.
 
     ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
     serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
@@ -96,7 +97,8 @@ def write(
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
-            with DirectFile(path, crc=upload_crc or storage.upload_crc) as out:  # checksum and CRC: one pass
+            # checksum and CRC in one pass; a cancel stops the file within one buffer
+            with DirectFile(path, crc=upload_crc or storage.upload_crc, cancel=cancel) as out:
                 writer(out)  # type: ignore[arg-type]  # a binary file object
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")

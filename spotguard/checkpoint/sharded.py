@@ -85,6 +85,10 @@ class ShardedEngine:
     def staged_bytes(self) -> int:
         return self._staging.nbytes
 
+    @property
+    def alloc_s(self) -> float:
+        return self._staging.alloc_s
+
     def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None, final: bool = False) -> Staged:
         """This rank's state, never raising (a failure is carried, then agreed on by ``_write``).
 

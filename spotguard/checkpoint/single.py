@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, loadable, reader, serialize, state
+from spotguard.checkpoint import data, layout, loadable, reader, state, stream
+from spotguard.checkpoint.budget import Budget
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
@@ -47,8 +48,10 @@ def refuse_sharded(info: CheckpointInfo) -> None:
 
 
 class SingleEngine:
-    """Checkpoints of one process. ``staged_final``: the final save is staged like periodic ones,
-    so that an unchanged state serialises to the same bytes (and is not written again)."""
+    """Checkpoints of one process. ``staged_final``: the final save is staged like periodic ones, so
+    that an unchanged state serialises to the same bytes (and is not written again). A synchronous
+    save of device state streams through a ring of pinned buffers (``stream``), as fast as a periodic
+    write; ``staging_budget``: see ``budget.Budget``. An emergency save never prunes (the next does)."""
 
     def __init__(
         self,
@@ -58,8 +61,11 @@ class SingleEngine:
         on_commit: OnCommit,
         staged_final: bool = True,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
+        staging_budget: int | None = None,
     ) -> None:
         self.storage, self.local, self.keep = storage, local, keep
+        self.budget = Budget(staging_budget)
+        self._ring = stream.Ring()
         self.rebatch = data.Rebatch(rebatch)
         self.two_tiers = local is not None
         self._on_commit = on_commit
@@ -72,10 +78,16 @@ class SingleEngine:
     def staged_bytes(self) -> int:
         return self._staging.nbytes
 
+    @property
+    def alloc_s(self) -> float:
+        """Seconds the last snapshot spent allocating staging buffers (not the loop's steady cost)."""
+        return self._staging.alloc_s
+
     # -- saving --------------------------------------------------------------------------------
-    def _payload(self, tracked: Tracked, step: int, staged: bool, final: bool = False) -> dict[str, Any]:
+    def _payload(self, tracked: Tracked, step: int, staged: bool, final: bool = False) -> tuple[dict[str, Any], bool]:
         """The state as one canonical structure: the same state serialises to the same bytes (the final
-        save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so."""
+        save compares them). A snapshot is canonical already (``Staging``): only the small parts are made so.
+        Returns it, and whether it is a snapshot (``staged`` and within the staging budget)."""
         cut = tracked.cut_at(step, final)
         rng = cut.rng if cut else state.capture_rng()  # first: collecting a loader's state may draw
         objects = state.collect(tracked.objects)
@@ -86,23 +98,41 @@ class SingleEngine:
             self._checked = True
         generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
         loaders = data.loader_facts(tracked.objects)  # what a resume compares (worker count, batch size)
-        if not staged:
-            return canonical(
-                {"step": step, "rng": rng, "objects": objects, "generators": generators, "loaders": loaders}
-            )
+        if not staged or not self.budget.fits(objects, self._ring.chunk * self._ring.slots):
+            payload = {"step": step, "rng": rng, "objects": objects, "generators": generators, "loaders": loaders}
+            return canonical(payload), False
         return {
             "step": step,
             "rng": canonical(rng),
             "objects": self._staging.snapshot(objects),
             "generators": canonical(generators),
             "loaders": canonical(loaders),
-        }
+        }, True
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
-            payload = self._payload(tracked, step, staged=True)
-        extra = copy_extra(tracked.extra)  # the values of this step
+            payload, snapshot = self._payload(tracked, step, staged=True)
+            extra = copy_extra(tracked.extra)  # the values of this step
+            if not snapshot:  # over the staging budget: the state itself, so written now, streamed
+                return self._write_now(step, reason, payload, extra)
         return lambda cancel: self._write_tiers(step, reason, payload, extra, cancel)
+
+    def _write_now(self, step: int, reason: str, payload: dict[str, Any], extra: dict[str, Any]) -> Work:
+        """A periodic save over the staging budget: written to the first tier now, the rest in the background.
+        A failure is the work's, as a background save's would be: never raised into the loop from here."""
+        first, t0 = self.local or self.storage, time.monotonic()
+        crcs: dict[str, Any] = {}
+        try:
+            manifest = self._write(first, step, reason, payload, extra, crcs=crcs)
+        except Exception as e:
+            error = e
+
+            def fail(cancel: threading.Event) -> None:
+                raise error
+
+            return fail
+        took = time.monotonic() - t0
+        return lambda cancel: self._committed_first(step, manifest, took, crcs, cancel)
 
     def save(
         self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
@@ -110,7 +140,7 @@ class SingleEngine:
         t0 = time.monotonic()
         stale: list[CheckpointInfo] = []
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
-            payload = self._payload(tracked, step, staged=final and self._staged_final, final=final)
+            payload, _ = self._payload(tracked, step, staged=final and self._staged_final, final=final)
             on_content = self._find_stale_local(step, tracked.extra, stale) if final else None
             manifest = self._write(
                 self.storage, step, reason, payload, tracked.extra, deadline=deadline, on_content=on_content
@@ -118,8 +148,9 @@ class SingleEngine:
         self._drop_stale_local(stale)  # the durable tier holds the final content now (written or already there)
         if manifest is not None:
             took = time.monotonic() - t0
-            self._prune(self.storage)
-            self._on_commit(Commit(manifest, "durable", took))
+            if reason != "emergency":  # the deadline's clock runs: the next save prunes
+                self._prune(self.storage)
+            self._on_commit(Commit(manifest, "durable", took, synchronous=True))
         return manifest
 
     def _write_tiers(
@@ -130,9 +161,15 @@ class SingleEngine:
         t0 = time.monotonic()
         crcs: dict[str, Any] = {}  # the durable storage's upload CRCs, kept while the local tier is written
         manifest = self._write(first, step, reason, payload, extra, cancel=cancel, crcs=crcs)
+        self._committed_first(step, manifest, time.monotonic() - t0, crcs, cancel)
+
+    def _committed_first(
+        self, step: int, manifest: Manifest | None, took: float, crcs: dict[str, Any], cancel: threading.Event
+    ) -> None:
+        """A periodic save is on its first tier: prune it, and upload it to the durable storage (two tiers)."""
         if manifest is None:
             return
-        took = time.monotonic() - t0
+        first = self.local or self.storage
         self._prune(first)
         if self.local is not None:
             self._on_commit(Commit(manifest, "local", took))
@@ -167,7 +204,7 @@ class SingleEngine:
             manifest = layout.write(
                 storage,
                 step,
-                {STATE_FILE: lambda f: serialize.save(payload, f)},
+                {STATE_FILE: lambda f: stream.save(payload, f, self._ring)},
                 reason=reason,
                 extra=extra,
                 world_size=_world_size(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import sys
+import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ class Staging:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffers: list[_Buffer] = []
         self.allocations = 0  # how many buffers were ever (re)allocated: stays flat once warm
+        self.alloc_s = 0.0  # seconds the last snapshot spent allocating (0 once warm)
         self._nbytes = 0
 
     @property
@@ -54,6 +56,7 @@ class Staging:
             self._nbytes = sum(b.tensor.numel() * b.tensor.element_size() for b in walk.buffers)
         self._buffers = walk.buffers  # tensors that disappeared from the state lose their buffers
         self.allocations += walk.allocations
+        self.alloc_s = walk.alloc_s
         with torch.no_grad():  # the buffers never join an autograd graph
             for non_blocking, (dst, src) in ((False, walk.plain), (True, walk.pinned)):
                 if dst:
@@ -80,6 +83,7 @@ class _Walk:
         self.old, self.pin = old, pin
         self.buffers: list[_Buffer] = []
         self.allocations = 0
+        self.alloc_s = 0.0
         self.plain: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.pinned: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -132,7 +136,10 @@ class _Walk:
             return None
         self.allocations += 1
         shape = t.shape
-        return _Buffer(torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin), shape, t.dtype, pin)
+        t0 = time.perf_counter()
+        buf = _Buffer(torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin), shape, t.dtype, pin)
+        self.alloc_s += time.perf_counter() - t0
+        return buf
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:

@@ -30,7 +30,7 @@ from spotguard.guard import agreement, buckets, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
-from spotguard.guard.saves import Saves
+from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import Emergency
@@ -106,8 +106,17 @@ class Guard:
             self._activity,
         )
         self.saves.engine = make_engine(
-            self.storage, self.local, self.agreement, o.keep, self.saves.committed, o.async_save, o.reshard, o.rebatch
+            self.storage,
+            self.local,
+            self.agreement,
+            o.keep,
+            self.saves.committed,
+            o.async_save,
+            o.reshard,
+            o.rebatch,
+            o.staging_budget,
         )
+        self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
@@ -463,6 +472,7 @@ def make_engine(
     staged_final: bool = True,
     reshard: Reshard | str = Reshard.REFUSE,
     rebatch: str = "refuse",
+    staging_budget: int | None = None,
 ) -> Engine:
     """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
     imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
@@ -470,7 +480,9 @@ def make_engine(
     if groups is None:
         from spotguard.checkpoint.single import SingleEngine
 
-        return SingleEngine(storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch)
+        return SingleEngine(
+            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
+        )
     from spotguard.checkpoint.sharded import ShardedEngine
 
     return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

@@ -97,6 +97,9 @@ class GuardOptions:
     # (None: $SPOTGUARD_TAKEOVER, else False), the other job then commits nothing more.
     lease_ttl: float | None = 60.0
     takeover: bool | None = None
+    # Bytes of host memory a periodic snapshot may hold (pinned with CUDA); a larger state is written
+    # synchronously, streamed through a few buffers. None: half the memory available at the first save.
+    staging_budget: int | None = None
 
     @property
     def background_sharded(self) -> bool:
@@ -142,6 +145,10 @@ class GuardOptions:
             raise ConfigError(f'every_seconds must be positive, "auto" or None, got {self.every_seconds!r}')
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"keep must be an int >= 1, got {self.keep!r}")
+        if self.staging_budget is not None and (
+            not isinstance(self.staging_budget, int) or isinstance(self.staging_budget, bool) or self.staging_budget < 1
+        ):
+            raise ConfigError(f"staging_budget must be a positive number of bytes or None, got {self.staging_budget!r}")
         if not self.interval > 0:
             raise ConfigError(f"interval must be positive, got {self.interval!r}")
         try:

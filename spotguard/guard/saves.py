@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from spotguard import heartbeat
+from spotguard.checkpoint.budget import pinned_bytes
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.errors import UnloadableStateError
@@ -23,8 +25,16 @@ from spotguard.guard.options import BusyPolicy
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
+from spotguard.notices.base import NoticeProvider
+from spotguard.planner import NOTICE_LEAD_S
 
 logger = logging.getLogger(__name__)
+
+
+def notice_lead(providers: Iterable[NoticeProvider]) -> tuple[str, float] | None:
+    """The shortest published notice of the clouds among ``providers`` (cloud, seconds), None for none."""
+    leads = [(p.name, NOTICE_LEAD_S[p.name]) for p in providers if p.name in NOTICE_LEAD_S]
+    return min(leads, key=lambda lead: lead[1]) if leads else None
 
 
 class Saves:
@@ -32,6 +42,10 @@ class Saves:
 
     #: The checkpoint engine, set by the Guard right after (it is given this object's ``committed``).
     engine: Engine
+    #: The shortest notice of the clouds polled, (cloud, seconds), set by the Guard: a state that cannot
+    #: commit within it at the measured rate is warned about once.
+    notice_lead: tuple[str, float] | None = None
+    _lead_warned = False
 
     def __init__(
         self,
@@ -58,7 +72,11 @@ class Saves:
     def committed(self, c: Commit) -> None:
         """The engine's ``on_commit``: from the loop's thread or the background writer's."""
         st = self.stats
-        (st.record_upload if c.uploaded else st.record_write)(c.seconds, c.manifest.size)
+        if c.synchronous:  # its own rate: what the emergency estimate uses
+            st.record_sync(c.seconds, c.manifest.size)
+        if not c.synchronous or c.manifest.reason in ("periodic", "advisory"):  # the periodic path's rate
+            (st.record_upload if c.uploaded else st.record_write)(c.seconds, c.manifest.size)
+        self._check_notice_lead()
         self.last_saved = c.manifest
         if c.tier == "durable":
             self.durable_step = max(c.manifest.step, self.durable_step or 0)
@@ -76,6 +94,25 @@ class Saves:
                 checkpoint_time=m.time,
                 **st.as_dict(),
             )
+
+    def _check_notice_lead(self) -> None:
+        lead, st = self.notice_lead, self.stats
+        if lead is None or self._lead_warned:
+            return
+        estimate = st.durable_seconds(two_tiers=self.engine.two_tiers)
+        if estimate is None or estimate <= lead[1] or not st.state_bytes:
+            return
+        self._lead_warned = True
+        logger.warning(
+            "an emergency checkpoint of this state (%.2f GB) takes ~%.0fs at the measured %.0f MB/s, longer "
+            "than %s's %.0fs notice: it would miss the deadline. Add a fast local tier (local_dir=, an "
+            "instance NVMe) or a faster store, and checkpoint more often so that a missed one loses less",
+            st.state_bytes / 1e9,
+            estimate,
+            st.state_bytes / estimate / 1e6,
+            lead[0].upper(),
+            lead[1],
+        )
 
     def resumed(self, done: Resumed | None) -> None:
         """The engine restored ``done`` (None: nothing to resume): the next save is planned from its step."""
@@ -149,8 +186,14 @@ class Saves:
             activity.end(heartbeat.SAVING, mark)
             raise
         stall = time.perf_counter() - t0
+        alloc = self.engine.alloc_s
         self.stats.record_snapshot(stall, self.engine.staged_bytes)
-        self.schedule.observe(stall)  # with async saves the loop only loses the snapshot
+        self.stats.alloc_s = alloc
+        budget = getattr(self.engine, "budget", None)  # the single-process engine's (sharded: none yet)
+        self.stats.staging_budget = budget.limit if budget is not None else None
+        self.stats.pinned_bytes = pinned_bytes()
+        # With async saves the loop only loses the snapshot; a first one's allocation is not a steady cost.
+        self.schedule.observe(max(stall - alloc, 0.0))
         self.saved_step = step
 
         def write(cancel: threading.Event) -> None:

@@ -37,7 +37,12 @@ class GuardStats:
     write_Bps: float | None = None
     upload_s: float | None = None  # local tier -> durable URL
     upload_Bps: float | None = None
+    sync_s: float | None = None  # saves the loop waited for (emergency, final, manual): the emergency's rate
+    sync_Bps: float | None = None
     emergency_s: float | None = None
+    staging_budget: int | None = None  # host memory a snapshot may hold (``staging_budget``)
+    pinned_bytes: int | None = None  # pinned host memory torch holds (CUDA only)
+    alloc_s: float | None = None  # the last snapshot's allocation of staging buffers, apart from its stall
     restore_s: float | None = None
     notices: dict[str, int] = field(default_factory=dict)  # distinct notices seen, by kind
 
@@ -54,17 +59,23 @@ class GuardStats:
         self.write_Bps = _ema(self.write_Bps, nbytes / max(seconds, 1e-9))
         self.state_bytes = nbytes
 
+    def record_sync(self, seconds: float, nbytes: int) -> None:
+        self.sync_s = _ema(self.sync_s, seconds)
+        self.sync_Bps = _ema(self.sync_Bps, nbytes / max(seconds, 1e-9))
+        self.state_bytes = nbytes
+
     def record_upload(self, seconds: float, nbytes: int) -> None:
         self.upload_s = _ema(self.upload_s, seconds)
         self.upload_Bps = _ema(self.upload_Bps, nbytes / max(seconds, 1e-9))
 
     def durable_seconds(self, nbytes: int | None = None, two_tiers: bool = False) -> float | None:
-        """Estimated time to write ``nbytes`` straight to the durable tier, from its measured rate.
+        """Estimated time of a synchronous save of ``nbytes`` to the durable tier (an emergency save).
 
-        With two tiers that is the upload rate, never the local disk's; unmeasured is None.
+        The measured rate of synchronous saves, once there is one; until then the background writes'
+        (with two tiers the upload's, never the local disk's). Unmeasured is None.
         """
         nbytes = self.state_bytes if nbytes is None else nbytes
-        rate = self.upload_Bps if two_tiers else self.write_Bps
+        rate = self.sync_Bps or (self.upload_Bps if two_tiers else self.write_Bps)
         if nbytes is None or not rate:
             return None
         return nbytes / rate

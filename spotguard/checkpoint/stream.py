@@ -1,0 +1,177 @@
+"""``torch.save`` whose tensor bytes are fed to the file in a pipeline, from the device or from host memory.
+
+Why: ``torch.save`` of a state on a GPU copies each storage to fresh pageable memory and writes it,
+one storage after another, the disk idle during every copy and the whole copy held in memory.
+An emergency save has the deadline's clock running through all of that.
+
+How: ``torch.serialization.skip_data`` makes ``torch.save`` write the pickle and every record's
+header as usual but *skip* each storage's bytes, with a relative ``seek``. ``StreamFile`` turns
+each such seek into the storage's bytes: storages are met in the order torch numbers them (the
+order of first appearance while pickling, found by a pickling pass of our own), host storages are
+written straight from their memory, and device storages go through a ``Ring`` of a few host
+buffers (pinned with CUDA): the device-to-host copy of chunk k+1 runs on a side stream while
+chunk k is written. The file is byte for byte what ``serialize.save`` writes (tested), so it loads
+with ``torch.load(weights_only=True)`` and an unchanged state still gives the same checksum.
+Host memory held: the ring's buffers (``Ring.nbytes``), whatever the state's size.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from collections import deque
+from typing import IO, Any
+
+import torch
+
+from spotguard.checkpoint import serialize
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 64 << 20  # bytes per ring buffer: large copies and writes, few of them
+SLOTS = 4  # buffers in the ring: a copy, a write, and room for the device to run ahead
+
+
+def storage_order(obj: Any) -> list[torch.UntypedStorage] | None:
+    """The storages ``torch.save(obj)`` writes, in its order (zero-byte ones have no record body).
+
+    None where ``skip_data`` cannot save ``obj`` (quantized or nested tensors): the plain path then."""
+    found: list[torch.UntypedStorage] = []
+    seen: set[int] = set()
+
+    class _Order(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
+                s = o._untyped_storage if isinstance(o, torch.storage.TypedStorage) else o
+                key = s._cdata
+                if key not in seen:
+                    seen.add(key)
+                    if s.nbytes():
+                        found.append(s)
+                return "s"
+            return None
+
+    try:
+        with torch.serialization.skip_data():  # the same reductions torch's own pass makes
+            _Order(io.BytesIO(), protocol=2).dump(obj)
+    except RuntimeError as e:  # "Cannot serialize ... under skip_data": not a streaming state
+        logger.debug("state not streamed (%s); plain torch.save", e)
+        return None
+    return found
+
+
+class Ring:
+    """A few reused host buffers that carry device storages to a file, chunk by chunk.
+
+    ``copy_host``: host storages go through the buffers too (tests, and a check that the pipeline
+    needs no device); by default they are written from their own memory, with no copy at all.
+    """
+
+    def __init__(self, chunk: int = CHUNK, slots: int = SLOTS, pin: bool | None = None, copy_host: bool = False):
+        if chunk <= 0 or slots < 2:
+            raise ValueError("a ring needs chunk > 0 and at least 2 slots")
+        self.chunk, self.slots, self.copy_host = chunk, slots, copy_host
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._buffers: list[torch.Tensor] = []
+        self._stream: Any = None
+        self.copied = 0  # bytes that went through the buffers (what the tests check)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the buffers hold."""
+        return sum(b.numel() for b in self._buffers)
+
+    def release(self) -> None:
+        self._buffers = []
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self._buffers) <= i:
+            self._buffers.append(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.pin))
+        return self._buffers[i][:size]
+
+    def write(self, storage: torch.UntypedStorage, out: IO[bytes]) -> None:
+        """Write ``storage``'s bytes to ``out``, in order."""
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        host = storage.device.type == "cpu"
+        if host and not self.copy_host:
+            out.write(flat.numpy().data)
+            return
+        n = flat.numel()
+        cuda = not host and flat.is_cuda
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(device=flat.device)
+        if cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(flat.device))  # the loop's last writes first
+        inflight: deque[tuple[torch.Tensor, Any]] = deque()
+        slot = 0
+        for off in range(0, n, self.chunk):
+            if len(inflight) == self.slots:
+                self._drain_one(inflight, out)
+            buf = self._buffer(slot, min(self.chunk, n - off))
+            slot = (slot + 1) % self.slots
+            if cuda:
+                with torch.cuda.stream(self._stream):
+                    buf.copy_(flat[off : off + buf.numel()], non_blocking=self.pin)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+            else:
+                buf.copy_(flat[off : off + buf.numel()])
+                event = None
+            inflight.append((buf, event))
+            self.copied += buf.numel()
+        while inflight:
+            self._drain_one(inflight, out)
+
+    @staticmethod
+    def _drain_one(inflight: deque[tuple[torch.Tensor, Any]], out: IO[bytes]) -> None:
+        buf, event = inflight.popleft()
+        if event is not None:
+            event.synchronize()
+        out.write(buf.numpy().data)
+
+
+class StreamFile:
+    """The file object ``torch.save`` writes to under ``skip_data``: its seeks become storage bytes."""
+
+    def __init__(self, out: IO[bytes], storages: list[torch.UntypedStorage], ring: Ring) -> None:
+        self._out, self._ring = out, ring
+        self._storages = deque(storages)
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        n = self._out.write(data)
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_CUR or not self._storages or self._storages[0].nbytes() != offset:
+            raise RuntimeError(f"unexpected seek({offset}, {whence}) while streaming a checkpoint")
+        self._ring.write(self._storages.popleft(), self._out)
+        self._pos += offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def check_done(self) -> None:
+        if self._storages:
+            raise RuntimeError(f"{len(self._storages)} storage(s) were never written while streaming a checkpoint")
+
+
+def save(obj: Any, f: IO[bytes], ring: Ring | None = None) -> None:
+    """``serialize.save(obj, f)`` (the same bytes), storages fed through ``ring``: see the module's docstring."""
+    storages = storage_order(obj) if hasattr(torch.serialization, "skip_data") else None
+    if storages is None:
+        serialize.save(obj, f)
+        return
+    stream = StreamFile(f, storages, ring or Ring())
+    with torch.serialization.skip_data():
+        serialize.save(obj, stream)  # type: ignore[arg-type]
+    stream.check_done()
