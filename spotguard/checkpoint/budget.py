@@ -69,21 +69,25 @@ class Budget:
         self.limit = limit
         self._warned = False
 
-    def fits(self, objects: Any, streamed_through: int) -> bool:
-        """Whether a snapshot of ``objects`` fits; one WARNING the first time it does not."""
+    def resolve(self) -> int:
+        """The limit in bytes (the default is taken when first asked)."""
         if self.limit is None:
             self.limit = default_budget()
+        return self.limit
+
+    def fits(self, objects: Any, streamed_through: int) -> bool:
+        """Whether a snapshot of ``objects`` fits; one WARNING the first time it does not."""
         need = tensor_bytes(objects)
-        if need <= self.limit:
+        if need <= self.resolve():
             return True
         if not self._warned:
             self._warned = True
             logger.warning(
                 "the state (%.2f GB) is larger than the staging budget (%.2f GB of host memory): periodic "
-                "checkpoints are written synchronously, streamed through %.0f MB of buffers (raise "
+                "checkpoints are written synchronously, streamed through at most %.0f MB of buffers (raise "
                 "staging_budget to write them in the background)",
                 need / 1e9,
-                self.limit / 1e9,
+                self.resolve() / 1e9,
                 streamed_through / 1e6,
             )
         return False

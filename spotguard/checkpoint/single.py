@@ -65,7 +65,7 @@ class SingleEngine:
     ) -> None:
         self.storage, self.local, self.keep = storage, local, keep
         self.budget = Budget(staging_budget)
-        self._ring = stream.Ring()
+        self._ring_made: stream.Ring | None = None
         self.rebatch = data.Rebatch(rebatch)
         self.two_tiers = local is not None
         self._on_commit = on_commit
@@ -73,6 +73,13 @@ class SingleEngine:
         self._staging = Staging()
         self._lock = threading.Lock()  # the loop's thread and the background writer may both prune
         self._checked = False  # the state was found loadable (``loadable.check``, at the first save)
+
+    @property
+    def _ring(self) -> stream.Ring:
+        """The buffers device state streams through (made on first use, within the staging budget)."""
+        if self._ring_made is None:
+            self._ring_made = stream.Ring.within(self.budget.resolve())
+        return self._ring_made
 
     @property
     def staged_bytes(self) -> int:

@@ -77,6 +77,12 @@ class Ring:
         self._stream: Any = None
         self.copied = 0  # bytes that went through the buffers (what the tests check)
 
+    @classmethod
+    def within(cls, budget: int) -> Ring:
+        """The default ring, its chunks made smaller where ``SLOTS`` of them would exceed ``budget`` bytes."""
+        chunk = min(CHUNK, max(budget // SLOTS // 4096 * 4096, 1 << 20))
+        return cls(chunk=chunk, slots=SLOTS)
+
     @property
     def nbytes(self) -> int:
         """Host memory the buffers hold."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from spotguard.checkpoint import fileio
 from spotguard.checkpoint.fileio import ALIGN, O_DIRECT, DirectFile
+from spotguard.errors import SaveCancelled
 from tests.helpers import chunked_digest
 
 SMALL = 2 * ALIGN  # a small buffer so that a few KB cross many buffer boundaries
@@ -105,3 +107,25 @@ def test_an_error_inside_the_block_propagates_and_closes(tmp_path):
 def test_buffer_size_must_be_aligned(tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         DirectFile(tmp_path / "f", buffer_size=1000)
+
+
+def test_a_cancel_stops_the_file_within_one_buffer_not_at_its_end(tmp_path, monkeypatch):
+    """An abandoned periodic save gives the disk up for the emergency one at once, mid-file."""
+    cancel = threading.Event()
+    written: list[int] = []
+    real = DirectFile._write_all
+
+    def counting(self, view):
+        written.append(len(view))
+        return real(self, view)
+
+    monkeypatch.setattr(DirectFile, "_write_all", counting)
+    f = DirectFile(tmp_path / "f", buffer_size=SMALL, cancel=cancel)
+    with pytest.raises(SaveCancelled):
+        with f:
+            f.write(os.urandom(SMALL))  # the first buffer is written
+            cancel.set()
+            for _ in range(100):  # a large file's worth of buffers, once cancelled
+                f.write(os.urandom(SMALL))
+    assert sum(written) <= 2 * SMALL  # at most the buffer already on its way
+    assert f.closed

@@ -1,0 +1,139 @@
+"""The emergency save's path: nothing but its commit on the deadline's clock, its own measured rate, the
+warning when a cloud's notice is too short for the state, and a staging budget that bounds host memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import spotguard
+from spotguard import Notice, checkpoint, notices
+from spotguard.guard.saves import notice_lead
+from spotguard.guard.stats import GuardStats
+from spotguard.storage import open_storage
+from tests.helpers import subprocess_env
+
+WORKER = "tests/workers/budget_job.py"
+
+
+def committed(root) -> list[tuple[int, str]]:
+    return [(i.step, i.manifest.reason) for i in checkpoint.scan(open_storage(str(root))) if i.complete]
+
+
+def test_an_emergency_save_leaves_pruning_to_the_next_save(tmp_path):
+    """Deleting an old multi-GB checkpoint took 2 s of a 30 s notice: the emergency save only commits."""
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=1, busy="wait")
+    g.track(model=torch.nn.Linear(4, 4))
+    with g:
+        g.step(1)
+        g.step(2)  # periodic, committed (busy="wait" below)
+        g.wait()
+        g.watcher.report(Notice("test", "terminate"))
+        assert g.step(3) is True
+    assert committed(tmp_path) == [(2, "periodic"), (3, "emergency")]  # keep=1, yet step 2 is still there
+
+    g2 = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=1, busy="wait")
+    g2.track(model=torch.nn.Linear(4, 4))
+    assert g2.resume() == 3
+    with g2:
+        g2.step(4)  # the next save prunes as usual
+        g2.wait()
+    assert committed(tmp_path) == [(4, "periodic")]
+
+
+def test_synchronous_saves_have_their_own_rate_and_the_emergency_estimate_uses_it():
+    st = GuardStats()
+    st.record_write(1.0, 1_000_000_000)  # background: 1 GB/s
+    assert st.durable_seconds() == pytest.approx(1.0)  # nothing synchronous measured yet: the background rate
+    st.record_sync(4.0, 1_000_000_000)  # what the loop waited for: 250 MB/s
+    assert st.write_Bps == pytest.approx(1e9)  # not averaged together
+    assert st.durable_seconds() == pytest.approx(4.0)
+    assert st.durable_seconds(two_tiers=True) == pytest.approx(4.0)  # straight to the durable tier, measured
+
+
+def test_a_guard_records_a_manual_save_as_synchronous_and_a_periodic_one_as_background(tmp_path):
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=1, keep=5, busy="wait", save_on_exit=False)
+    g.track(model=torch.nn.Linear(64, 64))
+    with g:
+        g.step(1)
+        g.wait()
+        st = g.stats()
+        assert st.write_Bps is not None and st.sync_Bps is None
+        g.save(10, "manual")
+        assert st.sync_Bps is not None and st.sync_s is not None
+
+
+def test_the_shortest_notice_of_the_clouds_polled(tmp_path):
+    assert notice_lead(notices.build(["aws", "signal"])) == ("aws", 120.0)
+    assert notice_lead(notices.build(["aws", "gcp"])) == ("gcp", 30.0)
+    assert notice_lead(notices.build(["signal"])) is None
+    g = spotguard.Guard(str(tmp_path), providers=["azure"])  # built, never started: nothing is polled
+    assert g.saves.notice_lead == ("azure", 30.0)
+
+
+def test_one_warning_when_the_measured_state_cannot_commit_within_the_notice(tmp_path, caplog):
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=1, keep=2, busy="wait", save_on_exit=False)
+    g.track(model=torch.nn.Linear(64, 64))
+    g.saves.notice_lead = ("gcp", 1e-6)  # any measured save is slower than this notice
+    with caplog.at_level(logging.WARNING, logger="spotguard"), g:
+        for s in range(1, 4):
+            g.step(s)
+            g.wait()
+    warned = [r for r in caplog.records if "notice: it would miss the deadline" in r.getMessage()]
+    assert len(warned) == 1
+    assert "GCP's 0s notice" in warned[0].getMessage() and "MB/s" in warned[0].getMessage()
+
+
+def test_no_warning_when_it_fits(tmp_path, caplog):
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=1, keep=2, busy="wait", save_on_exit=False)
+    g.track(model=torch.nn.Linear(8, 8))
+    g.saves.notice_lead = ("aws", 120.0)
+    with caplog.at_level(logging.WARNING, logger="spotguard"), g:
+        g.step(1)
+        g.wait()
+    assert not [r for r in caplog.records if "miss the deadline" in r.getMessage()]
+
+
+def test_the_first_snapshots_allocation_is_recorded_apart_from_the_stall(tmp_path):
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=1, keep=2, busy="wait", save_on_exit=False)
+    g.track(model=torch.nn.Linear(512, 512))
+    with g:
+        g.step(1)
+        g.wait()
+        first = g.stats().alloc_s
+        g.step(2)
+        g.wait()
+        assert first is not None and first > 0.0
+        assert g.stats().alloc_s == 0.0  # warm: the buffers are reused
+
+
+def test_staging_budget_is_validated():
+    with pytest.raises(spotguard.ConfigError, match="staging_budget"):
+        spotguard.Guard("unused", providers=[], staging_budget=-1)
+
+
+def run_budget_job(root, budget: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, WORKER, str(root), budget], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_state_over_the_staging_budget_is_saved_within_it_and_resumes_exactly(tmp_path):
+    """Without a budget the snapshot holds a copy of the whole state; with one smaller than the state the
+    save streams it, and the process's peak memory grows by no more than the budget and the writer's buffers."""
+    free = run_budget_job(tmp_path / "free", "none")
+    assert free["grew"] >= free["state"]  # the measure sees a full copy when there is one
+    budget = 32 << 20
+    tight = run_budget_job(tmp_path / "tight", str(budget))
+    assert tight["budget"] == budget and tight["checkpoints"] == 1
+    assert tight["grew"] <= budget + (40 << 20)  # + DirectFile's two 16 MiB buffers and small change
+    a = torch.load(tmp_path / "free/step-00000001/state.pt", weights_only=True)["objects"]["model"]
+    b = torch.load(tmp_path / "tight/step-00000001/state.pt", weights_only=True)["objects"]["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
