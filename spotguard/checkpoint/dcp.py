@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotguard.checkpoint import item_io, serialize
+from spotguard.checkpoint import item_io, stream
 from spotguard.checkpoint.item_io import Slice
 from spotguard.checkpoint.manifest import FileEntry, HashingWriter
 from spotguard.errors import CheckpointCorruptError, SaveCancelled
@@ -68,9 +68,11 @@ def _done(value: Any) -> Future:
     return fut
 
 
-def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """This tensor alone on CPU: ``torch.save`` of a view would write the whole storage behind it."""
-    t = tensor.detach().to("cpu")
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    """This tensor alone in its storage, where it lives: ``torch.save`` of a view would write the whole
+    storage behind it. A device tensor stays on the device: ``stream.save`` carries it to the file in
+    chunks through pinned buffers, instead of a pageable copy of the whole item first."""
+    t = tensor.detach()
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
         t = t.clone(memory_format=torch.contiguous_format)
     return t
@@ -93,6 +95,7 @@ class SpotguardWriter(StorageWriter):
         *,
         deadline: float | None = None,
         cancel: threading.Event | None = None,
+        ring: stream.Ring | None = None,
     ) -> None:
         super().__init__()
         self.storage = storage
@@ -100,6 +103,7 @@ class SpotguardWriter(StorageWriter):
         self.rank = rank
         self.deadline = deadline
         self.cancel = cancel
+        self.ring = ring or stream.Ring()
         self.entries: list[FileEntry] = []
 
     def _check_cancel(self, what: str) -> None:
@@ -132,7 +136,7 @@ class SpotguardWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
                 else:
-                    serialize.save(_plain_cpu(data), out)  # type: ignore[arg-type]  # streamed, no extra copy
+                    stream.save(_alone(data), out, self.ring)  # type: ignore[arg-type]  # streamed, no extra copy
                 length = out.size - offset
                 results.append(
                     WriteResult(

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, leaseholder, loadable, serialize, sharded_async, sharded_load, state
+from spotguard.checkpoint import data, layout, leaseholder, loadable, sharded_async, sharded_load, state, stream
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
@@ -79,6 +79,7 @@ class ShardedEngine:
         self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
         self._on_commit = on_commit
         self._staging = Staging()
+        self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
 
     @property
@@ -131,7 +132,7 @@ class ShardedEngine:
         self._check_once(staged, step, collective=True)
         manifest = self._write(step, reason, staged, deadline)
         if manifest is not None:
-            self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
+            self._on_commit(Commit(manifest, "durable", time.monotonic() - t0, synchronous=True))
         return manifest
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
@@ -199,7 +200,7 @@ class ShardedEngine:
         try:
             with self.storage.open_write(f"{step_dir(step)}/{rank_file(rank)}", deadline=deadline) as raw:
                 out = HashingWriter(raw)
-                serialize.save(staged.payload, out)  # type: ignore[arg-type]
+                stream.save(staged.payload, out, self._ring)  # type: ignore[arg-type]
         except Exception as e:
             return explain(e, rank), []
         return "", [out.entry(rank_file(rank))]
@@ -222,11 +223,12 @@ class ShardedEngine:
         return raw
 
     def _committed(self, raw: bytes, step: int, reason: str) -> Manifest:
-        """Every rank, after the commit: the manifest; rank 0 prunes old checkpoints."""
+        """Every rank, after the commit: the manifest; rank 0 prunes old checkpoints, except after an
+        emergency save (nothing but its commit on the deadline's clock: the next save prunes)."""
         manifest = Manifest.from_bytes(raw, where=step_dir(step))
         world = self.groups.world_size
         logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
-        if self.groups.rank == 0:
+        if self.groups.rank == 0 and reason != "emergency":
             try:
                 layout.prune(self.storage, self.keep)
             except Exception as e:
@@ -251,7 +253,7 @@ class ShardedEngine:
         error, entries = self._write_rank_file(step, staged, deadline)
         # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
         if not self.groups.reduce(2 if error else 0, group):
-            writer = SpotguardWriter(self.storage, name, rank, deadline=deadline)
+            writer = SpotguardWriter(self.storage, name, rank, deadline=deadline, ring=self._ring)
             try:
                 dcp.save(staged.sd, storage_writer=writer, process_group=group)
                 entries.extend(writer.entries)

@@ -242,3 +242,18 @@ def test_emergency_that_cannot_make_the_deadline_keeps_the_inflight_async_sharde
         assert guard.step(3) is True
     assert [(i.step, i.manifest.reason) for i in scan(guard.storage) if i.complete] == [(1, "periodic")]
     assert "2 step(s) will be lost" in caplog.text
+
+
+def test_a_sharded_emergency_save_leaves_pruning_to_the_next_save(tmp_path, group):
+    guard, model, opt, sched = make(tmp_path, keep=1, async_sharded=False)
+    train(model, opt, sched, 1)
+    guard.save(1)
+    guard.watcher.report(Notice("test", "terminate"))
+    with guard:
+        train(model, opt, sched, 1)
+        assert guard.step(2) is True
+    assert [(i.step, i.manifest.reason) for i in scan(LocalStorage(str(tmp_path))) if i.complete] == [
+        (1, "manual"),
+        (2, "emergency"),
+    ]  # keep=1, and step 1 is still there: nothing but the commit ran on the deadline's clock
+    assert guard.stats().sync_Bps is not None  # a synchronous save's own rate, for the next estimate
