@@ -98,6 +98,9 @@ class Engine(Protocol):
     def alloc_s(self) -> float:
         """Seconds the last snapshot spent allocating those buffers (a first save's, not the loop's cost)."""
 
+    def reserve(self, tracked: Tracked) -> None:
+        """Start allocating the buffers of periodic snapshots in the background (the first step after a start)."""
+
     def resume(self, tracked: Tracked) -> Resumed | None:
         """Restore the newest checkpoint that verifies into ``tracked`` (None: there is none)."""
 

@@ -90,6 +90,9 @@ class ShardedEngine:
     def alloc_s(self) -> float:
         return self._staging.alloc_s
 
+    def reserve(self, tracked: Tracked) -> None:
+        """Not here: collecting a sharded state may be collective, and this runs on one rank's schedule."""
+
     def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None, final: bool = False) -> Staged:
         """This rank's state, never raising (a failure is carried, then agreed on by ``_write``).
 

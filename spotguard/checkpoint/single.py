@@ -10,7 +10,6 @@ local copy on a tie: an upload keeps the local manifest, so a tie is the same co
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import threading
 import time
@@ -19,10 +18,10 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, loadable, reader, state, stream
-from spotguard.checkpoint.budget import Budget
+from spotguard.checkpoint import data, layout, loadable, reader, stale_local, state, stream
+from spotguard.checkpoint.budget import Budget, tensor_bytes
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
+from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
 from spotguard.storage import Storage
@@ -90,6 +89,13 @@ class SingleEngine:
         """Seconds the last snapshot spent allocating staging buffers (not the loop's steady cost)."""
         return self._staging.alloc_s
 
+    def reserve(self, tracked: Tracked) -> None:
+        """Start allocating the staging of periodic saves off the loop's thread (``Staging.reserve``)."""
+        with state.rng_isolated():  # collecting a loader's state may draw
+            objects = state.collect(tracked.objects)
+        if tensor_bytes(objects) <= self.budget.resolve():
+            self._staging.reserve(objects)
+
     # -- saving --------------------------------------------------------------------------------
     def _payload(self, tracked: Tracked, step: int, staged: bool, final: bool = False) -> tuple[dict[str, Any], bool]:
         """The state as one canonical structure: the same state serialises to the same bytes (the final
@@ -148,11 +154,11 @@ class SingleEngine:
         stale: list[CheckpointInfo] = []
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
             payload, _ = self._payload(tracked, step, staged=final and self._staged_final, final=final)
-            on_content = self._find_stale_local(step, tracked.extra, stale) if final else None
+            on_content = stale_local.finder(self.local, step, tracked.extra, stale) if final else None
             manifest = self._write(
                 self.storage, step, reason, payload, tracked.extra, deadline=deadline, on_content=on_content
             )
-        self._drop_stale_local(stale)  # the durable tier holds the final content now (written or already there)
+        stale_local.drop(self.local, stale)  # the durable tier holds the final content now (written or already there)
         if manifest is not None:
             took = time.monotonic() - t0
             if reason != "emergency":  # the deadline's clock runs: the next save prunes
@@ -241,42 +247,6 @@ class SingleEngine:
                 layout.prune(storage, self.keep)
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
-
-    def _find_stale_local(
-        self, step: int, extra: dict[str, Any], stale: list[CheckpointInfo]
-    ) -> Callable[[tuple[FileEntry, ...]], None]:
-        """For a final save: collect into ``stale`` the local tier's checkpoints of ``step`` whose
-        content differs from the final one (``entries``, known before the durable tier is touched)."""
-
-        def check(entries: tuple[FileEntry, ...]) -> None:
-            if self.local is not None:
-                extra_json = json.loads(json.dumps(extra))
-                stale.extend(
-                    i
-                    for i in reader.scan(self.local)
-                    if i.step == step
-                    and i.status != NEWER_FORMAT  # a newer spotguard's: never deleted here
-                    and (i.manifest is None or i.manifest.files != entries or i.manifest.extra != extra_json)
-                )
-
-        return check
-
-    def _drop_stale_local(self, stale: list[CheckpointInfo]) -> None:
-        """Delete the local copies a final save superseded, once the durable manifest is committed.
-
-        Why only then: deleting first leaves a window where a kill finds neither copy (the durable
-        one of the step is replaced, manifest first, before the new files are stored). Every point
-        of a kill is safe in this order: before the durable commit the stale local copy (the state
-        of the previous commit of that step) is the resume point, and no newer one exists; after
-        it, both copies exist until this deletes the local one, and ``resume`` takes the copy
-        committed last (the durable one). Never raises: the final checkpoint is committed.
-        """
-        for info in stale:
-            try:
-                layout.delete(self.local, info.name)  # type: ignore[arg-type]  # stale only with a local tier
-                logger.info("removed %s: the final state of step %d differs", self.local.describe(info.name), info.step)  # type: ignore[union-attr]
-            except OSError as e:  # StorageError included
-                logger.warning("cannot remove the stale local copy %s: %s", info.name, e)
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, tracked: Tracked) -> Resumed | None:

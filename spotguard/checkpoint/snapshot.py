@@ -10,13 +10,18 @@ must not take a new snapshot while a previous one is still being written (at mos
 from __future__ import annotations
 
 import copy as copy_module
+import logging
 import sys
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
 
+from spotguard.checkpoint.slabs import Need, carve
+
+logger = logging.getLogger(__name__)
 _ATOMS = (int, float, bool, str, bytes, type(None))  # immutable: shared, not deep-copied
 _SCALARS = (int, float, bool, type(None))  # what canonical() returns as it is, without a call
 _Tensor = torch.Tensor
@@ -40,8 +45,31 @@ class Staging:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffers: list[_Buffer] = []
         self.allocations = 0  # how many buffers were ever (re)allocated: stays flat once warm
-        self.alloc_s = 0.0  # seconds the last snapshot spent allocating (0 once warm)
+        self.alloc_s = 0.0  # seconds the last snapshot spent allocating or waiting for ``reserve`` (0 once warm)
         self._nbytes = 0
+        self._reserving: threading.Thread | None = None
+        self._reserved: list[_Buffer] = []
+
+    def reserve(self, state: Any) -> None:
+        """Allocate the buffers a snapshot of ``state`` will need on a helper thread, in a few slabs
+        (``slabs``), so that the first snapshot finds them ready. Only when cold. ``state`` is walked
+        here, on the caller's thread (the loop's: nothing else reads the live state)."""
+        if self._buffers or self._reserving is not None:
+            return
+        plan = _Plan(self.pin)
+        plan.copy(state)
+        needs = plan.needs
+
+        def run() -> None:
+            try:
+                self._reserved = [
+                    _Buffer(t, n.shape, n.dtype, n.pinned) for t, n in zip(carve(needs), needs, strict=True)
+                ]
+            except Exception as e:  # e.g. pinned memory refused: the first snapshot allocates as it would have
+                logger.warning("cannot reserve the checkpoint staging in the background (%s: %s)", type(e).__name__, e)
+
+        self._reserving = threading.Thread(target=run, name="spotguard-staging", daemon=True)
+        self._reserving.start()
 
     @property
     def nbytes(self) -> int:
@@ -50,13 +78,22 @@ class Staging:
 
     def snapshot(self, state: Any) -> Any:
         """A canonical copy of ``state`` whose tensors live in this staging area (CPU, possibly pinned)."""
+        waited, fresh = 0.0, False
+        if self._reserving is not None:  # the buffers ``reserve`` is allocating: wait for them
+            t0 = time.perf_counter()
+            self._reserving.join()
+            waited = time.perf_counter() - t0
+            self._reserving, fresh = None, not self._buffers
+            if fresh:
+                self._buffers = self._reserved
+            self._reserved = []
         walk = _Walk(self._buffers, self.pin)
         out = walk.copy(state)
-        if walk.allocations or len(walk.buffers) != len(self._buffers):
+        if fresh or walk.allocations or len(walk.buffers) != len(self._buffers):
             self._nbytes = sum(b.tensor.numel() * b.tensor.element_size() for b in walk.buffers)
         self._buffers = walk.buffers  # tensors that disappeared from the state lose their buffers
         self.allocations += walk.allocations
-        self.alloc_s = walk.alloc_s
+        self.alloc_s = walk.alloc_s + waited
         with torch.no_grad():  # the buffers never join an autograd graph
             for non_blocking, (dst, src) in ((False, walk.plain), (True, walk.pinned)):
                 if dst:
@@ -140,6 +177,21 @@ class _Walk:
         buf = _Buffer(torch.empty(shape, dtype=t.dtype, device="cpu", pin_memory=pin), shape, t.dtype, pin)
         self.alloc_s += time.perf_counter() - t0
         return buf
+
+
+class _Plan(_Walk):
+    """A walk that only lists the buffers a snapshot would pair with the state's tensors, in its order."""
+
+    def __init__(self, pin: bool) -> None:
+        super().__init__([], pin)
+        self.needs: list[Need] = []
+
+    def stage(self, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not _Tensor and _is_dtensor(t):
+            return self.stage(t._local_tensor)  # type: ignore[attr-defined]
+        if t.layout is _STRIDED and not t.is_quantized:
+            self.needs.append(Need(t.shape, t.dtype, self.pin and t.is_cuda))
+        return t
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:

@@ -118,6 +118,7 @@ class Guard:
         )
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
+        self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         self.metrics: GuardMetrics | None = None
@@ -219,6 +220,9 @@ class Guard:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
         self._beat[0] = step
         self._step = step
+        if self._reserve_due:  # after a training step: an optimizer has made its state by now
+            self._reserve_due = False
+            self.saves.reserve()
         if self.agreement is not None:
             return self._vote(step)
         s = self.schedule

@@ -165,6 +165,15 @@ class Saves:
         self.events.emit("failed", step=step, reason=reason, error=f"{type(error).__name__}: {error}")
 
     # -- in the background ---------------------------------------------------------------------
+    def reserve(self) -> None:
+        """Have the engine allocate the staging of periodic saves off the loop (never raises into it)."""
+        try:
+            self.engine.reserve(self.tracked)
+        except Exception as e:
+            logger.warning(
+                "cannot reserve the checkpoint staging (%s: %s); the first save allocates it", type(e).__name__, e
+            )
+
     def start(self, step: int, reason: str, busy: bool | None = None) -> None:
         """Snapshot now, write in the background. ``busy``: whether the previous save is still in
         flight ([distributed] agreed by all ranks; by default this process's own view)."""

@@ -137,3 +137,28 @@ def test_a_state_over_the_staging_budget_is_saved_within_it_and_resumes_exactly(
     a = torch.load(tmp_path / "free/step-00000001/state.pt", weights_only=True)["objects"]["model"]
     b = torch.load(tmp_path / "tight/step-00000001/state.pt", weights_only=True)["objects"]["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_staging_is_reserved_in_slabs_off_the_loop_before_the_first_save(tmp_path):
+    """The first periodic save finds its buffers allocated: nothing is allocated on the loop's thread."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters())
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=2, busy="wait", save_on_exit=False)
+    g.track(model=model, optimizer=opt)
+    staging = g.saves.engine._staging
+    with g:
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()  # AdamW makes its moments here, lazily
+        g.step(1)  # not due: the reservation starts
+        assert staging._reserving is not None
+        staging._reserving.join()
+        reserved = staging._reserved
+        assert len(reserved) == 16 + 16 * 2 + 16  # params, AdamW's moments and steps
+        storages = {b.tensor.untyped_storage().data_ptr() for b in reserved}
+        assert len(storages) == len(reserved)  # each buffer its own storage: torch.save writes only its bytes
+        g.step(2)  # due: the snapshot uses the reserved buffers
+        g.wait()
+        assert staging.allocations == 0 and g.stats().alloc_s < 0.05
+    saved = torch.load(tmp_path / "step-00000002/state.pt", weights_only=True)["objects"]
+    assert all(torch.equal(saved["model"][k], v) for k, v in model.state_dict().items())
+    assert saved["optimizer"]["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
