@@ -81,7 +81,8 @@ class FolderCheckpoints:
         extra: dict[str, Any] | None = None,
         supersede: bool = False,
     ) -> Manifest | None:
-        """Store ``folder`` as checkpoint ``step`` (manifest last) and prune; None when already committed.
+        """Store ``folder`` as checkpoint ``step`` (manifest last) and prune (not after an emergency save);
+        None when already committed.
         ``supersede``: a committed checkpoint of ``step`` holds another state; this one replaces it, as the
         step's next revision (``step-N.rK/``): the old one stays the resume point until this one is
         committed, and ``prune`` deletes it then.
@@ -118,8 +119,8 @@ class FolderCheckpoints:
             manifest.size / 1e6,
             tail,
         )
-        if self.group.rank != 0:
-            return manifest  # rank 0 prunes for all
+        if self.group.rank != 0 or reason == "emergency":
+            return manifest  # rank 0 prunes for all; never on a deadline's clock (the next commit prunes)
         try:
             checkpoint.prune(self.storage, self.keep)
         except Exception as e:

@@ -84,6 +84,16 @@ def test_commit_prunes_to_keep_and_a_committed_step_is_not_written_twice(tmp_pat
     assert checkpoint.latest(ckpts.storage).manifest.reason == "periodic"
 
 
+def test_an_emergency_commit_leaves_pruning_to_the_next_commit(tmp_path):
+    """A trainer's emergency save: nothing of ours but the commit on the deadline's clock."""
+    ckpts = FolderCheckpoints(str(tmp_path / "ckpt"), keep=1)
+    ckpts.commit(1, trainer_folder(tmp_path / "out", 1), "periodic")
+    ckpts.commit(2, trainer_folder(tmp_path / "out", 2), "emergency")
+    assert [i.step for i in checkpoint.scan(ckpts.storage)] == [1, 2]
+    ckpts.commit(3, trainer_folder(tmp_path / "out", 3), "periodic")
+    assert [i.step for i in checkpoint.scan(ckpts.storage)] == [3]
+
+
 def test_storage_comes_from_the_environment_or_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("SPOTGUARD_STORAGE", raising=False)
     with pytest.raises(ConfigError, match="SPOTGUARD_STORAGE"):
