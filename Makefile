@@ -27,11 +27,13 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py $(ONLY) --machine "$(BENCH_MACHINE)"
 
-# On a CUDA machine (torch==2.13.0 with CUDA in the venv): the tests marked gpu, then the loop's
-# stall per checkpoint against the device-to-host copy. Without CUDA both say so and pass.
+# On a CUDA machine (torch==2.13.0 with CUDA in the venv): the tests marked gpu, the loop's stall per
+# checkpoint against the device-to-host copy, then a real-size state (~9 GB) with every figure beside
+# its baseline. Without CUDA the tests skip and the real-size rows are measured on the CPU (0.5 GB).
 gpu-check: $(VENV)/.installed
 	$(PY) -m pytest -m gpu -v -rs
 	$(PY) bench/checkpoint_stall.py --device cuda --size-mb 1024
+	$(PY) bench/gpu_real_size.py
 
 # checkov in a venv of its own: its bc-python-hcl2 installs a module `hcl2` that clashes with python-hcl2.
 # tests/terraform/test_checkov.py runs it (skipped when missing, failed when missing in CI).
