@@ -39,6 +39,7 @@ from _shaper import Shaper  # noqa: E402
 from storage import fake_gcs_server, moto_server  # noqa: E402
 
 import spotguard  # noqa: E402
+import spotguard.storage  # noqa: E402
 from spotguard import Notice  # noqa: E402
 
 
@@ -49,9 +50,13 @@ def state_of(size_mb: int) -> torch.nn.Module:
     )
 
 
-def one(url: str, model: torch.nn.Module, budget: float) -> tuple[float, BaseException | None]:
-    """Seconds from the notice to the commit (or to giving up), and why it was not committed."""
-    guard = spotguard.Guard(url, providers=[], save_on_exit=False).track(model=model)
+def one(url: str, model: torch.nn.Module, budget: float, streams: bool = True) -> tuple[float, BaseException | None]:
+    """Seconds from the notice to the commit (or to giving up), and why it was not committed.
+    ``streams=False``: the path before issue 33, the file written whole, then uploaded."""
+    storage = spotguard.storage.open_storage(url)
+    if not streams:
+        storage.streams = False
+    guard = spotguard.Guard(storage, providers=[], save_on_exit=False).track(model=model)
     with guard:
         guard.step(1)
         notice = Notice("bench", "preempt", deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=budget))
@@ -109,6 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sg-emerg-"))
     results = []  # (where, baseline label, size MB, our seconds, baseline seconds, committed, 2x target)
+    streamed = []  # (where, size MB, streamed seconds, spool-then-upload seconds)
     try:
         with ExitStack() as stack:
             tiers = {"custom": args.url} if args.url else {}
@@ -163,6 +169,10 @@ def main() -> int:
                         print(f"{size} MB on {where}: NOT committed: {type(error).__name__}: {error}", flush=True)
                         where += f"; NOT committed: {type(error).__name__}"
                     results.append((where, label, size, ours, base, error is None, tier.endswith("-shaped")))
+                    if tier == "s3-shaped":  # the upload streamed while the file is written, against after it
+                        url = f"{root.rstrip('/')}/spooled-{size}-{time.time_ns()}"
+                        spooled, _ = one(url, model, args.budget, streams=False)
+                        streamed.append((where, size, ours, spooled))
                 del model
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -181,6 +191,18 @@ def main() -> int:
                 else (lambda v, r, ok=ok: ok and v < args.budget),
             )
             for where, label, size, ours, base, ok, two_x in results
+        ]
+        + [
+            row(
+                f"emergency notice->commit {size} MB, upload streamed as the file lands ({where})",
+                round(ours, 2),
+                "s",
+                baseline=round(spooled, 2),
+                baseline_label="the same save, file written whole, then uploaded (before issue 33)",
+                target="ratio < 1",
+                passed=lambda v, r: r is not None and r < 1,
+            )
+            for where, size, ours, spooled in streamed
         ],
         args.json,
     )

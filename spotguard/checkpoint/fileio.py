@@ -50,9 +50,11 @@ class DirectFile:
         direct: bool = True,
         crc: Callable[[Any, Any], Any] | None = None,
         cancel: threading.Event | None = None,
+        on_grow: Callable[[int], None] | None = None,
     ) -> None:
         """``cancel``: once set, the next full buffer raises ``SaveCancelled`` instead of being written, so an
-        abandoned save gives the disk up within one buffer, not at the end of its file.
+        abandoned save gives the disk up within one buffer, not at the end of its file. ``on_grow``: called
+        from the I/O thread with the bytes on disk so far after each buffer's write (a streamed upload reads them).
         ``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``:
         a CRC, or Azure's per-block digests) in the same pass, for the service that receives the file to
         check it against (``self.crc``, its final state)."""
@@ -73,6 +75,8 @@ class DirectFile:
         self.alg = self._hash_state.alg
         self._crc_update = crc
         self._cancel = cancel
+        self._on_grow = on_grow
+        self._landed = 0
         self.crc: Any = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
@@ -163,7 +167,7 @@ class DirectFile:
             raise SaveCancelled("save abandoned while writing a file")
         view = self._views[self._current]
         self._inflight = [
-            self._io.submit(self._write_all, view[:length]),
+            self._io.submit(self._write_all, view[:length], length if data is None else data),
             self._hasher.submit(self._hash, view[: length if data is None else data]),
         ]
         self._current, self._fill = 1 - self._current, 0
@@ -185,7 +189,8 @@ class DirectFile:
         if self._crc_update is not None:
             self.crc = self._crc_update(data, self.crc)
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_all(self, view: memoryview, data: int = 0) -> None:
+        """Write ``view`` whole (``data`` of its bytes are the file's, the rest O_DIRECT padding)."""
         while view:
             try:
                 n = os.write(self._fd, view)
@@ -197,6 +202,9 @@ class DirectFile:
                 self.direct = False
                 continue
             view = view[n:]
+        if self._on_grow is not None:
+            self._landed += data
+            self._on_grow(self._landed)
 
     def _release(self) -> None:
         self.closed = True

@@ -39,6 +39,7 @@ from spotguard.errors import (
     StorageError,
 )
 from spotguard.storage.base import Storage
+from spotguard.storage.growing import Upload
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,19 @@ def write(
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
             path = scratch / f"{i}-{fname.replace('/', '_')}"
-            # checksum and CRC in one pass; a cancel stops the file within one buffer
-            with DirectFile(path, crc=upload_crc or storage.upload_crc, cancel=cancel) as out:
-                writer(out)  # type: ignore[arg-type]  # a binary file object
+            # Straight to a bucket: the upload reads each part as it lands (the sum becomes a maximum).
+            up = Upload(storage, f"{name}/{fname}", path, deadline) if storage.streams and not replace else None
+            try:  # checksum and CRC in one pass; a cancel stops the file within one buffer
+                with DirectFile(
+                    path, crc=upload_crc or storage.upload_crc, cancel=cancel, on_grow=up.grew if up else None
+                ) as out:
+                    writer(out)  # type: ignore[arg-type]  # a binary file object
+            except BaseException as e:
+                if up is not None:
+                    up.abandon(e)
+                raise
+            if up is not None:
+                up.finish(out.size, out.crc)
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
             entries.append(out.entry(fname))
@@ -108,7 +119,7 @@ def write(
                 crcs[fname] = out.crc
             if replace:
                 held.append((fname, path, own_crc))
-            else:
+            elif up is None:
                 _put_file(storage, f"{name}/{fname}", path, deadline, own_crc)
         if replace:
             if on_content is not None:

@@ -103,6 +103,14 @@ class Storage(abc.ABC):
         the bytes pass hands the final state to ``put_file(crc=...)``: the file is not read twice."""
         return None
 
+    #: Whether ``put_stream`` uploads a file while it is still being written (``layout.write`` then
+    #: streams each file it writes, instead of writing it whole and then calling ``put_file``).
+    streams: bool = False
+
+    def put_stream(self, key: str, growing: Any, *, deadline: float | None = None) -> None:
+        """Store the file a writer is appending to (``storage.growing.GrowingFile``), as it grows."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream uploads")
+
     def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         """Store a local file (backends override this with their parallel transfer machinery).
         ``crc``: the file's ``upload_crc``, computed when it was written (ignored where there is none)."""

@@ -213,6 +213,17 @@ class CloudStorage(Storage):
         size = path.stat().st_size
         self._upload(key, path, self._upload_checksum(key, crc, path, size), size, deadline)
 
+    def put_stream(self, key: str, growing: Any, *, deadline: float | None = None) -> None:
+        """Upload the file a writer is appending to, part by part as it lands (``streams``); each attempt
+        reads it again from the start. Nothing is stored if the writer fails (``growing.WriterFailed``)."""
+        check_key(key)
+        with self._client_for(deadline) as client:
+            self._call("upload", key, lambda: self._stream(client, key, growing, deadline), deadline)
+
+    def _stream(self, client: Any, key: str, growing: Any, deadline: float | None) -> None:
+        """One attempt of ``put_stream`` (backends with ``streams = True``)."""
+        raise NotImplementedError
+
     def _upload(self, key: str, path: Path, crc: Any, size: int, deadline: float | None) -> None:
         with self._client_for(deadline) as client:
             self._call("upload", key, lambda: self._send(client, key, path, crc, size, deadline), deadline)

@@ -34,7 +34,7 @@ from ..errors import ConfigError, StorageAccessError, StorageError
 from . import retry
 from ._common import check_fields, split_url
 from .base import STEP_DIR, Leftover, ObjectNotFoundError
-from .cloud import CloudStorage, _Conflict, urgent_timeout
+from .cloud import CloudStorage, _ChecksumMismatch, _Conflict, urgent_timeout
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
@@ -233,6 +233,34 @@ class S3Storage(CloudStorage):
             Callback=self.progress,
         )
 
+    streams = True
+
+    def _stream(self, client: Any, key: str, growing: Any, deadline: float | None) -> None:
+        """Parts read as the file lands (a non-seekable stream: boto3 reads each part into memory, at most
+        ``concurrency + 2`` of ``2 * part_size``; up to 10,000 parts), each with a CRC32 S3 checks; the
+        reader refuses a file whose CRC32 differs from the writer's (damaged on the local disk since)."""
+        o = self.options
+        config = TransferConfig(  # not _config(size): the size is not known yet
+            multipart_threshold=o.multipart_threshold,
+            multipart_chunksize=2 * o.part_size,
+            max_concurrency=o.concurrency,
+            use_threads=True,
+            preferred_transfer_client="classic",
+        )
+        config.max_in_memory_upload_chunks = o.concurrency + 2  # s3transfer's, not a boto3 argument
+        reader = growing.reader(self.upload_crc)
+        try:
+            client.upload_fileobj(
+                reader,
+                self.bucket,
+                self._key(key),
+                Config=config,
+                ExtraArgs={"ChecksumAlgorithm": "CRC32"},
+                Callback=self.progress,
+            )
+        finally:
+            reader.close()
+
     def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
         args: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": data, "ChecksumAlgorithm": "CRC32"}
         if exclusive:
@@ -270,15 +298,21 @@ class S3Storage(CloudStorage):
             raise bex.ResponseStreamingError(error="incomplete HEAD response")
         # download_fileobj, not download_file: the latter names its temp file with the global random.
         with open(path, "wb") as f:
-            self.client.download_fileobj(
-                self.bucket,
-                full,
-                f,
-                ExtraArgs={"ChecksumMode": "ENABLED"},
-                Config=self._config(head["ContentLength"]),
-                Callback=self.progress,
-            )
-        want = head.get("ChecksumCRC32") if head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None
+            try:
+                self.client.download_fileobj(
+                    self.bucket,
+                    full,
+                    f,
+                    ExtraArgs={"ChecksumMode": "ENABLED"},
+                    Config=self._config(head["ContentLength"]),
+                    Callback=self.progress,
+                )
+            except bex.FlexibleChecksumError as e:  # botocore checked the CRC32 S3 holds: corrupt, not a fault
+                raise _ChecksumMismatch(f"CRC32 of the downloaded object differs from what S3 holds ({e})") from e
+        # A multipart upload's CRC32 is of its parts' checksums (COMPOSITE; moto leaves the type out), unless
+        # it was sent for the whole object (FULL_OBJECT): only that one is the file's.
+        kind = head.get("ChecksumType") or ("COMPOSITE" if "-" in head.get("ETag", "") else "FULL_OBJECT")
+        want = head.get("ChecksumCRC32") if kind == "FULL_OBJECT" else None
         return head["ContentLength"], want or head.get("Metadata", {}).get(META_CRC)
 
     def _config(self, size: int) -> TransferConfig:

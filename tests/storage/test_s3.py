@@ -248,3 +248,25 @@ def test_a_background_operation_does_not_lift_a_concurrent_emergency_deadline(s3
     assert isinstance(outcome[0], StorageError), outcome
     assert outcome[1] < 1.5, outcome
     assert retried_after <= 1, retried_after  # at most one request already in flight
+
+
+def test_a_save_straight_to_s3_uploads_parts_while_its_file_is_still_being_written(s3_url: str):
+    """The sum of disk and network becomes their maximum: a part is on S3 before the writer has finished."""
+    st = open_storage(s3_url)
+    overlapped = threading.Event()
+
+    def writer(f) -> None:
+        f.write(os.urandom(40 * MiB))  # two 16 MiB buffers land: one 32 MiB part can go
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not overlapped.is_set():
+            for up in st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads", []):
+                if st.client.list_parts(Bucket=st.bucket, Key=up["Key"], UploadId=up["UploadId"]).get("Parts"):
+                    overlapped.set()
+            time.sleep(0.05)
+        f.write(os.urandom(MiB))
+
+    checkpoint.write(st, 1, {"state.pt": writer}, reason="emergency")
+    assert overlapped.is_set()
+    (info,) = checkpoint.scan(st)
+    assert info.complete and info.manifest.files[0].size == 41 * MiB
+    checkpoint.verify(st, info)  # the object is the file the writer wrote, byte for byte

@@ -35,6 +35,7 @@ from spotguard.storage._common import crc_b64
 from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.base import Storage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
+from spotguard.storage.growing import GrowingFile
 from spotguard.storage.retry import RetryOptions
 
 MiB = 1 << 20
@@ -91,14 +92,49 @@ def test_gcs_upload_crc32c_is_the_one_computed_while_writing(gcp_emulator_url, m
     assert st.bucket.get_blob("run/step-00000001/state.pt").crc32c == crc_b64(int(google_crc32c.value(data)))
 
 
-def test_s3_on_moto_stores_a_damaged_file_and_the_writers_crc32_catches_it(s3_url, monkeypatch):
+def test_s3_on_moto_stores_a_damaged_file_and_the_writers_crc32_catches_it(s3_url, tmp_path):
+    """A copy from the local tier carries the writer's CRC32: moto stores a file damaged since (it never
+    checks), and the download is refused against the CRC32 the writer kept."""
     st = open_storage(s3_url)
-    damaged = damage_before_upload(st, monkeypatch)
-    write_state(st, os.urandom(MiB))  # moto never checks the CRC32 it is sent: the upload is accepted
-    assert damaged == ["step-00000001/state.pt"]
+    local = open_storage(str(tmp_path / "local"))
+    crcs: dict[str, int] = {}
+    manifest = layout.write(
+        local,
+        1,
+        {"state.pt": lambda f: f.write(os.urandom(MiB))},
+        reason="periodic",
+        upload_crc=st.upload_crc,
+        crcs=crcs,
+    )
+    flip = tmp_path / "local" / "step-00000001" / "state.pt"
+    raw = bytearray(flip.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    flip.write_bytes(bytes(raw))
+    layout.copy(local, st, checkpoint.CheckpointInfo(1, "step-00000001", "complete", manifest), crcs=crcs)
     (info,) = checkpoint.scan(st)
     with pytest.raises(CheckpointCorruptError, match="CRC32 of the downloaded object is .*, S3 holds"):
         checkpoint.verify(st, info)
+
+
+@pytest.mark.parametrize("size", [MiB // 2, 40 * MiB + 5], ids=["one-put", "multipart"])
+def test_s3_refuses_to_stream_a_file_damaged_on_the_local_disk_after_it_was_written(s3_url, monkeypatch, size):
+    """Straight to S3 the upload reads the spool file as it lands; a byte changed on the disk after the writer
+    computed its CRC32 fails the upload (nothing stored, no multipart upload left) instead of going up."""
+    st = open_storage(s3_url)
+    real = GrowingFile.finish
+
+    def finish(self, size, crc=None):
+        raw = bytearray(self.path.read_bytes())
+        raw[len(raw) - 1000] ^= 0x08  # in the last part, which the upload reads only now
+        self.path.write_bytes(bytes(raw))
+        real(self, size, crc)
+
+    monkeypatch.setattr(GrowingFile, "finish", finish)
+    data = os.urandom(size)
+    with pytest.raises(StorageError, match="changed on the local disk after it was written"):
+        write_state(st, data)
+    assert not st.list("step-00000001/")
+    assert not st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads")
 
 
 def test_an_upload_from_the_local_tier_sends_the_crc32c_kept_when_it_was_written(gcp_emulator_url, tmp_path):
