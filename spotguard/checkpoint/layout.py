@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -42,6 +43,7 @@ from spotguard.storage.base import Storage
 from spotguard.storage.growing import Upload
 
 logger = logging.getLogger(__name__)
+STORERS = 4  # files stored at once by ``store_files``
 
 #: Serialises one file of a checkpoint into the binary file object it is given (``torch.save(obj, f)``).
 Writer = Callable[[BinaryIO], None]
@@ -191,13 +193,21 @@ def write_dir(
 
 
 def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
-    """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``."""
-    entries = []
+    """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``.
+
+    The stores (an fsync of each file, or its upload) run on helper threads while this one hashes:
+    a trainer's emergency save pays about the longer of the two, not their sum."""
     alg = digest.default_alg()
-    for fname, path in files.items():
-        checksum = digest.chunked_file_digest(path, digest.CHUNK, alg=alg)
-        entries.append(FileEntry(fname, path.stat().st_size, checksum, digest.CHUNK, alg))
-        storage.put_file(f"{name}/{fname}", path, deadline=deadline)
+    with ThreadPoolExecutor(STORERS, thread_name_prefix="spotguard-store") as pool:
+        stored = [pool.submit(storage.put_file, f"{name}/{f}", p, deadline=deadline) for f, p in files.items()]
+        try:
+            entries = [
+                FileEntry(f, p.stat().st_size, digest.chunked_file_digest(p, digest.CHUNK, alg=alg), digest.CHUNK, alg)
+                for f, p in files.items()
+            ]
+        finally:
+            for fut in stored:
+                fut.result()  # the first store that failed raises
     return entries
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,10 @@ import torch
 
 import spotguard
 from spotguard import checkpoint
+from spotguard.checkpoint import layout
 from spotguard.checkpoint.manifest import check_file_name
 from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError, NoLoadableCheckpointError
-from spotguard.storage import open_storage
+from spotguard.storage import LocalStorage, open_storage
 from tests.helpers import chunked_digest
 
 
@@ -332,3 +335,32 @@ def test_names_may_start_with_a_dot_but_never_leave_the_checkpoint():
     for name in (".", "..", "../x", "a/..", "a/../b", "a/./b", "/a", "a//b", "", "-x", "a\\b", "manifest.json"):
         with pytest.raises(ConfigError, match="invalid checkpoint file name"):
             check_file_name(name)
+
+
+def test_a_trainers_files_are_stored_while_they_are_hashed_not_after(tmp_path, monkeypatch):
+    """A trainer's emergency folder: the fsync (or upload) of each file overlaps the hashing of the others."""
+    from spotguard.checkpoint import digest
+
+    folder = tmp_path / "trainer"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"part-{i}.bin").write_bytes(os.urandom(1 << 16))
+    last_hashed = threading.Event()
+    real_digest = digest.chunked_file_digest
+
+    def hashing(path, *a, **kw):
+        if path.name == "part-2.bin":
+            last_hashed.set()
+        return real_digest(path, *a, **kw)
+
+    monkeypatch.setattr(digest, "chunked_file_digest", hashing)
+    overlapped: list[bool] = []
+
+    class Watching(LocalStorage):
+        def put_file(self, key, path, **kw):
+            overlapped.append(last_hashed.wait(10))  # the first stores wait for the last hash: only if concurrent
+            super().put_file(key, path, **kw)
+
+    manifest = layout.write_dir(Watching(str(tmp_path / "ckpt")), 1, folder, reason="emergency")
+    assert overlapped == [True, True, True]
+    assert [f.name for f in manifest.files] == ["part-0.bin", "part-1.bin", "part-2.bin"]
