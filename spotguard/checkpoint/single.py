@@ -111,7 +111,9 @@ class SingleEngine:
             self._checked = True
         generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
         loaders = data.loader_facts(tracked.objects)  # what a resume compares (worker count, batch size)
-        if not staged or not self.budget.fits(objects, self._ring.chunk * self._ring.slots):
+        # Warm buffers within the budget: no walk (it costs as much as a small state's copy).
+        warm = 0 < self._staging.nbytes <= self.budget.resolve()
+        if not staged or not (warm or self.budget.fits(objects, self._ring.chunk * self._ring.slots)):
             payload = {"step": step, "rng": rng, "objects": objects, "generators": generators, "loaders": loaders}
             return canonical(payload), False
         return {
