@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool: torch 2.11 + CUDA preinstalled, no network):
+#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=590)
+# Before it, here: wheels of what that machine lacks, into .whl/ (ignored: `echo /.whl/ >> .git/info/exclude`),
+# for Python 3.12 x86_64 (see the device tool's README for the pip download flags): tenacity, blake3,
+# torchdata, hjson, pydantic, pydantic-core, annotated-types, typing-inspection, and a DeepSpeed wheel built
+# here from its sdist with DS_BUILD_OPS=0 (the stop-28 session's list). Writes everything to $OUT: the
+# pytest log, the stall rows and the real-size rows (bench/gpu_real_size.py --json), each named by device.
+set -uo pipefail
+OUT="${OUT:-/tmp/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PWD"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/device.txt"
+# The GPU tests first (about 2 minutes on an H200 with -n 8), then the rows; each step's failure is logged, not fatal.
+timeout 240 python3 -m pytest tests/test_gpu.py -m gpu -n 8 -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
+timeout 90 python3 bench/checkpoint_stall.py --device cuda --size-mb 1024 --json "$OUT/stall.jsonl" 2>&1 | tail -20
+timeout 240 python3 bench/gpu_real_size.py --json "$OUT/real_size.json" 2>&1 | tee "$OUT/real_size.log" | tail -30
+ls -l "$OUT"
