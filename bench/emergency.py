@@ -169,7 +169,7 @@ def main() -> int:
                         print(f"{size} MB on {where}: NOT committed: {type(error).__name__}: {error}", flush=True)
                         where += f"; NOT committed: {type(error).__name__}"
                     results.append((where, label, size, ours, base, error is None, tier.endswith("-shaped")))
-                    if tier == "s3-shaped":  # the upload streamed while the file is written, against after it
+                    if tier.endswith("-shaped"):  # the upload streamed while the file is written, against after it
                         url = f"{root.rstrip('/')}/spooled-{size}-{time.time_ns()}"
                         spooled, _ = one(url, model, args.budget, streams=False)
                         streamed.append((where, size, ours, spooled))

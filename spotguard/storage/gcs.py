@@ -23,7 +23,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,16 +35,16 @@ from google.cloud import storage as gcs
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from ..errors import CheckpointCorruptError, ConfigError, StorageAccessError, StorageError
-from . import retry
+from . import gcs_compose, retry
 from ._common import check_fields, crc_b64, split_url
-from .base import STEP_DIR, Leftover, ObjectNotFoundError
+from .base import STEP_DIR, Leftover, ObjectNotFoundError, check_key
 from .cloud import CloudStorage, _Conflict
+from .gcs_compose import PART_MARK
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _CHUNK_UNIT = 256 * 1024  # resumable chunks must be multiples of 256 KiB
-PART_MARK = ".sg-part-"  # temporary parts of a composite upload; invisible to list()
 _PART_NAME = re.compile(r"\.sg-part-[0-9a-f]{12}-\d{2,}$")  # exactly what _composite_upload names them
 
 
@@ -241,48 +240,24 @@ class GCSStorage(CloudStorage):
             self.progress(size)
 
     def _composite_upload(self, key: str, spool: Path, size: int, crc: str, deadline: float | None) -> None:
-        """Upload parts as temporary objects in parallel, compose them (at most 32), delete the parts.
-
-        Each part carries its own CRC32C; the composed object's CRC32C (computed by GCS) must equal
-        the CRC32C of the whole file, so a part mixed up or damaged cannot go unnoticed.
-        """
-        full = self._key(key)
+        """Parts in parallel, then composed (``gcs_compose``): up to 32 parts, of ``chunk_size`` at least."""
         part = max(self.options.chunk_size, -(-size // (32 * _CHUNK_UNIT)) * _CHUNK_UNIT)
-        token = secrets.token_hex(6)
-        names = [f"{full}{PART_MARK}{token}-{i:02d}" for i in range(-(-size // part))]
+        gcs_compose.upload(self, key, gcs_compose.file_parts(spool, size, part), lambda: crc, deadline)
 
-        def send(i: int) -> None:
-            with open(spool, "rb") as f:
-                f.seek(i * part)
-                data = f.read(part)
-            self._call(
-                "upload part of",
-                key,
-                lambda: self.bucket.blob(names[i]).upload_from_string(
-                    data, checksum="crc32c", retry=None, timeout=self._timeout(deadline)
-                ),
-                deadline,
-            )
-            if self.progress:
-                self.progress(len(data))
+    streams = True
 
-        try:
-            with ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="spotguard-gcs") as pool:
-                for fut in [pool.submit(send, i) for i in range(len(names))]:
-                    fut.result()
-
-            def compose() -> None:
-                dest = self.bucket.blob(full)
-                dest.compose([self.bucket.blob(n) for n in names], retry=None, timeout=self._timeout(deadline))
-                if dest.crc32c and dest.crc32c != crc:
-                    raise StorageError(f"composed {self.describe(key)} has CRC32C {dest.crc32c}, the file {crc}")
-
-            self._call("compose", key, compose, deadline)
-        finally:
-            try:
-                self.delete([n[len(self.prefix) :] for n in names])
-            except StorageError as e:
-                logger.warning("could not delete temporary parts of %s: %s", self.describe(key), e)
+    def put_stream(self, key: str, growing: Any, *, deadline: float | None = None) -> None:
+        """From ``composite_threshold`` up, parts of ``chunk_size`` go up as they land, then are composed (and
+        checked against the writer's CRC32C); a smaller file is uploaded whole once written, as ``put_file``."""
+        check_key(key)
+        _private_boundaries()
+        threshold = self.options.composite_threshold
+        if threshold and growing.wait_for(threshold) >= threshold:
+            parts = gcs_compose.growing_parts(growing, self.options.chunk_size)
+            gcs_compose.upload(self, key, parts, lambda: crc_b64(growing.crc), deadline)
+        else:
+            growing.wait_for(1 << 62)  # its end
+            self.put_file(key, growing.path, deadline=deadline, crc=growing.crc)
 
     def leftovers(self) -> list[Leftover]:
         """Parts of composite uploads that were killed (``NAME.sg-part-TOKEN-NN`` in this run's

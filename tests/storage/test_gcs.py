@@ -202,3 +202,54 @@ def test_leftovers_are_the_parts_of_killed_composite_uploads(fake_gcs_url):
         "run/notes.sg-part-0123456789ab-00",
         "run/step-00000001/state.pt",
     ]
+
+
+@pytest.mark.parametrize("emulator", ["fake_gcs_url", "gcp_emulator_url"])
+def test_a_save_straight_to_gcs_uploads_parts_while_its_file_is_written_then_composes_them(emulator, request):
+    """The sum of disk and network becomes their maximum; 40 parts compose in two rounds (32 per request),
+    and the object's CRC32C is the writer's."""
+    st = GCSStorage(
+        request.getfixturevalue(emulator), GCSOptions(chunk_size=MiB, composite_threshold=2 * MiB, concurrency=3)
+    )
+    overlapped = threading.Event()
+    data = os.urandom(40 * MiB + 7)
+
+    def writer(f) -> None:
+        f.write(data[: 17 * MiB])  # one 16 MiB buffer lands: 16 parts can go
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not overlapped.is_set():
+            if any(".sg-part-" in b.name for b in st.bucket.list_blobs()):
+                overlapped.set()
+            time.sleep(0.05)
+        f.write(data[17 * MiB :])
+
+    checkpoint.write(st, 1, {"state.pt": writer}, reason="emergency")
+    assert overlapped.is_set()
+    blob = st.bucket.get_blob("run/step-00000001/state.pt")
+    assert blob.crc32c == crc_b64(int(google_crc32c.value(data)))
+    assert sorted(b.name for b in st.bucket.list_blobs()) == [
+        "run/step-00000001/manifest.json",
+        "run/step-00000001/state.pt",
+    ]  # every part and intermediate composite deleted
+    (info,) = checkpoint.scan(st)
+    checkpoint.verify(st, info)
+
+
+def test_a_streamed_gcs_upload_of_a_file_damaged_after_it_was_written_is_deleted(fake_gcs_url, monkeypatch):
+    from spotguard.storage.growing import GrowingFile
+
+    st = GCSStorage(fake_gcs_url, GCSOptions(chunk_size=MiB, composite_threshold=2 * MiB, concurrency=2))
+    real = GrowingFile.finish
+
+    def finish(self, size, crc=None):  # a byte of the last part changes on the disk before the upload reads it
+        with open(self.path, "r+b") as f:
+            f.seek(size - 10)
+            byte = f.read(1)[0] ^ 0x20
+            f.seek(size - 10)
+            f.write(bytes([byte]))
+        real(self, size, crc)
+
+    monkeypatch.setattr(GrowingFile, "finish", finish)
+    with pytest.raises(StorageError, match="has CRC32C .*, the file .*: deleted"):
+        checkpoint.write(st, 1, {"state.pt": lambda f: f.write(os.urandom(20 * MiB))}, reason="emergency")
+    assert list(st.bucket.list_blobs()) == []
