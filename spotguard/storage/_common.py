@@ -88,16 +88,29 @@ def _is_http_url(url: str) -> bool:
 class Crc32File:
     """A write-only wrapper that keeps a running checksum of what passes (one pass, no re-read)."""
 
-    def __init__(self, raw: BinaryIO, update: Callable[[Any, Any], Any] = zlib.crc32) -> None:
+    #: bytes between two ``on_grow`` reports (each after a flush, so that a reader of the file sees them)
+    GROW_EVERY = 16 << 20
+
+    def __init__(
+        self,
+        raw: BinaryIO,
+        update: Callable[[Any, Any], Any] = zlib.crc32,
+        on_grow: Callable[[int], None] | None = None,
+    ) -> None:
         self.raw = raw
         self.crc: Any = 0
         self._update = update
         self.size = 0
+        self._on_grow, self._reported = on_grow, 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self.crc = self._update(data, self.crc)
         self.raw.write(data)
         self.size += len(data)
+        if self._on_grow is not None and self.size - self._reported >= self.GROW_EVERY:
+            self.raw.flush()
+            self._reported = self.size
+            self._on_grow(self.size)
         return len(data)
 
     def flush(self) -> None:

@@ -42,6 +42,7 @@ from ..errors import (
 from . import retry
 from ._common import Crc32File, Progress, crc_b64, file_crc, temp_dir, tmp_parent
 from .base import Storage, UploadCrc, check_key
+from .growing import Upload
 
 logger = logging.getLogger(__name__)
 
@@ -187,13 +188,23 @@ class CloudStorage(Storage):
     # -- writes --------------------------------------------------------------------------------
     @contextmanager
     def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
-        """Spool to a local temp file (with a running checksum), then upload it."""
+        """Spool to a local temp file (with a running checksum), uploaded as it lands where the backend
+        ``streams`` (``put_stream``), else once it is whole."""
         check_key(key)
         with temp_dir(tmp_parent()) as d:
             spool = d / "spool"
+            up = Upload(self, key, spool, deadline) if self.streams else None
             with open(spool, "wb") as raw:
-                crc = Crc32File(raw, self.upload_crc)
-                yield crc  # type: ignore[misc]
+                crc = Crc32File(raw, self.upload_crc, on_grow=up.grew if up else None)
+                try:
+                    yield crc  # type: ignore[misc]
+                except BaseException as e:
+                    if up is not None:
+                        up.abandon(e)
+                    raise
+            if up is not None:
+                up.finish(crc.size, crc.crc)
+                return
             self._upload(key, spool, self._upload_checksum(key, crc.crc, spool, crc.size), crc.size, deadline)
 
     @property

@@ -41,12 +41,13 @@ def test_url_and_standard_chain_are_used(s3_url: str):
     assert boto3.client("s3").get_object(Bucket=st.bucket, Key="run/k")["Body"].read() == b"v"
 
 
-def test_large_objects_go_multipart_with_full_object_crc(s3_url: str):
+def test_large_objects_go_multipart_with_full_object_crc(s3_url: str, tmp_path):
+    """A finished file (a local tier's, uploaded later) goes up with the full-object CRC32 its writer kept."""
     st = S3Storage(s3_url, S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4))
     seen = []
     st.progress = seen.append
-    with st.open_write("step-00000001/state.pt") as f:
-        f.write(os.urandom(12 * MiB))
+    (tmp_path / "state.pt").write_bytes(os.urandom(12 * MiB))
+    st.put_file("step-00000001/state.pt", tmp_path / "state.pt")
     head = st.client.head_object(Bucket=st.bucket, Key="run/step-00000001/state.pt", ChecksumMode="ENABLED")
     assert head["ETag"].strip('"').endswith("-3")  # three parts
     assert head["ChecksumType"] == "FULL_OBJECT" and head["ChecksumCRC32"]
@@ -270,3 +271,36 @@ def test_a_save_straight_to_s3_uploads_parts_while_its_file_is_still_being_writt
     (info,) = checkpoint.scan(st)
     assert info.complete and info.manifest.files[0].size == 41 * MiB
     checkpoint.verify(st, info)  # the object is the file the writer wrote, byte for byte
+
+
+def test_open_write_uploads_parts_while_the_stream_is_still_written(s3_url: str):
+    """What DCP shards and rank files use: parts go up as the spool grows, the object is what was written."""
+    st = S3Storage(s3_url, S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4))
+    data = os.urandom(45 * MiB)
+    overlapped = False
+    with st.open_write("step-00000001/shards/rank-00000.distcp") as f:
+        f.write(data[: 33 * MiB])  # reported to the upload every 16 MiB: three 10 MiB parts can go
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not overlapped:
+            for up in st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads", []):
+                overlapped = bool(
+                    st.client.list_parts(Bucket=st.bucket, Key=up["Key"], UploadId=up["UploadId"]).get("Parts")
+                )
+            time.sleep(0.05)
+        f.write(data[33 * MiB :])
+    assert overlapped
+    with st.local_copy("step-00000001/shards/rank-00000.distcp") as path:
+        assert path.read_bytes() == data
+
+
+def test_open_write_that_raises_stores_nothing_and_leaves_no_upload(s3_url: str):
+    st = S3Storage(s3_url, S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4))
+    with pytest.raises(RuntimeError, match="rank died"):
+        with st.open_write("step-00000001/shards/rank-00000.distcp") as f:
+            f.write(os.urandom(40 * MiB))
+            raise RuntimeError("rank died")
+    assert st.list("step-00000001/") == []
+    deadline = time.monotonic() + 10  # the upload thread aborts its multipart upload as it stops
+    while st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads")
