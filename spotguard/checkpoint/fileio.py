@@ -54,7 +54,7 @@ class DirectFile:
     ) -> None:
         """``cancel``: once set, the next full buffer raises ``SaveCancelled`` instead of being written, so an
         abandoned save gives the disk up within one buffer, not at the end of its file. ``on_grow``: called
-        from the I/O thread with the bytes on disk so far after each buffer's write (a streamed upload reads them).
+        from a helper thread with the bytes on disk and hashed so far, after each buffer (a streamed upload reads them).
         ``crc``: also keep this running checksum (``zlib.crc32``-style, the storage's ``upload_crc``:
         a CRC, or Azure's per-block digests) in the same pass, for the service that receives the file to
         check it against (``self.crc``, its final state)."""
@@ -76,7 +76,8 @@ class DirectFile:
         self._crc_update = crc
         self._cancel = cancel
         self._on_grow = on_grow
-        self._landed = 0
+        self._written = self._hashed = 0  # bytes of the file written, and hashed (its CRC kept): on_grow gets the least
+        self._grow_lock = threading.Lock()
         self.crc: Any = 0 if crc is not None else None
         self._buffers = [mmap.mmap(-1, buffer_size) for _ in range(2)]  # page-aligned
         self._views = [memoryview(b) for b in self._buffers]
@@ -188,6 +189,20 @@ class DirectFile:
         self._hash_state.update(data)
         if self._crc_update is not None:
             self.crc = self._crc_update(data, self.crc)
+        self._grew(hashed=len(data))
+
+    def _grew(self, written: int = 0, hashed: int = 0) -> None:
+        """Report the bytes both on disk and in the running checksums (``crc``'s digest of a block is then
+        known to a streamed upload that sends it), from whichever helper thread finishes a buffer last."""
+        if self._on_grow is None:
+            return
+        with self._grow_lock:
+            before = min(self._written, self._hashed)
+            self._written += written
+            self._hashed += hashed
+            now = min(self._written, self._hashed)
+            if now > before:
+                self._on_grow(now)
 
     def _write_all(self, view: memoryview, data: int = 0) -> None:
         """Write ``view`` whole (``data`` of its bytes are the file's, the rest O_DIRECT padding)."""
@@ -202,9 +217,7 @@ class DirectFile:
                 self.direct = False
                 continue
             view = view[n:]
-        if self._on_grow is not None:
-            self._landed += data
-            self._on_grow(self._landed)
+        self._grew(written=data)
 
     def _release(self) -> None:
         self.closed = True
