@@ -106,6 +106,8 @@ def write(
                 with DirectFile(
                     path, crc=upload_crc or storage.upload_crc, cancel=cancel, on_grow=up.grew if up else None
                 ) as out:
+                    if up is not None:
+                        up.attach(out)
                     writer(out)  # type: ignore[arg-type]  # a binary file object
             except BaseException as e:
                 if up is not None:

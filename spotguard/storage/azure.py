@@ -45,7 +45,16 @@ from azure.core import MatchConditions
 from ..errors import ConfigError, MissingDependencyError, StorageAccessError, StorageError
 from . import retry
 from ._common import check_fields, crc_b64, file_crc
-from .azure_blocks import KINDS, BlockChecksum, BlockSums, crc64_available, default_kind, digest_arg, stage_blocks
+from .azure_blocks import (
+    KINDS,
+    BlockChecksum,
+    BlockSums,
+    crc64_available,
+    default_kind,
+    digest_arg,
+    stage_blocks,
+    stream_blocks,
+)
 from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolicy, error_code, parse_url
 from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
@@ -239,6 +248,22 @@ class AzureStorage(CloudStorage):
                 self.progress(len(data))
             return
         stage_blocks(blob, path, crc, self.options.concurrency, metadata, self.progress)
+
+    streams = True
+
+    def put_stream(self, key: str, growing: Any, *, deadline: float | None = None) -> None:
+        """Blocks staged as they land, each with the writer's digest (``stream_blocks``); a file that ends
+        within ``single_put_threshold`` goes up whole once written (``put_file``: one Put Blob)."""
+        threshold = self.options.single_put_threshold
+        if growing.wait_for(threshold + 1) <= threshold:
+            self.put_file(key, growing.path, deadline=deadline, crc=growing.crc)
+        else:
+            super().put_stream(key, growing, deadline=deadline)
+
+    def _stream(self, client: Any, key: str, growing: Any, deadline: float | None) -> None:
+        blob = client.get_blob_client(self._key(key))
+        o = self.options
+        stream_blocks(blob, growing, growing.live, o.block_size, o.concurrency, self.progress, META_CRC)
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         self._key(key)

@@ -23,12 +23,14 @@ import secrets
 import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from azure.storage.blob import BlobBlock
+
+from ._common import crc_b64
 
 try:
     from awscrt.checksums import crc64nvme as _crc64
@@ -154,3 +156,55 @@ def stage_blocks(
     finally:
         os.close(fd)
     blob.commit_block_list([BlobBlock(block_id=i) for i in ids], metadata=metadata)
+
+
+def stream_blocks(
+    blob: Any,
+    growing: Any,
+    sums: Callable[[], Any],
+    block_size: int,
+    concurrency: int,
+    progress: Callable[[int], None] | None,
+    meta_crc: str,
+) -> None:
+    """``stage_blocks`` of a file still being written (``storage.growing.GrowingFile``): each block goes up
+    as soon as it has landed, with the digest the writer kept (``sums()``: its running ``BlockSums``; a
+    block counts as landed once it is written and hashed), then Put Block List with the file's CRC32."""
+    tag = secrets.token_hex(16)
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def put(block_id: str, start: int, length: int, digest: bytes, kind: str) -> None:
+        fd = os.open(growing.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            data = os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+        blob.stage_block(block_id, data, length=len(data), **{digest_arg(kind): digest})
+        if progress is not None:
+            with lock:
+                progress(len(data))
+
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="spotguard-az") as pool:
+        futures: list[Future[None]] = []
+        start = 0
+        while not any(f.done() and f.exception() is not None for f in futures):
+            end = growing.wait_for(start + block_size)
+            if end - start == block_size:  # a whole block: its digest is kept already
+                running = sums()
+                digest, kind = running.done[len(ids)], running.kind
+            elif end > start:  # the last block: the writer has finished, its digests are all known
+                digest, kind = growing.crc.blocks()[len(ids)], growing.crc.kind
+            else:
+                break
+            ids.append(f"{tag}{len(ids):016d}")
+            futures.append(pool.submit(put, ids[-1], start, end - start, digest, kind))
+            if end - start < block_size:
+                break
+            start = end
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in futures:
+            fut.cancel()
+        for fut in finished:
+            fut.result()
+    blob.commit_block_list([BlobBlock(block_id=i) for i in ids], metadata={meta_crc: crc_b64(growing.crc.crc32)})

@@ -196,6 +196,8 @@ class CloudStorage(Storage):
             up = Upload(self, key, spool, deadline) if self.streams else None
             with open(spool, "wb") as raw:
                 crc = Crc32File(raw, self.upload_crc, on_grow=up.grew if up else None)
+                if up is not None:
+                    up.attach(crc)
                 try:
                     yield crc  # type: ignore[misc]
                 except BaseException as e:

@@ -35,6 +35,8 @@ class GrowingFile:
         self._landed = 0  # bytes on disk, from the start
         self.size: int | None = None  # the final size, once finished
         self.crc: Any = None  # the writer's running upload checksum, once finished
+        #: the writer's running upload checksum as it is now (``Upload.attach``); Azure's holds each block's digest
+        self.live: Callable[[], Any] = lambda: None
         self._error: BaseException | None = None
 
     # -- the writer's side ---------------------------------------------------------------------
@@ -125,7 +127,7 @@ class Upload:
     too (``grew`` raises), so a save does not write gigabytes for an upload that is already lost."""
 
     def __init__(self, storage: Any, key: str, path: str | Path, deadline: float | None) -> None:
-        self.file = GrowingFile(path)
+        self.key, self.file = key, GrowingFile(path)
         self.error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(storage, key, deadline), name="spotguard-upload", daemon=True
@@ -137,6 +139,10 @@ class Upload:
             storage.put_stream(key, self.file, deadline=deadline)
         except BaseException as e:  # noqa: BLE001 - raised by finish() on the writer's thread
             self.error = e
+
+    def attach(self, writer: Any) -> None:
+        """The writer whose ``crc`` is the running upload checksum (read while it writes: Azure's blocks)."""
+        self.file.live = lambda: writer.crc
 
     def grew(self, landed: int) -> None:
         if self.error is not None:

@@ -30,7 +30,7 @@ import spotguard
 from spotguard import checkpoint
 from spotguard.checkpoint import layout
 from spotguard.errors import CheckpointCorruptError, StorageError
-from spotguard.storage import azure_blocks, cloud, open_storage
+from spotguard.storage import azure_blocks, cloud, growing, open_storage
 from spotguard.storage._common import crc_b64
 from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.base import Storage
@@ -43,18 +43,32 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def damage_before_upload(storage: Storage, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Flip one byte of every file just before it is uploaded (after its checksums were computed)."""
+    """Flip one byte of every file just before it is uploaded (after its checksums were computed): in the
+    middle of a file uploaded whole (``put_file``), or in the last part of a file streamed as it is written
+    (changed in place as the writer finishes: its earlier parts may be on their way already)."""
     real = storage.put_file
+    real_finish = growing.Upload.finish
     damaged: list[str] = []
 
     def put_file(key: str, path: Path, **kw) -> None:
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 0x04
         path.write_bytes(bytes(raw))
-        damaged.append(key)
+        if key not in damaged:
+            damaged.append(key)
         real(key, path, **kw)
 
+    def finish(self, size, crc=None):
+        with open(self.file.path, "r+b") as f:  # the last byte: in the last part, read only once finished
+            f.seek(size - 1)
+            byte = f.read(1)[0] ^ 0x04
+            f.seek(size - 1)
+            f.write(bytes([byte]))
+        damaged.append(self.key)
+        real_finish(self, size, crc)
+
     monkeypatch.setattr(storage, "put_file", put_file)
+    monkeypatch.setattr(growing.Upload, "finish", finish)
     return damaged
 
 
