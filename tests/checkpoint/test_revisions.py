@@ -79,10 +79,13 @@ def test_folder_checkpoints_supersede_a_committed_step_and_resume_from_the_new_s
     assert checkpoints.commit(8, folder(tmp_path / "b", "again"), "emergency") is None  # never twice
     manifest = checkpoints.commit(8, folder(tmp_path / "c", "the evaluation's state"), "emergency", supersede=True)
     assert manifest is not None and manifest.reason == "emergency"
-    assert names(checkpoints.storage) == ["step-00000008.r1"]  # pruned right after the commit
-    assert not (tmp_path / "ckpt" / "step-00000008" / MANIFEST).exists()
+    # An emergency commit prunes nothing (the deadline's clock): the superseded revision waits for the next save.
+    assert names(checkpoints.storage) == ["step-00000008", "step-00000008.r1"]
     found = checkpoints.newest_verified()
     assert found is not None and found[0] == 8 and (found[1] / "state.bin").read_text() == "the evaluation's state"
+    checkpoints.commit(9, folder(tmp_path / "d", "on"), "periodic")
+    assert names(checkpoints.storage) == ["step-00000008.r1", "step-00000009"]
+    assert not (tmp_path / "ckpt" / "step-00000008" / MANIFEST).exists()
     checkpoints.cleanup()
 
 
