@@ -47,6 +47,7 @@ from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
 from . import _rankfiles
+from . import _untracked as untracked
 from ._common import StopOutcome, WatchOptions, watch_parts
 from ._planned_resume import PlannedResume
 
@@ -103,6 +104,7 @@ class SpotguardCallback(StopOutcome, Callback):
         self._resume_folder: Path | None = None
         self._validation_next = False  # the save in progress is of a step whose validation has not run yet
         self._planned = PlannedResume(self.checkpoints, RankFiles(_rankfiles.lightning))
+        self._saved: tuple[int | None, list[str]] | None = None  # (step, what) the checkpoint being loaded holds
 
     @property
     def state_key(self) -> str:
@@ -136,7 +138,7 @@ class SpotguardCallback(StopOutcome, Callback):
             if self.stopped_at is None:
                 raise
         except PERMANENT as e:
-            if not self._planned.failed:
+            if not (self._planned.failed or self.checkpoints.refused):
                 raise
             logger.error("cannot resume: %s: %s", type(e).__name__, e)
             return EXIT_CONFIG
@@ -210,6 +212,19 @@ class SpotguardCallback(StopOutcome, Callback):
             self._trainer = trainer
             self._capture_before_validations(trainer)
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._saved = (checkpoint.get("global_step"), untracked.lightning_saved(checkpoint))
+        if trainer.strategy.restore_checkpoint_after_setup:  # the optimizers exist already
+            self.on_fit_start(trainer, pl_module)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._saved is not None:  # before Lightning restores the optimizers (it drops extra ones silently)
+            (step, saved), self._saved = self._saved, None
+            where = f"checkpoint of step {step}"
+            self.checkpoints.refuse_untracked(
+                saved, untracked.lightning_tracked(trainer), where, untracked.LIGHTNING_FIX
+            )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.checkpoints.group.get() is not None:
