@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    guard = spotguard.Guard(args.storage, every_steps=args.every_steps, providers=args.providers.split(","))
+    guard = spotguard.Guard(args.storage, every_steps=args.every_steps, providers=args.providers)
     guard.track(model=model, optimizer=opt)
     start = guard.resume()
     run_id = guard.extra.get("tracker_run_id")

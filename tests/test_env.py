@@ -46,3 +46,18 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, va
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=f"\\${name} must be"):
         build()
+
+
+def test_docs_environment_lists_exactly_the_variables_the_code_reads():
+    """docs/environment.md is the one table of every ``SPOTGUARD_*`` variable: one that the code reads and
+    the table lacks (or one the table names and no code reads) is a drift a user trips on."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    read = {
+        m for path in (root / "spotguard").rglob("*.py") for m in re.findall(r"SPOTGUARD_[A-Z0-9_]+", path.read_text())
+    }
+    table = re.findall(r"^\| `(SPOTGUARD_[A-Z0-9_]+)` \|", (root / "docs" / "environment.md").read_text(), flags=re.M)
+    assert len(table) == len(set(table))  # each once
+    assert set(table) == read, (sorted(read - set(table)), sorted(set(table) - read))

@@ -2,7 +2,7 @@
 
     pip install 'ray[train]' 'spotguard[aws,data]'
     SPOTGUARD_STORAGE=s3://my-bucket/runs/ray-1 python examples/ray/train_ray.py --workers 4 --gpu
-    python examples/ray/train_ray.py --storage /tmp/ray-ckpt --local-cpus 2   # a local rehearsal
+    python examples/ray/train_ray.py --storage checkpoints/ray --local-cpus 2   # a local rehearsal
 
 How the two divide the work: Ray Train starts the workers (one torch.distributed process group)
 and, with ``FailureConfig(max_failures=-1)``, starts them again after any failure, on new nodes

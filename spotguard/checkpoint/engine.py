@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.state import Untracked
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Tracked:
     objects: dict[str, Any]
     extra: dict[str, Any]
     cut: Cut | None = None  # an evaluation begun after the last training step (``Guard.evaluation``)
+    untracked: Untracked | str = Untracked.REFUSE  # a resume meets saved state nothing tracks (``state``)
 
     def cut_at(self, step: int, final: bool = False) -> Cut | None:
         """The evaluation a save of ``step`` must undo, if any: one begun after training step ``step``,

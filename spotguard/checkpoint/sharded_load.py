@@ -85,7 +85,7 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
                     pass
             # Fetched here, where an error keeps its type (DCP turns it into an AssertionError);
             # dcp.load then reads the verified local copy.
-            reader.read_metadata()
+            metadata = reader.read_metadata()
             with opener(rank_file(source)) as path:
                 try:
                     payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -95,6 +95,8 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
                     ) from e
             if not isinstance(payload, dict) or payload.get("step") != info.step or payload.get("rank") != source:
                 raise CheckpointCorruptError(f"{info.name}/{rank_file(source)}: unexpected content")
+            saved = set(payload["objects"]) | {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+            state.refuse_untracked(saved, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
             if not resharding:  # resharded loaders start afresh: nothing of theirs is restored
                 data.check_loaders(rest, payload["objects"], payload.get("loaders", {}), info.name, rebatch)
             sd = dcp_state(tracked.objects)

@@ -301,6 +301,7 @@ class SingleEngine:
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
+        state.refuse_untracked(payload["objects"], tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
         data.check_loaders(tracked.objects, payload["objects"], payload.get("loaders", {}), info.name, self.rebatch)
         state.restore(tracked.objects, payload["objects"], where=info.name)
         generators = payload.get("generators", {})

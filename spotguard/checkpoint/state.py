@@ -6,9 +6,10 @@ tensors, lists and ints, never as NumPy arrays or arbitrary objects.
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -105,3 +106,42 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
             obj.load_state_dict(states[name])
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
+
+
+#: How a Guard tracks an object (``refuse_untracked``'s ``fix``).
+TRACK_FIX = "Track each with guard.track(name=obj) before resume()"
+
+
+class Untracked(str, enum.Enum):
+    """What a resume does with a checkpoint that holds the state of an object nothing tracks now."""
+
+    REFUSE = "refuse"  # CheckpointMismatchError naming them: the run would go on with their state fresh
+    ACCEPT = "accept"  # a warning naming them, and the resume goes on without their state
+
+
+def refuse_untracked(
+    saved: Iterable[str], tracked: Iterable[str], where: str, policy: Untracked | str, fix: str
+) -> None:
+    """Refuse a resume that would drop saved state without a word (``untracked="accept"``: warn).
+
+    A checkpoint of model, optimizer and scheduler resumed with only the model tracked goes on with
+    a fresh optimizer: a silent wrong resume, as one that lacks a tracked object (which ``restore``
+    refuses). Called before anything is loaded, by the Guard's engines and every trainer integration,
+    each naming what it saved (``saved``) and what it restores now (``tracked``); ``fix``: how to
+    track the objects in that integration."""
+    saved, tracked = set(saved), set(tracked)
+    left = sorted(saved - tracked)
+    if not left:
+        return
+    names, missing = ", ".join(left), ", ".join(sorted(tracked - saved))
+    if Untracked(policy) is Untracked.ACCEPT:
+        logger.warning(
+            "%s: the saved state of %s is not restored: nothing tracks it (untracked='accept')", where, names
+        )
+        return
+    raise CheckpointMismatchError(
+        f"{where} holds the state of {names}, which nothing tracks now"
+        + (f" (and none of {missing}, which is tracked)" if missing else "")
+        + f": resumed without it, the run would go on with it fresh. {fix}, or pass untracked='accept' to resume "
+        "without it"
+    )

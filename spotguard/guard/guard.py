@@ -88,7 +88,7 @@ class Guard:
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
-        self._tracked = Tracked({}, self.extra)
+        self._tracked = Tracked({}, self.extra, untracked=o.untracked)
         self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         #: the heartbeat's marks of a save in flight and of ``evaluation()`` (never written by step())
         self._activity = heartbeat.Activity(self._beat)

@@ -13,6 +13,7 @@ from typing import Any
 from spotguard import _env
 from spotguard.checkpoint.data import Rebatch
 from spotguard.checkpoint.manifest import Reshard
+from spotguard.checkpoint.state import Untracked
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
 from spotguard.guard.window import DeadlinePolicy, WindowPolicy
@@ -49,6 +50,9 @@ class GuardOptions:
     ``on_unloadable``: when checkpoints exist but none loads, ``resume()`` raises (``"raise"``) or starts
     from step 0 with a warning (``"fresh"``). ``rebatch``: a tracked data loader saved with another batch
     size is refused (``"refuse"``) or continued at the same sample in batches of the new size (``"accept"``).
+    ``untracked``: a checkpoint that holds the state of an object nothing tracks now (saved with an
+    optimizer, resumed with only the model) is refused (``"refuse"``, naming them) or resumed without
+    that state (``"accept"``, with a warning).
     ``deadline_policy`` (default ``$SPOTGUARD_DEADLINE_POLICY``, else ``"stop"``): after the emergency
     checkpoint of a notice with a deadline, stop (``"stop"``) or train on and checkpoint again
     ``window_margin`` seconds plus the measured save time before the deadline (``"use-window"``;
@@ -88,6 +92,7 @@ class GuardOptions:
     async_sharded: bool | None = None
     on_unloadable: Unloadable | str = Unloadable.RAISE
     rebatch: Rebatch | str = Rebatch.REFUSE
+    untracked: Untracked | str = Untracked.REFUSE
     deadline_policy: DeadlinePolicy | str | None = None  # None: $SPOTGUARD_DEADLINE_POLICY, else "stop"
     window_margin: float = (
         DEFAULT_WINDOW_MARGIN_S  # "use-window": seconds kept free before the deadline beyond the save time
@@ -170,6 +175,7 @@ class GuardOptions:
             (self.reshard, Reshard),
             (self.on_unloadable, Unloadable),
             (self.rebatch, Rebatch),
+            (self.untracked, Untracked),
         ):
             try:
                 enum_cls(value)

@@ -49,6 +49,8 @@ class WatchOptions(TypedDict, total=False):
     ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
     ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
     ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
+    ``untracked`` ("refuse"): a checkpoint holding state that nothing restores now (an optimizer the
+    trainer no longer has) is refused, naming it ("accept": resumed without it, with a warning);
     ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``;
     ``deadline_policy`` ($SPOTGUARD_DEADLINE_POLICY, else "stop") / ``window_margin`` (5 s): after the
     emergency checkpoint of a notice with a deadline, stop, or train on and checkpoint again before the
@@ -58,6 +60,7 @@ class WatchOptions(TypedDict, total=False):
     lease_ttl: float | None
     takeover: bool
     on_unloadable: str
+    untracked: str
     providers: str | Iterable[str | NoticeProvider] | None
     interval: float
     stop_on_advisory: bool
@@ -84,6 +87,7 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         fresh_ok,
         lease_ttl=options.get("lease_ttl", DEFAULT_TTL_S),
         takeover=options.get("takeover"),
+        untracked=options.get("untracked", "refuse"),
     )
     notices = NoticeWatch(
         ranks.providers_for_rank(options.get("providers", "auto")),

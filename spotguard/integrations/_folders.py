@@ -14,20 +14,22 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import folders, layout
+from spotguard.checkpoint import folders, layout, state
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
+from spotguard.checkpoint.state import Untracked
 from spotguard.guard.lease import WriterLease
 
-from ..errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseHeldError
+from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError, ConfigError, LeaseHeldError
 from ..storage import Storage, open_storage
 from ._group import RankGroup
 
@@ -55,6 +57,7 @@ class FolderCheckpoints:
         *,
         lease_ttl: float | None = DEFAULT_TTL_S,
         takeover: bool | None = None,
+        untracked: str = "refuse",
     ) -> None:
         storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
@@ -69,7 +72,12 @@ class FolderCheckpoints:
         self.work_dir = work_dir
         self.group = group or RankGroup()
         self.fresh_ok = fresh_ok  # on_unloadable="fresh": checkpoints that all fail to load mean a fresh start
+        try:  # what the integration's resume does with saved state nothing restores (state.refuse_untracked)
+            self.untracked = Untracked(untracked)
+        except ValueError:
+            raise ConfigError(f"untracked must be one of {[u.value for u in Untracked]}, got {untracked!r}") from None
         self.last_saved: Manifest | None = None
+        self.refused = False  # ``refuse_untracked`` refused the resume
         self._fetched: list[Path] = []
 
     def commit(
@@ -175,6 +183,16 @@ class FolderCheckpoints:
             self.storage.describe(),
         )
         return None
+
+    def refuse_untracked(self, saved: Iterable[str], tracked: Iterable[str], where: str, fix: str) -> None:
+        """``state.refuse_untracked`` with the integration's ``untracked`` option; a refusal marks the
+        heartbeat, so that ``spotguard run`` exits 78 instead of restarting into the same refusal."""
+        try:
+            state.refuse_untracked(saved, tracked, where, self.untracked, fix)
+        except CheckpointMismatchError:
+            self.refused = True  # the trainer's own wrapper (``cb.fit``) returns EXIT_CONFIG then
+            self._beat[1] |= heartbeat.CONFIG_ERROR
+            raise
 
     def _hold(self) -> None:
         """The run's writer lease, before the first load or commit (collective in a process group)."""

@@ -44,6 +44,7 @@ from ..guard.evaluation import Evaluation
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
 from . import _rankfiles
+from . import _untracked as untracked
 from ._common import WatchOptions
 from ._loop import LoopGuard
 
@@ -105,6 +106,8 @@ class AcceleratorGuard(LoopGuard):
         step, folder = found
         prepared = getattr(self.accelerator, "_dataloaders", [])
         try:
+            saved, tracked = untracked.accelerate(folder, self.accelerator)
+            self.checkpoints.refuse_untracked(saved, tracked, f"checkpoint of step {step}", untracked.ACCELERATE_FIX)
             self.accelerator.load_state(str(folder))
             cut = loaders.restore(prepared, folder, self.accelerator.process_index)
         except BaseException:

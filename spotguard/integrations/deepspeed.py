@@ -105,6 +105,15 @@ def _call(engine: Any, name: str) -> bool:
     return bool(method()) if callable(method) else False
 
 
+#: How a DeepSpeedGuard restores an object (``state.refuse_untracked``'s ``fix``).
+FIX = "Give deepspeed.initialize the optimizer and lr_scheduler it saved, track the rest with guard.track(name=obj)"
+
+
+def _engine_parts(engine: Any) -> list[str]:
+    """The parts of ``engine`` whose state ``load_checkpoint`` restores only when the engine has them."""
+    return [f"engine.{part}" for part in ("optimizer", "lr_scheduler") if getattr(engine, part, None) is not None]
+
+
 class DeepSpeedGuard(LoopGuard):
     """Checkpoints a DeepSpeed engine's training loop periodically and on a notice; resumes it exactly.
 
@@ -170,6 +179,7 @@ class DeepSpeedGuard(LoopGuard):
             "rank": ranks.rank(),
             "world_size": ranks.world_size(),
             "objects": state.collect(self._objects),
+            "engine": _engine_parts(self.engine),  # what a resume's load_checkpoint must find to restore
             "extra": dict(self.extra),
             "rng": state.capture_rng(),
         }
@@ -235,6 +245,13 @@ class DeepSpeedGuard(LoopGuard):
                 f"checkpoint of step {step} was saved by {saved_world} ranks, this job has {world}: each rank's "
                 "data position and RNG streams cannot be split or merged; resume it with the same world size"
             )
+        else:  # DeepSpeed skips a saved optimizer or scheduler the engine lacks without a word
+            saved = [*own["objects"], *own.get("engine", [])]
+            tracked = [*self._objects, *_engine_parts(self.engine)]
+            try:
+                self.checkpoints.refuse_untracked(saved, tracked, f"checkpoint of step {step}", FIX)
+            except CheckpointMismatchError as e:
+                error = e
         agreed = self.checkpoints.group.get()
         if agreed is not None:  # no rank enters load_checkpoint's collectives alone
             agree(agreed, f"the checkpoint of step {step}", error)

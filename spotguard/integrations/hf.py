@@ -47,6 +47,7 @@ from ..guard.agreement import ADVISORY, STOP
 from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
 from ..storage import Storage
 from . import _rankfiles
+from . import _untracked as untracked
 from ._common import StopOutcome, WatchOptions, watch_parts
 from .deepspeed import config_doubt
 
@@ -152,6 +153,11 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Interrupt:
             self._save_interrupted(trainer)
+        except PERMANENT as e:
+            if not self.checkpoints.refused:  # refused in on_train_begin: no restart would fix it
+                raise
+            logger.error("cannot resume: %s: %s", type(e).__name__, e)
+            return EXIT_CONFIG
         finally:
             del trainer.evaluate, trainer._save_checkpoint  # the class's methods again
             self._trainer = None
@@ -173,6 +179,14 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
     # -- Trainer events ----------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._resumed_step = state.global_step
+        if state.global_step > 0:  # resumed: the Trainer restores callbacks' states only when asked to
+            trainer = self._trainer
+            saved = [name for name in state.stateful_callbacks or {} if name != "TrainerControl"]  # flags only
+            restored = [type(cb).__name__ for cb in trainer.callback_handler.callbacks] if trainer else saved
+            tracked = restored if args.restore_callback_states_from_checkpoint else []
+            self.checkpoints.refuse_untracked(
+                saved, tracked, f"checkpoint of step {state.global_step}", untracked.HF_FIX
+            )
         newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:
             logger.warning(

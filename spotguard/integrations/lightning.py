@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 from spotguard.checkpoint import state
 from spotguard.checkpoint.pernode import RankFiles
@@ -46,7 +45,9 @@ from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
+from . import _lightning_loops as loops
 from . import _rankfiles
+from . import _untracked as untracked
 from ._common import StopOutcome, WatchOptions, watch_parts
 from ._planned_resume import PlannedResume
 
@@ -103,6 +104,7 @@ class SpotguardCallback(StopOutcome, Callback):
         self._resume_folder: Path | None = None
         self._validation_next = False  # the save in progress is of a step whose validation has not run yet
         self._planned = PlannedResume(self.checkpoints, RankFiles(_rankfiles.lightning))
+        self._saved: tuple[int | None, list[str]] | None = None  # (step, what) the checkpoint being loaded holds
 
     @property
     def state_key(self) -> str:
@@ -136,7 +138,7 @@ class SpotguardCallback(StopOutcome, Callback):
             if self.stopped_at is None:
                 raise
         except PERMANENT as e:
-            if not self._planned.failed:
+            if not (self._planned.failed or self.checkpoints.refused):
                 raise
             logger.error("cannot resume: %s: %s", type(e).__name__, e)
             return EXIT_CONFIG
@@ -211,6 +213,21 @@ class SpotguardCallback(StopOutcome, Callback):
             self._capture_before_validations(trainer)
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if getattr(trainer.state, "fn", None) != "fit":  # validate/test(ckpt_path=...) restore no optimizer
+            return
+        self._saved = (checkpoint.get("global_step"), untracked.lightning_saved(checkpoint))
+        if trainer.strategy.restore_checkpoint_after_setup:  # the optimizers exist already
+            self.on_fit_start(trainer, pl_module)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._saved is not None:  # before Lightning restores the optimizers (it drops extra ones silently)
+            (step, saved), self._saved = self._saved, None
+            where = f"checkpoint of step {step}"
+            self.checkpoints.refuse_untracked(
+                saved, untracked.lightning_tracked(trainer), where, untracked.LIGHTNING_FIX
+            )
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.checkpoints.group.get() is not None:
             self._bypass_lightning_sigterm(trainer)
@@ -219,7 +236,7 @@ class SpotguardCallback(StopOutcome, Callback):
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
-            _begin_the_next_epoch(trainer)  # after the streams: the new iterator draws as the first run's did
+            loops.begin_the_next_epoch(trainer)  # after the streams: the new iterator draws as the first run's did
 
     # The hooks below run on every rank at the same point, and so does every ``check`` (a
     # collective in a process group): their conditions depend on nothing one rank sees alone.
@@ -333,7 +350,7 @@ class SpotguardCallback(StopOutcome, Callback):
         """Write and commit a checkpoint of this step; True: an emergency one opened the notice window."""
         step, emergency = trainer.global_step, reason == "emergency"
         t0 = time.monotonic()
-        self._validation_next = batch_end and _validation_due(trainer)
+        self._validation_next = batch_end and loops.validation_due(trainer)
         try:
             with self.notices.marks.during(SAVING, step), self.checkpoints.storage.scratch() as scratch:
                 folder = scratch / "lightning"
@@ -354,57 +371,3 @@ class SpotguardCallback(StopOutcome, Callback):
             logger.error("%s checkpoint of step %d NOT committed (%s: %s)", reason, step, type(e).__name__, e)
             return emergency and self.notices.stop_saved(step, e, may_train_on=may_train_on)
         return emergency and self.notices.stop_saved(step, save_s=self._save_s, may_train_on=may_train_on)
-
-
-def _validation_due(trainer: Any) -> bool:
-    """Whether Lightning validates right after the batch now ending, as an uninterrupted run would.
-
-    Asked at the batch's end, before a stop's ``trainer.should_stop`` counts: Lightning would also
-    validate for that (an early stop), which a run that is not stopped does not do."""
-    fit_loop = getattr(trainer, "fit_loop", None)
-    loop = getattr(fit_loop, "epoch_loop", None)
-    check = getattr(loop, "_should_check_val_fx", None)
-    if check is None or trainer.sanity_checking:
-        return False
-    should_stop = trainer.should_stop
-    try:
-        trainer.should_stop = False
-        return bool(check(getattr(fit_loop, "_data_fetcher", None)))
-    except Exception as e:  # a private API of Lightning: a change there must not end the training
-        logger.debug("cannot tell whether a validation follows this step: %s", e)
-        return False
-    finally:
-        trainer.should_stop = should_stop
-
-
-def _begin_the_next_epoch(trainer: Any) -> None:
-    """Give a resumed fit a fresh iterator where Lightning starts an epoch from an ended one's state.
-
-    A checkpoint of an epoch's last batch resumes into the next epoch (Lightning counts the epoch
-    done) without a new iterator: it goes on with the one made from the checkpoint's loader state,
-    which has nothing left. With a ``DistributedSampler`` (torchdata's stateful one) that iterator is
-    empty, so the whole next epoch was skipped (a 2-rank run trained epoch 2's order at step 17).
-    Here such a sampler is set to the epoch being resumed and the loader iterated afresh, as the
-    uninterrupted run did at that epoch's start (one draw of the loader's base seed included)."""
-    fit = getattr(trainer, "fit_loop", None)
-    loaders = getattr(getattr(fit, "_combined_loader", None), "flattened", None) or []
-    ended: list[Any] = [s for s in (getattr(loader, "sampler", None) for loader in loaders) if _at_its_end(s)]
-    fetcher = getattr(fit, "_data_fetcher", None)
-    if not ended or fetcher is None:
-        return
-    for sampler in ended:
-        sampler.next_yielded = None  # the checkpoint's position: the epoch it was for is over
-        sampler.set_epoch(trainer.current_epoch)
-    iter(fetcher)
-    logger.debug("resumed at an epoch's end: epoch %d iterated afresh", trainer.current_epoch)
-
-
-def _at_its_end(sampler: Any) -> bool:
-    """A (torchdata stateful) ``DistributedSampler`` whose position, loaded (``next_yielded``, applied at
-    its next iteration) or current, is the end of its epoch."""
-    if not isinstance(sampler, DistributedSampler):
-        return False
-    position = getattr(sampler, "next_yielded", None)
-    if position is None:
-        position = getattr(sampler, "yielded", None)
-    return isinstance(position, int) and position >= len(sampler)

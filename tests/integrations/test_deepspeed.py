@@ -52,12 +52,12 @@ def reference(launch: Path, stage: int) -> tuple[list[tuple[int, float]], Path]:
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Path:
     """One torchrun launch (each costs ~20 s here): the uninterrupted ZeRO-2 and ZeRO-3 reference runs
-    (``zero<N>/loss-{rank}.jsonl``, ``zero<N>/final.pt``), stages 0 and 1 saved and resumed, and a first
-    save refused for state that would not load."""
+    (``zero<N>/loss-{rank}.jsonl``, ``zero<N>/final.pt``), stages 0 and 1 saved and resumed, a first
+    save refused for state that would not load, and a resume refused for saved state nothing restores."""
     out = tmp_path_factory.mktemp("deepspeed-references")
     worker = WORKERS / "deepspeed_stages.py"
     jobs = ("--resume", "0", "1", "--reference", "2", "3", "--steps", str(STEPS), "--every-steps", str(EVERY))
-    cmd = torchrun(2, worker, str(out), *jobs, "--refuse")
+    cmd = torchrun(2, worker, str(out), *jobs, "--refuse", "--untracked")
     done = run(cmd, env=subprocess_env(), timeout=600)  # the first DeepSpeed job on a machine compiles its op
     assert done.returncode == 0, done.stderr[-4000:]
     return out
@@ -107,3 +107,13 @@ def test_first_save_refuses_state_that_would_not_load_on_any_rank(launch):
         assert text.startswith("UnloadableStateError: the checkpoint of step 1 cannot be written: rank 1: "), refused
         assert "tracked object 'scaler'" in text and "LossScaler" in text and "rank 0" not in text, refused
     assert scan(open_storage(str(launch / "refused"))) == []
+
+
+def test_a_resume_that_would_drop_the_saved_scheduler_and_loader_is_refused_on_every_rank(launch):
+    # DeepSpeed's load_checkpoint skips a saved lr_scheduler the engine lacks without a word.
+    results = {r["rank"]: r for r in worker_results(launch) if "untracked" in r}
+    for rank in (0, 1):
+        text = results[rank]["untracked"]
+        assert text.startswith("CheckpointMismatchError: the checkpoint of step 12 cannot be loaded: rank 0: "), text
+        assert "holds the state of engine.lr_scheduler, loader, which nothing tracks now" in text, text
+        assert results[rank]["accepted"] == 12  # untracked="accept": resumed without them

@@ -166,3 +166,31 @@ def test_aws_with_use_window_charges_the_saves_not_the_whole_notice_and_never_sa
     out = capsys.readouterr().out
     assert "deadline policy use-window: per noticed preemption 116 s of the notice trained and kept, 4 s paid" in out
     assert "training on in the notice window" in out and "notice + rec. (stop)" in out
+
+
+def test_a_first_runs_metrics_file_plans_with_the_restart_cost_it_could_not_measure_named(tmp_path):
+    """docs/metrics.md: the metrics file is a stats file as it is. A first run resumed nothing, so its
+    records have ``restore_s: null``: the plan uses what was measured and says which figure it assumed
+    (it was: "give --checkpoint-cost and --restart-cost", exit 2)."""
+    import torch
+
+    import spotguard
+
+    metrics = tmp_path / "metrics.jsonl"
+    guard = spotguard.Guard(str(tmp_path / "ckpt"), providers=[], every_steps=1, metrics_file=str(metrics))
+    guard.track(model=torch.nn.Linear(8, 8))
+    assert guard.resume() == 0
+    with guard:
+        guard.step(1)
+    cmd = [sys.executable, "-m", "spotguard", "plan", "--stats", str(metrics), "--mtbf", "6"]
+    text = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert f"assumed: restart cost {DEFAULT_START_S:g} s: {metrics} measured no restore" in text.stdout
+    doc = subprocess.run([*cmd, "--json"], env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    plan = json.loads(doc.stdout)
+    assert plan["options"]["restart_s"] == DEFAULT_START_S and plan["options"]["checkpoint_s"] > 0
+    assert plan["assumed"] and "restart cost" in plan["assumed"][0]
+    given = subprocess.run(
+        [*cmd, "--restart-cost", "90", "--json"], env=subprocess_env(), capture_output=True, text=True
+    )
+    assert json.loads(given.stdout)["assumed"] == []  # a figure given is no assumption

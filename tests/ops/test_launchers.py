@@ -44,7 +44,7 @@ EXAMPLES = REPO / "examples"
 
 
 def supervised(storage: Path, *child: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--backoff", "0.05"] + [
+    return [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(storage), "--backoff", "0.05"] + [
         "--max-restarts",
         str(restarts),
         "--",

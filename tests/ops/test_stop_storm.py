@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 def start(storage: Path, save_seconds: float) -> tuple[subprocess.Popen[str], tempfile._TemporaryFileWrapper[str]]:
     err = tempfile.NamedTemporaryFile("w+")
-    cmd = [sys.executable, "-m", "spotguard", "run", "--storage", str(storage), "--max-restarts", "0", "--"]
+    cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(storage), "--max-restarts", "0", "--"]
     cmd += [sys.executable, str(WORKERS / "slow_emergency.py"), str(save_seconds)]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None

@@ -43,6 +43,7 @@ def run_cmd(storage: Path, *supervisor_args: str, child: list[str]) -> list[str]
         "-m",
         "spotguard",
         "run",
+        "-v",  # the run's INFO lines (each start, the newest checkpoint) the tests read
         "--storage",
         str(storage),
         "--backoff",

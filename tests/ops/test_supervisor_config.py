@@ -43,6 +43,7 @@ def supervise(tmp_path, child: list[str]):
         "-m",
         "spotguard",
         "run",
+        "-v",  # the run's INFO lines (each start) the tests read
         "--storage",
         str(tmp_path / "ckpt"),
         "--backoff",
@@ -80,7 +81,7 @@ def test_a_job_whose_storage_is_no_folder_is_not_restarted(tmp_path):
     refused with ENOTDIR, a StorageAccessError; restarting would meet it again."""
     (tmp_path / "file").write_text("not a folder")
     job = "import spotguard, torch; spotguard.Guard(providers=[]).track(x=torch.zeros(2)).resume()"
-    cmd = [sys.executable, "-m", "spotguard", "run", "--storage", str(tmp_path / "file" / "ckpt")]
+    cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(tmp_path / "file" / "ckpt")]
     proc = run(
         [*cmd, "--backoff", "0.05", "--max-restarts", "2", "--", sys.executable, "-c", job], env=subprocess_env()
     )

@@ -225,7 +225,7 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
         "WorkingDirectory=/opt/spotguard/code",
         "User=trainer",
         "Environment=SPOTGUARD_STOP_ON_ADVISORY=1",
-        f"ExecStart=/opt/spotguard/venv/bin/spotguard run --storage {storage} --max-restarts 3 --grace 30"
+        f"ExecStart=/opt/spotguard/venv/bin/spotguard run -v --storage {storage} --max-restarts 3 --grace 30"
         " --hang-timeout 600 -- python job.py --epochs 2",
     ):
         assert line in unit.splitlines(), (line, unit)
@@ -239,8 +239,8 @@ def test_bootstrap_installs_spotguard_and_the_code_and_starts_the_unit(tmp_path)
     exec_start = next(ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart="))
     unit_env = dict(ln.split("=", 1)[1].split("=", 1) for ln in unit.splitlines() if ln.startswith("Environment="))
     argv = [a.replace("/opt/spotguard", opt) for a in shlex.split(exec_start)]
-    assert argv[1:8] == ["run", "--storage", str(storage), "--max-restarts", "3", "--grace", "30"]
-    assert argv[8:] == ["--hang-timeout", "600", "--", "python", "job.py", "--epochs", "2"]
+    assert argv[1:9] == ["run", "-v", "--storage", str(storage), "--max-restarts", "3", "--grace", "30"]
+    assert argv[9:] == ["--hang-timeout", "600", "--", "python", "job.py", "--epochs", "2"]
     job_env = {
         **env,
         **unit_env,

@@ -111,7 +111,7 @@ def test_hostile_values_are_refused_or_inert_and_never_run(tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     unit = (root / "etc/systemd/system/spotguard-job.service").read_text().splitlines()
     assert (
-        f"ExecStart=/opt/spotguard/venv/bin/spotguard run --storage s3://bucket/run-1 --max-restarts 3 --grace 30 -- {inert['command']}"
+        f"ExecStart=/opt/spotguard/venv/bin/spotguard run -v --storage s3://bucket/run-1 --max-restarts 3 --grace 30 -- {inert['command']}"
         in unit
     )
     assert [ln.split("=", 1)[0] for ln in unit if "=" in ln] == [

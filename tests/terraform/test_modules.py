@@ -244,6 +244,6 @@ def test_all_modules_take_region_types_image_bucket_and_command_and_start_spotgu
         "instance_count",
     } <= set(variables(AZURE))
     text = TEMPLATE.read_text()
-    assert "ExecStart=/opt/spotguard/venv/bin/spotguard run --storage %s" in text
+    assert "ExecStart=/opt/spotguard/venv/bin/spotguard run -v --storage %s" in text
     assert "STORAGE_URL=$(value '${base64encode(storage_url)}')" in text
     assert "KillMode=mixed" in text and "RestartPreventExitStatus=75" in text

@@ -6,8 +6,10 @@ step 12, then build a fresh engine, resume it from that checkpoint, train 12..20
 stage: an uninterrupted run of the example's job with the test's arguments (``--steps``,
 ``--every-steps``), leaving ``zero<N>/loss-{rank}.jsonl`` and ``zero<N>/final.pt`` in OUT_DIR. With
 ``--refuse``: rank 1 tracks state that does not load with ``weights_only=True``; each rank emits {refused}.
+With ``--untracked``: a fresh engine that lacks what ``--resume 0``'s checkpoint saved resumes it; each rank
+emits {untracked, accepted}.
 
-Run: torchrun --nproc-per-node 2 ... deepspeed_stages.py OUT_DIR [--resume 0 1] [--reference 2 3 --steps 40] [--refuse]
+Run: torchrun --nproc-per-node 2 ... deepspeed_stages.py OUT_DIR [--resume 0 1] [--reference 2 3 --steps 40] [--refuse] [--untracked]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from deepspeed_train import final_weights, make_job, parse_args, setup, train  # noqa: E402
 
-from spotguard.errors import ConfigError  # noqa: E402
+from spotguard.errors import CheckpointMismatchError, ConfigError  # noqa: E402
 from spotguard.integrations.deepspeed import DeepSpeedGuard  # noqa: E402
 from tests.workers.results import emit  # noqa: E402
 
@@ -85,6 +87,28 @@ def refuse_unloadable(out: Path) -> None:
     emit(out, refused=outcome)
 
 
+def refuse_untracked(out: Path) -> None:
+    """A fresh engine without the saved lr_scheduler, with no loader tracked, resumes resume-zero0's
+    checkpoint: refused on both ranks, naming both; with ``untracked="accept"`` it resumes. Each rank emits
+    {untracked: the refusal, accepted: the step resumed then}."""
+    import deepspeed_train
+
+    full = deepspeed_train.ds_config
+    deepspeed_train.ds_config = lambda a: {k: v for k, v in full(a).items() if k != "scheduler"}
+    try:
+        engine, _, _ = make_job(parse_args(["--zero-stage", "0", "--quiet"]))
+    finally:
+        deepspeed_train.ds_config = full
+    storage = str(out / "resume-zero0")
+    try:
+        DeepSpeedGuard(engine, storage, providers="signal", lease_ttl=None).resume()
+        outcome = "resumed"
+    except CheckpointMismatchError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    accepted = DeepSpeedGuard(engine, storage, providers="signal", lease_ttl=None, untracked="accept").resume()
+    emit(out, untracked=outcome, accepted=accepted)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -93,6 +117,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every-steps", type=int, default=15)
     p.add_argument("--refuse", action="store_true", help="check that unloadable tracked state fails the save")
+    p.add_argument("--untracked", action="store_true", help="check that saved state nothing restores is refused")
     opts = p.parse_args()
     setup(parse_args(["--quiet"]))
     rank = torch.distributed.get_rank()
@@ -113,6 +138,8 @@ def main() -> int:
             torch.save(weights, ref / "final.pt")
     if opts.refuse:
         refuse_unloadable(opts.out)
+    if opts.untracked:  # after --resume 0, whose checkpoint it resumes
+        refuse_untracked(opts.out)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -29,6 +29,12 @@ __all__ = ["build_parser", "main"]
 WIRE_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3", "requests", "azure", "google", "msal")
 
 
+VERBOSE = (
+    "more logging (before or after the command): -v info, -vv debug, -vvv also the cloud SDKs' requests "
+    "(secrets are masked); warnings only without it"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spotguard",
@@ -40,11 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         action="count",
         default=0,
-        help="more logging: -v info, -vv debug, -vvv also the cloud SDKs' requests (secrets are masked)",
+        help=VERBOSE,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (checkpoints, plan, run, mock, rehearse):
         group.register(sub)
+    for command in sub.choices.values():  # `spotguard ls -v DIR` as `spotguard -v ls DIR`: users type both
+        command.add_argument(
+            "-v", "--verbose", action="count", dest="verbose_after", default=argparse.SUPPRESS, help=VERBOSE
+        )
     return parser
 
 
@@ -59,6 +69,7 @@ def configure_logging(verbose: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.verbose += getattr(args, "verbose_after", 0)  # -v before the command and after it count together
     configure_logging(args.verbose)
     try:
         return int(args.func(args) or 0)

@@ -19,45 +19,58 @@ def _minutes(seconds: float | None) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 36000 else f"{seconds / 3600:.1f} h"
 
 
-def options(args: argparse.Namespace) -> planner.PlanOptions:
-    """The planner's options from the flags, a ``--stats`` file filling in what they leave out."""
-    from spotguard.costs import MeasuredCosts, load_stats
+def options(args: argparse.Namespace) -> tuple[planner.PlanOptions, list[str]]:
+    """The planner's options from the flags, a ``--stats`` file filling in what they leave out; and the
+    figures assumed where neither says (a first run's metrics file measured no restart)."""
+    from spotguard.costs import DEFAULT_START_S, MeasuredCosts, load_stats
 
     measured = load_stats(args.stats) if args.stats else MeasuredCosts(None, None, None, None)
     cost = args.checkpoint_cost if args.checkpoint_cost is not None else measured.checkpoint_s
     save = args.save_time if args.save_time is not None else measured.save_s
     restart = args.restart_cost if args.restart_cost is not None else measured.restart_s
+    assumed = []
+    if restart is None and args.stats:  # a first run's metrics file: nothing was resumed, so no restore measured
+        restart = DEFAULT_START_S
+        assumed.append(
+            f"restart cost {DEFAULT_START_S:g} s: {args.stats} measured no restore (nothing was resumed yet), so "
+            "only starting Python, torch and the loaders is counted; --restart-cost sets it"
+        )
     if cost is None or restart is None:
-        raise ConfigError("give --checkpoint-cost and --restart-cost (or a --stats file with them)")
+        missing = " and ".join(f for f, v in (("--checkpoint-cost", cost), ("--restart-cost", restart)) if v is None)
+        where = f"{args.stats} measured no checkpoint" if args.stats else "or a --stats file with it"
+        raise ConfigError(f"give {missing} ({where})")
     notice = args.notice if args.notice is not None else planner.NOTICE_LEAD_S.get(args.cloud or "")
     try:
         intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
     except ValueError as e:
         raise ConfigError(f"--intervals takes seconds separated by commas, got {args.intervals!r}") from e
-    return planner.PlanOptions(
-        cost,
-        restart,
-        args.mtbf,
-        notice_s=notice,
-        notice_share=args.notice_share,
-        job_hours=args.job_hours,
-        intervals_s=intervals,
-        state_gb=args.state_gb if args.state_gb is not None else measured.state_gb,
-        deadline_policy=args.deadline_policy,
-        save_s=save,
-        window_margin_s=args.window_margin,
+    return (
+        planner.PlanOptions(
+            cost,
+            restart,
+            args.mtbf,
+            notice_s=notice,
+            notice_share=args.notice_share,
+            job_hours=args.job_hours,
+            intervals_s=intervals,
+            state_gb=args.state_gb if args.state_gb is not None else measured.state_gb,
+            deadline_policy=args.deadline_policy,
+            save_s=save,
+            window_margin_s=args.window_margin,
+        ),
+        assumed,
     )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    opts = options(args)
+    opts, assumed = options(args)
     plan = planner.plan(opts)
     if args.plot:
         from spotguard.ops.plot import plot_plan
 
         plot_plan(plan, args.plot)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "plot": args.plot}, allow_nan=False))
+        print(json.dumps({**plan.to_dict(), "plot": args.plot, "assumed": assumed}, allow_nan=False))
         return 0
     head = f"checkpoint {opts.checkpoint_s:g} s, restart {opts.restart_s:g} s, MTBF {opts.mtbf_hours:g} h"
     if opts.notice_s is not None:
@@ -65,6 +78,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not opts.notice_works:
             head += " (too short to write a checkpoint: ignored)"
     print(head)
+    for note in assumed:
+        print(f"assumed: {note}")
     if opts.notice_works:
         print(
             f"deadline policy {opts.deadline_policy}: per noticed preemption {plan.window_s:.0f} s of the notice "

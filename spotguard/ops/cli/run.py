@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
@@ -33,14 +32,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         stdout_to_stderr=args.json,
         takeover=args.takeover,
     )
-    logging.getLogger("spotguard.ops.supervisor").setLevel(logging.INFO if args.verbose < 2 else logging.DEBUG)
     supervisor = Supervisor(options)
     supervisor.stops.hold_after_stop = True  # this process exits with the run's code: a late repeat must not kill it
     exporter = None
     if args.metrics_port is not None or args.metrics_file:
         from spotguard.metrics.run import RunMetrics
 
-        logging.getLogger("spotguard.metrics").setLevel(logging.INFO)
         exporter = RunMetrics(supervisor, port=args.metrics_port, host=args.metrics_host, jsonl=args.metrics_file)
     try:
         return supervisor.run()
