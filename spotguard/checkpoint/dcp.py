@@ -128,7 +128,7 @@ class SpotguardWriter(StorageWriter):
         results = []
         self._check_cancel(fname)
         with self.storage.open_write(f"{self.prefix}/{fname}", deadline=self.deadline) as raw:
-            out = HashingWriter(raw)
+            out = HashingWriter(raw, self.cancel)  # a large item is given up within a piece, not at its end
             for item in plan.items:
                 self._check_cancel(f"{item.index.fqn} in {fname}")
                 data = planner.resolve_data(item)

@@ -13,12 +13,13 @@ import datetime as dt
 import enum
 import json
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 from spotguard._version import __version__
 from spotguard.checkpoint import bounds, digest
-from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, SaveCancelled
 
 # spotguard/3: the checksum algorithm named per file (BLAKE3 by default); readers take
 # "spotguard/2" (SHA-256 per chunk) and "spotguard/1" (whole-file SHA-256) too.
@@ -241,14 +242,29 @@ class CheckpointInfo:
 class HashingWriter:
     """A write-through wrapper that counts and hashes bytes as they pass (for streamed writes, e.g. DCP)."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    PIECE = 16 << 20  # with ``cancel``: bytes written between two checks of it
+
+    def __init__(self, raw: BinaryIO, cancel: threading.Event | None = None) -> None:
+        """``cancel``: once set, the next piece of a write raises ``SaveCancelled`` (a large tensor is given
+        up within ``PIECE`` bytes, not at its end)."""
         self.raw = raw
         self.size = 0
         self._hash = digest.ChunkedDigest()
         self.chunk_size = self._hash.chunk_size
         self.alg = self._hash.alg
+        self._cancel = cancel
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._cancel is None:
+            return self._write(data)
+        mv = memoryview(data).cast("B")
+        for start in range(0, len(mv), self.PIECE):
+            if self._cancel.is_set():
+                raise SaveCancelled("save abandoned while writing a file")
+            self._write(mv[start : start + self.PIECE])
+        return len(mv)
+
+    def _write(self, data: bytes | bytearray | memoryview) -> int:
         self._hash.update(data)
         n = self.raw.write(data)
         self.size += len(data) if n is None else n

@@ -26,6 +26,7 @@ from typing import IO, Any
 import torch
 
 from spotguard.checkpoint import serialize
+from spotguard.errors import SaveCancelled
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +175,20 @@ class StreamFile:
 def save(obj: Any, f: IO[bytes], ring: Ring | None = None) -> None:
     """``serialize.save(obj, f)`` (the same bytes), storages fed through ``ring``: see the module's docstring."""
     storages = storage_order(obj) if hasattr(torch.serialization, "skip_data") else None
-    if storages is None:
-        serialize.save(obj, f)
-        return
-    stream = StreamFile(f, storages, ring or Ring())
-    with torch.serialization.skip_data():
-        serialize.save(obj, stream)  # type: ignore[arg-type]
+    try:
+        if storages is None:
+            serialize.save(obj, f)
+            return
+        stream = StreamFile(f, storages, ring or Ring())
+        with torch.serialization.skip_data():
+            serialize.save(obj, stream)  # type: ignore[arg-type]
+    except Exception as e:
+        # A save cancelled inside torch's writer comes out as the writer's own error about it (its zip
+        # trailer cannot be written any more): the cancel is what happened, and what callers act on.
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, SaveCancelled):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None and cause is not e:
+            raise SaveCancelled(str(cause)) from e
+        raise
     stream.check_done()

@@ -87,3 +87,15 @@ def test_cancel_set_before_the_save_opens_no_file(tmp_path):
     assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
     assert storage.written == 0
     assert not (tmp_path / STEP).exists()
+
+
+def test_cancel_set_inside_a_large_item_stops_within_a_piece_not_at_the_items_end(tmp_path):
+    """An abandoned sharded save gives the disk up to the emergency save within 16 MiB, even mid-tensor."""
+    cancel = threading.Event()
+    storage = CancelMidStream(str(tmp_path), cancel, after=1, only="distcp")
+    writer = SpotguardWriter(storage, STEP, 0, cancel=cancel)
+    with pytest.raises((SaveCancelled, CheckpointException)) as info:
+        dcp.save({"big": torch.ones(16 << 20)}, storage_writer=writer, no_dist=True)  # one 64 MiB item
+    assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
+    assert storage.written <= (16 << 20) + 4096  # the piece being written when it was set, and a header
+    assert storage.list_sizes("") == {}

@@ -85,3 +85,17 @@ def test_a_seek_torch_did_not_announce_is_refused():
         f.seek(3, io.SEEK_CUR)
     with pytest.raises(RuntimeError, match="never written"):
         f.check_done()
+
+
+def test_a_cancel_inside_torchs_writer_comes_out_as_the_cancel(tmp_path):
+    """torch's zip writer masks an error of the file with its own ("unexpected pos"): the cancel is kept."""
+    import threading
+
+    from spotguard.errors import SaveCancelled
+
+    cancel = threading.Event()
+    cancel.set()
+    f = DirectFile(tmp_path / "state.pt", buffer_size=1 << 20, cancel=cancel)
+    with pytest.raises(SaveCancelled):
+        with f:
+            stream.save({"w": torch.randn(1 << 20)}, f)  # 4 MiB: the first full buffer meets the cancel
