@@ -87,6 +87,20 @@ def test_a_streamed_save_of_cuda_state_loads_back_exactly_through_a_small_ring(t
     assert torch.equal(got["b"], state["b"])
 
 
+def test_a_trainers_torch_save_copies_through_pinned_memory_inside_pinned_torch_save(tmp_path):
+    from spotguard.checkpoint import stream
+
+    def pinned_requests() -> int:  # cumulative counters of the caching host allocator (cache hits count too)
+        return sum(v for k, v in torch.cuda.host_memory_stats().items() if k.endswith(".allocated"))
+
+    t = torch.randn(1 << 20, device="cuda")
+    before = pinned_requests()
+    with stream.pinned_torch_save():
+        torch.save({"w": t}, tmp_path / "w.pt")
+    assert pinned_requests() > before  # torch.save asked for a pinned staging buffer
+    assert torch.equal(torch.load(tmp_path / "w.pt", map_location="cuda", weights_only=True)["w"], t)
+
+
 def test_the_staging_is_reserved_pinned_in_slabs(tmp_path):
     staging = Staging()
     state = {

@@ -21,6 +21,8 @@ import io
 import logging
 import pickle
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
@@ -170,6 +172,24 @@ class StreamFile:
     def check_done(self) -> None:
         if self._storages:
             raise RuntimeError(f"{len(self._storages)} storage(s) were never written while streaming a checkpoint")
+
+
+@contextmanager
+def pinned_torch_save() -> Iterator[None]:
+    """Inside the block, ``torch.save`` copies device storages through pinned host memory (torch's own
+    setting, ``torch.utils.serialization.config.save.use_pinned_memory_for_d2h``; a no-op without CUDA
+    or on a torch without it): a trainer's own save, which spotguard does not write, then copies at
+    the bus's speed instead of through pageable memory. The setting is restored after."""
+    config = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "save", None)
+    if config is None or not hasattr(config, "use_pinned_memory_for_d2h") or not torch.cuda.is_available():
+        yield
+        return
+    before = config.use_pinned_memory_for_d2h
+    config.use_pinned_memory_for_d2h = True
+    try:
+        yield
+    finally:
+        config.use_pinned_memory_for_d2h = before
 
 
 def save(obj: Any, f: IO[bytes], ring: Ring | None = None) -> None:

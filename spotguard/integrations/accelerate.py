@@ -38,6 +38,7 @@ from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint.stream import pinned_torch_save
 
 from ..errors import ConfigError
 from ..guard.evaluation import Evaluation
@@ -173,7 +174,7 @@ class AcceleratorGuard(LoopGuard):
         with self.notices.marks.during(heartbeat.SAVING, step), self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
             t0 = time.monotonic()
-            with _as_at(cut, prepared):
+            with _as_at(cut, prepared), pinned_torch_save():  # device tensors through pinned memory (CUDA)
                 self.accelerator.save_state(str(folder))
                 loaders.save(prepared, folder, self.accelerator.process_index, cut=cut is not None)
             logger.debug("save_state of step %d took %.2fs", step, time.monotonic() - t0)

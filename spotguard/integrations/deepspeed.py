@@ -39,6 +39,7 @@ from spotguard.checkpoint import data, loadable, state
 from spotguard.checkpoint.collective import agree
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint.stream import pinned_torch_save
 
 from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError
 from ..guard import ranks
@@ -164,7 +165,8 @@ class DeepSpeedGuard(LoopGuard):
             folder = scratch / "deepspeed"
             (folder / tag_for(step)).mkdir(parents=True)  # ZeRO-0: DeepSpeed writes nothing on rank 1+
             t0 = time.monotonic()
-            self.engine.save_checkpoint(str(folder), tag=tag_for(step))
+            with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
+                self.engine.save_checkpoint(str(folder), tag=tag_for(step))
             own = self._rank_state(step)
             self._check_loadable(own, step)
             torch.save(own, folder / tag_for(step) / rank_file(rank))

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from spotguard import checkpoint
 from spotguard.checkpoint import state as state_module
 from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint.stream import pinned_torch_save
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
@@ -138,7 +139,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             # The Trainer writes its folder here; the mark ends once ``_commit`` has committed it.
             marks.begin(SAVING, trainer.state.global_step)
             try:
-                return save_checkpoint(*args, **kw)
+                with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
+                    return save_checkpoint(*args, **kw)
             except BaseException:
                 marks.end(SAVING)
                 raise

@@ -40,6 +40,7 @@ import torch
 
 from spotguard.checkpoint import state
 from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint.stream import pinned_torch_save
 from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
 
 from ..errors import PERMANENT, MissingDependencyError
@@ -355,7 +356,8 @@ class SpotguardCallback(StopOutcome, Callback):
             with self.notices.marks.during(SAVING, step), self.checkpoints.storage.scratch() as scratch:
                 folder = scratch / "lightning"
                 try:
-                    trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
+                    with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
+                        trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
                 finally:
                     self._validation_next = False
                 if self.checkpoints.group.get() is not None:  # Lightning wrote rank 0's streams only

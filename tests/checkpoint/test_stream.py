@@ -99,3 +99,16 @@ def test_a_cancel_inside_torchs_writer_comes_out_as_the_cancel(tmp_path):
     with pytest.raises(SaveCancelled):
         with f:
             stream.save({"w": torch.randn(1 << 20)}, f)  # 4 MiB: the first full buffer meets the cancel
+
+
+def test_pinned_torch_save_turns_torchs_setting_on_inside_the_block_only(monkeypatch):
+    """What the trainer integrations wrap their trainer's own save in (the setting matters with CUDA only)."""
+    from torch.utils.serialization import config
+
+    before = config.save.use_pinned_memory_for_d2h
+    with stream.pinned_torch_save():
+        assert config.save.use_pinned_memory_for_d2h == before  # no CUDA here: left alone
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with stream.pinned_torch_save():
+        assert config.save.use_pinned_memory_for_d2h is True
+    assert config.save.use_pinned_memory_for_d2h == before
