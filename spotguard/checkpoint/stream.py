@@ -65,10 +65,13 @@ def storage_order(obj: Any) -> list[torch.UntypedStorage] | None:
 
 
 class Ring:
-    """A few reused host buffers that carry device storages to a file, chunk by chunk.
+    """A few reused host buffers that carry device storages to a file, chunk by chunk, copying ahead.
 
-    ``copy_host``: host storages go through the buffers too (tests, and a check that the pipeline
-    needs no device); by default they are written from their own memory, with no copy at all.
+    ``begin(storages)`` plans every chunk of the save in file order; each ``write(storage)`` then
+    writes that storage's chunks while the copies of the next chunks, of this storage or the next
+    ones, run into the free buffers: the pipeline does not drain at a storage's end. ``copy_host``:
+    host storages go through the buffers too (tests: the pipeline needs no device); by default they
+    are written from their own memory, with no copy at all.
     """
 
     def __init__(self, chunk: int = CHUNK, slots: int = SLOTS, pin: bool | None = None, copy_host: bool = False):
@@ -78,6 +81,9 @@ class Ring:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffers: list[torch.Tensor] = []
         self._stream: Any = None
+        self._plan: deque[tuple[int, torch.Tensor, int, int]] = deque()  # (storage, its bytes, offset, length)
+        self._inflight: deque[tuple[int, int, int, Any]] = deque()  # (storage, slot, length, event)
+        self._free: list[int] = []
         self.copied = 0  # bytes that went through the buffers (what the tests check)
 
     @classmethod
@@ -91,53 +97,63 @@ class Ring:
         """Host memory the buffers hold."""
         return sum(b.numel() for b in self._buffers)
 
-    def release(self) -> None:
-        self._buffers = []
+    def _through(self, storage: torch.UntypedStorage) -> bool:
+        return self.copy_host or storage.device.type != "cpu"
 
-    def _buffer(self, i: int, size: int) -> torch.Tensor:
-        while len(self._buffers) <= i:
-            self._buffers.append(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.pin))
-        return self._buffers[i][:size]
+    def begin(self, storages: list[torch.UntypedStorage]) -> None:
+        """Plan the chunks of ``storages`` (a save's, in file order) and start the first copies."""
+        self._plan.clear()
+        self._inflight.clear()
+        self._free = list(range(self.slots))
+        cuda = None
+        for i, s in enumerate(storages):
+            if self._through(s):
+                flat = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+                cuda = cuda or (flat.device if flat.is_cuda else None)
+                self._plan.extend(
+                    (i, flat, off, min(self.chunk, flat.numel() - off)) for off in range(0, flat.numel(), self.chunk)
+                )
+        if cuda is not None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=cuda)
+            self._stream.wait_stream(torch.cuda.current_stream(cuda))  # the loop's last writes first
+        self._fill()
 
-    def write(self, storage: torch.UntypedStorage, out: IO[bytes]) -> None:
-        """Write ``storage``'s bytes to ``out``, in order."""
-        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        host = storage.device.type == "cpu"
-        if host and not self.copy_host:
-            out.write(flat.numpy().data)
-            return
-        n = flat.numel()
-        cuda = not host and flat.is_cuda
-        if cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(device=flat.device)
-        if cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(flat.device))  # the loop's last writes first
-        inflight: deque[tuple[torch.Tensor, Any]] = deque()
-        slot = 0
-        for off in range(0, n, self.chunk):
-            if len(inflight) == self.slots:
-                self._drain_one(inflight, out)
-            buf = self._buffer(slot, min(self.chunk, n - off))
-            slot = (slot + 1) % self.slots
-            if cuda:
+    def _fill(self) -> None:
+        """Copy the next planned chunks into the free buffers (asynchronously from a device)."""
+        while self._free and self._plan:
+            i, flat, off, n = self._plan.popleft()
+            slot = self._free.pop()
+            while len(self._buffers) <= slot:
+                self._buffers.append(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.pin))
+            buf = self._buffers[slot][:n]
+            event = None
+            if flat.is_cuda:
                 with torch.cuda.stream(self._stream):
-                    buf.copy_(flat[off : off + buf.numel()], non_blocking=self.pin)
+                    buf.copy_(flat[off : off + n], non_blocking=self.pin)
                     event = torch.cuda.Event()
                     event.record(self._stream)
             else:
-                buf.copy_(flat[off : off + buf.numel()])
-                event = None
-            inflight.append((buf, event))
-            self.copied += buf.numel()
-        while inflight:
-            self._drain_one(inflight, out)
+                buf.copy_(flat[off : off + n])
+            self._inflight.append((i, slot, n, event))
+            self.copied += n
 
-    @staticmethod
-    def _drain_one(inflight: deque[tuple[torch.Tensor, Any]], out: IO[bytes]) -> None:
-        buf, event = inflight.popleft()
-        if event is not None:
-            event.synchronize()
-        out.write(buf.numpy().data)
+    def write(self, index: int, storage: torch.UntypedStorage, out: IO[bytes]) -> None:
+        """Write the ``index``-th storage of ``begin``'s list to ``out``."""
+        if not self._through(storage):
+            out.write(torch.empty(0, dtype=torch.uint8).set_(storage).numpy().data)
+            return
+        left = storage.nbytes()
+        while left:
+            if not self._inflight or self._inflight[0][0] != index:
+                raise RuntimeError(f"storage {index} was not planned in this order while streaming a checkpoint")
+            _, slot, n, event = self._inflight.popleft()
+            if event is not None:
+                event.synchronize()
+            out.write(self._buffers[slot][:n].numpy().data)  # copied out: the buffer is free again
+            self._free.append(slot)
+            self._fill()
+            left -= n
 
 
 class StreamFile:
@@ -145,8 +161,10 @@ class StreamFile:
 
     def __init__(self, out: IO[bytes], storages: list[torch.UntypedStorage], ring: Ring) -> None:
         self._out, self._ring = out, ring
-        self._storages = deque(storages)
+        self._storages = storages
+        self._next = 0
         self._pos = 0
+        ring.begin(storages)
 
     def write(self, data: Any) -> int:
         n = self._out.write(data)
@@ -154,9 +172,11 @@ class StreamFile:
         return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence != io.SEEK_CUR or not self._storages or self._storages[0].nbytes() != offset:
+        i = self._next
+        if whence != io.SEEK_CUR or i >= len(self._storages) or self._storages[i].nbytes() != offset:
             raise RuntimeError(f"unexpected seek({offset}, {whence}) while streaming a checkpoint")
-        self._ring.write(self._storages.popleft(), self._out)
+        self._ring.write(i, self._storages[i], self._out)
+        self._next += 1
         self._pos += offset
         return self._pos
 
@@ -170,8 +190,9 @@ class StreamFile:
         return True
 
     def check_done(self) -> None:
-        if self._storages:
-            raise RuntimeError(f"{len(self._storages)} storage(s) were never written while streaming a checkpoint")
+        left = len(self._storages) - self._next
+        if left:
+            raise RuntimeError(f"{left} storage(s) were never written while streaming a checkpoint")
 
 
 @contextmanager

@@ -112,3 +112,22 @@ def test_pinned_torch_save_turns_torchs_setting_on_inside_the_block_only(monkeyp
     with stream.pinned_torch_save():
         assert config.save.use_pinned_memory_for_d2h is True
     assert config.save.use_pinned_memory_for_d2h == before
+
+
+def test_the_ring_copies_the_next_storages_chunks_while_one_is_written():
+    """No drain at a storage's end: the copies run ahead into every free buffer, across storages."""
+    ring = stream.Ring(chunk=4096, slots=3, copy_host=True)
+    state = {f"w{i}": torch.randn(512) for i in range(6)}  # 2 KiB each: one chunk per storage
+    seen: list[int] = []
+
+    class Recording(io.BytesIO):
+        def write(self, data):
+            if len(memoryview(data)) == 2048:  # a storage's bytes (not a zip header)
+                seen.append(ring.copied)
+            return super().write(data)
+
+    out = Recording()
+    stream.save(state, out, ring)
+    assert seen[0] == 3 * 2048  # storages 0, 1 and 2 copied before 0 was written
+    assert seen[1] == 4 * 2048  # the freed buffer took storage 3 at once
+    assert out.getvalue() == torch_bytes(state)
