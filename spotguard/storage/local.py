@@ -13,10 +13,8 @@ import errno
 import fcntl
 import hashlib
 import os
-import re
 import secrets
 import shutil
-import socket
 import stat
 import threading
 import time
@@ -25,15 +23,15 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageAccessError, StorageError
+from ..errors import CheckpointExistsError, PreconditionFailedError, StorageAccessError, StorageError
+from . import local_leftovers
 from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
+from .local_leftovers import writer_running
+
+__all__ = ["LocalStorage", "writer_running"]
 
 TMP_MARK = ".tmp-"
 SCRATCH_PREFIX = ".spotguard.tmp-"
-#: The exact names this backend writes while a write is in flight (see _tmp_path and scratch):
-#: ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target, ``.spotguard.tmp-HOST@PID-XXXXXXXX/`` at the root.
-_TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@\d+)-[0-9a-f]{8}")
-_SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@\d+)-)?[a-z0-9_]{8}")
 LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
 LOCK_SUFFIX = ".lock"  # beside a conditionally written key: serialises its compare-and-replace
 #: Errors that say this process may not use the folder (or that it is no folder): a restart would meet them.
@@ -41,8 +39,7 @@ _NO_ACCESS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 _thread_lock = threading.Lock()  # POSIX record locks exclude processes, not threads of one process
 
 
-def _host() -> str:
-    return socket.gethostname().replace("@", "_")
+_host = local_leftovers.host
 
 
 def _owner_tag() -> str:
@@ -355,100 +352,11 @@ class LocalStorage(Storage):
         return times
 
     def leftovers(self) -> builtins.list[Leftover]:
-        """Scratch folders at the root, temp files in ``step-N/`` folders (and of the root's own
-        ``spotguard-*`` files), ``step-N/`` folders holding no file: nothing else is looked at."""
-        try:
-            entries = builtins.list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise _failed(f"cannot list {self.describe()}: {e}", e) from e
-        found = []
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                scratch = _SCRATCH_NAME.fullmatch(entry.name)
-                stats = _tree_stats(Path(entry.path)) if scratch else None
-                if scratch and stats:
-                    found.append(Leftover(entry.name + "/", "scratch folder", *stats, owner=scratch["owner"] or ""))
-                elif STEP_DIR.fullmatch(entry.name):
-                    found += self._step_leftovers(Path(entry.path))
-            elif entry.name.startswith("spotguard") and entry.is_file(follow_symlinks=False):
-                found += self._temp_file(Path(entry.path))
-        return found
-
-    def _step_leftovers(self, top: Path) -> builtins.list[Leftover]:
-        found, files = [], 0
-        for dirpath, _, names in os.walk(top):  # never follows symlinks
-            files += len(names)
-            for name in names:
-                found += self._temp_file(Path(dirpath) / name)
-        stats = None if files else _tree_stats(top)
-        if stats:
-            found.append(Leftover(top.name + "/", "empty folder", 0, stats[1]))
-        return found
-
-    def _temp_file(self, path: Path) -> builtins.list[Leftover]:
-        """``path`` as a Leftover when it is one of ``_tmp_path``'s names."""
-        m = _TEMP_NAME.fullmatch(path.name)
-        if not m:
-            return []
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            return []
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        rel = path.relative_to(self.root).as_posix()
-        return [Leftover(rel, "temp file", st.st_size, st.st_mtime, owner=m["owner"])]
+        return local_leftovers.find(self)
 
     def remove_leftover(self, item: Leftover) -> None:
-        path = self._path(item.key.rstrip("/"))
-        try:
-            if item.kind == "scratch folder" and _SCRATCH_NAME.fullmatch(path.name) and path.parent == self.root:
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-            elif item.kind == "temp file" and _TEMP_NAME.fullmatch(path.name):
-                self.delete([item.key])  # and the folders it leaves empty
-            elif item.kind == "empty folder" and STEP_DIR.fullmatch(path.name) and path.parent == self.root:
-                for dirpath, _, _ in os.walk(path, topdown=False):
-                    os.rmdir(dirpath)  # fails, and stops, if a file appeared meanwhile
-            else:
-                raise ConfigError(f"{self.describe(item.key)} is not a leftover of local storage")
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise _failed(f"cannot delete {self.describe(item.key)}: {e}", e) from e
+        local_leftovers.remove(self, item)
 
-
-def _tree_stats(top: Path) -> tuple[int, float] | None:
-    """Bytes held below ``top`` and its newest change (``top`` and every entry, links not followed);
-    None when ``top`` is gone (an age unknown must never read as old)."""
-    try:
-        newest = top.lstat().st_mtime
-    except OSError:
-        return None
-    size = 0
-    for dirpath, dirs, names in os.walk(top):
-        for name in dirs + names:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            newest = max(newest, st.st_mtime)
-            if stat.S_ISREG(st.st_mode):
-                size += st.st_size
-    return size, newest
-
-
-def writer_running(owner: str) -> bool:
-    """Whether ``owner`` ("host@pid", from a Leftover) is a process running on this host."""
-    host, _, pid = owner.rpartition("@")
-    if host != _host() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: running
-        return True
-    return True
+    @staticmethod
+    def failed(message: str, e: OSError) -> StorageError:
+        return _failed(message, e)
