@@ -2,13 +2,13 @@
 
 Atomicity comes from the POSIX recipe: write a temp file beside the target, fsync it, rename it
 over the target (or hard-link it for write-once), then fsync the directory so the rename itself
-survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible to ``list()``.
+survives a power cut. Temp files are named ``NAME.tmp-HOST@PID-XXXXXXXX`` and are invisible to ``list()``
+(``local_leftovers.TEMP_NAME``, a name no checkpoint file can take).
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -17,7 +17,6 @@ import secrets
 import shutil
 import stat
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -25,14 +24,13 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointExistsError, PreconditionFailedError, StorageAccessError, StorageError
 from . import local_leftovers
-from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
+from .base import Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
 from .local_leftovers import writer_running
 
 __all__ = ["LocalStorage", "writer_running"]
 
 TMP_MARK = ".tmp-"
-SCRATCH_PREFIX = ".spotguard.tmp-"
-LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
+SCRATCH_PREFIX = local_leftovers.SCRATCH_PREFIX
 LOCK_SUFFIX = ".lock"  # beside a conditionally written key: serialises its compare-and-replace
 #: Errors that say this process may not use the folder (or that it is no folder): a restart would meet them.
 _NO_ACCESS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
@@ -45,31 +43,6 @@ _host = local_leftovers.host
 def _owner_tag() -> str:
     """``host@pid-``: who owns a scratch directory (hostnames may contain dashes, not '@')."""
     return f"{_host()}@{os.getpid()}-"
-
-
-def _idle(path: Path) -> bool:
-    """Unchanged for LEFTOVER_GRACE_S: the path and, for a directory, its entries."""
-    try:
-        paths = [path, *path.iterdir()] if path.is_dir() else [path]
-        newest = max(p.stat().st_mtime for p in paths)
-    except OSError:
-        return False
-    return time.time() - newest > LEFTOVER_GRACE_S
-
-
-def _dead_owner(tagged: str) -> bool:
-    """True for a leftover tagged ``host@pid-...`` (see _owner_tag) whose process on this host is gone."""
-    host, _, rest = tagged.rpartition("@")
-    pid = rest.split("-", 1)[0]
-    if host != _host() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _version(data: bytes) -> str:
@@ -122,6 +95,24 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def _folder(self, final: Path) -> None:
+        """Create the folders of ``final`` that are missing, after ``_no_links``."""
+        self._no_links(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._no_links(final)  # created meanwhile by another process: checked again
+
+    def _no_links(self, path: Path) -> None:
+        """Refuse ``path`` when a folder between the root and it is a link: a save of ``step-N`` where
+        ``step-N`` links elsewhere would clear and fill that folder, which is not this run's."""
+        here = self.root
+        for part in path.relative_to(self.root).parts[:-1]:
+            here = here / part
+            if here.is_symlink():
+                raise StorageError(
+                    f"{self.describe(here.relative_to(self.root).as_posix())} is a link to {os.readlink(here)}: "
+                    "spotguard never writes or deletes through a link below its root"
+                )
+
     def _tmp_path(self, final: Path) -> Path:
         # os.urandom-based name: never draws from the training's global `random`.
         return final.with_name(f"{final.name}{TMP_MARK}{_owner_tag()}{secrets.token_hex(4)}")
@@ -129,7 +120,7 @@ class LocalStorage(Storage):
     @contextmanager
     def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             with open(tmp, "wb") as f:
@@ -144,7 +135,7 @@ class LocalStorage(Storage):
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             _write_synced(tmp, data)
@@ -173,7 +164,7 @@ class LocalStorage(Storage):
         if token is not None and not final.parent.is_dir():  # never recreate a folder deleted under a writer
             raise PreconditionFailedError(f"{self.describe(key)} was deleted")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            self._folder(final)
             tmp = self._tmp_path(final)
             try:
                 _write_synced(tmp, data)
@@ -204,45 +195,13 @@ class LocalStorage(Storage):
 
     def scratch(self) -> AbstractContextManager[Path]:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._sweep_dead_scratch()
+        local_leftovers.sweep(self.root)
         # Same filesystem: put_file becomes a hard link. The owner tag lets a later save sweep it.
         return _scratch_dir(self.root, _owner_tag())
 
-    def _sweep_dead_scratch(self) -> None:
-        """Remove what killed writers on this host left: scratch directories, temp files, empty step dirs.
-
-        A save killed with SIGKILL cannot clean up after itself; without this, a job preempted
-        again and again would leave one partial state file per kill. Only spotguard's own names
-        are touched, and only when their writer's process on this host is gone and they have not
-        changed for a while (a writer in another PID namespace on the same host looks dead, but a
-        live one keeps writing). Other hosts' leftovers (a shared mount) are left alone.
-        """
-        try:
-            entries = list(os.scandir(self.root))
-        except OSError:
-            return
-        for entry in entries:
-            if entry.name.startswith(SCRATCH_PREFIX):
-                if _dead_owner(entry.name[len(SCRATCH_PREFIX) :]) and _idle(Path(entry.path)):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-            elif STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                self._sweep_dir(Path(entry.path))
-
-    @staticmethod
-    def _sweep_dir(top: Path) -> None:
-        """Bottom-up through one ``step-N/`` (sharded checkpoints nest ``shards/``)."""
-        for dirpath, _, names in os.walk(top, topdown=False):
-            path = Path(dirpath)
-            for name in names:
-                if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]) and _idle(path / name):
-                    (path / name).unlink(missing_ok=True)
-            if _idle(path):
-                with contextlib.suppress(OSError):
-                    path.rmdir()  # only when empty: a checkpoint's directory never is
-
     def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             try:
@@ -280,6 +239,8 @@ class LocalStorage(Storage):
         start = self.root
         if "/" in prefix:  # walk only the directory the prefix names
             start = self.root / check_key(prefix.rsplit("/", 1)[0])
+            if any(p.is_symlink() for p in (start, *start.parents) if self.root in p.parents):
+                return {}  # as the whole listing (links are not followed): nothing of this root is there
         if not self._listable(start):
             return {}
         sizes = {}
@@ -292,9 +253,11 @@ class LocalStorage(Storage):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             # Scratch directories of running saves; a file system's lost+found where the root is a
             # mount point (unreadable to others, never ours: it must not make every listing fail).
-            dirs[:] = [d for d in dirs if TMP_MARK not in d and not (rel == "." and d == "lost+found")]
+            # Only spotguard's exact temp names are hidden: a checkpoint's own ``data.tmp-1`` is listed.
+            if rel == ".":
+                dirs[:] = [d for d in dirs if not local_leftovers.SCRATCH_NAME.fullmatch(d) and d != "lost+found"]
             for name in files:
-                if TMP_MARK in name:
+                if local_leftovers.TEMP_NAME.fullmatch(name):
                     continue
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
@@ -324,6 +287,7 @@ class LocalStorage(Storage):
         parents = set()
         for key in keys:
             path = self._path(key)
+            self._no_links(path)
             try:
                 path.unlink()
             except FileNotFoundError:

@@ -7,29 +7,94 @@ Links are never followed: a ``step-N`` that is a link is not a checkpoint folder
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .base import STEP_DIR, Leftover
+from .base import LOCAL_TEMP_NAME, STEP_DIR, Leftover
 
 if TYPE_CHECKING:
     from .local import LocalStorage
 
 #: The exact names local storage writes while a write is in flight (``LocalStorage._tmp_path`` and
-#: ``scratch``): ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target, ``.spotguard.tmp-HOST@PID-XXXXXXXX/``
-#: at the root. Checkpoint file names cannot contain ``@``, so no checkpoint file matches the first.
-TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@[0-9]+)-[0-9a-f]{8}")
+#: ``scratch``): ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target (``base.reserved_name``),
+#: ``.spotguard.tmp-HOST@PID-XXXXXXXX/`` at the root.
+TEMP_NAME = LOCAL_TEMP_NAME
 SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@[0-9]+)-)?[a-z0-9_]{8}")
+
+
+SCRATCH_PREFIX = ".spotguard.tmp-"
+LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
 
 
 def host() -> str:
     return socket.gethostname().replace("@", "_")
+
+
+def _idle(path: Path) -> bool:
+    """Unchanged for LEFTOVER_GRACE_S: the path and, for a directory, its entries."""
+    try:
+        paths = [path, *path.iterdir()] if path.is_dir() else [path]
+        newest = max(p.stat().st_mtime for p in paths)
+    except OSError:
+        return False
+    return time.time() - newest > LEFTOVER_GRACE_S
+
+
+def _dead_owner(tagged: str) -> bool:
+    """True for a leftover tagged ``host@pid-...`` (``LocalStorage``'s owner tag) whose process on this host is gone."""
+    name, _, rest = tagged.rpartition("@")
+    pid = rest.split("-", 1)[0]
+    if name != host() or not (pid.isascii() and pid.isdigit()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep(root: Path) -> None:
+    """Remove what killed writers on this host left: scratch directories, temp files, empty step dirs.
+
+    A save killed with SIGKILL cannot clean up after itself; without this, a job preempted
+    again and again would leave one partial state file per kill. Only spotguard's own names
+    are touched, and only when their writer's process on this host is gone and they have not
+    changed for a while (a writer in another PID namespace on the same host looks dead, but a
+    live one keeps writing). Other hosts' leftovers (a shared mount) are left alone.
+    """
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(SCRATCH_PREFIX) and entry.is_dir(follow_symlinks=False):
+            if _dead_owner(entry.name[len(SCRATCH_PREFIX) :]) and _idle(Path(entry.path)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        elif STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            _sweep_dir(Path(entry.path))
+
+
+def _sweep_dir(top: Path) -> None:
+    """Bottom-up through one ``step-N/`` (sharded checkpoints nest ``shards/``)."""
+    for dirpath, _, names in os.walk(top, topdown=False):
+        path = Path(dirpath)
+        for name in names:
+            temp = TEMP_NAME.fullmatch(name)
+            if temp and _dead_owner(temp["owner"]) and _idle(path / name):
+                (path / name).unlink(missing_ok=True)
+        if _idle(path):
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only when empty: a checkpoint's directory never is
 
 
 def find(storage: LocalStorage) -> list[Leftover]:
@@ -126,7 +191,7 @@ def tree_stats(top: Path) -> tuple[int, float] | None:
 def writer_running(owner: str) -> bool:
     """Whether ``owner`` ("host@pid", from a Leftover) is a process running on this host."""
     name, _, pid = owner.rpartition("@")
-    if name != host() or not pid.isdigit():
+    if name != host() or not (pid.isascii() and pid.isdigit()):
         return False
     try:
         os.kill(int(pid), 0)
