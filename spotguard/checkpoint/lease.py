@@ -9,6 +9,7 @@ which ``spotguard rm --incomplete`` and ``ls`` use to leave a live run's files a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -88,11 +89,21 @@ class LeaseRecord:
 
 def read(storage: Storage) -> LeaseRecord | None:
     """The lease record under ``storage``, or ``None`` when there is none. A corrupt one raises."""
+    return read_versioned(storage)[0]
+
+
+def read_versioned(storage: Storage) -> tuple[LeaseRecord | None, str | None]:
+    """The lease record and its version token (``Storage.get_versioned``): a later read with the same
+    token saw the same record. (None, None) when there is none; a corrupt record raises."""
     try:
-        data = storage.get_bytes(LEASE)
+        try:
+            data, token = storage.get_versioned(LEASE)
+        except NotImplementedError:  # a backend without conditional writes: the bytes are the version
+            data = storage.get_bytes(LEASE)
+            token = hashlib.sha256(data).hexdigest()
     except (ObjectNotFoundError, FileNotFoundError):
-        return None
-    return LeaseRecord.from_bytes(data)
+        return None, None
+    return LeaseRecord.from_bytes(data), token
 
 
 def _text(value: Any) -> str:

@@ -40,7 +40,9 @@ def test_a_file_name_a_backend_keeps_for_temp_objects_is_refused_at_save(tmp_pat
     assert checkpoint.scan(storage) == []
 
 
-@pytest.mark.parametrize("alias", ["step-00000005.r2\n", "step-00000005\n", "step-0000000\u0665.r2", "step-000000005.r2"])
+@pytest.mark.parametrize(
+    "alias", ["step-00000005.r2\n", "step-00000005\n", "step-0000000\u0665.r2", "step-000000005.r2"]
+)
 def test_a_folder_named_almost_like_a_step_is_ignored_and_never_supersedes_it(tmp_path, alias):
     storage = open_storage(str(tmp_path))
     save(storage, 4, {"state.pt": b"four"})
