@@ -10,7 +10,7 @@ from typing import Any
 
 from spotguard.checkpoint import cleanup, lease
 from spotguard.checkpoint.manifest import human_duration
-from spotguard.errors import CheckpointCorruptError, ConfigError, StorageError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, StorageError
 from spotguard.storage import Storage
 
 from ._output import fail, report
@@ -59,7 +59,7 @@ def rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
     """Delete the garbage of killed saves that no running save can own (``checkpoint.cleanup``)."""
     try:
         found = cleanup.plan(storage, args.min_age)
-    except CheckpointCorruptError as e:  # the lease record: whether a run is writing cannot be told
+    except (CheckpointCorruptError, CheckpointFormatError) as e:  # the lease record: is a run writing? unknown
         return fail(args, f"{e}; nothing deleted (delete {lease.LEASE} if no job writes here)", url=storage.describe())
     verb = "would delete" if args.dry_run else "deleted"
     failed = []
@@ -68,7 +68,7 @@ def rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
         if not args.dry_run:
             try:
                 why = cleanup.remove(storage, c, found)  # judged again: a job may have committed it since
-            except (StorageError, ConfigError) as e:  # one that cannot go stops nothing else
+            except (StorageError, ConfigError, CheckpointCorruptError, CheckpointFormatError) as e:  # stops no other
                 failed.append(c)
                 report(
                     args,
