@@ -66,7 +66,9 @@ def private_folder(work_dir: str | None) -> Path:
     unpickles them. Below a folder only this user can enter, they cannot; one that is a link, another
     user's, or open to others is refused (``ConfigError``).
     """
-    parent = Path(work_dir or tempfile.gettempdir()) / f"spotguard-{os.geteuid()}"
+    base = Path(work_dir or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)  # a work_dir not there yet
+    parent = base / f"spotguard-{os.geteuid()}"
     try:
         os.mkdir(parent, 0o700)
     except FileExistsError:
