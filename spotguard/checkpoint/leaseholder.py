@@ -157,7 +157,7 @@ class Lease:
 
     def _claim(self, mine: LeaseRecord) -> str:
         where = self.storage.describe(LEASE)
-        watch: tuple[str, float] | None = None  # the other's record under watch: (token, since, monotonic)
+        watch: tuple[str, float] | None = None  # the other's record under watch: (token, since: our monotonic)
         races = 0
         while races < 5:  # each retry follows another writer's change: a race, not a loop
             try:
@@ -169,7 +169,7 @@ class Lease:
             except ObjectNotFoundError:
                 races += 1
                 continue  # deleted meanwhile (`spotguard rm`): create it again
-            other, why = self._judge(data, mine.acquired_at)
+            other, why = self._judge(data, self.clock())
             if why == _WATCH:
                 assert other is not None
                 if watch is not None and watch[0] != token:  # renewed while we watched: live
@@ -202,7 +202,7 @@ class Lease:
                 races += 1
                 continue  # another writer changed it between our read and our write: look again
             if why == "taken over on purpose":
-                time.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
+                self.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
             return new
         raise LeaseHeldError(f"cannot take the writer lease {where}: other writers keep changing it")
 
