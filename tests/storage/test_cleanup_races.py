@@ -116,3 +116,17 @@ def test_a_newline_in_a_temp_files_owner_forges_no_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("would delete "), lines
     assert "state.pt.tmp-h\\ndeleted everything" in out.stdout
     assert Path(tmp_path / "step-00000007" / forged).exists()
+
+
+def test_s3_a_folder_named_almost_like_a_step_never_supersedes_it(s3_url):
+    st = open_storage(s3_url)
+    write(s3_url, 4, 5)
+    # (moto refuses a key with a newline: that alias is tested on local storage, tests/checkpoint/test_names.py)
+    for alias in ("step-000000005.r2", "step-0000000\u0665.r2", "step-00000005.r2x"):
+        for name in ("state.pt", "manifest.json"):
+            st.put_bytes(f"{alias}/{name}", st.get_bytes(f"step-00000005/{name}"))
+    assert [i.name for i in checkpoint.scan(st)] == ["step-00000004", "step-00000005"]
+    checkpoint.prune(st, keep=1)
+    (info,) = checkpoint.scan(st)
+    assert info.name == "step-00000005"
+    checkpoint.verify(st, info)
