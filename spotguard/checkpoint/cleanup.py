@@ -14,8 +14,12 @@ A candidate that may still belong to a save in flight is skipped, and the plan s
 3. its age is unknown (a backend without ``list_times``);
 4. its name records a writer process still running on this host (local storage).
 
-``plan`` finds and judges; ``remove`` deletes what the plan calls garbage (a checkpoint manifest
-first, as ``layout.delete`` always does).
+``plan`` finds and judges; ``remove`` deletes what the plan calls garbage (a broken checkpoint's
+manifest first, as ``layout.delete`` always does), after judging it again at that moment: between the
+two a job may have taken the lease and committed the step a killed save left, so a candidate is kept
+when the lease record changed since the plan, when its folder now holds a manifest (or is no longer
+broken), or when it changed less than ``min_age_s`` ago. An incomplete folder's removal never deletes
+a manifest.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from dataclasses import dataclass, field
 
 from spotguard.checkpoint import lease
 from spotguard.checkpoint.layout import delete
-from spotguard.checkpoint.manifest import human_duration, parse_step_dir
-from spotguard.checkpoint.reader import scan
+from spotguard.checkpoint.manifest import MANIFEST, human_duration, parse_step_dir
+from spotguard.checkpoint.reader import scan, scan_one
 from spotguard.errors import ConfigError
 from spotguard.storage.base import Leftover, Storage
-from spotguard.storage.local import writer_running
+from spotguard.storage.local_leftovers import writer_running
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,9 @@ class Plan:
     garbage: list[Candidate] = field(default_factory=list)
     skipped: list[tuple[Candidate, str]] = field(default_factory=list)
     live_lease: lease.LeaseRecord | None = None  # the live lease that spared everything, if any
+    min_age_s: float = DEFAULT_MIN_AGE_S
+    lease_token: str | None = None  # the version of the lease record the plan saw (None: there was none)
+    clock_offset: float = 0.0  # ``now`` given to ``plan`` minus the time then: ``remove`` judges on that clock
 
 
 def plan(storage: Storage, min_age_s: float = DEFAULT_MIN_AGE_S, *, now: float | None = None) -> Plan:
@@ -75,7 +82,7 @@ def plan(storage: Storage, min_age_s: float = DEFAULT_MIN_AGE_S, *, now: float |
     if min_age_s < 0:
         raise ConfigError(f"min_age_s must be at least 0, got {min_age_s}")
     now = time.time() if now is None else now
-    record = lease.read(storage)
+    record, token = lease.read_versioned(storage)
     leftovers = storage.leftovers()
     infos = scan(storage)
     changed = _folder_changes(storage.list_times(""), leftovers)
@@ -88,7 +95,9 @@ def plan(storage: Storage, min_age_s: float = DEFAULT_MIN_AGE_S, *, now: float |
         top = item.key.partition("/")[0]
         newest = max(item.modified, changed.get(top, item.modified))  # a live save's folder keeps its parts
         found.append(Candidate(item.key, item.kind, _age(now, newest), item.size, leftover=item))
-    result = Plan(live_lease=record if record is not None and record.live(now) else None)
+    live = record if record is not None and record.live(now) else None
+    offset = now - time.time()
+    result = Plan(live_lease=live, min_age_s=float(min_age_s), lease_token=token, clock_offset=offset)
     for c in found:
         why = _why_kept(c, result.live_lease, min_age_s, now)
         if why:
@@ -98,13 +107,44 @@ def plan(storage: Storage, min_age_s: float = DEFAULT_MIN_AGE_S, *, now: float |
     return result
 
 
-def remove(storage: Storage, candidate: Candidate) -> None:
-    """Delete one piece of garbage from a ``plan``."""
+def remove(storage: Storage, candidate: Candidate, found: Plan) -> str:
+    """Delete one piece of garbage of the plan ``found``, judged again now (module docstring); returns
+    why it was kept after all, or "" when it was deleted."""
+    why, keys = _judge_again(storage, candidate, found)
+    if why:
+        logger.info("kept %s: %s", storage.describe(candidate.name), why)
+        return why
     if candidate.leftover is not None:
         storage.remove_leftover(candidate.leftover)
+    elif candidate.kind == "incomplete":
+        storage.delete([k for k in keys if k != f"{candidate.name}/{MANIFEST}"])  # listed just now: none
     else:
         delete(storage, candidate.name)
     logger.info("removed %s (%s)", storage.describe(candidate.name), candidate.kind)
+    return ""
+
+
+def _judge_again(storage: Storage, c: Candidate, found: Plan) -> tuple[str, list[str]]:
+    """Why ``c`` must stay after all, judged at removal time, and the keys of its folder as listed now."""
+    now = time.time() + found.clock_offset
+    record, token = lease.read_versioned(storage)
+    if token != found.lease_token:
+        held = f" ({record.describe(now)})" if record is not None else ""
+        return f"the writer lease changed since the plan{held}: a job may be writing", []
+    if record is not None and record.live(now):
+        return f"the run holds a live lease ({record.describe(now)})", []
+    folder = c.name.partition("/")[0]
+    times = storage.list_times(folder + "/")
+    if times and now - max(times.values()) < found.min_age_s:
+        ago = human_duration(now - max(times.values()))
+        return f"{folder} changed {ago} ago, since the plan: a save may be writing it", []
+    if c.leftover is None and f"{folder}/{MANIFEST}" in times:
+        if c.kind == "incomplete":
+            return "it holds a manifest now: committed since the plan", []
+        info = scan_one(storage, folder)
+        if info is None or not info.broken:
+            return f"it is {info.status if info else 'gone'} now, no longer broken", []
+    return "", sorted(times)
 
 
 def _folder_changes(times: dict[str, float], leftovers: list[Leftover]) -> dict[str, float]:

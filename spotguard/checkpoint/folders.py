@@ -27,7 +27,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -183,9 +182,10 @@ def is_node_leader() -> bool:
 
 
 def node_folder(storage: Storage, step: int, work_dir: str | None) -> Path:
-    """Where a node keeps its verified copy of ``step``: the same path for every rank of the node."""
+    """Where a node keeps its verified copy of ``step``: the same path for every rank of the node, in
+    this user's private folder (``pernode.private_folder``: created, and refused when not ours)."""
     tag = hashlib.sha256(storage.describe().encode()).hexdigest()[:12]
-    return Path(work_dir or tempfile.gettempdir()) / f"spotguard-{tag}-node{node_rank()}-{layout.step_dir(step)}"
+    return pernode.private_folder(work_dir) / f"{tag}-node{node_rank()}-{layout.step_dir(step)}"
 
 
 def fetch(

@@ -4,9 +4,13 @@ Two jobs on one storage URL (a relaunch while the old machine still runs, a copy
 would otherwise mix one run's history. Order of use, by the ``Guard``:
 
 1. ``acquire()`` before anything is loaded or written: create ``spotguard-lease.json`` if absent
-   (``Storage.put_conditional`` with no token); a record that is released, expired, left by a dead
-   process of this host, or this process's own is taken over with replace-if-unchanged; a live one
-   raises ``LeaseHeldError`` naming its holder, unless ``takeover`` is set.
+   (``Storage.put_conditional`` with no token); a record that is released, left by a dead process
+   this one can see (same host and pid namespace), or this process's own is taken over at once with
+   replace-if-unchanged. One that looks expired by this machine's clock, or renewed in its future, is
+   watched: taken over only once it stayed unchanged for its ``ttl_s`` on this process's monotonic
+   clock, refused if it changes meanwhile (the holder's clock, not its heartbeat, was off). A live
+   one raises ``LeaseHeldError`` naming its holder, unless ``takeover`` is set; so does one of a
+   newer format. Clock skew between machines thus never lets a live lease be taken over.
 2. A daemon thread renews the record every ``ttl_s / 3`` with replace-if-unchanged. A renewal that
    meets another writer's record means the lease was taken over: it is lost (``on_lost`` is called).
 3. ``fence()`` before every manifest write: one renewal, synchronously. A writer that lost its lease
@@ -34,7 +38,7 @@ import weakref
 from collections.abc import Callable
 
 from spotguard import _env
-from spotguard.checkpoint.lease import LEASE, LeaseRecord
+from spotguard.checkpoint.lease import LEASE, LeaseRecord, NewerLeaseError, pid_namespace
 from spotguard.errors import (
     CheckpointCorruptError,
     LeaseHeldError,
@@ -45,6 +49,12 @@ from spotguard.errors import (
 from spotguard.storage.base import ObjectNotFoundError, Storage
 
 logger = logging.getLogger(__name__)
+
+_WATCH = "watch"  # _why_free: expired by the holder's timestamps only, which may be off: watch the record
+_TWO_WRITERS = (
+    "Two writers would mix one run's checkpoints: stop that job, use another storage URL, or take the run over "
+    f"on purpose (Guard(takeover=True), ${_env.TAKEOVER}=1 or `spotguard run --takeover`)"
+)
 
 DEFAULT_TTL_S = 60.0
 #: After taking a live lease over on purpose: time for a commit the other job fenced just before to land,
@@ -66,9 +76,16 @@ def fence(storage: Storage) -> None:
         lease.fence()
 
 
+def _visible(record: LeaseRecord) -> bool:
+    """Whether ``record.pid`` names a process this one can see: the record says it was written in this
+    host's, and this process's, pid namespace. Another container on this host may share the hostname,
+    never its pids: there a pid this process cannot see may well be running."""
+    return bool(record.pidns) and record.pidns == _PIDNS and record.host == socket.gethostname()
+
+
 def _pid_gone(record: LeaseRecord) -> bool:
-    """A record left by a process of this host that no longer runs (killed: it could not release)."""
-    if record.host != socket.gethostname() or record.pid == os.getpid():
+    """A record left by a process of this host and pid namespace that no longer runs (killed: it could not release)."""
+    if not _visible(record) or record.pid == os.getpid():
         return False
     try:
         os.kill(record.pid, 0)
@@ -77,6 +94,9 @@ def _pid_gone(record: LeaseRecord) -> bool:
     except OSError:
         return False
     return False
+
+
+_PIDNS = pid_namespace()
 
 
 class Lease:
@@ -93,6 +113,8 @@ class Lease:
         alive: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
         takeover_grace_s: float = TAKEOVER_GRACE_S,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.storage, self.ttl_s, self.takeover = storage, float(ttl_s), takeover
         self.takeover_grace_s = takeover_grace_s
@@ -100,6 +122,8 @@ class Lease:
         self.run_id = run_id or self.owner
         #: ``alive()`` False (its Guard was garbage-collected unclosed): the heartbeat releases the lease.
         self.on_lost, self.alive, self.clock = on_lost, alive, clock
+        #: Watching another's record: this process's own clock, and how it waits between two reads.
+        self.monotonic, self.sleep = monotonic, sleep
         self.record: LeaseRecord | None = None
         #: Why the lease was lost (the new holder), or None while held or never taken.
         self.lost: str | None = None
@@ -119,7 +143,9 @@ class Lease:
             if self.held:
                 return self.record  # type: ignore[return-value]
             now = self.clock()
-            mine = LeaseRecord(self.run_id, socket.gethostname(), os.getpid(), now, now, self.ttl_s, owner=self.owner)
+            mine = LeaseRecord(
+                self.run_id, socket.gethostname(), os.getpid(), now, now, self.ttl_s, owner=self.owner, pidns=_PIDNS
+            )
             token = self._claim(mine)
             self.record, self._token, self.lost, self.released = mine, token, None, False
             self._stop = threading.Event()
@@ -131,7 +157,9 @@ class Lease:
 
     def _claim(self, mine: LeaseRecord) -> str:
         where = self.storage.describe(LEASE)
-        for _ in range(5):  # each retry follows another writer's change: a race, not a loop
+        watch: tuple[str, float] | None = None  # the other's record under watch: (token, since: our monotonic)
+        races = 0
+        while races < 5:  # each retry follows another writer's change: a race, not a loop
             try:
                 return self.storage.put_conditional(LEASE, mine.to_bytes(), token=None)
             except PreconditionFailedError:
@@ -139,55 +167,95 @@ class Lease:
             try:
                 data, token = self.storage.get_versioned(LEASE)
             except ObjectNotFoundError:
+                races += 1
                 continue  # deleted meanwhile (`spotguard rm`): create it again
-            try:
-                other: LeaseRecord | None = LeaseRecord.from_bytes(data)
-            except CheckpointCorruptError as e:
-                logger.warning("%s is not a lease record (%s): taking it over", where, e)
-                other = None
-            why = None
+            other, why = self._judge(data, self.clock())
+            if why == _WATCH:
+                assert other is not None
+                if watch is not None and watch[0] != token:  # renewed while we watched: live
+                    raise LeaseHeldError(self._renewed_message(other), other)
+                if watch is None:
+                    watch = (token, self.monotonic())
+                    logger.info(
+                        "writer lease of %s: %s, expired by this machine's clock only; watching it for %.3g s "
+                        "(its TTL): taken over if it stays unchanged, refused if it is renewed",
+                        self.storage.describe(),
+                        other.describe(self.clock()),
+                        other.ttl_s,
+                    )
+                waited = self.monotonic() - watch[1]
+                if waited < other.ttl_s:
+                    self.sleep(min(max(other.ttl_s / 10, 0.05), 2.0, other.ttl_s - waited))
+                    continue
+                why = f"not renewed for {waited:.3g} s, its TTL, by this machine's own clock"
             if other is not None:
-                why = self._why_free(other, mine.acquired_at)
-                if why is None:
-                    raise LeaseHeldError(self._held_message(other, mine.acquired_at), other)
                 logger.log(
                     logging.WARNING if why == "taken over on purpose" else logging.INFO,
                     "writer lease of %s: %s (%s); taking it over",
                     self.storage.describe(),
-                    other.describe(mine.acquired_at),
+                    other.describe(self.clock()),
                     why,
                 )
             try:
                 new = self.storage.put_conditional(LEASE, mine.to_bytes(), token=token)
             except PreconditionFailedError:
-                continue  # another writer changed it between our read and write: look again
+                races += 1
+                continue  # another writer changed it between our read and our write: look again
             if why == "taken over on purpose":
-                time.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
+                self.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
             return new
         raise LeaseHeldError(f"cannot take the writer lease {where}: other writers keep changing it")
 
+    def _judge(self, data: bytes, now: float) -> tuple[LeaseRecord | None, str]:
+        """The record in ``data`` and why it may be taken over now, or ``_WATCH`` (see ``_claim``);
+        raises ``LeaseHeldError`` while another writer holds it."""
+        try:
+            other = LeaseRecord.from_bytes(data)
+        except NewerLeaseError as e:
+            if self.takeover:
+                logger.warning("writer lease of %s: %s; taking it over on purpose", self.storage.describe(), e)
+                return None, "taken over on purpose"
+            raise LeaseHeldError(
+                f"{self.storage.describe()}: {e}. This version cannot judge whether that job still writes: stop "
+                "it and upgrade spotguard here, or take the run over on purpose (Guard(takeover=True), "
+                f"${_env.TAKEOVER}=1 or `spotguard run --takeover`)",
+                e.holder,
+            ) from e
+        except CheckpointCorruptError as e:
+            logger.warning("%s is not a lease record (%s): taking it over", self.storage.describe(LEASE), e)
+            return None, "corrupt"
+        why = self._why_free(other, now)
+        if why is None:
+            raise LeaseHeldError(self._held_message(other, now), other)
+        return other, why
+
     def _why_free(self, other: LeaseRecord, now: float) -> str | None:
-        """Why ``other`` may be taken over, or None while it is another writer's live lease."""
+        """Why ``other`` may be taken over at once, ``_WATCH`` when only watching it can tell, or None
+        while it is another writer's live lease."""
         if other.released:
             return "released"
-        if not other.live(now):
-            return f"expired {now - other.expires_at():.0f} s ago"
         if other.owner == self.owner:
             return "our own"
-        if other.host == socket.gethostname() and other.pid == os.getpid():
+        if _visible(other) and other.pid == os.getpid():
             return "an earlier writer of this process that was never closed"
         if _pid_gone(other):
             return "its process on this host is gone"
         if self.takeover:
             return "taken over on purpose"
+        if other.from_the_future(now) or not other.live(now):
+            return _WATCH  # by the holder's timestamps only: its clock may be off, so watch it
         return None
 
     def _held_message(self, other: LeaseRecord, now: float) -> str:
         return (
             f"another job is writing to {self.storage.describe()}: {other.describe(now)}; its lease expires in "
-            f"{max(other.expires_at() - now, 0):.0f} s unless renewed. Two writers would mix one run's checkpoints: "
-            "stop that job, use another storage URL, or take the run over on purpose "
-            f"(Guard(takeover=True), ${_env.TAKEOVER}=1 or `spotguard run --takeover`)"
+            f"{max(other.expires_at() - now, 0):.0f} s unless renewed. {_TWO_WRITERS}"
+        )
+
+    def _renewed_message(self, other: LeaseRecord) -> str:
+        return (
+            f"another job is writing to {self.storage.describe()}: {other.describe(self.clock())}; it renewed its "
+            f"lease while this job watched (its clock and this machine's disagree). {_TWO_WRITERS}"
         )
 
     def _beat(self) -> None:
@@ -225,17 +293,20 @@ class Lease:
     def _still_ours(self, loud: bool = True) -> str:
         """After a refused renewal: the token of our record when it is still ours (a write whose reply
         was lost), else the lease is lost (``LeaseLostError``)."""
+        gone = "its record was deleted"
         try:
             data, token = self.storage.get_versioned(LEASE)
             other: LeaseRecord | None = LeaseRecord.from_bytes(data)
-        except (ObjectNotFoundError, CheckpointCorruptError):
+        except ObjectNotFoundError:
             other = None
+        except (CheckpointCorruptError, NewerLeaseError) as e:
+            other, gone = None, f"its record was replaced ({e})"
         if other is not None and other.owner == self.owner and not other.released:
             return token
         now = self.clock()
         self.lost = (
             f"this job lost the writer lease of {self.storage.describe()}: "
-            + (f"it is now held by {other.describe(now)}" if other is not None else "its record was deleted")
+            + (f"it is now held by {other.describe(now)}" if other is not None else gone)
             + "; it commits nothing more (two writers would mix one run's checkpoints)"
         )
         self._stop.set()

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 from spotguard._version import __version__
 from spotguard.checkpoint import bounds, digest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, SaveCancelled
+from spotguard.storage.base import STEP_DIR, reserved_name
 
 # spotguard/3: the checksum algorithm named per file (BLAKE3 by default); readers take
 # "spotguard/2" (SHA-256 per chunk) and "spotguard/1" (whole-file SHA-256) too.
@@ -31,8 +32,6 @@ _NUMBERED_FORMAT = re.compile(r"^spotguard/([0-9]{1,6})$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,39}$")
 MANIFEST = "manifest.json"
 REASONS = ("periodic", "emergency", "final", "advisory", "manual")
-# ``step-NNNNNNNN``, and ``step-NNNNNNNN.rK`` for a later revision of the same step (``step_dir``).
-_STEP_DIR = re.compile(r"^step-(\d{8,})(?:\.r([1-9][0-9]{0,5}))?$")
 # A path component may start with a dot (DCP's ``.metadata``, which Lightning's sharded FSDP checkpoint
 # holds) but may not be ``.`` or ``..``.
 _PART = r"(?!\.\.?(?:/|$))[A-Za-z0-9._][A-Za-z0-9._-]*"
@@ -53,21 +52,24 @@ def step_dir(step: int, revision: int = 0) -> str:
 
 
 def check_file_name(fname: str) -> None:
-    """Refuse a file name that is not a plain relative path inside its checkpoint (or is the manifest's)."""
-    if not _FILE_NAME.match(fname) or fname == MANIFEST:
+    """Refuse a file name that is not a plain relative path inside its checkpoint, is the manifest's, or
+    is one a backend keeps for its temp objects (listings hide those: the checkpoint would read as broken)."""
+    if not _FILE_NAME.fullmatch(fname) or fname == MANIFEST:
         raise ConfigError(f"invalid checkpoint file name {fname!r}")
+    if reserved_name(fname):
+        raise ConfigError(f"invalid checkpoint file name {fname!r}: storage backends name their temp objects so")
 
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-NNNNNNNN`` (or ``step-NNNNNNNN.rK``) name, or None for anything else."""
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
+    m = STEP_DIR.fullmatch(name)
+    return int(m["step"]) if m else None
 
 
 def dir_order(name: str) -> tuple[int, int]:
     """(step, revision) of a checkpoint directory's name: directories sort by it, the newest last."""
-    m = _STEP_DIR.match(name)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else (0, 0)
+    m = STEP_DIR.fullmatch(name)
+    return (int(m["step"]), int(m["revision"] or 0)) if m else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class FileEntry:
     def from_json(cls, f: Any, fmt: str) -> FileEntry:
         """Parse one entry of a manifest of format ``fmt``; ``ValueError``/``KeyError``/``TypeError`` if invalid."""
         name, size = f["name"], f["size"]
-        if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name.split("/"):
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name.split("/"):
             raise ValueError(f"unsafe file name {name!r}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"bad size for {name!r}")
@@ -204,11 +206,11 @@ def _refuse_newer_format(data: Any, where: str) -> None:
     change every other field. Anything else unknown stays an invalid manifest.
     """
     fmt = data.get("format") if isinstance(data, dict) else None
-    m = _NUMBERED_FORMAT.match(fmt) if isinstance(fmt, str) else None
+    m = _NUMBERED_FORMAT.fullmatch(fmt) if isinstance(fmt, str) else None
     if m is None or int(m.group(1)) <= max(int(f.partition("/")[2]) for f in FORMATS):
         return
     version = data.get("spotguard_version")
-    writer = f"spotguard {version}" if isinstance(version, str) and _VERSION.match(version) else "a newer spotguard"
+    writer = f"spotguard {version}" if isinstance(version, str) and _VERSION.fullmatch(version) else "a newer spotguard"
     raise CheckpointFormatError(
         f"{where} was written by {writer} in manifest format {fmt}, which spotguard {__version__} cannot read "
         f"(it reads {', '.join(FORMATS)}): upgrade spotguard (pip install -U spotguard)"

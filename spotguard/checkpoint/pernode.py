@@ -17,8 +17,14 @@ ranks it hosts now, whichever node wrote them.
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+
+from spotguard.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -48,3 +54,42 @@ def needed(names: Iterable[str], rank_of: Callable[[str], int | None], ranks: Co
         if rank is None or rank in ranks or not 0 <= rank < world:
             keep.append(name)
     return keep
+
+
+def private_folder(work_dir: str | None) -> Path:
+    """This user's folder for the nodes' verified copies: ``spotguard-<uid>`` below ``work_dir`` (the
+    system's temp folder), mode 0700, created when missing.
+
+    Every rank of a node must find its node's copy by name before the ranks can talk, so the copy's
+    name is predictable: on a machine shared with other users (multi-user Slurm nodes) another user
+    could plant it, or a link to their own folder, and swap the verified files before a trainer
+    unpickles them. Below a folder only this user can enter, they cannot; one that is a link, another
+    user's, or open to others is refused (``ConfigError``).
+    """
+    base = Path(work_dir or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)  # a work_dir not there yet
+    parent = base / f"spotguard-{os.geteuid()}"
+    try:
+        os.mkdir(parent, 0o700)
+    except FileExistsError:
+        pass
+    why = _not_private(os.lstat(parent))
+    if why:
+        raise ConfigError(
+            f"{parent} is {why}, not this user's private folder: a checkpoint fetched into it could be swapped "
+            "before it is loaded. Remove it, or give another work_dir"
+        )
+    return parent
+
+
+def _not_private(st: os.stat_result) -> str:
+    """Why a folder with ``st`` (``lstat``) is not this user's private folder, or ""."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"open to others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""

@@ -48,6 +48,19 @@ def scan(storage: Storage) -> list[CheckpointInfo]:
         top, _, rest = key.partition("/")
         if rest and parse_step_dir(top) is not None:
             groups.setdefault(top, {})[rest] = size
+    return _classify(storage, groups)
+
+
+def scan_one(storage: Storage, name: str) -> CheckpointInfo | None:
+    """``scan`` of the one folder ``name`` (None when it holds nothing): a judgement made again later."""
+    cut = len(name) + 1
+    listed = {key[cut:]: size for key, size in storage.list_sizes(name + "/").items()}
+    found = _classify(storage, {name: listed} if listed and parse_step_dir(name) is not None else {})
+    return found[0] if found else None
+
+
+def _classify(storage: Storage, groups: dict[str, dict[str, int]]) -> list[CheckpointInfo]:
+    """Each folder (name -> its files' sizes) with its status, oldest first."""
     infos = []
     for name in sorted(groups, key=dir_order):  # a step's later revision after it: the newest is last
         step = parse_step_dir(name) or 0

@@ -32,9 +32,26 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object asked for does not exist."""
 
 
-#: The checkpoint layer's top-level folders (``checkpoint.step_dir``): a backend looks for its
-#: leftovers only inside them (and, for local storage, its scratch folders at the root).
-STEP_DIR = re.compile(r"step-\d+")
+#: The checkpoint layer's top-level folders, exactly as ``checkpoint.step_dir`` names them (always with
+#: ``fullmatch``): ``step-`` and eight ASCII digits (more only without a leading zero), then ``.rK`` for
+#: a revision. A backend looks for its leftovers only inside them (and, for local storage, its scratch
+#: folders at the root). Anything else (a trailing newline, Unicode digits, ``step-000000005``) would
+#: alias a real checkpoint's step.
+STEP_DIR = re.compile(r"step-(?P<step>[0-9]{8}|[1-9][0-9]{8,})(?:\.r(?P<revision>[1-9][0-9]{0,5}))?")
+
+#: The exact names backends give the temp objects of a write in flight, beside its target: local
+#: storage's ``NAME.tmp-HOST@PID-XXXXXXXX`` and the parts of a GCS composite upload,
+#: ``NAME.sg-part-TOKEN-NN``. Listings hide them and nothing else, and no checkpoint file may take one
+#: (``reserved_name``): the two name spaces are disjoint, so a checkpoint's file is never taken for garbage.
+LOCAL_TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@[0-9]+)-[0-9a-f]{8}")
+GCS_PART_NAME = re.compile(r".+\.sg-part-[0-9a-f]{12}-[0-9]{2,}")
+
+
+def reserved_name(key: str) -> bool:
+    """Whether ``key``'s last part is a name a backend keeps for its temp objects."""
+    name = key.rpartition("/")[2]
+    return bool(LOCAL_TEMP_NAME.fullmatch(name) or GCS_PART_NAME.fullmatch(name))
+
 
 #: A running upload checksum, ``update(data, state) -> state`` with ``0`` as the first state, as
 #: ``zlib.crc32``: an int CRC for S3 and GCS, per-block digests for Azure (``azure_blocks.BlockSums``).

@@ -18,7 +18,6 @@ with one that reads ``os.urandom`` (``_private_boundaries``).
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import threading
 import time
@@ -37,15 +36,13 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from ..errors import CheckpointCorruptError, ConfigError, StorageAccessError, StorageError
 from . import gcs_compose, retry
 from ._common import check_fields, crc_b64, split_url
-from .base import STEP_DIR, Leftover, ObjectNotFoundError, check_key
+from .base import GCS_PART_NAME, STEP_DIR, Leftover, ObjectNotFoundError, check_key
 from .cloud import CloudStorage, _Conflict
-from .gcs_compose import PART_MARK
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _CHUNK_UNIT = 256 * 1024  # resumable chunks must be multiples of 256 KiB
-_PART_NAME = re.compile(r"\.sg-part-[0-9a-f]{12}-\d{2,}$")  # exactly what _composite_upload names them
 
 
 def _changed(blob: Any) -> float:
@@ -271,14 +268,14 @@ class GCSStorage(CloudStorage):
             for b in blobs:
                 key = b.name[len(self.prefix) :]
                 top, _, rest = key.partition("/")
-                if STEP_DIR.fullmatch(top) and _PART_NAME.search(rest):
+                if STEP_DIR.fullmatch(top) and GCS_PART_NAME.fullmatch(rest):
                     found.append(Leftover(key, "upload part", b.size or 0, _changed(b)))
             return found
 
         return list(self._call("list upload parts below", "", run))
 
     def remove_leftover(self, item: Leftover) -> None:
-        if item.kind != "upload part" or not _PART_NAME.search(item.key):
+        if item.kind != "upload part" or not GCS_PART_NAME.fullmatch(item.key):
             raise ConfigError(f"{self.describe(item.key)}: not a leftover of GCS storage")
         self.delete([item.key])
 
@@ -358,13 +355,13 @@ class GCSStorage(CloudStorage):
         blobs = self.bucket.list_blobs(
             prefix=full_prefix, page_size=self.options.page_size, retry=None, timeout=self.options.timeout
         )
-        return ((b.name, b.size) for b in blobs if PART_MARK not in b.name)
+        return ((b.name, b.size) for b in blobs if not GCS_PART_NAME.fullmatch(b.name))
 
     def _list_times(self, full_prefix: str) -> Iterator[tuple[str, float]]:
         blobs = self.bucket.list_blobs(
             prefix=full_prefix, page_size=self.options.page_size, retry=None, timeout=self.options.timeout
         )
-        return ((b.name, _changed(b)) for b in blobs if PART_MARK not in b.name)
+        return ((b.name, _changed(b)) for b in blobs if not GCS_PART_NAME.fullmatch(b.name))
 
     def _delete_one(self, full: str) -> None:
         try:

@@ -2,77 +2,47 @@
 
 Atomicity comes from the POSIX recipe: write a temp file beside the target, fsync it, rename it
 over the target (or hard-link it for write-once), then fsync the directory so the rename itself
-survives a power cut. Temp files carry ``.tmp-`` in their name and are invisible to ``list()``.
+survives a power cut. Temp files are named ``NAME.tmp-HOST@PID-XXXXXXXX`` and are invisible to ``list()``
+(``local_leftovers.TEMP_NAME``, a name no checkpoint file can take).
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
 import fcntl
 import hashlib
 import os
-import re
 import secrets
 import shutil
-import socket
 import stat
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageAccessError, StorageError
-from .base import STEP_DIR, Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
+from ..errors import CheckpointExistsError, PreconditionFailedError, StorageAccessError, StorageError
+from . import local_leftovers
+from .base import Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
+from .local_leftovers import writer_running
+
+__all__ = ["LocalStorage", "writer_running"]
 
 TMP_MARK = ".tmp-"
-SCRATCH_PREFIX = ".spotguard.tmp-"
-#: The exact names this backend writes while a write is in flight (see _tmp_path and scratch):
-#: ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target, ``.spotguard.tmp-HOST@PID-XXXXXXXX/`` at the root.
-_TEMP_NAME = re.compile(r".+\.tmp-(?P<owner>[^/@]+@\d+)-[0-9a-f]{8}")
-_SCRATCH_NAME = re.compile(r"\.spotguard\.tmp-(?:(?P<owner>[^/@]+@\d+)-)?[a-z0-9_]{8}")
-LEFTOVER_GRACE_S = 60.0  # a leftover unchanged this long has no live writer
+SCRATCH_PREFIX = local_leftovers.SCRATCH_PREFIX
 LOCK_SUFFIX = ".lock"  # beside a conditionally written key: serialises its compare-and-replace
 #: Errors that say this process may not use the folder (or that it is no folder): a restart would meet them.
 _NO_ACCESS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 _thread_lock = threading.Lock()  # POSIX record locks exclude processes, not threads of one process
 
 
-def _host() -> str:
-    return socket.gethostname().replace("@", "_")
+_host = local_leftovers.host
 
 
 def _owner_tag() -> str:
     """``host@pid-``: who owns a scratch directory (hostnames may contain dashes, not '@')."""
     return f"{_host()}@{os.getpid()}-"
-
-
-def _idle(path: Path) -> bool:
-    """Unchanged for LEFTOVER_GRACE_S: the path and, for a directory, its entries."""
-    try:
-        paths = [path, *path.iterdir()] if path.is_dir() else [path]
-        newest = max(p.stat().st_mtime for p in paths)
-    except OSError:
-        return False
-    return time.time() - newest > LEFTOVER_GRACE_S
-
-
-def _dead_owner(tagged: str) -> bool:
-    """True for a leftover tagged ``host@pid-...`` (see _owner_tag) whose process on this host is gone."""
-    host, _, rest = tagged.rpartition("@")
-    pid = rest.split("-", 1)[0]
-    if host != _host() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _version(data: bytes) -> str:
@@ -125,6 +95,24 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
+    def _folder(self, final: Path) -> None:
+        """Create the folders of ``final`` that are missing, after ``_no_links``."""
+        self._no_links(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._no_links(final)  # created meanwhile by another process: checked again
+
+    def _no_links(self, path: Path) -> None:
+        """Refuse ``path`` when a folder between the root and it is a link: a save of ``step-N`` where
+        ``step-N`` links elsewhere would clear and fill that folder, which is not this run's."""
+        here = self.root
+        for part in path.relative_to(self.root).parts[:-1]:
+            here = here / part
+            if here.is_symlink():
+                raise StorageError(
+                    f"{self.describe(here.relative_to(self.root).as_posix())} is a link to {os.readlink(here)}: "
+                    "spotguard never writes or deletes through a link below its root"
+                )
+
     def _tmp_path(self, final: Path) -> Path:
         # os.urandom-based name: never draws from the training's global `random`.
         return final.with_name(f"{final.name}{TMP_MARK}{_owner_tag()}{secrets.token_hex(4)}")
@@ -132,7 +120,7 @@ class LocalStorage(Storage):
     @contextmanager
     def open_write(self, key: str, *, deadline: float | None = None) -> Iterator[BinaryIO]:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             with open(tmp, "wb") as f:
@@ -147,7 +135,7 @@ class LocalStorage(Storage):
 
     def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False, deadline: float | None = None) -> None:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             _write_synced(tmp, data)
@@ -176,7 +164,7 @@ class LocalStorage(Storage):
         if token is not None and not final.parent.is_dir():  # never recreate a folder deleted under a writer
             raise PreconditionFailedError(f"{self.describe(key)} was deleted")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            self._folder(final)
             tmp = self._tmp_path(final)
             try:
                 _write_synced(tmp, data)
@@ -207,45 +195,13 @@ class LocalStorage(Storage):
 
     def scratch(self) -> AbstractContextManager[Path]:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._sweep_dead_scratch()
+        local_leftovers.sweep(self.root)
         # Same filesystem: put_file becomes a hard link. The owner tag lets a later save sweep it.
         return _scratch_dir(self.root, _owner_tag())
 
-    def _sweep_dead_scratch(self) -> None:
-        """Remove what killed writers on this host left: scratch directories, temp files, empty step dirs.
-
-        A save killed with SIGKILL cannot clean up after itself; without this, a job preempted
-        again and again would leave one partial state file per kill. Only spotguard's own names
-        are touched, and only when their writer's process on this host is gone and they have not
-        changed for a while (a writer in another PID namespace on the same host looks dead, but a
-        live one keeps writing). Other hosts' leftovers (a shared mount) are left alone.
-        """
-        try:
-            entries = list(os.scandir(self.root))
-        except OSError:
-            return
-        for entry in entries:
-            if entry.name.startswith(SCRATCH_PREFIX):
-                if _dead_owner(entry.name[len(SCRATCH_PREFIX) :]) and _idle(Path(entry.path)):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-            elif STEP_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                self._sweep_dir(Path(entry.path))
-
-    @staticmethod
-    def _sweep_dir(top: Path) -> None:
-        """Bottom-up through one ``step-N/`` (sharded checkpoints nest ``shards/``)."""
-        for dirpath, _, names in os.walk(top, topdown=False):
-            path = Path(dirpath)
-            for name in names:
-                if TMP_MARK in name and _dead_owner(name.split(TMP_MARK, 1)[1]) and _idle(path / name):
-                    (path / name).unlink(missing_ok=True)
-            if _idle(path):
-                with contextlib.suppress(OSError):
-                    path.rmdir()  # only when empty: a checkpoint's directory never is
-
     def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._folder(final)
         tmp = self._tmp_path(final)
         try:
             try:
@@ -283,6 +239,8 @@ class LocalStorage(Storage):
         start = self.root
         if "/" in prefix:  # walk only the directory the prefix names
             start = self.root / check_key(prefix.rsplit("/", 1)[0])
+            if any(p.is_symlink() for p in (start, *start.parents) if self.root in p.parents):
+                return {}  # as the whole listing (links are not followed): nothing of this root is there
         if not self._listable(start):
             return {}
         sizes = {}
@@ -295,9 +253,11 @@ class LocalStorage(Storage):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             # Scratch directories of running saves; a file system's lost+found where the root is a
             # mount point (unreadable to others, never ours: it must not make every listing fail).
-            dirs[:] = [d for d in dirs if TMP_MARK not in d and not (rel == "." and d == "lost+found")]
+            # Only spotguard's exact temp names are hidden: a checkpoint's own ``data.tmp-1`` is listed.
+            if rel == ".":
+                dirs[:] = [d for d in dirs if not local_leftovers.SCRATCH_NAME.fullmatch(d) and d != "lost+found"]
             for name in files:
-                if TMP_MARK in name:
+                if local_leftovers.TEMP_NAME.fullmatch(name):
                     continue
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
@@ -327,6 +287,7 @@ class LocalStorage(Storage):
         parents = set()
         for key in keys:
             path = self._path(key)
+            self._no_links(path)
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -355,100 +316,11 @@ class LocalStorage(Storage):
         return times
 
     def leftovers(self) -> builtins.list[Leftover]:
-        """Scratch folders at the root, temp files in ``step-N/`` folders (and of the root's own
-        ``spotguard-*`` files), ``step-N/`` folders holding no file: nothing else is looked at."""
-        try:
-            entries = builtins.list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise _failed(f"cannot list {self.describe()}: {e}", e) from e
-        found = []
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                scratch = _SCRATCH_NAME.fullmatch(entry.name)
-                stats = _tree_stats(Path(entry.path)) if scratch else None
-                if scratch and stats:
-                    found.append(Leftover(entry.name + "/", "scratch folder", *stats, owner=scratch["owner"] or ""))
-                elif STEP_DIR.fullmatch(entry.name):
-                    found += self._step_leftovers(Path(entry.path))
-            elif entry.name.startswith("spotguard") and entry.is_file(follow_symlinks=False):
-                found += self._temp_file(Path(entry.path))
-        return found
-
-    def _step_leftovers(self, top: Path) -> builtins.list[Leftover]:
-        found, files = [], 0
-        for dirpath, _, names in os.walk(top):  # never follows symlinks
-            files += len(names)
-            for name in names:
-                found += self._temp_file(Path(dirpath) / name)
-        stats = None if files else _tree_stats(top)
-        if stats:
-            found.append(Leftover(top.name + "/", "empty folder", 0, stats[1]))
-        return found
-
-    def _temp_file(self, path: Path) -> builtins.list[Leftover]:
-        """``path`` as a Leftover when it is one of ``_tmp_path``'s names."""
-        m = _TEMP_NAME.fullmatch(path.name)
-        if not m:
-            return []
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            return []
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        rel = path.relative_to(self.root).as_posix()
-        return [Leftover(rel, "temp file", st.st_size, st.st_mtime, owner=m["owner"])]
+        return local_leftovers.find(self)
 
     def remove_leftover(self, item: Leftover) -> None:
-        path = self._path(item.key.rstrip("/"))
-        try:
-            if item.kind == "scratch folder" and _SCRATCH_NAME.fullmatch(path.name) and path.parent == self.root:
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-            elif item.kind == "temp file" and _TEMP_NAME.fullmatch(path.name):
-                self.delete([item.key])  # and the folders it leaves empty
-            elif item.kind == "empty folder" and STEP_DIR.fullmatch(path.name) and path.parent == self.root:
-                for dirpath, _, _ in os.walk(path, topdown=False):
-                    os.rmdir(dirpath)  # fails, and stops, if a file appeared meanwhile
-            else:
-                raise ConfigError(f"{self.describe(item.key)} is not a leftover of local storage")
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise _failed(f"cannot delete {self.describe(item.key)}: {e}", e) from e
+        local_leftovers.remove(self, item)
 
-
-def _tree_stats(top: Path) -> tuple[int, float] | None:
-    """Bytes held below ``top`` and its newest change (``top`` and every entry, links not followed);
-    None when ``top`` is gone (an age unknown must never read as old)."""
-    try:
-        newest = top.lstat().st_mtime
-    except OSError:
-        return None
-    size = 0
-    for dirpath, dirs, names in os.walk(top):
-        for name in dirs + names:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            newest = max(newest, st.st_mtime)
-            if stat.S_ISREG(st.st_mode):
-                size += st.st_size
-    return size, newest
-
-
-def writer_running(owner: str) -> bool:
-    """Whether ``owner`` ("host@pid", from a Leftover) is a process running on this host."""
-    host, _, pid = owner.rpartition("@")
-    if host != _host() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: running
-        return True
-    return True
+    @staticmethod
+    def failed(message: str, e: OSError) -> StorageError:
+        return _failed(message, e)

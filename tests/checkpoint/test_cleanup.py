@@ -26,7 +26,7 @@ def test_age_counts_from_the_newest_change_in_a_checkpoint_folder(tmp_path):
     later = cleanup.plan(st, now=time.time() + 3600)
     assert sorted(c.kind for c in later.garbage) == ["incomplete", "temp file"]
     for c in later.garbage:
-        cleanup.remove(st, c)
+        assert cleanup.remove(st, c, later) == ""
     assert not (tmp_path / "step-00000007").exists()
 
 
@@ -61,3 +61,79 @@ def test_a_lease_renewed_too_long_ago_protects_nothing(tmp_path):
 def test_min_age_must_be_a_finite_number_of_seconds(tmp_path, bad):
     with pytest.raises(ConfigError, match="min_age_s"):
         cleanup.plan(open_storage(str(tmp_path)), bad)
+
+
+def _killed_save(st, root, step: int) -> None:
+    """What a save killed two hours ago left of ``step``: a file, no manifest."""
+    st.put_bytes(f"step-{step:08d}/state.pt", b"killed save")
+    then = time.time() - 7200
+    for p in [root / f"step-{step:08d}", root / f"step-{step:08d}" / "state.pt"]:
+        os.utime(p, (then, then))
+
+
+def _commit(st, step: int, data: bytes = b"committed") -> None:
+    checkpoint.write(st, step, {"state.pt": lambda f: f.write(data)}, reason="periodic")
+
+
+@pytest.mark.parametrize("files_old", [False, True])
+def test_a_step_committed_between_the_plan_and_the_removal_is_kept(tmp_path, files_old):
+    st = open_storage(str(tmp_path))
+    _killed_save(st, tmp_path, 5)
+    found = cleanup.plan(st)
+    (c,) = found.garbage
+    assert c.name == "step-00000005" and c.kind == "incomplete"
+    _commit(st, 5)  # a job resumed and saved step 5 meanwhile (no lease: an older spotguard, or none taken)
+    if files_old:  # its files as old as the killed save's: only the manifest tells them apart
+        then = time.time() - 7200
+        for p in (tmp_path / "step-00000005").iterdir():
+            os.utime(p, (then, then))
+    why = cleanup.remove(st, c, found)
+    assert why == ("it holds a manifest now: committed since the plan" if files_old else why) and why
+    (info,) = checkpoint.scan(st)
+    assert info.complete
+    checkpoint.verify(st, info)
+
+
+def test_a_lease_taken_between_the_plan_and_the_removal_keeps_everything(tmp_path):
+    from spotguard.checkpoint.leaseholder import Lease
+
+    st = open_storage(str(tmp_path))
+    _killed_save(st, tmp_path, 5)
+    _killed_save(st, tmp_path, 6)
+    found = cleanup.plan(st)
+    assert [c.name for c in found.garbage] == ["step-00000005", "step-00000006"]
+    lease = Lease(st, ttl_s=30)
+    lease.acquire()  # a job starts: it will clear and write step 5 or 6 any moment now
+    try:
+        for c in found.garbage:
+            assert cleanup.remove(st, c, found).startswith("the writer lease changed since the plan (run ")
+    finally:
+        lease.release()
+    assert (tmp_path / "step-00000005" / "state.pt").exists() and (tmp_path / "step-00000006" / "state.pt").exists()
+
+
+def test_a_folder_written_to_since_the_plan_is_kept(tmp_path):
+    st = open_storage(str(tmp_path))
+    _killed_save(st, tmp_path, 5)
+    found = cleanup.plan(st)
+    st.put_bytes("step-00000005/rank1.pt", b"a save of step 5 is writing")
+    why = cleanup.remove(st, found.garbage[0], found)
+    assert why == "step-00000005 changed 0s ago, since the plan: a save may be writing it", why
+    assert (tmp_path / "step-00000005" / "state.pt").exists()
+
+
+def test_a_broken_checkpoint_mended_since_the_plan_is_kept(tmp_path):
+    st = open_storage(str(tmp_path))
+    _commit(st, 5, b"first")
+    (tmp_path / "step-00000005" / "state.pt").unlink()
+    then = time.time() - 7200
+    os.utime(tmp_path / "step-00000005" / "manifest.json", (then, then))
+    found = cleanup.plan(st)
+    (c,) = found.garbage
+    assert c.kind == "broken"
+    (tmp_path / "step-00000005" / "manifest.json").unlink()
+    _commit(st, 5, b"again")  # saved again, whole
+    for p in (tmp_path / "step-00000005").iterdir():
+        os.utime(p, (then, then))
+    assert cleanup.remove(st, c, found) == "it is complete now, no longer broken"
+    assert checkpoint.scan(st)[0].complete

@@ -118,3 +118,42 @@ def test_a_compressed_or_foreign_byte_order_record_is_not_read_raw(tmp_path):
         assert not item_io.read_into(part, meta, out)
         assert not out.any()  # nothing written
         os.close(part.fd)
+
+
+def _zip_version_needed(data: bytes, value: int) -> bytes:
+    """``data`` with the "version needed to extract" of every central directory record set to ``value``."""
+    out = bytearray(data)
+    at = out.find(b"PK\x01\x02")
+    while at >= 0:
+        out[at + 6] = value
+        at = out.find(b"PK\x01\x02", at + 4)
+    return bytes(out)
+
+
+def test_a_record_zipfile_does_not_support_is_loaded_the_ordinary_way(tmp_path, cpu_loads):
+    """A "version needed" of 0xFF: ``zipfile`` raises NotImplementedError, ``torch.load`` still loads it."""
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    odd = _zip_version_needed(buf.getvalue(), 0xFF)
+    assert torch.equal(torch.load(io.BytesIO(odd), weights_only=True), value)
+    (tmp_path / "blob").write_bytes(odd)
+    fd = os.open(tmp_path / "blob", os.O_RDONLY)
+    try:
+        out = torch.zeros(3, 4)
+        meta = torch.load(io.BytesIO(odd), map_location="meta", weights_only=True)
+        assert not item_io.read_into(item_io.Slice(fd, 0, len(odd)), meta, out) and not out.any()
+    finally:
+        os.close(fd)
+    # Every item of a shard file so: the load restores them all, each through torch.load.
+    source = {"a": torch.randn(8, 3), "b": torch.arange(5)}
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    with saved(tmp_path / "dcp", source) as reader:
+        shards = list((tmp_path / "dcp" / STEP / "shards").glob("*.distcp"))
+        for shard in shards:
+            shard.write_bytes(_zip_version_needed(shard.read_bytes(), 0xFF))
+        cpu_loads.clear()
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    for k, v in source.items():
+        assert torch.equal(target[k], v), k
+    assert shards and len(cpu_loads) == 2

@@ -63,9 +63,14 @@ def test_a_live_lease_of_another_job_is_refused_with_its_holder_named(storage):
 
 @pytest.mark.parametrize("state", ["expired", "released", "takeover"])
 def test_an_expired_released_or_deliberately_taken_lease_is_taken_over(storage, state):
-    other_writer(storage, age=100 if state == "expired" else 1, ttl=30, released=state == "released")
-    lease = Lease(storage, takeover=state == "takeover")
+    # An expired one only once this process saw it unchanged for its TTL: a short one here.
+    other_writer(storage, age=100 if state == "expired" else 1, ttl=0.5 if state == "expired" else 30)
+    if state == "released":
+        other_writer(storage, age=1, ttl=30, released=True)
+    lease = Lease(storage, takeover=state == "takeover", takeover_grace_s=0)
+    t0 = time.monotonic()
     lease.acquire()
+    assert (time.monotonic() - t0 >= 0.5) == (state == "expired")
     assert record_mod.read(storage).owner == lease.owner
     lease.release()
 
@@ -133,7 +138,9 @@ def test_a_dead_process_of_this_host_does_not_hold_the_lease(storage, tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(gone.stdout)
     now = time.time()
-    dead = LeaseRecord("run-x", socket.gethostname(), pid, now, now, 60.0, owner="x" * 16)
+    dead = LeaseRecord(
+        "run-x", socket.gethostname(), pid, now, now, 60.0, owner="x" * 16, pidns=record_mod.pid_namespace()
+    )
     storage.put_conditional(LEASE, dead.to_bytes(), token=None)
     assert pid != os.getpid()
     lease = Lease(storage)

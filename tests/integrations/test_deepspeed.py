@@ -13,6 +13,7 @@ reuse it from ~/.cache/torch_extensions.
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def test_zero3_on_two_nodes_with_local_folders_stops_both_and_resume_is_exact(tm
     groups.assert_each_node_left_out_the_others(two_nodes.resumed, stop, own)
     for node in (0, 1):  # each node fetched its copy into its own folder, removed once both ranks had loaded
         work = tmp_path / f"node{node}" / "work"
-        assert work.is_dir() and not any(work.iterdir()), node
+        private = work / f"spotguard-{os.geteuid()}"  # this user's folder of node copies (0700) stays, empty
+        assert work.is_dir() and list(work.iterdir()) == [private] and not any(private.iterdir()), node
 
 
 def test_zero_stages_0_and_1_resume_a_fresh_engine_exactly(launch):

@@ -91,9 +91,9 @@ def main() -> int:
     torch.set_num_threads(1)
     rng = random.Random(seed)
     import spotguard  # noqa: F401 - warm: trainees start in milliseconds
-    from spotguard.storage import local
+    from spotguard.storage import local_leftovers
 
-    local.LEFTOVER_GRACE_S = 0.0  # this run's kills are seconds apart; trainees inherit the setting
+    local_leftovers.LEFTOVER_GRACE_S = 0.0  # this run's kills are seconds apart; trainees inherit the setting
     # Warm: the first AdamW in a process imports more of torch (~1 s); children inherit it.
     torch.optim.AdamW(torch.nn.Linear(1, 1).parameters()).step()
     from spotguard import checkpoint

@@ -10,7 +10,7 @@ from typing import Any
 
 from spotguard.checkpoint import cleanup, lease
 from spotguard.checkpoint.manifest import human_duration
-from spotguard.errors import CheckpointCorruptError, StorageError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, StorageError
 from spotguard.storage import Storage
 
 from ._output import fail, report
@@ -59,24 +59,53 @@ def rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
     """Delete the garbage of killed saves that no running save can own (``checkpoint.cleanup``)."""
     try:
         found = cleanup.plan(storage, args.min_age)
-    except CheckpointCorruptError as e:  # the lease record: whether a run is writing cannot be told
+    except (CheckpointCorruptError, CheckpointFormatError) as e:  # the lease record: is a run writing? unknown
         return fail(args, f"{e}; nothing deleted (delete {lease.LEASE} if no job writes here)", url=storage.describe())
     verb = "would delete" if args.dry_run else "deleted"
+    failed = []
     for c in found.garbage:
+        why = ""
         if not args.dry_run:
-            cleanup.remove(storage, c)
-        report(
-            args,
-            f"{verb} {storage.describe(c.name)} ({_what(c)})",
-            _doc(storage, c, "would_delete" if args.dry_run else "deleted"),
-        )
+            try:
+                why = cleanup.remove(storage, c, found)  # judged again: a job may have committed it since
+            except (StorageError, ConfigError, CheckpointCorruptError, CheckpointFormatError) as e:  # stops no other
+                failed.append(c)
+                report(
+                    args,
+                    f"could not delete {_name(storage, c)} ({_what(c)}): {_shown(str(e))}",
+                    {**_doc(storage, c, "failed"), "error": str(e)},
+                )
+                continue
+        if why:
+            found.skipped.append((c, why))
+            continue
+        report(args, f"{verb} {_name(storage, c)} ({_what(c)})", _doc(storage, c, _KEY[verb]))
     for c, why in found.skipped:
         report(
-            args, f"skipped {storage.describe(c.name)} ({_what(c)}): {why}", {**_doc(storage, c, "skipped"), "why": why}
+            args,
+            f"skipped {_name(storage, c)} ({_what(c)}): {_shown(why)}",
+            {**_doc(storage, c, "skipped"), "why": why},
         )
     if not found.garbage and not found.skipped and not args.json:  # --json: one document per candidate, none here
-        print(f"nothing incomplete in {storage.describe()}")
+        print(f"nothing incomplete in {_shown(storage.describe())}")
+    if failed:
+        return fail(
+            args, f"{len(failed)} of {len(found.garbage)} could not be deleted (see above)", 2, url=storage.describe()
+        )
     return 0
+
+
+_KEY = {"deleted": "deleted", "would delete": "would_delete"}
+
+
+def _name(storage: Storage, c: cleanup.Candidate) -> str:
+    return _shown(storage.describe(c.name))
+
+
+def _shown(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\n``, ``\\x1b``): a name such as a
+    temp file's owner field may hold a newline, which would forge a line of the output."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def _what(c: cleanup.Candidate) -> str:
@@ -84,7 +113,7 @@ def _what(c: cleanup.Candidate) -> str:
     if c.size is not None:
         parts.append(_bytes(c.size))
     parts.append("age unknown" if c.age_s is None else f"{human_duration(c.age_s)} old")
-    return ", ".join(parts)
+    return _shown(", ".join(parts))
 
 
 def _doc(storage: Storage, c: cleanup.Candidate, verb: str) -> dict[str, Any]:
