@@ -75,7 +75,7 @@ def refused_then_taken_over(url: str, tmp_path: Path) -> None:
         # Through `spotguard run`: refused at once, named, and not restarted (it would meet A again).
         t0 = time.monotonic()
         second = run(
-            [sys.executable, "-m", "spotguard", "run", "--max-restarts", "3", "--storage", url, "--"]
+            [sys.executable, "-m", "spotguard", "run", "-v", "--max-restarts", "3", "--storage", url, "--"]
             + [sys.executable, str(JOB), url, "--name", "B", "--steps", "20"],
             env=subprocess_env(),
             timeout=120,
