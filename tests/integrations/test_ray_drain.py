@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,33 @@ def test_ray_sigterm_to_a_ray_start_block_node_drains_it_and_the_same_stop_follo
     _, committed, stopped = _reclaimed(tmp_path, "--sigterm-after", str(AT), "--deadline", "10")
     (info,) = [i for i in committed if i.step == stopped]
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
+    for rank in (0, 1):
+        want = (read_losses(reference / f"losses-{rank}.jsonl"), reference / "final.pt")
+        assert_same_run(tmp_path / f"losses-{rank}.jsonl", tmp_path / "final.pt", want)
+
+
+def test_ray_drain_shorter_than_the_save_resumes_from_the_last_committed_checkpoint(tmp_path, reference):
+    example = [*_example_args(tmp_path), "--step-sleep", "0.05"]
+    how = ["--drain-after", str(AT), "--deadline", "3", "--slow-emergency", "8"]  # the save outlasts the deadline
+    cmd = [sys.executable, str(WORKERS / "ray_cluster.py"), str(tmp_path), *how, "--", *example]
+    done, _, left = _run(tmp_path, cmd)
+    out = done.stdout
+    assert done.returncode == 0, out[-8000:]
+    assert not left, f"Ray processes outlived the driver: {left}"
+    # Each rank said what stands while the save runs; Ray ended the attempt at its deadline, before it committed.
+    said = r"pid=(\d+)\)\S*\s+emergency checkpoint of step (\d+): [^\n]*until it commits the resume point is step 20"
+    kept = set(re.findall(said, out))  # {(worker pid, stop step)}: Ray may echo a line twice
+    assert len({pid for pid, _ in kept}) == 2 and len({int(s) for _, s in kept}) == 1, out[-8000:]
+    assert min(int(s) for _, s in kept) >= AT, kept
+    assert not re.search(r"emergency checkpoint of step \d+ committed", out), out[-8000:]
+    assert "Source: preemption" in out and "Source: worker group" not in out, out[-8000:]
+    for rank in (0, 1):
+        first, *restarts = _attempts(tmp_path, rank)
+        assert first == {"begin": 0, "pid": first["pid"], "stopped": None}, first  # killed inside the save
+        assert restarts and restarts[0]["begin"] == 20 and restarts[-1]["stopped"] is None, restarts
+    assert all(
+        i.manifest is None or i.manifest.reason != "emergency" for i in scan(open_storage(str(tmp_path / "ckpt")))
+    )
     for rank in (0, 1):
         want = (read_losses(reference / f"losses-{rank}.jsonl"), reference / "final.pt")
         assert_same_run(tmp_path / f"losses-{rank}.jsonl", tmp_path / "final.pt", want)

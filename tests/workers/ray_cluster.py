@@ -4,7 +4,8 @@
 a ``ray.cluster_utils.Cluster`` of two nodes of one CPU each (the head and a second node: one worker
 each), the example joined to it (``--address``). With ``--drain-after``, once rank 1 logged step N the
 second node is drained through the GCS with ``DRAIN_NODE_REASON_PREEMPTION`` and a deadline S seconds
-ahead (as the autoscaler or KubeRay do on a cloud's notice); with ``--sigterm-after`` the second node is
+ahead (as the autoscaler or KubeRay do on a cloud's notice; ``--slow-emergency S`` makes the emergency
+save outlast it); with ``--sigterm-after`` the second node is
 a ``ray start --block`` process, sent SIGTERM (it drains itself for
 ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``). Either way a replacement node joins at once (the autoscaler's
 part), so that Ray can restart the group. ``RUN_DIR/drain.json`` records the drain's deadline.
@@ -25,10 +26,11 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+HERE = str(Path(__file__).resolve().parent)
 EXAMPLE_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "ray")
-sys.path.insert(0, EXAMPLE_DIR)
+sys.path[:0] = [EXAMPLE_DIR, HERE]
 # Ray's workers unpickle the training function by its module: they import it from here too.
-os.environ["PYTHONPATH"] = os.pathsep.join([EXAMPLE_DIR, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+os.environ["PYTHONPATH"] = os.pathsep.join([EXAMPLE_DIR, HERE, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 import train_ray  # noqa: E402
 
 
@@ -80,8 +82,14 @@ def main() -> None:
     p.add_argument("--drain-after", type=int)
     p.add_argument("--deadline", type=float, default=10.0)
     p.add_argument("--sigterm-after", type=int)
+    p.add_argument("--slow-emergency", type=float, help="seconds the emergency save takes first (ray_slow_save.py)")
     cut = sys.argv.index("--")
     a, example = p.parse_args(sys.argv[1:cut]), sys.argv[cut + 1 :]
+    if a.slow_emergency is not None:  # before the cluster starts: its workers inherit the environment
+        import ray_slow_save
+
+        os.environ[ray_slow_save.ENV] = str(a.slow_emergency)
+        train_ray.train_loop_per_worker = ray_slow_save.train_loop_per_worker
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     block: subprocess.Popen[bytes] | None = None
     started: list[subprocess.Popen[bytes]] = []
