@@ -60,7 +60,8 @@ class InStep:
                 "torch.distributed process group (TorchTrainer) so that every rank polls them at the same "
                 "step; leave them out of providers (e.g. providers='signal') in a trainer without one"
             )
-        return cls(sources, interval, report)
+        floor = max(float(getattr(p, "min_interval", 0.0)) for p in sources)
+        return cls(sources, max(interval, floor), report)
 
     def vote(self, agreement: Agreement, code: int, step: int, window_open: bool) -> int:
         """[distributed] The step's verdict, the in-step sources polled by every rank when the vote says
