@@ -16,6 +16,10 @@ A source that produces a new advisory notice on every read costs bounded memory 
 ``advisories`` kept are the latest ``MAX_ADVISORIES``, the notice ids remembered the latest
 ``MAX_SEEN`` (a notice still being seen stays remembered), and advisories of one provider and kind
 are logged at WARNING at most once every ``warn_every`` seconds (DEBUG in between).
+
+When two sources announce the same reclaim (the node's metadata service and Ray's drain), the flag
+is raised once and ``notice`` is the stop notice with the earliest deadline; acknowledging it
+acknowledges every stop notice seen, each to the source that found it.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Watcher:
         self.warn_every = warn_every
         self.preempted = threading.Event()
         self.notice: Notice | None = None
+        self.stops: list[Notice] = []  # every distinct stop notice, in order (at most MAX_ADVISORIES)
         self.advisories: list[Notice] = []
         self._seen: OrderedDict[str, None] = OrderedDict()  # an ordered set: least recently seen first
         self._advised: dict[tuple[str, str], float] = {}  # (provider, kind) -> when last logged at WARNING
@@ -149,8 +154,10 @@ class Watcher:
             if len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
             stops = self.stop_on_advisory or not notice.advisory
-            if stops and self.notice is None:
+            if stops and _governs(notice, self.notice):
                 self.notice = notice
+            if stops and len(self.stops) < MAX_ADVISORIES:
+                self.stops.append(notice)
             if not stops:
                 self.advisories.append(notice)
                 del self.advisories[:-MAX_ADVISORIES]
@@ -178,13 +185,17 @@ class Watcher:
                 logger.exception("on_notice callback failed for %s", notice.event_id)
 
     def acknowledge(self, notice: Notice) -> None:
-        """Pass ``notice`` back to the provider that found it (after its emergency checkpoint). Never raises."""
-        for provider in self.providers:
-            if provider.name == notice.provider:
-                try:
-                    provider.acknowledge(notice)
-                except Exception as e:
-                    logger.warning("acknowledging %s to %s failed: %s", notice.event_id, provider.name, e)
+        """Pass ``notice``, and the other stop notices seen with it, back to the providers that found
+        them (after the emergency checkpoint: the state is safe for each). Never raises."""
+        with self._lock:
+            others = [n for n in self.stops if n.event_id != notice.event_id]
+        for each in [notice, *others]:
+            for provider in self.providers:
+                if provider.name == each.provider:
+                    try:
+                        provider.acknowledge(each)
+                    except Exception as e:
+                        logger.warning("acknowledging %s to %s failed: %s", each.event_id, provider.name, e)
 
     def _backoff(self, provider: NoticeProvider, failures: int, outage: float) -> float:
         """Seconds to wait after the ``failures``-th failed poll in a row, ``outage`` seconds into it."""
@@ -243,3 +254,11 @@ class Watcher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _governs(new: Notice, current: Notice | None) -> bool:
+    """Whether stop notice ``new`` replaces ``current`` as the one whose deadline governs: the first one,
+    or one with an earlier deadline (a deadline known beats none)."""
+    if current is None:
+        return True
+    return new.deadline is not None and (current.deadline is None or new.deadline < current.deadline)

@@ -4,17 +4,25 @@
     SPOTGUARD_STORAGE=s3://my-bucket/runs/ray-1 python examples/ray/train_ray.py --workers 4 --gpu
     python examples/ray/train_ray.py --storage checkpoints/ray --local-cpus 2   # a local rehearsal
 
-How the two divide the work: Ray Train starts the workers (one torch.distributed process group)
-and, with ``FailureConfig(max_failures=-1)``, starts them again after any failure, on new nodes
-when a node is gone. Each worker runs an ordinary ``spotguard.Guard`` loop: the ranks agree on the
-step to stop at when any of them sees a notice (cloud metadata on each node's local rank 0, a
-per-rank ``$SPOTGUARD_NOTICE_FILE`` like ``/tmp/notice-{rank}``), write one sharded emergency
-checkpoint to the bucket, and raise ``Preempted`` so that Ray counts an attempt and restarts the
-group; ``guard.resume()`` on the new attempt continues from that step exactly.
-Checkpoints go to spotguard storage (manifest last, checksums), not to Ray's checkpoint API.
+How the two divide the work: Ray Train starts the workers (one torch.distributed process group) and
+starts them again after a failure, on new nodes when a node is gone. Each worker runs an ordinary
+``spotguard.Guard`` loop. Its notices come from the cluster's drain of a reclaimed node (Ray Train's
+``get_preemption_info()``, found by ``providers="auto"`` in a worker and polled inside the ranks'
+step vote), from cloud metadata on each node's local rank 0, and from a per-rank
+``$SPOTGUARD_NOTICE_FILE`` like ``/tmp/notice-{rank}``. When any of them announces a stop, every rank
+stops after the same step and writes one sharded emergency checkpoint to the bucket before the
+earliest deadline; ``guard.resume()`` on the next attempt continues from that step exactly.
+
+How the attempt ends is ``spotguard.integrations.ray.end_attempt``: after a drain Ray announced, the
+workers wait for Ray Train to end the attempt as a preemption (charged to
+``FailureConfig.max_preemption_failures``, unlimited here); after a notice Ray knows nothing of they
+raise ``Preempted``, an ordinary failure (``max_failures``). Checkpoints go to spotguard storage
+(manifest last, checksums), not to Ray's checkpoint API.
 
 Ray runs the training function in a thread of its worker process, where no signal handler can be
-set: a SIGTERM to a worker is Ray's business (it ends the worker), not a notice.
+set: a SIGTERM to a worker is Ray's business (it ends the worker), not a notice. A SIGTERM to a
+``ray start --block`` node drains the node (``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``): that is a
+notice, through Ray.
 """
 
 from __future__ import annotations
@@ -28,10 +36,7 @@ import torch
 from torch import nn
 
 import spotguard
-
-
-class Preempted(RuntimeError):
-    """Raised after the emergency checkpoint is committed: Ray Train counts a failure and restarts."""
+from spotguard.integrations.ray import end_attempt
 
 
 def _log(path: str | None, rank: int, record: dict) -> None:
@@ -68,7 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
     epoch = int(guard.extra.get("epoch", 0))
     _log(config["trace"], rank, {"event": "train_begin", "step": start, "pid": os.getpid()})
     with guard:
-        while step < config["steps"]:
+        while step < config["steps"] and guard.stopped_at is None:
             sampler.set_epoch(epoch)
             for x, y in loader:
                 x, y = x.to(device), y.to(device)
@@ -80,8 +85,7 @@ def train_loop_per_worker(config: dict) -> None:
                 _log(config["losses"], rank, {"step": step, "loss": loss.item().hex()})
                 time.sleep(config["step_sleep"])
                 if guard.step(step):
-                    _log(config["trace"], rank, {"event": "preempted", "step": step})
-                    raise Preempted(f"stopped at step {step} for a notice; checkpoint committed")
+                    break
                 if step % 100 == 0:
                     ray.train.report({"step": step, "loss": loss.item()})
                 if step >= config["steps"]:
@@ -89,6 +93,9 @@ def train_loop_per_worker(config: dict) -> None:
             else:
                 epoch += 1
                 guard.extra["epoch"] = epoch
+    if guard.stopped_at is not None:  # the checkpoint of this step is committed; the guard is closed
+        _log(config["trace"], rank, {"event": "preempted", "step": step, "by": guard.notice and guard.notice.provider})
+        end_attempt(guard)  # never returns: Ray ends the attempt (a preemption), or it raises (a failure)
     if config["final"] and rank == 0:
         torch.save(
             {"model": getattr(model, "module", model).state_dict(), "optimizer": opt.state_dict()}, config["final"]
@@ -104,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every-steps", type=int, default=500)
     p.add_argument("--interval", type=float, default=1.0, help="notice polling interval (s)")
     p.add_argument("--local-cpus", type=int, help="start a local Ray cluster of this many CPUs (else ray.init())")
+    p.add_argument(
+        "--address", help="the Ray cluster to join (ray.init(address=...)); default: RAY_ADDRESS or a new one"
+    )
+    p.add_argument("--max-failures", type=int, default=3, help="restarts after ordinary failures (-1: no limit)")
+    p.add_argument("--max-preemptions", type=int, default=-1, help="restarts after Ray's preemptions (-1: no limit)")
     p.add_argument("--results", help="where Ray Train keeps its run state (RunConfig.storage_path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -120,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.local_cpus:
         ray.init(num_cpus=args.local_cpus, include_dashboard=False)
+    elif args.address:
+        ray.init(address=args.address)
     config = {
         "storage": args.storage,
         "steps": args.steps,
@@ -135,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
         train_loop_per_worker,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
-        # -1: restart after every failure, a preemption included; spotguard makes each restart exact.
+        # A preemption Ray announced is charged to its own budget, not to max_failures (end_attempt);
+        # spotguard makes each restart exact.
         run_config=RunConfig(
-            name="spotguard-ray", storage_path=args.results, failure_config=FailureConfig(max_failures=-1)
+            name="spotguard-ray",
+            storage_path=args.results,
+            failure_config=FailureConfig(max_failures=args.max_failures, max_preemption_failures=args.max_preemptions),
         ),
     )
     try:

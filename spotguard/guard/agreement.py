@@ -114,6 +114,7 @@ class Agreement:
         self.world_size = dist.get_world_size()
         self.sync_every = sync_every
         self._flag = torch.zeros(1, dtype=torch.int64)
+        self._figures = torch.zeros(2, dtype=torch.int64)  # vote_poll's verdict and poll flag
         self._deadline = torch.zeros(1, dtype=torch.float64)
         _at_exit.add(self)
         if same:
@@ -222,6 +223,15 @@ class Agreement:
     def vote(self, code: int) -> int:
         """The verdict of this sync step: MAX of every rank's code (``NOTHING`` .. ``STOP``)."""
         return self.reduce(code)
+
+    def vote_poll(self, code: int, due: bool) -> tuple[int, bool]:
+        """``vote`` that also says whether every rank polls its in-step notice sources now (any rank's
+        clock found the interval gone: ``guard.insync``), in the same all-reduce of two int64s."""
+        self.check()
+        figures = self._figures
+        figures[0], figures[1] = code, int(due)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        return int(figures[0]), bool(figures[1])
 
     def busy(self, in_flight: bool) -> bool:
         """Whether any rank's previous async save is still in flight: one rank decides for all."""

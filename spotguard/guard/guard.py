@@ -26,7 +26,7 @@ from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
 from spotguard.checkpoint.manifest import Reshard
 from spotguard.errors import PERMANENT, LeaseHeldError, LeaseLostError, NoLoadableCheckpointError
 from spotguard.events import Events
-from spotguard.guard import agreement, buckets, lease, ranks
+from spotguard.guard import agreement, buckets, insync, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
@@ -76,6 +76,8 @@ class Guard:
             sigint=o.sigint,
         )
         self.preempted = self.watcher.preempted
+        #: Sources polled from step() where the ranks synchronise (Ray's drain), or None
+        self.in_step = insync.InStep.of(self.watcher.providers, o.interval, self.watcher.report, bool(self.agreement))
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
@@ -225,6 +227,8 @@ class Guard:
             self.saves.reserve()
         if self.agreement is not None:
             return self._vote(step)
+        if self.in_step is not None:  # Ray's drain, on this process's clock
+            self.in_step.tick(step)
         s = self.schedule
         if self.preempted.is_set() or step >= s.due_step or (s.timed and time.monotonic() >= s.due_time):
             return self._act(STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC, step)
@@ -264,7 +268,8 @@ class Guard:
             code = (
                 STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
             )
-        verdict = self.agreement.vote(code)  # type: ignore[union-attr]
+        dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
+        verdict = dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
         return verdict != NOTHING and self._act(verdict, step)
 
     def _act(self, verdict: int, step: int) -> bool:
@@ -334,6 +339,8 @@ class Guard:
         """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
         maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
         self.stopped_at = step
+        if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
+            self.in_step.at_stop(step)
         left = None
         if self.agreement is not None:
             left, peer = self.agreement.agree_stop(step, self.notice)

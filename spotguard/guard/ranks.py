@@ -20,8 +20,9 @@ from spotguard.notices.base import NoticeProvider
 
 logger = logging.getLogger(__name__)
 
-#: Sources every rank watches; any other provider (cloud metadata) is node-wide.
-PER_PROCESS_PROVIDERS = frozenset({"signal", "file"})
+#: Sources every rank watches; any other provider (cloud metadata) is node-wide. Ray's drain is asked
+#: for by every rank: its call is a barrier across the workers (``spotguard.notices.ray``).
+PER_PROCESS_PROVIDERS = frozenset({"signal", "file", "ray"})
 
 
 class PollOn(str, enum.Enum):
@@ -84,17 +85,14 @@ def providers_for_rank(
         return spec
     if isinstance(spec, str):
         if spec == "auto":
-            names: list[str | NoticeProvider] = ["signal"]
-            if os.environ.get("SPOTGUARD_NOTICE_FILE"):
-                names.append("file")
-            names.extend(notices.detect_clouds())
+            names: list[str | NoticeProvider] = list(notices.auto_names())
         else:
             names = [part.strip() for part in spec.split(",") if part.strip()]
     else:
         names = list(spec)
     chosen: list[str | NoticeProvider] = []
     for item in names:
-        if isinstance(item, NoticeProvider) or item == "signal":
+        if isinstance(item, NoticeProvider) or item in ("signal", "ray"):
             chosen.append(item)
         elif item == "file":
             template = os.environ.get("SPOTGUARD_NOTICE_FILE", "")

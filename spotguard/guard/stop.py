@@ -115,12 +115,14 @@ class Emergency:
         saves, step = self.saves, self.step
         estimate, size = self.estimate(), saves.stats.state_bytes
         left_now = None if deadline is None else deadline - time.monotonic()
+        kept = saves.durable_step
         logger.warning(
-            "emergency checkpoint of step %d: %s, estimated %s, %s",
+            "emergency checkpoint of step %d: %s, estimated %s, %s; until it commits the resume point is %s",
             step,
             f"{size / 1e6:.0f} MB" if size else "size unknown",
             f"{estimate:.1f}s" if estimate is not None else "time unknown (no save measured yet)",
             f"{left_now:.1f}s before the deadline" if left_now is not None else "no deadline known",
+            f"step {kept}" if kept is not None else "the start (nothing committed)",
         )
         if saves.saved_step == step:
             saves.saved_step = None  # committed to the local tier only: write it durably now

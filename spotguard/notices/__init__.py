@@ -1,7 +1,7 @@
 """Sources of notices, one module each, behind one interface (``NoticeProvider``).
 
-``build("auto")`` gives signals, the flag file when ``SPOTGUARD_NOTICE_FILE`` is set, and the
-cloud providers found by ``detect_clouds()``. Providers are registered by name so that
+``build("auto")`` gives signals, the flag file when ``SPOTGUARD_NOTICE_FILE`` is set, Ray's drain
+inside a Ray Train worker, and the cloud providers found by ``detect_clouds()``. Providers are registered by name so that
 ``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere; the cloud
 providers built by name read their opt-ins from the environment (``from_env``), the one channel
 that reaches a job started by systemd or ``spotguard run``.
@@ -22,6 +22,7 @@ __all__ = [
     "STOP_KINDS",
     "Notice",
     "NoticeProvider",
+    "auto_names",
     "build",
     "detect_clouds",
     "register",
@@ -35,6 +36,7 @@ _REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {
     "aws": "spotguard.notices.aws:AwsProvider.from_env",
     "gcp": "spotguard.notices.gcp:GcpProvider.from_env",
     "azure": "spotguard.notices.azure:AzureProvider.from_env",
+    "ray": "spotguard.notices.ray:RayProvider",
 }
 
 
@@ -74,17 +76,27 @@ def detect_clouds(timeout: float = 0.5, *, refresh: bool = False) -> list[str]:
     return _detect.detect(timeout, refresh=refresh)
 
 
+def auto_names() -> list[str]:
+    """What ``"auto"`` means here: signals, the flag file when set, Ray's drain in a Ray Train worker,
+    the clouds whose metadata answers."""
+    from .ray import in_ray_train_worker
+
+    chosen = ["signal"]
+    if os.environ.get("SPOTGUARD_NOTICE_FILE"):
+        chosen.append("file")
+    if in_ray_train_worker():
+        chosen.append("ray")
+    chosen.extend(detect_clouds())
+    return chosen
+
+
 def build(spec: str | Iterable[str | NoticeProvider] | None) -> list[NoticeProvider]:
     """Providers from ``"auto"``, a comma-separated string, or a list of names and instances."""
     if spec is None:
         return []
     if isinstance(spec, str):
         if spec == "auto":
-            chosen: list[str | NoticeProvider] = ["signal"]
-            if os.environ.get("SPOTGUARD_NOTICE_FILE"):
-                chosen.append("file")
-            chosen.extend(detect_clouds())
-            spec = chosen
+            spec = auto_names()
         else:
             spec = [part.strip() for part in spec.split(",") if part.strip()]
     providers: list[NoticeProvider] = []

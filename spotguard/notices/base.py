@@ -126,6 +126,10 @@ class NoticeProvider(abc.ABC):
     #: Seconds at the start of a failure during which the watcher retries fast (0.1-0.2 s apart), for
     #: sources whose notices leave so little time that a second of backoff matters (GCP's 30 s).
     fast_retry: float = 0.0
+    #: True for a source whose check is a collective across the ranks (Ray's ``get_preemption_info``):
+    #: it has no watcher thread (``channels()`` is empty); the Guard polls it from the training loop,
+    #: where every rank synchronises anyway (``spotguard.guard.insync``).
+    in_step: bool = False
 
     def open(self, report: Report) -> None:  # noqa: B027 - optional hook
         """Prepare (install handlers, open sessions). ``report`` pushes a notice out of band."""
