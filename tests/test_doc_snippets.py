@@ -102,6 +102,10 @@ ELSEWHERE = {
         "integrations.md",
         "from spotguard.integrations.deepspeed import",
     ): "examples/deepspeed_train.py: test_documented_commands",
+    (
+        "integrations.md",
+        "guard = spotguard.Guard(storage, every_steps=500)",
+    ): "a Ray Train worker's loop: examples/ray/train_ray.py, tests/integrations/test_ray_drain.py",
     ("metrics.md", "guard = spotguard.Guard("): "a fixed port (9400) and S3: tests/metrics",
     ("rehearse.md", "guard.extra.setdefault("): "one line of a loop: tests/ops/test_rehearse.py",
     ("storage.md", "# S3: credentials"): "a Guard per cloud (S3, GCS, Azure emulators): tests/storage",
