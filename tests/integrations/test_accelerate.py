@@ -87,7 +87,9 @@ def test_accelerate_notice_in_an_evaluation_after_its_steps_periodic_checkpoint_
     assert first.returncode == EXIT_PREEMPTED, first.stderr[-4000:]
     assert read_losses(tmp_path / "losses.jsonl")[-1][0] == 16
     assert "committing the evaluation's state in its place" in first.stderr, first.stderr[-4000:]
-    (info,) = [i for i in runs.checkpoints(tmp_path) if i.step == 16]  # the periodic one is superseded
+    # The periodic one is superseded, and pruned by the next save (never on the deadline's clock).
+    *superseded, info = [i for i in runs.checkpoints(tmp_path) if i.step == 16]  # scan: the highest revision last
+    assert [i.name for i in superseded] == ["step-00000016"]
     assert info.name == "step-00000016.r1" and info.complete and info.manifest.reason == "emergency", info
     last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
     assert "resumed inside the evaluation after step 16" in last.stderr
