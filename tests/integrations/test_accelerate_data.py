@@ -126,9 +126,10 @@ def test_a_notice_in_an_epochs_closing_evaluation_resumes_it_from_its_start_exac
     cut, code, _ = epoch_loop(accelerator(stateful=True), tmp_path / "run", tmp_path / "notice", every_steps)
     assert code == EXIT_PREEMPTED
     assert cut == ref[: len(cut)] and cut[-1][:2] == ("eval", 1)  # cut at its second batch
-    (info,) = [i for i in scan(open_storage(str(tmp_path / "run"))) if i.step == 12]  # one checkpoint of step 12
+    *superseded, info = [i for i in scan(open_storage(str(tmp_path / "run"))) if i.step == 12]  # highest last
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
-    assert info.revision == (1 if every_steps else 0)  # written beside the periodic one, which is then pruned
+    assert info.revision == (1 if every_steps else 0)  # written beside the periodic one...
+    assert [i.revision for i in superseded] == ([0] if every_steps else [])  # ...pruned by the next save
     (tmp_path / "notice").unlink()
     resumed, code, weights = epoch_loop(accelerator(stateful=True), tmp_path / "run", every_steps=every_steps)
     assert code == 0
