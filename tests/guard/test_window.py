@@ -293,7 +293,7 @@ def test_a_second_checkpoint_cut_by_the_deadline_leaves_the_first_to_resume(tmp_
     assert trained > opened + 5  # the window was used: those steps are what the second save was for
     started = [i for i in checkpoint.scan(open_storage(str(root))) if i.step > opened]
     assert started and not any(i.complete for i in started)  # the second save began, never committed
-    guard = spotguard.Guard(str(root), providers=[]).track(model=torch.nn.Linear(64, 64))
+    guard = spotguard.Guard(str(root), providers=[], untracked="accept").track(model=torch.nn.Linear(64, 64))
     assert guard.resume() == opened
 
 
