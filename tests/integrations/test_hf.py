@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -28,16 +29,20 @@ def reference(tmp_path_factory):
     return runs.reference_run(SCRIPT, run_dir, *ARGS, "--output-dir", str(run_dir / "hf-output"))
 
 
-def plant_broken_checkpoints(run_dir, good_step: int) -> None:
-    """What a kill mid-save leaves: newer folders without a manifest, or whose files fail their checksums."""
+def plant_broken_checkpoints(run_dir, good_step: int) -> Path:
+    """What a kill mid-save leaves: newer folders without a manifest, or whose files fail their checksums.
+
+    They sit just past the stop step (which may be the run's last but one), so the resumed run also
+    saves over them when it gets there. Returns the folder without a manifest.
+    """
     good = run_dir / "ckpt" / f"step-{good_step:08d}"
-    cut = run_dir / "ckpt" / f"step-{STEPS - 1:08d}"
+    cut = run_dir / "ckpt" / f"step-{good_step + 2:08d}"
     cut.mkdir()
     (cut / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:100])
-    bad = run_dir / "ckpt" / f"step-{STEPS - 2:08d}"
+    bad = run_dir / "ckpt" / f"step-{good_step + 1:08d}"
     shutil.copytree(good, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
-    manifest["step"] = STEPS - 2
+    manifest["step"] = good_step + 1
     (bad / "manifest.json").unlink()
     (bad / "manifest.json").write_text(json.dumps(manifest))
     weights = bytearray((bad / "model.safetensors").read_bytes())
@@ -45,15 +50,16 @@ def plant_broken_checkpoints(run_dir, good_step: int) -> None:
     (bad / "model.safetensors").unlink()  # may be a hard link of the good one: replace, never edit
     (bad / "model.safetensors").write_bytes(bytes(weights))
     # The Trainer's own folder: a checkpoint-N cut short, the one `resume_from_checkpoint=True` would take.
-    (run_dir / "hf-output" / f"checkpoint-{STEPS - 1}").mkdir(parents=True)
+    (run_dir / "hf-output" / f"checkpoint-{good_step + 2}").mkdir(parents=True)
+    return cut
 
 
 def test_hf_trainer_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
     args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
     stopped = runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, args, STEPS, mock_metadata, _rng)
-    plant_broken_checkpoints(tmp_path, stopped)
+    cut = plant_broken_checkpoints(tmp_path, stopped)
     last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
-    assert f"skipping {tmp_path / 'ckpt' / f'step-{STEPS - 1:08d}'}: incomplete" in last.stderr
+    assert f"skipping {cut}: incomplete" in last.stderr
     assert "checksum does not match the manifest" in last.stderr
 
 
