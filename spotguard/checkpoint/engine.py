@@ -68,6 +68,9 @@ class Commit:
     seconds: float
     uploaded: bool = False  # copied from the local tier (else serialised straight to this tier)
     synchronous: bool = False  # written while the loop waited (emergency, final, manual): its own rate
+    #: A background write's own work (``DirectFile.work_seconds``): its time had it not shared the CPU with
+    #: the training loop, the first emergency estimate's rate. None: not measured (an upload, a stream).
+    work_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -38,6 +40,13 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the device's logical block size
 BUFFER = CHUNK  # a whole number of checksum chunks per buffer
 _NUMPY_FROM = 64 << 10  # smaller writes (pickle frames, zip headers) are copied faster without numpy
+
+
+@dataclass
+class WorkMeter:
+    """The summed ``DirectFile.work_seconds`` of a save's files (``layout.write(meter=)``)."""
+
+    seconds: float = 0.0
 
 
 class DirectFile:
@@ -87,6 +96,10 @@ class DirectFile:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="spotguard-hash")
         self._inflight: list[Future[None]] = []  # the write and the hash of the buffer last submitted
         self.closed = False
+        #: Seconds spent in the disk's system calls (write, fsync), and CPU seconds spent hashing: with the
+        #: producer's CPU time, what the file costs apart from waiting for a CPU (``work_seconds``)
+        self.io_s = 0.0
+        self.hash_s = 0.0
 
     # -- the file-object surface torch.save and shutil use ----------------------------------------
     def writable(self) -> bool:
@@ -133,10 +146,19 @@ class DirectFile:
                 self._views[self._current][self._fill : padded] = bytes(padded - self._fill)
                 self._submit(padded, self._fill)
             self._wait()
+            t0 = time.perf_counter()
             os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
             os.fsync(self._fd)
+            self.io_s += time.perf_counter() - t0
         finally:
             self._release()
+
+    def work_seconds(self, produce_cpu_s: float) -> float:
+        """How long this file would have taken with a CPU to itself: the slowest of its three overlapped
+        parts (the producer's CPU seconds, given; the disk's time; the hash's CPU seconds). A niced
+        background writer's wall time also counts the time it waited for the training loop's CPU and
+        GIL, which an emergency save on a stopped loop does not (the emergency estimate's rate)."""
+        return max(produce_cpu_s, self.io_s, self.hash_s)
 
     def abort(self) -> None:
         """Close without flushing (the caller deletes the file)."""
@@ -186,9 +208,11 @@ class DirectFile:
 
     def _hash(self, data: memoryview) -> None:
         """On the hashing thread, buffer after buffer in file order."""
+        t0 = time.thread_time()
         self._hash_state.update(data)
         if self._crc_update is not None:
             self.crc = self._crc_update(data, self.crc)
+        self.hash_s += time.thread_time() - t0
         self._grew(hashed=len(data))
 
     def _grew(self, written: int = 0, hashed: int = 0) -> None:
@@ -206,6 +230,7 @@ class DirectFile:
 
     def _write_all(self, view: memoryview, data: int = 0) -> None:
         """Write ``view`` whole (``data`` of its bytes are the file's, the rest O_DIRECT padding)."""
+        t0 = time.perf_counter()
         while view:
             try:
                 n = os.write(self._fd, view)
@@ -217,6 +242,7 @@ class DirectFile:
                 self.direct = False
                 continue
             view = view[n:]
+        self.io_s += time.perf_counter() - t0
         self._grew(written=data)
 
     def _release(self) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from spotguard.checkpoint import digest, leaseholder
-from spotguard.checkpoint.fileio import DirectFile
+from spotguard.checkpoint.fileio import DirectFile, WorkMeter
 from spotguard.checkpoint.manifest import (
     MANIFEST,
     REASONS,
@@ -64,6 +65,7 @@ def write(
     on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
     upload_crc: Callable[[Any, Any], Any] | None = None,
     crcs: dict[str, Any] | None = None,
+    meter: WorkMeter | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -84,6 +86,9 @@ def write(
     ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
     is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
     by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
+
+    ``meter`` adds up what the files cost apart from waiting for a CPU (``DirectFile.work_seconds``);
+    a streamed upload's network time is not in it (its rate is the wall time's).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -108,7 +113,9 @@ def write(
                 ) as out:
                     if up is not None:
                         up.attach(out)
+                    cpu0 = time.thread_time()
                     writer(out)  # type: ignore[arg-type]  # a binary file object
+                    produced = time.thread_time() - cpu0
             except BaseException as e:
                 if up is not None:
                     up.abandon(e)
@@ -117,6 +124,8 @@ def write(
                 up.finish(out.size, out.crc)
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled(f"save of {name} abandoned")
+            if meter is not None:
+                meter.seconds += out.work_seconds(produced)
             entries.append(out.entry(fname))
             own_crc = out.crc if upload_crc is None else None
             if crcs is not None and out.crc is not None:

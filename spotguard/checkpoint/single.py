@@ -21,6 +21,7 @@ import torch
 from spotguard.checkpoint import data, layout, loadable, reader, stale_local, state, stream
 from spotguard.checkpoint.budget import Budget, tensor_bytes
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
+from spotguard.checkpoint.fileio import WorkMeter
 from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.snapshot import Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
@@ -175,11 +176,18 @@ class SingleEngine:
         first = self.local or self.storage
         t0 = time.monotonic()
         crcs: dict[str, Any] = {}  # the durable storage's upload CRCs, kept while the local tier is written
-        manifest = self._write(first, step, reason, payload, extra, cancel=cancel, crcs=crcs)
-        self._committed_first(step, manifest, time.monotonic() - t0, crcs, cancel)
+        meter = None if first.streams else WorkMeter()
+        manifest = self._write(first, step, reason, payload, extra, cancel=cancel, crcs=crcs, meter=meter)
+        self._committed_first(step, manifest, time.monotonic() - t0, crcs, cancel, meter.seconds if meter else None)
 
     def _committed_first(
-        self, step: int, manifest: Manifest | None, took: float, crcs: dict[str, Any], cancel: threading.Event
+        self,
+        step: int,
+        manifest: Manifest | None,
+        took: float,
+        crcs: dict[str, Any],
+        cancel: threading.Event,
+        work_s: float | None = None,
     ) -> None:
         """A periodic save is on its first tier: prune it, and upload it to the durable storage (two tiers)."""
         if manifest is None:
@@ -187,7 +195,7 @@ class SingleEngine:
         first = self.local or self.storage
         self._prune(first)
         if self.local is not None:
-            self._on_commit(Commit(manifest, "local", took))
+            self._on_commit(Commit(manifest, "local", took, work_s=work_s))
             t1 = time.monotonic()
             info = CheckpointInfo(step, step_dir(step), "complete", manifest)
             try:
@@ -198,7 +206,7 @@ class SingleEngine:
             self._prune(self.storage)
             self._on_commit(Commit(manifest, "durable", took, uploaded=True))
         else:
-            self._on_commit(Commit(manifest, "durable", took))
+            self._on_commit(Commit(manifest, "durable", took, work_s=work_s))
 
     def _write(
         self,
@@ -211,6 +219,7 @@ class SingleEngine:
         cancel: threading.Event | None = None,
         on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
         crcs: dict[str, Any] | None = None,
+        meter: WorkMeter | None = None,
     ) -> Manifest | None:
         """``on_content`` given: a final save, which replaces a committed ``step`` of other content.
         ``crcs`` given (a save to the local tier): filled with the durable storage's upload CRCs."""
@@ -230,6 +239,7 @@ class SingleEngine:
                 on_content=on_content,
                 upload_crc=self.storage.upload_crc if crcs is not None and storage is not self.storage else None,
                 crcs=crcs,
+                meter=meter,
             )
         except CheckpointExistsError:
             logger.info(

@@ -75,7 +75,10 @@ class Saves:
         if c.synchronous:  # its own rate: what the emergency estimate uses
             st.record_sync(c.seconds, c.manifest.size)
         if not c.synchronous or c.manifest.reason in ("periodic", "advisory"):  # the periodic path's rate
-            (st.record_upload if c.uploaded else st.record_write)(c.seconds, c.manifest.size)
+            if c.uploaded:
+                st.record_upload(c.seconds, c.manifest.size)
+            else:
+                st.record_write(c.seconds, c.manifest.size, work_s=c.work_s)
         self._check_notice_lead()
         self.last_saved = c.manifest
         if c.tier == "durable":

@@ -35,6 +35,7 @@ class GuardStats:
     last_stall_s: float | None = None
     write_s: float | None = None  # first tier (local_dir, or the durable URL without one)
     write_Bps: float | None = None
+    work_Bps: float | None = None  # the same writes' rate without the waits for a CPU (``Commit.work_s``)
     upload_s: float | None = None  # local tier -> durable URL
     upload_Bps: float | None = None
     sync_s: float | None = None  # saves the loop waited for (emergency, final, manual): the emergency's rate
@@ -54,9 +55,11 @@ class GuardStats:
         if self.write_s is None:
             self.state_bytes = nbytes
 
-    def record_write(self, seconds: float, nbytes: int) -> None:
+    def record_write(self, seconds: float, nbytes: int, work_s: float | None = None) -> None:
         self.write_s = _ema(self.write_s, seconds)
         self.write_Bps = _ema(self.write_Bps, nbytes / max(seconds, 1e-9))
+        if work_s is not None:
+            self.work_Bps = _ema(self.work_Bps, nbytes / max(work_s, 1e-9))
         self.state_bytes = nbytes
 
     def record_sync(self, seconds: float, nbytes: int) -> None:
@@ -72,10 +75,12 @@ class GuardStats:
         """Estimated time of a synchronous save of ``nbytes`` to the durable tier (an emergency save).
 
         The measured rate of synchronous saves, once there is one; until then the background writes'
-        (with two tiers the upload's, never the local disk's). Unmeasured is None.
+        (with two tiers the upload's, never the local disk's), counting only their own work where it was
+        measured: a niced writer beside a busy loop waits for a CPU that a stopped loop leaves free
+        (on our 2-core machine its wall time gave an estimate 4x the emergency's). Unmeasured is None.
         """
         nbytes = self.state_bytes if nbytes is None else nbytes
-        rate = self.sync_Bps or (self.upload_Bps if two_tiers else self.write_Bps)
+        rate = self.sync_Bps or (self.upload_Bps if two_tiers else self.work_Bps or self.write_Bps)
         if nbytes is None or not rate:
             return None
         return nbytes / rate

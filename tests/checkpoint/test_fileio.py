@@ -6,6 +6,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,19 @@ def test_a_cancel_stops_the_file_within_one_buffer_not_at_its_end(tmp_path, monk
                 f.write(os.urandom(SMALL))
     assert sum(written) <= 2 * SMALL  # at most the buffer already on its way
     assert f.closed
+
+
+def test_the_work_of_a_file_leaves_out_the_producers_pauses(tmp_path):
+    """A writer descheduled between its writes (a niced thread beside a busy loop) makes the file take
+    longer, not cost more: ``work_seconds`` is its disk time, its hash's and its producer's CPU time."""
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    cpu0 = time.thread_time()
+    with DirectFile(tmp_path / "f", buffer_size=1 << 20) as f:
+        for _ in range(8):
+            f.write(block)
+            time.sleep(0.1)
+    wall, produced = time.perf_counter() - t0, time.thread_time() - cpu0
+    assert wall >= 0.8
+    assert 0 < f.hash_s and 0 < f.io_s
+    assert f.work_seconds(produced) == max(f.io_s, f.hash_s, produced) < 0.4

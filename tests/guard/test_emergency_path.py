@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -54,6 +55,38 @@ def test_synchronous_saves_have_their_own_rate_and_the_emergency_estimate_uses_i
     assert st.write_Bps == pytest.approx(1e9)  # not averaged together
     assert st.durable_seconds() == pytest.approx(4.0)
     assert st.durable_seconds(two_tiers=True) == pytest.approx(4.0)  # straight to the durable tier, measured
+
+
+def test_before_any_synchronous_save_the_estimate_uses_the_background_writes_own_work():
+    st = GuardStats()
+    st.record_write(4.0, 1_000_000_000, work_s=1.0)  # 3 of its 4 s waiting for the loop's CPU
+    assert st.write_Bps == pytest.approx(250e6)  # the wall-time rate stays what it was
+    assert st.durable_seconds() == pytest.approx(1.0)
+    assert st.durable_seconds(two_tiers=True) is None  # an upload's rate is the network's: not guessed from the disk
+    st.record_sync(2.0, 1_000_000_000)
+    assert st.durable_seconds() == pytest.approx(2.0)  # measured synchronous saves win
+
+
+def test_a_background_write_beside_a_busy_loop_records_its_own_work_apart(tmp_path):
+    """A periodic write that shares the CPU and the GIL with a loop running Python: its wall time
+    counts the waiting, its work does not (the first emergency estimate's rate, ``Commit.work_s``)."""
+    commits = []
+    g = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=2, busy="wait", save_on_exit=False)
+    g.track(model=torch.nn.Linear(1024, 1024))
+    real = g.saves.committed
+    g.saves.engine._on_commit = lambda c: (commits.append(c), real(c))
+    with g:
+        g.step(1)
+        g.step(2)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline or g.saves.pending is not None and not g.saves.pending.done():
+            sum(range(2000))  # pure Python: holds the GIL most of the time
+        g.wait()
+    (c,) = commits
+    assert c.work_s is not None and 0 < c.work_s < c.seconds
+    st = g.stats()
+    assert st.work_Bps == pytest.approx(c.manifest.size / c.work_s)
+    assert st.durable_seconds() == pytest.approx(c.work_s, rel=1e-6)
 
 
 def test_a_guard_records_a_manual_save_as_synchronous_and_a_periodic_one_as_background(tmp_path):
