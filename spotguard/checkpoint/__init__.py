@@ -5,7 +5,8 @@ The names below are the public face of checkpoints in a storage (``spotguard ls`
 use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here.
 """
 
-from spotguard.checkpoint.layout import Writer, copy, delete, prune, write, write_dir
+from spotguard.checkpoint.filewrite import Writer
+from spotguard.checkpoint.layout import copy, delete, prune, write, write_dir
 from spotguard.checkpoint.manifest import (
     FORMAT,
     FORMATS,

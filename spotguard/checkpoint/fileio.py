@@ -69,6 +69,7 @@ class DirectFile:
         check it against (``self.crc``, its final state)."""
         if buffer_size <= 0 or buffer_size % ALIGN:
             raise ConfigError(f"buffer_size must be a positive multiple of {ALIGN}")
+        self.path = Path(path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = bool(direct and O_DIRECT)
         try:

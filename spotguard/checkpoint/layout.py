@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from spotguard.checkpoint import digest, leaseholder
-from spotguard.checkpoint.fileio import DirectFile, WorkMeter
+from spotguard.checkpoint import digest, filewrite, leaseholder
+from spotguard.checkpoint.fileio import WorkMeter
+from spotguard.checkpoint.filewrite import Writer
 from spotguard.checkpoint.manifest import (
     MANIFEST,
     REASONS,
@@ -41,13 +41,9 @@ from spotguard.errors import (
     StorageError,
 )
 from spotguard.storage.base import Storage
-from spotguard.storage.growing import Upload
 
 logger = logging.getLogger(__name__)
 STORERS = 4  # files stored at once by ``store_files``
-
-#: Serialises one file of a checkpoint into the binary file object it is given (``torch.save(obj, f)``).
-Writer = Callable[[BinaryIO], None]
 
 
 def write(
@@ -104,36 +100,26 @@ def write(
     held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
         for i, (fname, writer) in enumerate(files.items()):
-            path = scratch / f"{i}-{fname.replace('/', '_')}"
-            # Straight to a bucket: the upload reads each part as it lands (the sum becomes a maximum).
-            up = Upload(storage, f"{name}/{fname}", path, deadline) if storage.streams and not replace else None
-            try:  # checksum and CRC in one pass; a cancel stops the file within one buffer
-                with DirectFile(
-                    path, crc=upload_crc or storage.upload_crc, cancel=cancel, on_grow=up.grew if up else None
-                ) as out:
-                    if up is not None:
-                        up.attach(out)
-                    cpu0 = time.thread_time()
-                    writer(out)  # type: ignore[arg-type]  # a binary file object
-                    produced = time.thread_time() - cpu0
-            except BaseException as e:
-                if up is not None:
-                    up.abandon(e)
-                raise
-            if up is not None:
-                up.finish(out.size, out.crc)
-            if cancel is not None and cancel.is_set():
-                raise SaveCancelled(f"save of {name} abandoned")
-            if meter is not None:
-                meter.seconds += out.work_seconds(produced)
-            entries.append(out.entry(fname))
-            own_crc = out.crc if upload_crc is None else None
-            if crcs is not None and out.crc is not None:
-                crcs[fname] = out.crc
+            written = filewrite.write(
+                storage,
+                f"{name}/{fname}",
+                fname,
+                writer,
+                scratch / f"{i}-{fname.replace('/', '_')}",
+                deadline=deadline,
+                cancel=cancel,
+                upload_crc=upload_crc,
+                meter=meter,
+                stream=not replace,
+            )
+            entries.append(written.entry)
+            own_crc = written.crc if upload_crc is None else None
+            if crcs is not None and written.crc is not None:
+                crcs[fname] = written.crc
             if replace:
-                held.append((fname, path, own_crc))
-            elif up is None:
-                _put_file(storage, f"{name}/{fname}", path, deadline, own_crc)
+                held.append((fname, written.path, own_crc))
+            elif not written.stored:
+                filewrite.store(storage, f"{name}/{fname}", written.path, deadline, own_crc)
         if replace:
             if on_content is not None:
                 on_content(tuple(entries))
@@ -149,7 +135,7 @@ def write(
                 )
                 delete(storage, name)
             for fname, path, crc in held:
-                _put_file(storage, f"{name}/{fname}", path, deadline, crc)
+                filewrite.store(storage, f"{name}/{fname}", path, deadline, crc)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"save of {name} abandoned before its commit")
     manifest = Manifest(
@@ -220,14 +206,6 @@ def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline
             for fut in stored:
                 fut.result()  # the first store that failed raises
     return entries
-
-
-def _put_file(storage: Storage, key: str, path: Path, deadline: float | None, crc: Any) -> None:
-    """``put_file`` with the CRC the writer kept (the service checks what it receives against it)."""
-    if crc is None:
-        storage.put_file(key, path, deadline=deadline)
-    else:
-        storage.put_file(key, path, deadline=deadline, crc=crc)
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
@@ -342,7 +320,7 @@ def copy(
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
         with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
-            _put_file(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
+            filewrite.store(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     leaseholder.fence(dst)

@@ -32,11 +32,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, layout, leaseholder, loadable, sharded_async, sharded_load, state, stream
+from spotguard.checkpoint import (
+    data,
+    filewrite,
+    layout,
+    leaseholder,
+    loadable,
+    sharded_async,
+    sharded_load,
+    state,
+    stream,
+)
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.manifest import MANIFEST, FileEntry, HashingWriter, Manifest, Reshard, step_dir
+from spotguard.checkpoint.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
 from spotguard.checkpoint.sharded_load import rank_file
 from spotguard.checkpoint.snapshot import Staging
 from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
@@ -200,13 +210,18 @@ class ShardedEngine:
         if staged.error:
             return staged.error, []
         rank = self.groups.rank
+        key = f"{step_dir(step)}/{rank_file(rank)}"
         try:
-            with self.storage.open_write(f"{step_dir(step)}/{rank_file(rank)}", deadline=deadline) as raw:
-                out = HashingWriter(raw)
-                stream.save(staged.payload, out, self._ring)  # type: ignore[arg-type]
+            entry = filewrite.put(
+                self.storage,
+                key,
+                rank_file(rank),
+                lambda f: stream.save(staged.payload, f, self._ring),
+                deadline=deadline,
+            )
         except Exception as e:
             return explain(e, rank), []
-        return "", [out.entry(rank_file(rank))]
+        return "", [entry]
 
     def _commit(
         self, step: int, reason: str, files: list[FileEntry], extra: dict[str, Any], deadline: float | None

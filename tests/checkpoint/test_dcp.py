@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from spotguard.checkpoint import fileio, filewrite
 from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardWriter, shard_file
 from spotguard.errors import SaveCancelled
 from spotguard.storage import LocalStorage
@@ -19,33 +19,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class CancelMidStream(LocalStorage):
-    """Local storage on which an emergency 'arrives' once files whose key contains ``only`` have
-    received ``after`` bytes."""
+    """Local storage on which an emergency 'arrives' once the checkpoint files named with ``only`` have
+    been given ``after`` bytes (counted as their ``DirectFile`` accepts them)."""
 
-    def __init__(self, url: str, cancel: threading.Event, after: int, only: str = "") -> None:
+    def __init__(self, url: str, cancel: threading.Event, after: int, only: str = "", *, monkeypatch) -> None:
         super().__init__(url)
         self.cancel, self.after, self.only, self.written = cancel, after, only, 0
+        outer = self
 
-    @contextmanager
-    def open_write(self, key, *, deadline=None):
-        with super().open_write(key, deadline=deadline) as f:
-            if self.only not in key:
-                yield f
-                return
-            outer = self
-
-            class Counting:
-                def write(self, data):
-                    n = f.write(data)
+        class Counting(fileio.DirectFile):
+            def write(self, data):
+                n = super().write(data)
+                if outer.only in self.path.name:
                     outer.written += n
                     if outer.written >= outer.after:
                         outer.cancel.set()
-                    return n
+                return n
 
-                def __getattr__(self, name):
-                    return getattr(f, name)
-
-            yield Counting()
+        monkeypatch.setattr(filewrite, "DirectFile", Counting)
 
 
 def state(n: int = 6) -> dict[str, torch.Tensor]:
@@ -58,17 +49,17 @@ def errors_of(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def test_writer_without_cancel_writes_every_item(tmp_path):
-    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40)
+def test_writer_without_cancel_writes_every_item(tmp_path, monkeypatch):
+    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40, monkeypatch=monkeypatch)
     writer = SpotguardWriter(storage, STEP, 0)
     dcp.save(state(), storage_writer=writer, no_dist=True)
     assert {e.name for e in writer.entries} == {f"shards/{shard_file(0)}", f"shards/{METADATA_FILE}"}
     assert storage.written > 6 * 256 * 1024
 
 
-def test_cancel_set_mid_stream_stops_before_the_next_item_and_leaves_no_file(tmp_path):
+def test_cancel_set_mid_stream_stops_before_the_next_item_and_leaves_no_file(tmp_path, monkeypatch):
     cancel = threading.Event()
-    storage = CancelMidStream(str(tmp_path), cancel, after=1)  # set by the first item's bytes
+    storage = CancelMidStream(str(tmp_path), cancel, after=1, monkeypatch=monkeypatch)  # set by the first bytes
     writer = SpotguardWriter(storage, STEP, 0, cancel=cancel)
     with pytest.raises((SaveCancelled, CheckpointException)) as info:
         dcp.save(state(), storage_writer=writer, no_dist=True)
@@ -78,10 +69,10 @@ def test_cancel_set_mid_stream_stops_before_the_next_item_and_leaves_no_file(tmp
     assert storage.list_sizes("") == {}  # the partial shard's temp file is gone, no metadata written
 
 
-def test_cancel_set_before_the_save_opens_no_file(tmp_path):
+def test_cancel_set_before_the_save_opens_no_file(tmp_path, monkeypatch):
     cancel = threading.Event()
     cancel.set()
-    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40)
+    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40, monkeypatch=monkeypatch)
     with pytest.raises((SaveCancelled, CheckpointException)) as info:
         dcp.save(state(), storage_writer=SpotguardWriter(storage, STEP, 0, cancel=cancel), no_dist=True)
     assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
@@ -89,10 +80,10 @@ def test_cancel_set_before_the_save_opens_no_file(tmp_path):
     assert not (tmp_path / STEP).exists()
 
 
-def test_cancel_set_inside_a_large_item_stops_within_a_piece_not_at_the_items_end(tmp_path):
+def test_cancel_set_inside_a_large_item_stops_within_a_piece_not_at_the_items_end(tmp_path, monkeypatch):
     """An abandoned sharded save gives the disk up to the emergency save within 16 MiB, even mid-tensor."""
     cancel = threading.Event()
-    storage = CancelMidStream(str(tmp_path), cancel, after=1, only="distcp")
+    storage = CancelMidStream(str(tmp_path), cancel, after=1, only=".distcp", monkeypatch=monkeypatch)
     writer = SpotguardWriter(storage, STEP, 0, cancel=cancel)
     with pytest.raises((SaveCancelled, CheckpointException)) as info:
         dcp.save({"big": torch.ones(16 << 20)}, storage_writer=writer, no_dist=True)  # one 64 MiB item

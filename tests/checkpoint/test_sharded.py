@@ -173,11 +173,11 @@ class GatedStorage(LocalStorage):
         super().__init__(url)
         self.key, self.gate, self.writing = key, threading.Event(), threading.Event()
 
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None, crc=None):
         if key == self.key:
             self.writing.set()
             assert self.gate.wait(20), "test never opened the gate"
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline, crc=crc)
 
 
 def test_sharded_saves_are_synchronous_with_async_sharded_false(tmp_path, group):

@@ -85,10 +85,10 @@ def test_two_ranks_commit_one_checkpoint_and_leave_no_keys(tmp_path):
 class FailingRank(LocalStorage):
     """Rank 1's file cannot be written."""
 
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None, crc=None):
         if key.endswith("rank-00001.pt"):
             raise OSError("disk full")
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline, crc=crc)
 
 
 def test_a_failure_on_one_rank_fails_the_save_on_both_with_its_reason(tmp_path):
@@ -108,11 +108,11 @@ class HeldShard(LocalStorage):
         super().__init__(url)
         self.writing, self.release = threading.Event(), threading.Event()
 
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None, crc=None):
         if key.endswith("shards/rank-00000.distcp"):
             self.writing.set()
             self.release.wait(20)
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline, crc=crc)
 
 
 def test_a_cancel_ends_the_save_on_every_rank_and_commits_nothing(tmp_path):

@@ -27,9 +27,11 @@ def agreement():
     dist.destroy_process_group()
 
 
-def test_cancel_while_the_shard_streams_stops_it_and_is_reported_as_cancelled(tmp_path, agreement):
+def test_cancel_while_the_shard_streams_stops_it_and_is_reported_as_cancelled(tmp_path, agreement, monkeypatch):
     cancel = threading.Event()
-    storage = CancelMidStream(str(tmp_path), cancel, after=1, only="/shards/rank-")  # set by the first item
+    storage = CancelMidStream(
+        str(tmp_path), cancel, after=1, only=".distcp", monkeypatch=monkeypatch
+    )  # set by the first item
     commits: list = []
     engine = ShardedEngine(storage, agreement, keep=2, on_commit=commits.append)
     model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(6)])
@@ -40,8 +42,8 @@ def test_cancel_while_the_shard_streams_stops_it_and_is_reported_as_cancelled(tm
     assert commits == [] and [i.status for i in scan(storage)] in ([], ["incomplete"])
 
 
-def test_uncancelled_async_sharded_save_commits(tmp_path, agreement):
-    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40, only="/shards/rank-")
+def test_uncancelled_async_sharded_save_commits(tmp_path, agreement, monkeypatch):
+    storage = CancelMidStream(str(tmp_path), threading.Event(), after=1 << 40, only=".distcp", monkeypatch=monkeypatch)
     commits: list = []
     engine = ShardedEngine(storage, agreement, keep=2, on_commit=commits.append)
     model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(6)])

@@ -37,6 +37,11 @@ class SlowStorage(LocalStorage):
         with super().open_write(key, deadline=deadline) as f:
             yield f
 
+    def put_file(self, key, path, *, deadline=None, crc=None):
+        if dist.get_rank() == 1:
+            time.sleep(SLOW)
+        super().put_file(key, path, deadline=deadline, crc=crc)
+
     def list_sizes(self, prefix=""):
         if dist.get_rank() == 0 and prefix == "":  # the scan behind pruning, after the commit
             time.sleep(SLOW)

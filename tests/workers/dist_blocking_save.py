@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,14 +25,12 @@ class HangingStorage(LocalStorage):
         super().__init__(url)
         self.marker = marker
 
-    @contextmanager
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None, crc=None):
         if key == "step-00000002/rank-00001.pt":
             self.marker.write_text(str(os.getpid()))
             while True:
                 time.sleep(1)
-        with super().open_write(key, deadline=deadline) as f:
-            yield f
+        super().put_file(key, path, deadline=deadline, crc=crc)
 
 
 def main() -> int:

@@ -25,10 +25,10 @@ SLOW = 3.0
 
 
 class SlowShard(LocalStorage):
-    def open_write(self, key, *, deadline=None):
+    def put_file(self, key, path, *, deadline=None, crc=None):
         if key.endswith("step-00000003/shards/rank-00001.distcp"):
             time.sleep(SLOW)
-        return super().open_write(key, deadline=deadline)
+        return super().put_file(key, path, deadline=deadline, crc=crc)
 
 
 def main() -> int:

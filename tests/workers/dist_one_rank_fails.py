@@ -39,6 +39,11 @@ class FlakyStorage(LocalStorage):
         with super().open_write(key, deadline=deadline) as f:
             yield f
 
+    def put_file(self, key: str, path: Path, *, deadline: float | None = None, crc: Any = None) -> None:
+        if key in self.failing:
+            raise StorageError(f"injected: cannot write {key}")
+        super().put_file(key, path, deadline=deadline, crc=crc)
+
     @contextmanager
     def local_copy(self, key: str) -> Iterator[Path]:
         if key in self.failing:
