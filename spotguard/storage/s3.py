@@ -25,50 +25,19 @@ from typing import Any
 
 import boto3
 import botocore.exceptions as bex
-from boto3.exceptions import Boto3Error, S3UploadFailedError
+from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 
-from ..errors import ConfigError, StorageAccessError, StorageError
-from . import retry
+from ..errors import ConfigError, StorageError
+from . import retry, s3_errors
 from ._common import check_fields, split_url
-from .base import STEP_DIR, Leftover, ObjectNotFoundError
+from .base import STEP_DIR, Leftover
 from .cloud import CloudStorage, _ChecksumMismatch, _Conflict, urgent_timeout
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
-_PERMANENT = {
-    "AccessDenied": "access denied",
-    "AllAccessDisabled": "access denied",
-    "InvalidAccessKeyId": "unknown access key",
-    "SignatureDoesNotMatch": "bad secret key",
-    "ExpiredToken": "expired credentials",
-    "InvalidToken": "invalid credentials",
-    "AccountProblem": "account problem",
-    "InvalidBucketName": "invalid bucket name",
-    "PermanentRedirect": "bucket is in another region",
-    "AuthorizationHeaderMalformed": "wrong region",
-}
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeout",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestLimitExceeded",
-    "ConditionalRequestConflict",
-    "BadDigest",
-}
-_NETWORK = (
-    bex.HTTPClientError,
-    bex.ConnectionError,
-    bex.IncompleteReadError,
-    bex.ResponseStreamingError,
-    bex.FlexibleChecksumError,
-    RetriesExceededError,
-)
 
 
 @dataclass
@@ -140,82 +109,23 @@ class S3Storage(CloudStorage):
         client.meta.events.register("needs-retry.s3", functools.partial(self._needs_retry, deadline=deadline))
         return client
 
-    # -- retries and errors --------------------------------------------------------------------
+    # -- retries and errors: s3_errors -----------------------------------------------------------
     def _needs_retry(
-        self,
-        response: Any = None,
-        attempts: int = 1,
-        caught_exception: Any = None,
-        *,
-        deadline: float | None = None,
-        **_: Any,
+        self, response: Any = None, attempts: int = 1, caught_exception: Any = None, **kw: Any
     ) -> float | None:
         """botocore hook: seconds to wait before re-sending one request, or None to give up."""
-        if attempts >= self.options.request_attempts:
+        if attempts >= self.options.request_attempts or not s3_errors.retryable(response, caught_exception):
             return None
-        if caught_exception is not None:
-            if not isinstance(caught_exception, _NETWORK):
-                return None
-        elif response is None:
-            return None
-        else:
-            http, parsed = response
-            code = (parsed or {}).get("Error", {}).get("Code", "")
-            if http.status_code < 500 and http.status_code != 429 and code not in _TRANSIENT_CODES:
-                return None
-        delay = self._wait.delay(attempts)
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            return None
-        return delay
-
-    @staticmethod
-    def _cause(e: BaseException) -> BaseException:
-        """The ClientError inside boto3's S3UploadFailedError (raised ``from`` it)."""
-        if isinstance(e, S3UploadFailedError) and isinstance(e.__cause__ or e.__context__, BaseException):
-            return e.__cause__ or e.__context__  # type: ignore[return-value]
-        return e
+        delay, deadline = self._wait.delay(attempts), kw.get("deadline")
+        return None if deadline is not None and time.monotonic() + delay >= deadline else delay
 
     def _transient(self, e: BaseException) -> bool:
-        e = self._cause(e)
-        if isinstance(e, _NETWORK):
-            return True
-        if isinstance(e, bex.ClientError):
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return status >= 500 or status == 429 or e.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
-        return False
+        return s3_errors.transient(e)
 
     def _error(self, what: str, key: str, e: BaseException) -> StorageError:
-        e = self._cause(e)
-        where = f"s3://{self.bucket}/{self.prefix}{key}"
-        if isinstance(e, bex.NoCredentialsError):
-            return StorageAccessError(
-                f"cannot {what} {where}: no AWS credentials found; set AWS_PROFILE or "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or attach an instance role"
-            )
-        if isinstance(e, bex.ClientError):
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code == "NoSuchBucket":
-                return StorageAccessError(
-                    f"cannot {what} {where}: bucket {self.bucket!r} does not exist; create it "
-                    "or fix the URL (and AWS_ENDPOINT_URL / region)"
-                )
-            if code in ("NoSuchKey", "404"):
-                return ObjectNotFoundError(f"{self.describe(key)} does not exist")
-            if code in _PERMANENT or status == 403:
-                return StorageAccessError(
-                    f"cannot {what} {where}: {_PERMANENT.get(code, 'forbidden')} ({code or status});"
-                    " check the credentials (AWS_PROFILE, keys, instance role) and that the "
-                    f"bucket policy allows s3:GetObject/PutObject/ListBucket/DeleteObject on {self.bucket!r}"
-                )
-            if self._transient(e):
-                return StorageError(f"cannot {what} {where} (gave up after retries): {code or status}: {e}")
-            return StorageError(f"cannot {what} {where}: {code or status}: {e}")
-        if isinstance(e, bex.EndpointConnectionError):
-            return StorageError(
-                f"cannot {what} {where}: cannot reach the endpoint ({e}); check AWS_ENDPOINT_URL and the network"
-            )
-        return StorageError(f"cannot {what} {where} (gave up after retries): {type(e).__name__}: {e}")
+        return s3_errors.explain(
+            e, f"cannot {what} s3://{self.bucket}/{self.prefix}{key}", self.bucket, self.describe(key)
+        )
 
     # -- the SDK's calls -------------------------------------------------------------------------
     def _send(self, client: Any, key: str, path: Path, crc: str, size: int, deadline: float | None) -> None:
