@@ -2,7 +2,7 @@
 
 ``Guard.step()`` reads ``due_step`` and ``due_time`` directly (two comparisons on the hot path);
 everything else happens only when a save is due or done. ``every_seconds="auto"`` re-picks the
-interval from the measured cost of each checkpoint (Young/Daly, ``planner.AdaptiveInterval``).
+interval from the measured cost of each checkpoint (Young/Daly, ``guard.adaptive.AdaptiveInterval``).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import time
 
+from spotguard.guard.adaptive import AdaptiveInterval
 from spotguard.guard.stats import GuardStats
-from spotguard.planner import AdaptiveInterval
 
 
 def next_multiple(step: int, every: int | None) -> float:
