@@ -33,10 +33,10 @@ import requests
 from google.cloud import storage as gcs
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from ..errors import CheckpointCorruptError, ConfigError, StorageAccessError, StorageError
-from . import gcs_compose, retry
+from ..errors import ConfigError, StorageError
+from . import gcs_compose, gcs_errors, retry
 from ._common import check_fields, crc_b64, split_url
-from .base import GCS_PART_NAME, STEP_DIR, Leftover, ObjectNotFoundError, check_key
+from .base import GCS_PART_NAME, STEP_DIR, Leftover, check_key
 from .cloud import CloudStorage, _Conflict
 
 logger = logging.getLogger(__name__)
@@ -121,23 +121,6 @@ class GCSOptions:
             raise ConfigError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
 
 
-_TRANSIENT = (
-    gexc.TooManyRequests,
-    gexc.InternalServerError,
-    gexc.BadGateway,
-    gexc.ServiceUnavailable,
-    gexc.GatewayTimeout,
-    gexc.RequestRangeNotSatisfiable,
-    requests.ConnectionError,
-    requests.Timeout,
-    requests.exceptions.ChunkedEncodingError,
-    requests.exceptions.ContentDecodingError,
-    aexc.TransportError,
-    ConnectionError,
-    TimeoutError,
-)
-
-
 class GCSStorage(CloudStorage):
     scheme = "gs"
     checksum_name = "CRC32C"
@@ -184,33 +167,12 @@ class GCSStorage(CloudStorage):
     def _shared_client(self) -> Any:
         return self.bucket
 
-    # -- retries and errors --------------------------------------------------------------------
+    # -- retries and errors: gcs_errors ----------------------------------------------------------
     def _transient(self, e: BaseException) -> bool:
-        if isinstance(e, _TRANSIENT):
-            return True
-        if isinstance(e, InvalidResponse):  # resumable-media: unexpected status code
-            status = getattr(e.response, "status_code", 0)
-            return status >= 500 or status in (408, 429)
-        return False
+        return gcs_errors.transient(e)
 
     def _error(self, what: str, key: str, e: BaseException) -> Exception:
-        where = f"gs://{self.bucket_name}/{self.prefix}{key}"
-        if isinstance(e, DataCorruption):
-            return CheckpointCorruptError(f"{where}: {e}")
-        if isinstance(e, gexc.NotFound):
-            if "bucket" in str(e).lower() and "object" not in str(e).lower():
-                return StorageAccessError(
-                    f"cannot {what} {where}: bucket {self.bucket_name!r} does not exist; "
-                    "create it or fix the URL (and STORAGE_EMULATOR_HOST)"
-                )
-            return ObjectNotFoundError(f"{where} does not exist")
-        if isinstance(e, (gexc.Forbidden, gexc.Unauthorized, aexc.RefreshError)):
-            return StorageAccessError(
-                f"cannot {what} {where}: access denied ({e}); check the credentials "
-                "(GOOGLE_APPLICATION_CREDENTIALS, the VM's service account) and that it has "
-                f"roles/storage.objectAdmin on bucket {self.bucket_name!r}"
-            )
-        return StorageError(f"cannot {what} {where} (gave up after retries): {type(e).__name__}: {e}")
+        return gcs_errors.explain(e, what, f"gs://{self.bucket_name}/{self.prefix}{key}", self.bucket_name)
 
     def _timeout(self, deadline: float | None) -> float:
         """Per-request timeout; under a deadline, short enough that one hung request cannot outlast it."""
