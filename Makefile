@@ -7,7 +7,7 @@ ONLY ?=
 # What ruff checks and formats; mypy checks the package.
 PYSRC := spotguard tests examples bench
 
-.PHONY: demo test bench gpu-check lint fmt clean checkov-venv
+.PHONY: demo test test-fast bench gpu-check lint fmt clean checkov-venv
 
 $(VENV)/.installed: pyproject.toml tests/azurite/package-lock.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile  # 2 workers: most tests wait on child processes; a file stays on one worker
+
+# The edit loop's tier: the test files that take seconds (tests/fast_tier.py), not their slow tests.
+# Not a substitute for `make test`, which CI runs.
+test-fast: $(VENV)/.installed
+	$(PY) -m tests.fast_tier -q -n 2
 
 bench: $(VENV)/.installed
 	$(PY) bench/run_all.py $(ONLY) --machine "$(BENCH_MACHINE)"

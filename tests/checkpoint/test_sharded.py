@@ -118,7 +118,7 @@ def test_notice_stops_with_emergency_checkpoint_on_the_next_sync_step(tmp_path, 
 
 
 def test_sharded_periodic_saves_feed_the_adaptive_interval_and_the_stats(tmp_path, group, caplog):
-    caplog.set_level(logging.INFO, logger="spotguard.planner")
+    caplog.set_level(logging.INFO, logger="spotguard.guard.adaptive")
     guard, model, opt, sched = make(tmp_path, every_steps=1, every_seconds="auto", mtbf_hours=6, async_save=False)
     with guard:
         train(model, opt, sched, 1)
