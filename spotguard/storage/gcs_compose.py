@@ -18,13 +18,40 @@ import secrets
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StorageError
+from ._common import Progress
 
 if TYPE_CHECKING:
-    from .gcs import GCSStorage
     from .growing import GrowingFile
+
+
+class Composer(Protocol):
+    """What a composite upload needs of ``GCSStorage`` (typed here, so this module never imports it back)."""
+
+    @property
+    def prefix(self) -> str: ...
+
+    @property
+    def progress(self) -> Progress | None: ...
+
+    @property
+    def bucket(self) -> Any: ...
+
+    @property
+    def options(self) -> Any: ...
+
+    def _key(self, key: str) -> str: ...
+
+    def _call(self, what: str, key: str, fn: Callable[[], Any], deadline: float | None = None) -> Any: ...
+
+    def _timeout(self, deadline: float | None) -> float: ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def describe(self, key: str = "") -> str: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +90,7 @@ def _pread(path: Path, start: int, n: int) -> bytes:
 
 
 def upload(
-    st: GCSStorage, key: str, parts: Iterable[Callable[[], bytes]], crc: Callable[[], Any], deadline: float | None
+    st: Composer, key: str, parts: Iterable[Callable[[], bytes]], crc: Callable[[], Any], deadline: float | None
 ) -> None:
     """Upload ``parts`` (readers, in order) as ``key``; ``crc()``: the writer's base64 CRC32C of the whole
     file, asked once every part is read (a growing file knows it only at its end)."""
@@ -110,7 +137,7 @@ def upload(
             logger.warning("could not delete temporary parts of %s: %s", st.describe(key), e)
 
 
-def _compose(st: GCSStorage, key: str, dest: str, sources: list[str], deadline: float | None) -> Any:
+def _compose(st: Composer, key: str, dest: str, sources: list[str], deadline: float | None) -> Any:
     """Compose ``sources`` (full names) into ``dest``; the blob, with the properties GCS returned (its CRC32C)."""
     blob = st.bucket.blob(dest)
     st._call(

@@ -14,14 +14,26 @@ import shutil
 import socket
 import stat
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from .base import LOCAL_TEMP_NAME, STEP_DIR, Leftover
 
-if TYPE_CHECKING:
-    from .local import LocalStorage
+
+class Rooted(Protocol):
+    """What the housekeeping needs of ``LocalStorage`` (typed here, so this module never imports it back)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def describe(self, key: str = "") -> str: ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def failed(self, message: str, e: OSError) -> StorageError: ...
+
 
 #: The exact names local storage writes while a write is in flight (``LocalStorage._tmp_path`` and
 #: ``scratch``): ``NAME.tmp-HOST@PID-XXXXXXXX`` beside a target (``base.reserved_name``),
@@ -97,7 +109,7 @@ def _sweep_dir(top: Path) -> None:
                 path.rmdir()  # only when empty: a checkpoint's directory never is
 
 
-def find(storage: LocalStorage) -> list[Leftover]:
+def find(storage: Rooted) -> list[Leftover]:
     """Scratch folders at the root, temp files in ``step-N/`` folders (and of the root's own
     ``spotguard-*`` files), ``step-N/`` folders holding no file: nothing else is looked at."""
     try:
@@ -147,7 +159,7 @@ def _temp_file(root: Path, path: Path) -> list[Leftover]:
     return [Leftover(rel, "temp file", st.st_size, st.st_mtime, owner=m["owner"])]
 
 
-def remove(storage: LocalStorage, item: Leftover) -> None:
+def remove(storage: Rooted, item: Leftover) -> None:
     """Delete one leftover ``find`` reported, checking its name and kind again."""
     path = storage.root / item.key.rstrip("/")
     top = path.parent == storage.root and not path.is_symlink()
