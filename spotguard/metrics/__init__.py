@@ -3,7 +3,7 @@
 ``Guard(..., metrics_port=9400, metrics_file="metrics.jsonl")`` or ``export(guard, ...)``; ``spotguard
 run --metrics-port P --metrics-file F`` for the supervisor. The endpoint binds 127.0.0.1 unless told
 otherwise (``metrics_host="0.0.0.0"`` to let a Prometheus server elsewhere scrape it). See
-``spotguard.metrics.guard`` and ``spotguard.metrics.run`` for what is exported and how it is measured.
+``spotguard.metrics.guard`` and ``spotguard.ops.supervisor.metrics`` for what is exported and how it is measured.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spotguard.guard.guard import Guard
-
-    from .guard import GuardMetrics
+    from .guard import GuardMetrics, Watched
 
 __all__ = ["GuardMetrics", "export"]
 
 
 def __getattr__(name: str) -> Any:
     # GuardMetrics reads the Guard's ranks (torch.distributed): loaded on first use, so that
-    # ``spotguard run --metrics-port`` (``spotguard.metrics.run``) starts without torch.
+    # ``spotguard run --metrics-port`` (``spotguard.ops.supervisor.metrics``) starts without torch.
     if name == "GuardMetrics":
         from .guard import GuardMetrics
 
@@ -29,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
 
 def export(
-    guard: Guard,
+    guard: Watched,
     *,
     port: int | None = None,
     host: str = "127.0.0.1",

@@ -21,15 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from spotguard import planner
 from spotguard.costs import DEFAULT_START_S
+from spotguard.events import Events
 
 from .sink import Exporter
-
-if TYPE_CHECKING:
-    from spotguard.guard.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +41,33 @@ def _unix(iso: str | None) -> float | None:
         return None
 
 
+class Watched(Protocol):
+    """What the metrics read of a ``Guard``: typed here, so the metrics never import the guard package
+    (the guard makes its metrics; an arrow back would close a circle)."""
+
+    @property
+    def events(self) -> Events: ...
+
+    @property
+    def last_step(self) -> int | None: ...
+
+    @property
+    def options(self) -> Any: ...  # GuardOptions: every_seconds, every_steps, mtbf_hours
+
+    @property
+    def schedule(self) -> Any: ...  # every_seconds()
+
+    @property
+    def watcher(self) -> Any: ...  # providers
+
+    @property
+    def agreement(self) -> Any: ...  # None in a single process
+
+    def stats(self) -> Any: ...  # GuardStats
+
+    def place(self) -> Any: ...  # ranks.Place: rank, local_rank, world_size, format()
+
+
 class GuardMetrics(Exporter):
     """Exports one Guard: a Prometheus collector (``collect()`` on scrape) and a JSON lines file.
 
@@ -53,7 +78,7 @@ class GuardMetrics(Exporter):
 
     def __init__(
         self,
-        guard: Guard,
+        guard: Watched,
         *,
         port: int | None = None,
         host: str = "127.0.0.1",

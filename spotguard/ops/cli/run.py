@@ -36,7 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     supervisor.stops.hold_after_stop = True  # this process exits with the run's code: a late repeat must not kill it
     exporter = None
     if args.metrics_port is not None or args.metrics_file:
-        from spotguard.metrics.run import RunMetrics
+        from spotguard.ops.supervisor.metrics import RunMetrics
 
         exporter = RunMetrics(supervisor, port=args.metrics_port, host=args.metrics_host, jsonl=args.metrics_file)
     try:

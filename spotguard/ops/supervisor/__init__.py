@@ -29,7 +29,7 @@ child, which writes its emergency checkpoint)          running exited (128+N if 
                                                        job is killed, exit 128+signal
 =====================================================  ============================================
 
-``spotguard.metrics.run`` exports the starts and exits; ``Supervisor.summary()`` is the document
+``spotguard.ops.supervisor.metrics`` exports the starts and exits; ``Supervisor.summary()`` is the document
 ``spotguard run --json`` prints. Nothing here imports torch.
 """
 

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 from spotguard import EXIT_PREEMPTED
+from tests.metrics.test_guard import value
 
 from ..helpers import free_port, subprocess_env
-from .test_guard import value
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from spotguard import heartbeat
+from spotguard.metrics.sink import Exporter
 from spotguard.ops.supervisor import CAUSES, RESTARTED
-
-from .. import heartbeat
-from .sink import Exporter
 
 if TYPE_CHECKING:
     from spotguard.ops.supervisor import Supervisor
