@@ -3,7 +3,8 @@
 Why: a circle, even one hidden in a function-level import, means two modules each need the
 other, so one of them lives on the wrong floor (docs/architecture.md); Python would also run one
 of them half-initialised the day the import moves to the top. Imports under ``if TYPE_CHECKING:``
-are for type hints only and do not count.
+count too: a type hint that points back up is the same dependency, only deferred (type against a
+protocol of the lower floor instead, as ``metrics.guard.Watched`` does).
 """
 
 from __future__ import annotations
@@ -26,23 +27,12 @@ def module_names() -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package modules ``name`` imports anywhere in its code (a package's own name for its ``__init__``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 found.add(alias.name)
@@ -113,12 +103,11 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     # pkg.b runs pkg/sub/__init__.py on its way to pkg.sub.c.
     assert graph == {
         "pkg": set(),
-        "pkg.a": set(),
+        "pkg.a": {"pkg.b"},  # a type hint's import counts
         "pkg.b": {"pkg.a", "pkg.sub", "pkg.sub.c"},
         "pkg.sub": {"pkg.sub.c"},
         "pkg.sub.c": {"pkg.a"},
     }
-    graph["pkg.a"].add("pkg.b")
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
