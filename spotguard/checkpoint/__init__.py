@@ -6,7 +6,7 @@ use them too); the engines (``single``, ``sharded``) import torch.distributed an
 """
 
 from spotguard.checkpoint.filewrite import Writer
-from spotguard.checkpoint.layout import copy, delete, prune, write, write_dir
+from spotguard.checkpoint.layout import copy, write, write_dir
 from spotguard.checkpoint.manifest import (
     FORMAT,
     FORMATS,
@@ -21,6 +21,7 @@ from spotguard.checkpoint.manifest import (
     step_dir,
 )
 from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, verify
+from spotguard.checkpoint.retention import delete, prune
 
 __all__ = [
     "FORMAT",

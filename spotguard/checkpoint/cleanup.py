@@ -15,7 +15,7 @@ A candidate that may still belong to a save in flight is skipped, and the plan s
 4. its name records a writer process still running on this host (local storage).
 
 ``plan`` finds and judges; ``remove`` deletes what the plan calls garbage (a broken checkpoint's
-manifest first, as ``layout.delete`` always does), after judging it again at that moment: between the
+manifest first, as ``retention.delete`` always does), after judging it again at that moment: between the
 two a job may have taken the lease and committed the step a killed save left, so a candidate is kept
 when the lease record changed since the plan, when its folder now holds a manifest (or is no longer
 broken), or when it changed less than ``min_age_s`` ago. An incomplete folder's removal never deletes
@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint import lease
-from spotguard.checkpoint.layout import delete
 from spotguard.checkpoint.manifest import MANIFEST, human_duration, parse_step_dir
 from spotguard.checkpoint.reader import scan, scan_one
+from spotguard.checkpoint.retention import delete
 from spotguard.errors import ConfigError
 from spotguard.storage.base import Leftover, Storage
 from spotguard.storage.local_leftovers import writer_running

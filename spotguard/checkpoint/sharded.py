@@ -38,6 +38,7 @@ from spotguard.checkpoint import (
     layout,
     leaseholder,
     loadable,
+    retention,
     sharded_async,
     sharded_load,
     state,
@@ -248,7 +249,7 @@ class ShardedEngine:
         logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
         if self.groups.rank == 0 and reason != "emergency":
             try:
-                layout.prune(self.storage, self.keep)
+                retention.prune(self.storage, self.keep)
             except Exception as e:
                 logger.warning("pruning old checkpoints failed: %s", e)
         return manifest

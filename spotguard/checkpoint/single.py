@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, loadable, reader, stale_local, state, stream
+from spotguard.checkpoint import data, layout, loadable, reader, retention, stale_local, state, stream
 from spotguard.checkpoint.budget import Budget, tensor_bytes
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.fileio import WorkMeter
@@ -256,7 +256,7 @@ class SingleEngine:
     def _prune(self, storage: Storage) -> None:
         with self._lock:
             try:
-                layout.prune(storage, self.keep)
+                retention.prune(storage, self.keep)
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
@@ -340,7 +340,7 @@ def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resume
         for info in infos:
             if info.status == "incomplete" and info.step < resumed:
                 try:
-                    layout.delete(storage, info.name)
+                    retention.delete(storage, info.name)
                     logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
                 except OSError as e:  # StorageError included: cleanup must never fail a resume
                     logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)

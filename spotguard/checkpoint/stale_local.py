@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from spotguard.checkpoint import layout, reader
+from spotguard.checkpoint import reader, retention
 from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry
 from spotguard.storage import Storage
 
@@ -53,7 +53,7 @@ def drop(local: Storage | None, stale: list[CheckpointInfo]) -> None:
         return
     for info in stale:
         try:
-            layout.delete(local, info.name)
+            retention.delete(local, info.name)
             logger.info("removed %s: the final state of step %d differs", local.describe(info.name), info.step)
         except OSError as e:  # StorageError included
             logger.warning("cannot remove the stale local copy %s: %s", info.name, e)
