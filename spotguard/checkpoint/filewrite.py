@@ -22,7 +22,7 @@ from spotguard.checkpoint.fileio import DirectFile, WorkMeter
 from spotguard.checkpoint.manifest import FileEntry
 from spotguard.errors import SaveCancelled
 from spotguard.storage.base import Storage
-from spotguard.storage.growing import Upload
+from spotguard.storage.growing import Upload, abandoned_on_error
 
 #: Serialises one file of a checkpoint into the binary file object it is given (``torch.save(obj, f)``).
 Writer = Callable[[BinaryIO], None]
@@ -61,19 +61,16 @@ def write(
     own). ``meter`` adds what the file cost apart from waiting for a CPU (``DirectFile.work_seconds``).
     """
     up = Upload(storage, key, path, deadline) if stream and storage.streams else None
-    try:
-        with DirectFile(
-            path, crc=upload_crc or storage.upload_crc, cancel=cancel, on_grow=up.grew if up else None
-        ) as out:
-            if up is not None:
-                up.attach(out)
-            cpu0 = time.thread_time()
-            writer(out)  # type: ignore[arg-type]  # a binary file object
-            produced = time.thread_time() - cpu0
-    except BaseException as e:
+    grew = up.grew if up else None
+    with (
+        abandoned_on_error(up),
+        DirectFile(path, crc=upload_crc or storage.upload_crc, cancel=cancel, on_grow=grew) as out,
+    ):
         if up is not None:
-            up.abandon(e)
-        raise
+            up.attach(out)
+        cpu0 = time.thread_time()
+        writer(out)  # type: ignore[arg-type]  # a binary file object
+        produced = time.thread_time() - cpu0
     if up is not None:
         up.finish(out.size, out.crc)
     if cancel is not None and cancel.is_set():

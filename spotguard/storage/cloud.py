@@ -42,7 +42,7 @@ from ..errors import (
 from . import retry
 from ._common import Crc32File, Progress, crc_b64, file_crc, temp_dir, tmp_parent
 from .base import Storage, UploadCrc, check_key
-from .growing import Upload
+from .growing import Upload, abandoned_on_error
 
 logger = logging.getLogger(__name__)
 
@@ -194,16 +194,11 @@ class CloudStorage(Storage):
         with temp_dir(tmp_parent()) as d:
             spool = d / "spool"
             up = Upload(self, key, spool, deadline) if self.streams else None
-            with open(spool, "wb") as raw:
+            with open(spool, "wb") as raw, abandoned_on_error(up):
                 crc = Crc32File(raw, self.upload_crc, on_grow=up.grew if up else None)
                 if up is not None:
                     up.attach(crc)
-                try:
-                    yield crc  # type: ignore[misc]
-                except BaseException as e:
-                    if up is not None:
-                        up.abandon(e)
-                    raise
+                yield crc  # type: ignore[misc]
             if up is not None:
                 up.finish(crc.size, crc.crc)
                 return

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,15 @@ class Upload:
         """The writer failed: the upload stops at its next read, and is never completed."""
         self.file.fail(error)
         self._thread.join(grace)
+
+
+@contextmanager
+def abandoned_on_error(up: Upload | None) -> Iterator[None]:
+    """The block writes the file ``up`` streams (None: nothing streams): if it raises, the upload is
+    abandoned, never completed with what was written so far."""
+    try:
+        yield
+    except BaseException as e:
+        if up is not None:
+            up.abandon(e)
+        raise
