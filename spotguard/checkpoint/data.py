@@ -184,8 +184,8 @@ def check_loaders(
             raise CheckpointMismatchError(
                 f"{where}: data loader {name!r} was saved with batch_size={size} and has batch_size={now} now: "
                 "step counts (schedules, every_steps, epoch length) would mean another number of samples. "
-                f"Resume with batch_size={size}, or pass Guard(..., rebatch='accept') to continue at the same "
-                f"sample in batches of {now}"
+                f"Resume with batch_size={size}, or pass rebatch='accept' (to Guard or the trainer's integration) to "
+                f"continue at the same sample in batches of {now}"
             )
         logger.warning(
             "%s: data loader %r was saved with batch_size=%d and has batch_size=%d now (rebatch='accept'): it "
