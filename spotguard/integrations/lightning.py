@@ -292,6 +292,8 @@ class SpotguardCallback(StopOutcome, Callback):
         def run_from_its_start(*args: Any, **kwargs: Any) -> Any:
             if trainer.sanity_checking:
                 return run(*args, **kwargs)
+            if self.stopped_at is not None:  # Lightning validates at a stop as at an early stop; the uninterrupted
+                return []  # run did not (a validation due here is the resumed run's first: the checkpoint says so)
             self._rng_before_validation = state.capture_rng()
             with self.notices.marks.during(EVALUATING, self._steps):  # also when a notice cuts it short
                 return run(*args, **kwargs)
