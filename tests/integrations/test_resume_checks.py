@@ -1,7 +1,8 @@
 """Every trainer integration checks a resumed data loader as the Guard does (``data.check_loaders``).
 
 As a new user would: the example is stopped by a real SIGTERM, then started again with another
-``--num-workers`` or ``--batch-size`` than the checkpoint's. Another worker count is moved to the new
+``--num-workers`` or ``--batch-size`` than the checkpoint's (the HF Trainer keeps no loader state:
+its batch size alone). Another worker count is moved to the new
 count (the dataset is map-style: the position is the sampler's), with a warning naming both, and the
 run continues at the very sample it stopped at; torchdata alone fails with a bare ``AssertionError``
 at every restart. Another batch size is refused with both sizes, exit 78 under ``spotguard run`` with
@@ -65,8 +66,9 @@ def supervised(script: str, run_dir, *args: str):
     return run([*cmd, "--", *runs.command(script, run_dir, *args)], env=subprocess_env(), cwd=run_dir)
 
 
-def test_resumed_with_another_batch_size_is_refused_unless_accepted(tmp_path, example):
-    script, _ = example
+@pytest.mark.parametrize("script", ["accelerate_train.py", "hf_trainer.py", "lightning_train.py"])
+def test_resumed_with_another_batch_size_is_refused_unless_accepted(tmp_path, script):
+    pytest.importorskip({**SCRIPTS, "hf_trainer.py": "transformers"}[script])
     stopped = stopped_early(script, tmp_path)
     refused = supervised(script, tmp_path, *ARGS, "--batch-size", "16")
     assert refused.returncode == EXIT_CONFIG, refused.stderr[-4000:]
