@@ -83,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--window-margin", type=float, default=5.0, help="use-window: seconds kept free (beyond the save)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes")
+    p.add_argument(
+        "--rebatch",
+        choices=("refuse", "accept"),
+        default="refuse",
+        help="resumed with another --batch-size than the checkpoint's: refuse, or continue at the same sample",
+    )
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=max(1, args.steps // 10))
-    loader = StatefulDataLoader(train, batch_size=8, shuffle=True)
+    loader = StatefulDataLoader(train, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     progress = Progress()
 
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         interval=args.interval,
         deadline_policy=args.deadline_policy,
         window_margin=args.window_margin,
+        rebatch=args.rebatch,
     )
     guard.track(progress)
     step = guard.resume()  # 0 when there is no checkpoint

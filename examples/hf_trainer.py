@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--rebatch",
+        choices=("refuse", "accept"),
+        default="refuse",
+        help="resumed with another --batch-size than the checkpoint's: refuse, or train on as the Trainer does",
+    )
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=args.batch_size,
         learning_rate=3e-3,
         warmup_steps=10,
         seed=args.seed,
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0,
         deepspeed=None if args.deepspeed is None else deepspeed_config(args.deepspeed),
     )
-    spot = SpotguardCallback(args.storage, providers=args.providers, interval=args.interval)
+    spot = SpotguardCallback(args.storage, providers=args.providers, interval=args.interval, rebatch=args.rebatch)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train, eval_dataset=evaluation, callbacks=[spot, Rehearsal(args)]
     )

@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--num-workers", type=int, default=0, help="data-loader worker processes")
+    p.add_argument(
+        "--rebatch",
+        choices=("refuse", "accept"),
+        default="refuse",
+        help="resumed with another --batch-size than the checkpoint's: refuse, or continue at the same sample",
+    )
     p.add_argument("--losses", help="append one JSON line per step: {step, loss (float.hex)}")
     p.add_argument("--final", help="save the final model state_dict here (torch.save)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (rehearsals)")
@@ -161,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     spot = SpotguardCallback(
-        args.storage, every_steps=args.every_steps or None, providers=args.providers, interval=args.interval
+        args.storage,
+        every_steps=args.every_steps or None,
+        providers=args.providers,
+        interval=args.interval,
+        rebatch=args.rebatch,
     )
     trainer = L.Trainer(
         max_steps=args.steps,
@@ -183,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     code = spot.fit(
         trainer,
         model,
-        train_dataloaders=StatefulDataLoader(train, batch_size=8, shuffle=sampler is None, sampler=sampler),
+        train_dataloaders=StatefulDataLoader(
+            train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler, num_workers=args.num_workers
+        ),
         val_dataloaders=StatefulDataLoader(held_out, batch_size=8),
     )
     if code:

@@ -177,22 +177,31 @@ def check_loaders(
                 workers,
                 obj.num_workers,
             )
-        size, now = saved.get("batch_size"), _batch_size(obj)
-        if size is None or now is None or size == now:
-            continue
-        if Rebatch(rebatch) is Rebatch.REFUSE:
-            raise CheckpointMismatchError(
-                f"{where}: data loader {name!r} was saved with batch_size={size} and has batch_size={now} now: "
-                "step counts (schedules, every_steps, epoch length) would mean another number of samples. "
-                f"Resume with batch_size={size}, or pass Guard(..., rebatch='accept') to continue at the same "
-                f"sample in batches of {now}"
-            )
-        logger.warning(
-            "%s: data loader %r was saved with batch_size=%d and has batch_size=%d now (rebatch='accept'): it "
-            "continues at the same sample, in batches of %d; a step now holds another number of samples",
-            where,
-            name,
-            size,
-            now,
-            now,
+        check_batch_size(where, name, saved.get("batch_size"), _batch_size(obj), rebatch)
+
+
+def check_batch_size(
+    where: str, name: str, size: Any, now: Any, rebatch: Rebatch | str, accepted: str | None = None
+) -> None:
+    """Refuse (``CheckpointMismatchError``) a loader saved with batch size ``size`` that has ``now``, or warn
+    (``rebatch="accept"``); nothing when either is unknown. ``accepted``: what the resume then does (default:
+    the loader continues at the same sample, as a ``StatefulDataLoader`` does)."""
+    if not isinstance(size, int) or not isinstance(now, int) or size == now:
+        return
+    accepted = accepted or f"it continues at the same sample, in batches of {now}"
+    if Rebatch(rebatch) is Rebatch.REFUSE:
+        raise CheckpointMismatchError(
+            f"{where}: data loader {name!r} was saved with batch_size={size} and has batch_size={now} now: "
+            "step counts (schedules, every_steps, epoch length) would mean another number of samples. "
+            f"Resume with batch_size={size}, or pass rebatch='accept' (to Guard or the trainer's integration): "
+            f"{accepted}"
         )
+    logger.warning(
+        "%s: data loader %r was saved with batch_size=%d and has batch_size=%d now (rebatch='accept'): %s; a step "
+        "now holds another number of samples",
+        where,
+        name,
+        size,
+        now,
+        accepted,
+    )

@@ -7,15 +7,24 @@ second epoch, a job reshuffles as in its first (seen here: a 2-rank resume diver
 step after it). So each save writes, per rank, every prepared loader's epoch count and its shuffle
 generator as it was when the current epoch began (captured as the epoch starts, before the
 permutation is drawn), and the resume puts both back before the loader's next iterator.
+
+Each save also writes what a resume compares (``data.loader_facts``: worker count, batch size), and
+``check`` runs the resume's checks (``FolderCheckpoints.check_loaders``, as for ``Guard``) on the
+states ``save_state`` wrote, before ``load_state`` hands them to torchdata.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from spotguard.checkpoint import data
+
+if TYPE_CHECKING:
+    from ._folders import FolderCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +65,8 @@ def save(loaders: list[Any], folder: Path, process_index: int, cut: bool = False
         else:
             states.append({"iteration": iteration, "generator": getattr(loader, "_spotguard_epoch_start", None)})
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"loaders": states, "evaluation_cut": cut}, folder / file_name(process_index))
+    facts = data.loader_facts(_stateful(loaders))  # what a resume compares (worker count, batch size)
+    torch.save({"loaders": states, "evaluation_cut": cut, "facts": facts}, folder / file_name(process_index))
 
 
 def restore(loaders: list[Any], folder: Path, process_index: int) -> bool:
@@ -84,3 +94,35 @@ def restore(loaders: list[Any], folder: Path, process_index: int) -> bool:
             generator.set_state(saved["generator"])
             loader._spotguard_epoch_start = saved["generator"]
     return cut
+
+
+def _stateful(loaders: list[Any]) -> dict[str, Any]:
+    """The prepared loaders whose position ``save_state`` writes, by index (``dl_state_dict_<i>.bin``)."""
+    return {str(i): loader for i, loader in enumerate(loaders) if getattr(loader, "use_stateful_dataloader", False)}
+
+
+def _state_file(folder: Path, index: str) -> Path:
+    return folder / ("dl_state_dict.bin" if index == "0" else f"dl_state_dict_{index}.bin")  # save_state's names
+
+
+def check(
+    loaders: list[Any], folder: Path, process_index: int, checkpoints: FolderCheckpoints, where: str
+) -> dict[str, Any]:
+    """The resume's checks of each prepared loader against ``folder``'s state (before ``load_state``):
+    refused (``CheckpointMismatchError``) or accepted as ``Guard`` does; returns the states moved to
+    another worker count, by index, for ``reload`` once ``load_state`` has loaded the saved ones."""
+    objects = _stateful(loaders)
+    states = {
+        i: torch.load(_state_file(folder, i), weights_only=True) for i in objects if _state_file(folder, i).is_file()
+    }
+    path = folder / file_name(process_index)
+    facts = torch.load(path, weights_only=True).get("facts", {}) if path.is_file() else {}
+    saved = dict(states)
+    checkpoints.check_loaders(objects, states, facts, where)
+    return {i: state for i, state in states.items() if state is not saved[i]}
+
+
+def reload(loaders: list[Any], moved: dict[str, Any]) -> None:
+    """After ``load_state``: the states ``check`` moved to the loaders' worker counts, in place of the saved ones."""
+    for i, state in moved.items():
+        loaders[int(i)].load_state_dict(state)

@@ -51,6 +51,8 @@ class WatchOptions(TypedDict, total=False):
     ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
     ``untracked`` ("refuse"): a checkpoint holding state that nothing restores now (an optimizer the
     trainer no longer has) is refused, naming it ("accept": resumed without it, with a warning);
+    ``rebatch`` ("refuse"): a data loader saved with another batch size is refused, naming both ("accept":
+    it continues at the same sample in batches of the new size, with a warning), as for ``Guard``;
     ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``;
     ``deadline_policy`` ($SPOTGUARD_DEADLINE_POLICY, else "stop") / ``window_margin`` (5 s): after the
     emergency checkpoint of a notice with a deadline, stop, or train on and checkpoint again before the
@@ -61,6 +63,7 @@ class WatchOptions(TypedDict, total=False):
     takeover: bool
     on_unloadable: str
     untracked: str
+    rebatch: str
     providers: str | Iterable[str | NoticeProvider] | None
     interval: float
     stop_on_advisory: bool
@@ -88,6 +91,7 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
         lease_ttl=options.get("lease_ttl", DEFAULT_TTL_S),
         takeover=options.get("takeover"),
         untracked=options.get("untracked", "refuse"),
+        rebatch=options.get("rebatch", "refuse"),
     )
     notices = NoticeWatch(
         ranks.providers_for_rank(options.get("providers", "auto")),

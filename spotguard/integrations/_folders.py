@@ -14,14 +14,16 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import folders, layout, state
+from spotguard.checkpoint import data, folders, layout, state
+from spotguard.checkpoint.data import Rebatch
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
@@ -58,6 +60,7 @@ class FolderCheckpoints:
         lease_ttl: float | None = DEFAULT_TTL_S,
         takeover: bool | None = None,
         untracked: str = "refuse",
+        rebatch: str = "refuse",
     ) -> None:
         storage = _env.storage_or_env(storage)
         if not isinstance(keep, int) or keep < 1:
@@ -76,8 +79,12 @@ class FolderCheckpoints:
             self.untracked = Untracked(untracked)
         except ValueError:
             raise ConfigError(f"untracked must be one of {[u.value for u in Untracked]}, got {untracked!r}") from None
+        try:  # what the resume does with a tracked data loader saved with another batch size (data.check_loaders)
+            self.rebatch = Rebatch(rebatch)
+        except ValueError:
+            raise ConfigError(f"rebatch must be one of {[r.value for r in Rebatch]}, got {rebatch!r}") from None
         self.last_saved: Manifest | None = None
-        self.refused = False  # ``refuse_untracked`` refused the resume
+        self.refused = False  # ``refuse_untracked`` or ``check_loaders`` refused the resume
         self._fetched: list[Path] = []
 
     def commit(
@@ -185,12 +192,32 @@ class FolderCheckpoints:
         return None
 
     def refuse_untracked(self, saved: Iterable[str], tracked: Iterable[str], where: str, fix: str) -> None:
-        """``state.refuse_untracked`` with the integration's ``untracked`` option; a refusal marks the
-        heartbeat, so that ``spotguard run`` exits 78 instead of restarting into the same refusal."""
-        try:
+        """``state.refuse_untracked`` with the integration's ``untracked`` option (``refusing``)."""
+        with self.refusing():
             state.refuse_untracked(saved, tracked, where, self.untracked, fix)
+
+    def check_loaders(
+        self,
+        loaders: Mapping[str, Any],
+        states: MutableMapping[str, Any],
+        facts: Mapping[str, Mapping[str, Any]],
+        where: str,
+    ) -> None:
+        """``data.check_loaders`` with the integration's ``rebatch`` option (``refusing``): the Guard's checks
+        of a tracked loader's worker count and batch size. Call before the trainer loads ``states`` (a
+        state moved to the new worker count is rewritten there)."""
+        with self.refusing():
+            data.check_loaders(loaders, states, facts, where, self.rebatch)
+
+    @contextmanager
+    def refusing(self) -> Iterator[None]:
+        """A resume check: its refusal (``CheckpointMismatchError``) marks the heartbeat, so that ``spotguard
+        run`` exits 78 instead of restarting into the same refusal, and ``refused`` (the trainer's own
+        wrapper, ``cb.fit``, returns ``EXIT_CONFIG`` then)."""
+        try:
+            yield
         except CheckpointMismatchError:
-            self.refused = True  # the trainer's own wrapper (``cb.fit``) returns EXIT_CONFIG then
+            self.refused = True
             self._beat[1] |= heartbeat.CONFIG_ERROR
             raise
 

@@ -1,9 +1,11 @@
-"""Where Lightning's loops are after a resume: whether a validation follows the batch now ending, and
-a fresh iterator for an epoch Lightning resumes from an ended one's state (``lightning.SpotguardCallback``)."""
+"""Where Lightning's loops are after a resume: whether a validation follows the batch now ending, a
+fresh iterator for an epoch Lightning resumes from an ended one's state, and the point where the
+resumed train loaders get their states, which the resume checks first (``lightning.SpotguardCallback``)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler
@@ -63,3 +65,40 @@ def _at_its_end(sampler: Any) -> bool:
     if position is None:
         position = getattr(sampler, "yielded", None)
     return isinstance(position, int) and position >= len(sampler)
+
+
+def train_loaders(trainer: Any) -> dict[str, Any]:
+    """The fit's train loaders whose state Lightning saves, by their index in its list of states."""
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    loaders = [dl for dl in getattr(combined, "flattened", None) or [] if _stateful(dl)]
+    return {str(i): dl for i, dl in enumerate(loaders)}
+
+
+def _stateful(obj: Any) -> bool:  # as Lightning's ``_Stateful``: what ``CombinedLoader._state_dicts`` saves
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def check_loader_states(trainer: Any, check: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+    """Call ``check(loaders, states)`` where a resumed fit gives its train loaders their saved states
+    (``fit_loop._load_combined_loader_states``, once the loaders exist), before it does; the states as
+    ``check`` left them (moved to another worker count) are loaded. Lightning alone hands a state of
+    another worker count to torchdata, which fails at the first batch, and one of another batch size
+    without a word."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    load = getattr(fit, "_load_combined_loader_states", None)
+    if load is None or not hasattr(fit, "_combined_loader_states_to_load"):
+        logger.warning("Lightning's train loader states are not where expected: a resume does not check the loaders")
+        return
+    if getattr(fit, "_spotguard_checked", False):
+        return
+
+    def checked_load() -> Any:
+        saved = fit._combined_loader_states_to_load
+        if fit.restarting and saved and fit._combined_loader is not None:
+            states = {str(i): state for i, state in enumerate(saved)}
+            check(train_loaders(trainer), states)
+            fit._combined_loader_states_to_load = [states[str(i)] for i in range(len(saved))]
+        return load()
+
+    fit._load_combined_loader_states = checked_load
+    fit._spotguard_checked = True

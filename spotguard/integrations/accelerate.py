@@ -109,8 +109,11 @@ class AcceleratorGuard(LoopGuard):
         try:
             saved, tracked = untracked.accelerate(folder, self.accelerator)
             self.checkpoints.refuse_untracked(saved, tracked, f"checkpoint of step {step}", untracked.ACCELERATE_FIX)
+            where, index = f"checkpoint of step {step}", self.accelerator.process_index
+            moved = loaders.check(prepared, folder, index, self.checkpoints, where)  # as Guard: workers, batch size
             self.accelerator.load_state(str(folder))
-            cut = loaders.restore(prepared, folder, self.accelerator.process_index)
+            loaders.reload(prepared, moved)
+            cut = loaders.restore(prepared, folder, index)
         except BaseException:
             self.checkpoints.cleanup()
             raise

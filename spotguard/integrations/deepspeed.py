@@ -182,6 +182,7 @@ class DeepSpeedGuard(LoopGuard):
             "world_size": ranks.world_size(),
             "objects": state.collect(self._objects),
             "engine": _engine_parts(self.engine),  # what a resume's load_checkpoint must find to restore
+            "loaders": data.loader_facts(self._objects),  # what a resume compares (worker count, batch size)
             "extra": dict(self.extra),
             "rng": state.capture_rng(),
         }
@@ -252,6 +253,9 @@ class DeepSpeedGuard(LoopGuard):
             tracked = [*self._objects, *_engine_parts(self.engine)]
             try:
                 self.checkpoints.refuse_untracked(saved, tracked, f"checkpoint of step {step}", FIX)
+                self.checkpoints.check_loaders(
+                    self._objects, own["objects"], own.get("loaders", {}), f"checkpoint of step {step}"
+                )
             except CheckpointMismatchError as e:
                 error = e
         agreed = self.checkpoints.group.get()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard import checkpoint
+from spotguard.checkpoint import data
 from spotguard.checkpoint import state as state_module
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
@@ -63,6 +64,9 @@ except ImportError as e:
 logger = logging.getLogger(__name__)
 
 __all__ = ["SpotguardCallback"]
+
+#: What the Trainer does when resumed with another batch size (``rebatch="accept"``): it skips the steps done.
+HF_REBATCH = "the Trainer counts the steps done as batches of the new size, so it continues at another sample"
 
 #: In a checkpoint written during an evaluation: the resume runs that evaluation again first.
 EVAL_CUT = "spotguard-evaluation-cut.json"
@@ -189,6 +193,10 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             self.checkpoints.refuse_untracked(
                 saved, tracked, f"checkpoint of step {state.global_step}", untracked.HF_FIX
             )
+            with self.checkpoints.refusing():  # the Trainer keeps no loader state: its batch size, as Guard checks it
+                size, now = state.train_batch_size, getattr(trainer, "_train_batch_size", None)
+                where = f"checkpoint of step {state.global_step}"
+                data.check_batch_size(where, "train", size, now, self.checkpoints.rebatch, HF_REBATCH)
         newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:
             logger.warning(

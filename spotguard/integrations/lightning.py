@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spotguard.checkpoint import state
+from spotguard.checkpoint import data, state
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
 from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
@@ -106,6 +106,7 @@ class SpotguardCallback(StopOutcome, Callback):
         self._validation_next = False  # the save in progress is of a step whose validation has not run yet
         self._planned = PlannedResume(self.checkpoints, RankFiles(_rankfiles.lightning))
         self._saved: tuple[int | None, list[str]] | None = None  # (step, what) the checkpoint being loaded holds
+        self._loader_facts: dict[str, Any] = {}  # the train loaders' worker counts and batch sizes, as saved
 
     @property
     def state_key(self) -> str:
@@ -161,7 +162,8 @@ class SpotguardCallback(StopOutcome, Callback):
     # -- checkpoint state: the RNG streams Lightning leaves out ------------------------------
     def state_dict(self) -> dict[str, Any]:
         # Saved mid-validation, the resumed run repeats the validation: give it the streams it started with.
-        return {"rng": self._rng_before_validation or state.capture_rng()}
+        loaders = data.loader_facts(loops.train_loaders(self._trainer))  # what a resume compares
+        return {"rng": self._rng_before_validation or state.capture_rng(), "loaders": loaders}
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Saved during a validation, or at a step whose validation comes next: make the resumed run
@@ -196,7 +198,7 @@ class SpotguardCallback(StopOutcome, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Set now, and again once the resumed loader's first iterator exists (on_train_start): the
         # uninterrupted run created no iterator at this point, so creating one must leave no trace.
-        rng = state_dict["rng"]
+        rng, self._loader_facts = state_dict["rng"], state_dict.get("loaders", {})
         own = self._resume_folder / rng_file(self._rank()) if self._resume_folder is not None else None
         if own is not None and own.is_file():  # saved in a process group: this rank's own streams
             rng = torch.load(own, weights_only=True)
@@ -212,6 +214,7 @@ class SpotguardCallback(StopOutcome, Callback):
             self._planned.fetch()  # the planned resume's copy, before Lightning reads it
             self._trainer = trainer
             self._capture_before_validations(trainer)
+            loops.check_loader_states(trainer, self._check_loaders)  # as Guard: worker count, batch size
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -220,6 +223,10 @@ class SpotguardCallback(StopOutcome, Callback):
         self._saved = (checkpoint.get("global_step"), untracked.lightning_saved(checkpoint))
         if trainer.strategy.restore_checkpoint_after_setup:  # the optimizers exist already
             self.on_fit_start(trainer, pl_module)
+
+    def _check_loaders(self, loaders: dict[str, Any], states: dict[str, Any]) -> None:
+        where = f"checkpoint of step {self._trainer.global_step if self._trainer is not None else '?'}"
+        self.checkpoints.check_loaders(loaders, states, self._loader_facts, where)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._saved is not None:  # before Lightning restores the optimizers (it drops extra ones silently)
@@ -285,6 +292,8 @@ class SpotguardCallback(StopOutcome, Callback):
         def run_from_its_start(*args: Any, **kwargs: Any) -> Any:
             if trainer.sanity_checking:
                 return run(*args, **kwargs)
+            if self.stopped_at is not None:  # Lightning validates at a stop as at an early stop; the uninterrupted
+                return []  # run did not (a validation due here is the resumed run's first: the checkpoint says so)
             self._rng_before_validation = state.capture_rng()
             with self.notices.marks.during(EVALUATING, self._steps):  # also when a notice cuts it short
                 return run(*args, **kwargs)

@@ -171,3 +171,26 @@ def test_a_loop_guard_saves_on_multiples_of_every_steps_after_a_resume_between_t
         for step in range(guard.resume() + 1, 24):
             guard.step(step)
     assert guard.saved == [10, 20]
+
+
+def test_the_resume_checks_a_loaders_batch_size_marks_a_refusal_and_takes_the_rebatch_option(tmp_path, caplog):
+    """``FolderCheckpoints.check_loaders``: the Guard's check (``data.check_loaders``) with the integration's option;
+    a refusal marks the heartbeat, so that ``spotguard run`` exits 78 instead of restarting into it."""
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    from spotguard import heartbeat
+    from spotguard.checkpoint import data
+    from spotguard.errors import CheckpointMismatchError
+
+    saved = torchdata.StatefulDataLoader(list(range(16)), batch_size=2)
+    facts, states = data.loader_facts({"0": saved}), {"0": saved.state_dict()}
+    now = {"0": torchdata.StatefulDataLoader(list(range(16)), batch_size=4)}
+    refusing = FolderCheckpoints(str(tmp_path))
+    with pytest.raises(CheckpointMismatchError, match=r"'0' was saved with batch_size=2 and has batch_size=4 now"):
+        refusing.check_loaders(now, dict(states), facts, "checkpoint of step 3")
+    assert refusing.refused and refusing._beat[1] & heartbeat.CONFIG_ERROR
+    accepting = FolderCheckpoints(str(tmp_path), rebatch="accept")
+    with caplog.at_level(logging.WARNING):
+        accepting.check_loaders(now, dict(states), facts, "checkpoint of step 3")
+    assert "(rebatch='accept')" in caplog.text and not accepting.refused
+    with pytest.raises(ConfigError, match="rebatch must be one of"):
+        FolderCheckpoints(str(tmp_path), rebatch="sometimes")

@@ -54,11 +54,12 @@ def reference(launch: Path, stage: int) -> tuple[list[tuple[int, float]], Path]:
 def launch(tmp_path_factory) -> Path:
     """One torchrun launch (each costs ~20 s here): the uninterrupted ZeRO-2 and ZeRO-3 reference runs
     (``zero<N>/loss-{rank}.jsonl``, ``zero<N>/final.pt``), stages 0 and 1 saved and resumed, a first
-    save refused for state that would not load, and a resume refused for saved state nothing restores."""
+    save refused for state that would not load, and resumes refused for saved state nothing restores and for a
+    loader of another batch size."""
     out = tmp_path_factory.mktemp("deepspeed-references")
     worker = WORKERS / "deepspeed_stages.py"
     jobs = ("--resume", "0", "1", "--reference", "2", "3", "--steps", str(STEPS), "--every-steps", str(EVERY))
-    cmd = torchrun(2, worker, str(out), *jobs, "--refuse", "--untracked")
+    cmd = torchrun(2, worker, str(out), *jobs, "--refuse", "--untracked", "--rebatch")
     done = run(cmd, env=subprocess_env(), timeout=600)  # the first DeepSpeed job on a machine compiles its op
     assert done.returncode == 0, done.stderr[-4000:]
     return out
@@ -119,3 +120,13 @@ def test_a_resume_that_would_drop_the_saved_scheduler_and_loader_is_refused_on_e
         assert text.startswith("CheckpointMismatchError: the checkpoint of step 12 cannot be loaded: rank 0: "), text
         assert "holds the state of engine.lr_scheduler, loader, which nothing tracks now" in text, text
         assert results[rank]["accepted"] == 12  # untracked="accept": resumed without them
+
+
+def test_a_resume_with_another_batch_size_is_refused_on_every_rank_unless_accepted(launch):
+    # As for Guard (data.check_loaders): the checkpoint records the tracked loader's batch size.
+    results = {r["rank"]: r for r in worker_results(launch) if "rebatch" in r}
+    for rank in (0, 1):
+        text = results[rank]["rebatch"]
+        assert text.startswith("CheckpointMismatchError: the checkpoint of step 12 cannot be loaded: rank 0: "), text
+        assert "'loader' was saved with batch_size=8 and has batch_size=4 now" in text, text
+        assert results[rank]["rebatch_accepted"] == 12

@@ -18,7 +18,7 @@ import pytest
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
 
-from ..helpers import last_step, stop_when
+from ..helpers import last_step, read_jsonl, stop_when
 from . import groups
 
 pytest.importorskip("lightning")
@@ -28,6 +28,8 @@ SCRIPT = "lightning_train.py"
 STEPS = 24
 # Saves every 10 steps, 16 batches per epoch on each rank: notices meet saves and an epoch end.
 ARGS = ("--steps", str(STEPS), "--every-steps", "10", "--interval", "0.2", "--providers", "signal,file")
+# Validations (4 batches per rank) every 10 steps.
+VALIDATING = (*ARGS, "--eval-steps", "10")
 _rng = random.Random()
 
 
@@ -62,3 +64,21 @@ def test_lightning_ddp_resumes_a_checkpoint_of_an_epochs_last_batch_exactly(tmp_
     complete = [i.step for i in scan(open_storage(str(tmp_path / "ckpt"))) if i.status == "complete"]
     assert max(complete) == 16, complete
     groups.finish(job, reference)
+
+
+@pytest.fixture(scope="module")
+def reference_validating(tmp_path_factory):
+    return groups.reference(SCRIPT, tmp_path_factory.mktemp("lightning-ddp-reference-validating"), VALIDATING)
+
+
+def test_lightning_ddp_stop_starts_no_validation_the_uninterrupted_run_did_not_run(tmp_path, reference_validating):
+    # Lightning validates when a callback sets should_stop (as for early stopping): after a stop between two
+    # validations, one validation batch ran on the deadline's clock before the notice cut it.
+    trace = tmp_path / "trace.jsonl"
+    job = groups.Job(SCRIPT, tmp_path, (*VALIDATING, "--trace", str(trace)))
+    at = _rng.randint(11, 15)
+    stopped, _ = groups.assert_all_stopped(job, job.stop_rank_at(1, at), at)
+    validated = sorted({e["step"] for e in read_jsonl(trace) if e["event"] == "eval_batch"})
+    # The validations before the stop step, none at it (one due there is the resumed run's first work).
+    assert validated == list(range(10, stopped, 10)), (validated, stopped)
+    groups.finish(job, reference_validating)

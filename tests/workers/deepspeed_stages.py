@@ -7,9 +7,10 @@ stage: an uninterrupted run of the example's job with the test's arguments (``--
 ``--every-steps``), leaving ``zero<N>/loss-{rank}.jsonl`` and ``zero<N>/final.pt`` in OUT_DIR. With
 ``--refuse``: rank 1 tracks state that does not load with ``weights_only=True``; each rank emits {refused}.
 With ``--untracked``: a fresh engine that lacks what ``--resume 0``'s checkpoint saved resumes it; each rank
-emits {untracked, accepted}.
+emits {untracked, accepted}. With ``--rebatch``: a loader of batch size 4 resumes it (saved with 8); each rank
+emits {rebatch: the refusal, rebatch_accepted: the step resumed with ``rebatch="accept"``}.
 
-Run: torchrun --nproc-per-node 2 ... deepspeed_stages.py OUT_DIR [--resume 0 1] [--reference 2 3 --steps 40] [--refuse] [--untracked]
+Run: torchrun --nproc-per-node 2 ... deepspeed_stages.py OUT_DIR [--resume 0 1] [--reference 2 3 --steps 40] [--refuse] [--untracked] [--rebatch]
 """
 
 from __future__ import annotations
@@ -109,6 +110,20 @@ def refuse_untracked(out: Path) -> None:
     emit(out, untracked=outcome, accepted=accepted)
 
 
+def refuse_rebatch(out: Path) -> None:
+    """A fresh engine whose tracked loader has batch size 4 resumes resume-zero0's checkpoint (saved with 8):
+    refused on both ranks, naming both sizes; with ``rebatch="accept"`` it resumes."""
+    engine, loader, _ = make_job(parse_args(["--zero-stage", "0", "--batch-size", "4", "--quiet"]))
+    storage = str(out / "resume-zero0")
+    try:
+        DeepSpeedGuard(engine, storage, providers="signal", lease_ttl=None).track(loader=loader).resume()
+        outcome = "resumed"
+    except CheckpointMismatchError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    accepted = DeepSpeedGuard(engine, storage, providers="signal", lease_ttl=None, rebatch="accept")
+    emit(out, rebatch=outcome, rebatch_accepted=accepted.track(loader=loader).resume())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -118,6 +133,7 @@ def main() -> int:
     p.add_argument("--every-steps", type=int, default=15)
     p.add_argument("--refuse", action="store_true", help="check that unloadable tracked state fails the save")
     p.add_argument("--untracked", action="store_true", help="check that saved state nothing restores is refused")
+    p.add_argument("--rebatch", action="store_true", help="check that a loader of another batch size is refused")
     opts = p.parse_args()
     setup(parse_args(["--quiet"]))
     rank = torch.distributed.get_rank()
@@ -140,6 +156,8 @@ def main() -> int:
         refuse_unloadable(opts.out)
     if opts.untracked:  # after --resume 0, whose checkpoint it resumes
         refuse_untracked(opts.out)
+    if opts.rebatch:  # after --resume 0, whose checkpoint it resumes
+        refuse_rebatch(opts.out)
     torch.distributed.destroy_process_group()
     return 0
 
