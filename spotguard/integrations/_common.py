@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypedDict
 
-from spotguard import heartbeat
+from spotguard import _env, heartbeat
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.guard import ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 class WatchOptions(TypedDict, total=False):
     """What every trainer integration takes by keyword, as for ``spotguard.Guard``: ``keep`` (3)
     checkpoints are kept; ``providers`` ("auto") / ``interval`` (1 s): what to watch and how often;
-    ``stop_on_advisory`` (False): stop on an advisory notice instead of only checkpointing early;
+    ``stop_on_advisory`` ($SPOTGUARD_STOP_ON_ADVISORY, else False): stop on an advisory notice instead of
+    only checkpointing early;
     ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
     ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
     ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
@@ -63,7 +64,7 @@ class WatchOptions(TypedDict, total=False):
     untracked: str
     providers: str | Iterable[str | NoticeProvider] | None
     interval: float
-    stop_on_advisory: bool
+    stop_on_advisory: bool | None
     work_dir: str | None
     deadline_policy: DeadlinePolicy | str | None
     window_margin: float
@@ -92,7 +93,7 @@ def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[F
     notices = NoticeWatch(
         ranks.providers_for_rank(options.get("providers", "auto")),
         options.get("interval", 1.0),
-        options.get("stop_on_advisory", False),
+        options.get("stop_on_advisory"),
         group=group,
         windowing=windowing,
         release=checkpoints.release,
@@ -115,11 +116,13 @@ class NoticeWatch:
         self,
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
-        stop_on_advisory: bool = False,
+        stop_on_advisory: bool | None = None,
         group: RankGroup | None = None,
         windowing: WindowPolicy | None = None,
         release: Callable[[], None] | None = None,
     ) -> None:
+        if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
+            stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
         self.watcher = Watcher(
             providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory, sigint=True
