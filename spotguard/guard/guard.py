@@ -14,7 +14,6 @@ writes the emergency checkpoint before the deadline.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,8 +61,7 @@ class Guard:
         #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
         self.windowing = WindowPolicy(o.deadline_policy, o.window_margin)
         self.storage: Storage = open_storage(_env.storage_or_env(storage))
-        local_dir = o.local_dir or os.environ.get(_env.LOCAL_DIR)  # set by `spotguard run --local-dir`
-        self.local: Storage | None = open_storage(local_dir) if local_dir else None
+        self.local: Storage | None = open_storage(o.local_dir) if o.local_dir else None  # or $SPOTGUARD_LOCAL_DIR
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded, same=self.windowing.settings())
         providers = ranks.providers_for_rank(o.providers, o.poll_on)

@@ -17,18 +17,16 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from spotguard import _env, heartbeat
-from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
+from spotguard import heartbeat
 from spotguard.guard import ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
-from spotguard.guard.options import Unloadable
-from spotguard.guard.window import DeadlinePolicy, WindowPolicy
+from spotguard.guard.options import CommonOptions, Unloadable
+from spotguard.guard.window import WindowPolicy
 from spotguard.heartbeat import EXIT_PREEMPTED
-from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
-from ..errors import ConfigError
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
@@ -36,64 +34,43 @@ from ._folders import FolderCheckpoints
 from ._group import RankGroup
 from ._marks import Marks
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack  # noqa: F401  (in typing from 3.11)
-
 logger = logging.getLogger(__name__)
 
 
-class WatchOptions(TypedDict, total=False):
-    """What every trainer integration takes by keyword, as for ``spotguard.Guard``: ``keep`` (3)
-    checkpoints are kept; ``providers`` ("auto") / ``interval`` (1 s): what to watch and how often;
-    ``stop_on_advisory`` ($SPOTGUARD_STOP_ON_ADVISORY, else False): stop on an advisory notice instead of
-    only checkpointing early;
-    ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
-    ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
-    ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
-    ``untracked`` ("refuse"): a checkpoint holding state that nothing restores now (an optimizer the
-    trainer no longer has) is refused, naming it ("accept": resumed without it, with a warning);
-    ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``;
-    ``deadline_policy`` ($SPOTGUARD_DEADLINE_POLICY, else "stop") / ``window_margin`` (5 s): after the
-    emergency checkpoint of a notice with a deadline, stop, or train on and checkpoint again before the
-    deadline ("use-window"), as for ``Guard`` (``spotguard.guard.window``)."""
+@dataclass
+class WatchOptions(CommonOptions):
+    """What every trainer integration takes by keyword: ``CommonOptions`` (``keep``, ``providers``,
+    ``interval``, ``stop_on_advisory``, ``on_unloadable``, ``untracked``, ``deadline_policy``,
+    ``window_margin``, ``lease_ttl``, ``takeover``), as for ``spotguard.Guard``, and ``work_dir`` (the
+    system's temp directory): where verified copies are fetched for a resume."""
 
-    keep: int
-    lease_ttl: float | None
-    takeover: bool
-    on_unloadable: str
-    untracked: str
-    providers: str | Iterable[str | NoticeProvider] | None
-    interval: float
-    stop_on_advisory: bool | None
-    work_dir: str | None
-    deadline_policy: DeadlinePolicy | str | None
-    window_margin: float
+    owner: ClassVar[str] = "a trainer integration"
+
+    work_dir: str | None = None
 
 
-def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[FolderCheckpoints, NoticeWatch]:
-    """The checkpoint folder and the notice watch of an integration, from its ``WatchOptions``."""
-    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
-    if unknown:
-        raise ConfigError(
-            f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
-        )
-    windowing = WindowPolicy(options.get("deadline_policy"), options.get("window_margin", DEFAULT_WINDOW_MARGIN_S))
+def watch_parts(
+    storage: str | Storage | None, options: dict[str, Any], owner: str | None = None
+) -> tuple[FolderCheckpoints, NoticeWatch]:
+    """The checkpoint folder and the notice watch of an integration (``owner``), from its keyword
+    ``options`` (``WatchOptions``: an unknown or invalid one is a ``ConfigError``)."""
+    o = WatchOptions.from_kwargs(options, owner)
+    windowing = WindowPolicy(o.deadline_policy, o.window_margin)
     group = RankGroup(windowing)
-    fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
     checkpoints = FolderCheckpoints(
         storage,
-        options.get("keep", 3),
-        options.get("work_dir"),
+        o.keep,
+        o.work_dir,
         group,
-        fresh_ok,
-        lease_ttl=options.get("lease_ttl", DEFAULT_TTL_S),
-        takeover=options.get("takeover"),
-        untracked=options.get("untracked", "refuse"),
+        Unloadable(o.on_unloadable) is Unloadable.FRESH,
+        lease_ttl=o.lease_ttl,
+        takeover=o.takeover,
+        untracked=o.untracked,
     )
     notices = NoticeWatch(
-        ranks.providers_for_rank(options.get("providers", "auto")),
-        options.get("interval", 1.0),
-        options.get("stop_on_advisory"),
+        ranks.providers_for_rank(o.providers),
+        o.interval,
+        bool(o.stop_on_advisory),
         group=group,
         windowing=windowing,
         release=checkpoints.release,
@@ -116,13 +93,11 @@ class NoticeWatch:
         self,
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
-        stop_on_advisory: bool | None = None,
+        stop_on_advisory: bool = False,  # watch_parts: the option, else $SPOTGUARD_STOP_ON_ADVISORY (WatchOptions)
         group: RankGroup | None = None,
         windowing: WindowPolicy | None = None,
         release: Callable[[], None] | None = None,
     ) -> None:
-        if stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
-            stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
         self.watcher = Watcher(
             providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory, sigint=True

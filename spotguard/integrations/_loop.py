@@ -22,7 +22,7 @@ from ..guard.agreement import ADVISORY, STOP
 from ..guard.schedule import next_multiple
 from ..notices.base import Notice
 from ..storage import Storage
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class LoopGuard(StopOutcome):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``every_steps``:
     periodic checkpoints (None: only on notices and at the end). ``save_on_exit``: a clean exit from
-    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions``, as for ``spotguard.Guard``.
+    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions`` by name, as for ``spotguard.Guard``.
     """
 
     def __init__(
@@ -42,11 +42,11 @@ class LoopGuard(StopOutcome):
         storage: str | Storage | None,
         every_steps: int | None,
         save_on_exit: bool,
-        options: WatchOptions,
+        options: dict[str, Any],
     ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
-        self.checkpoints, self.notices = watch_parts(storage, options)
+        self.checkpoints, self.notices = watch_parts(storage, options, type(self).__name__)
         self.every_steps = every_steps
         self.save_on_exit = save_on_exit
         #: The step this run stopped at for a notice, or None (also while training on in the notice window).

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotguard import checkpoint
 from spotguard.checkpoint import state as state_module
@@ -49,11 +49,8 @@ from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 from .deepspeed import config_doubt
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback
@@ -83,8 +80,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
     notice window (``"use-window"``), as for ``spotguard.Guard``.
     """
 
-    def __init__(self, storage: str | Storage | None = None, **options: Unpack[WatchOptions]) -> None:
-        self.checkpoints, self.notices = watch_parts(storage, options)
+    def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (HF)")
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self._trainer: Any = None

@@ -34,7 +34,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -49,11 +49,8 @@ from ..storage import Storage
 from . import _lightning_loops as loops
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 from ._planned_resume import PlannedResume
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -88,10 +85,8 @@ class SpotguardCallback(StopOutcome, Callback):
     as for ``spotguard.Guard``.
     """
 
-    def __init__(
-        self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Unpack[WatchOptions]
-    ) -> None:
-        self.checkpoints, self.notices = watch_parts(storage, options)
+    def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Any) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")
         self.every_steps = every_steps
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
