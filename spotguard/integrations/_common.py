@@ -24,6 +24,7 @@ from spotguard import heartbeat
 from spotguard.guard import ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
 from spotguard.guard.options import CommonOptions, Unloadable
+from spotguard.guard.stopping import StopProtocol
 from spotguard.guard.window import WindowPolicy
 from spotguard.heartbeat import EXIT_PREEMPTED
 
@@ -108,17 +109,14 @@ class NoticeWatch:
         self.group = group or RankGroup(self.windowing)
         #: True once the ranks agreed to stop (this rank's notice, or another rank's).
         self.stopping = False
-        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
-        self.emergency_error: BaseException | None = None
-        #: ``"use-window"``: why the second checkpoint was not committed (the first stays the resume point).
-        self.window_error: BaseException | None = None
         self._stop_on_advisory = stop_on_advisory
-        self._release = release  # the writer lease, given back after the stop's last checkpoint
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
         #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags, marks].
         self._beat = heartbeat.attach()
+        #: The stop protocol (``guard.stopping``): flags, outcome, lease and cloud, in the Guard's order.
+        self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
         self.marks = Marks(self._beat)
 
@@ -178,37 +176,16 @@ class NoticeWatch:
         checkpoint: the writer lease is given back and, last, the cloud told (Azure approves the
         eviction and may take the machine at once: a lease still held would keep the replacement
         waiting for its TTL)."""
-        if error is None:
-            self._beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
-        spent = self.windowing.end()
-        if spent is not None:  # the second stop: whatever happens, the first checkpoint stands
-            self.window_error = error
-            if error is not None:
-                logger.error(
-                    "the second checkpoint of the notice window (step %d) is NOT committed: the resume point "
-                    "stays the first, step %d",
-                    step,
-                    spent.first_step,
-                )
-        else:
-            self.emergency_error = error
-            if may_train_on and self.windowing.open(
-                step, self.deadline(), save_s if error is None else None, self.group.get()
-            ):
-                return True  # the cloud is told after the second checkpoint: Azure evicts once approved
-        if self._release is not None:
-            self._release()  # nothing more is written: the replacement machine takes the lease at once
-        if error is None and self.watcher.notice is not None:
-            # e.g. Azure: approve the eviction, the state is safe. Last: the machine may go at once then.
-            self.watcher.acknowledge(self.watcher.notice)
-        return False
+        return self.protocol.saved(
+            step, error, save_s, self.deadline, self.group.get(), self.watcher.notice, may_train_on
+        )
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
-        self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # also where only another rank saw the notice
+        self.protocol.flag_stopped()  # also where only another rank saw the notice
         if agreed is None:
             return
-        left, self._peer = agreed.agree_stop(step, self.watcher.notice)
+        left, self._peer = self.protocol.stopped(step, agreed, self.watcher.notice)
         self._deadline = None if left is None else time.monotonic() + left
         if self._peer is not None:
             logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreed.rank, step)
@@ -273,9 +250,9 @@ class StopOutcome:
     @property
     def emergency_error(self) -> BaseException | None:
         """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
-        return self.notices.emergency_error
+        return self.notices.protocol.emergency_error
 
     @property
     def window_error(self) -> BaseException | None:
         """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
-        return self.notices.window_error
+        return self.notices.protocol.window_error
