@@ -180,6 +180,39 @@ class NoticeWatch:
             step, error, save_s, self.deadline, self.group.get(), self.watcher.notice, may_train_on
         )
 
+    def emergency(
+        self,
+        step: int,
+        committed: bool,
+        write: Callable[[float | None], object],
+        last_save_s: float | None,
+        resume_step: int | None,
+        *,
+        where: str = "after step",
+        may_train_on: bool = True,
+    ) -> bool:
+        """The stop's checkpoint of ``step``, the same in every integration; True: train on in the notice
+        window (``stop_saved``). ``committed``: ``step`` is committed already (the resume point is safe;
+        ``last_save_s`` is what its save took), else ``write(deadline)`` writes and commits it now, raising
+        on failure (``resume_step`` stays the resume point then). ``where``: how the log says it stopped."""
+        if committed:
+            logger.warning("stop at step %d: already checkpointed", step)
+            return self.stop_saved(step, save_s=last_save_s, may_train_on=may_train_on)
+        logger.warning("stopping %s %d for a notice: writing the emergency checkpoint", where, step)
+        t0 = time.monotonic()
+        try:
+            write(self.deadline())
+        except Exception as e:
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
+                step,
+                type(e).__name__,
+                e,
+                resume_step,
+            )
+            return self.stop_saved(step, e, may_train_on=may_train_on)
+        return self.stop_saved(step, save_s=time.monotonic() - t0, may_train_on=may_train_on)
+
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
         self.protocol.flag_stopped()  # also where only another rank saw the notice

@@ -127,23 +127,14 @@ class LoopGuard(StopOutcome):
         return self._saved_step == step
 
     def _emergency(self, step: int) -> bool:
-        """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.stop_saved``)."""
-        if self._holds(step):
-            logger.warning("stop at step %d: already checkpointed", step)
-            return self.notices.stop_saved(step, save_s=self._save_s)
-        logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
-        try:
-            self._timed_save(step, "emergency", deadline=self.notices.deadline())
-        except Exception as e:
-            logger.error(
-                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
-                step,
-                type(e).__name__,
-                e,
-                self._saved_step,
-            )
-            return self.notices.stop_saved(step, e)
-        return self.notices.stop_saved(step, save_s=self._save_s)
+        """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.emergency``)."""
+        return self.notices.emergency(
+            step,
+            self._holds(step),
+            lambda deadline: self._timed_save(step, "emergency", deadline=deadline),
+            self._save_s,
+            self._saved_step,
+        )
 
     def _schedule(self, step: int) -> None:
         self._due_step = next_multiple(step, self.every_steps)  # on multiples of N, as HF's save_steps
