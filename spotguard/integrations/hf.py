@@ -289,13 +289,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         ``began``: when the Trainer was asked to write it. True: an emergency one opened the notice window."""
         emergency = reason == "emergency"
         try:
-            with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
-                if self.checkpoints.group.get() is None and not folder.is_dir():
-                    raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
-                t0 = time.monotonic() if began is None else began
-                self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
-            self._committed_step = step
-            self._save_s = time.monotonic() - t0
+            self._commit_folder(step, folder, reason, began, self.notices.deadline() if emergency else None)
         except Exception as e:  # a failed periodic commit must not end the training
             logger.error(
                 "%s checkpoint of step %d NOT committed (%s: %s)%s",
@@ -311,17 +305,31 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         self.stopped_at = None  # the notice window: train on, checkpoint again before the deadline
         return True
 
+    def _commit_folder(self, step: int, folder: Path, reason: str, began: float | None, deadline: float | None) -> None:
+        """Commit the Trainer's folder of ``step`` before ``deadline``, or raise."""
+        with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
+            if self.checkpoints.group.get() is None and not folder.is_dir():
+                raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+            t0 = time.monotonic() if began is None else began
+            self.checkpoints.commit(step, folder, reason, deadline)
+        self._committed_step = step
+        self._save_s = time.monotonic() - t0
+
     def _save_interrupted(self, trainer: Any) -> None:
         """After a notice cut training short outside a step: checkpoint unless the state is already saved."""
-        step = trainer.state.global_step
-        self.stopped_at = step
-        if step == self._resumed_step or step == self._committed_step:
-            logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
-            self.notices.stop_saved(step, may_train_on=False)
-            return
-        logger.warning(
-            "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step
+        step = self.stopped_at = trainer.state.global_step
+        self.notices.emergency(
+            step,
+            step in (self._resumed_step, self._committed_step),
+            lambda deadline: self._save_cut(trainer, step, deadline),
+            None,  # the Trainer has left its loop: no notice window
+            self._committed_step,
+            where="during an evaluation after step",
+            may_train_on=False,
         )
+
+    def _save_cut(self, trainer: Any, step: int, deadline: float | None) -> None:
+        """The Trainer's own checkpoint of ``step``, left inside an evaluation, committed; or raise."""
         folder = Path(trainer.args.output_dir) / f"checkpoint-{step}"
         if self._rng_before_eval is not None:  # the streams the cut evaluation started with: it is run again
             state_module.restore_rng(self._rng_before_eval)
@@ -331,4 +339,4 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         if self._rng_before_eval is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / EVAL_CUT).write_text(json.dumps({"step": step}))
-        self._commit(step, folder, "emergency", began, may_train_on=False)  # the Trainer has left its loop
+        self._commit_folder(step, folder, "emergency", began, deadline)
