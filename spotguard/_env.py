@@ -45,6 +45,11 @@ def storage_or_env(given: str | Storage | None) -> str | Storage:
     return url
 
 
+def text(name: str) -> str | None:
+    """The variable's value, stripped; unset or empty: None."""
+    return os.environ.get(name, "").strip() or None
+
+
 def flag(name: str, default: bool) -> bool:
     """``1/true/yes/on`` or ``0/false/no/off`` (any case); unset or empty: ``default``."""
     value = os.environ.get(name, "").strip().lower()

@@ -14,9 +14,8 @@ writes the emergency checkpoint before the deadline.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import Emergency
+from spotguard.guard.stopping import StopProtocol
 from spotguard.guard.window import Window, WindowPolicy
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
@@ -62,8 +62,7 @@ class Guard:
         #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
         self.windowing = WindowPolicy(o.deadline_policy, o.window_margin)
         self.storage: Storage = open_storage(_env.storage_or_env(storage))
-        local_dir = o.local_dir or os.environ.get(_env.LOCAL_DIR)  # set by `spotguard run --local-dir`
-        self.local: Storage | None = open_storage(local_dir) if local_dir else None
+        self.local: Storage | None = open_storage(o.local_dir) if o.local_dir else None  # or $SPOTGUARD_LOCAL_DIR
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded, same=self.windowing.settings())
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
@@ -82,11 +81,6 @@ class Guard:
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
         self.stopped_at: int | None = None
-        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
-        self.emergency_error: BaseException | None = None
-        #: ``"use-window"``: why the second checkpoint, at the window's end, was not committed; the first
-        #: stays the resume point (``emergency_error`` None), and the job still exits 75.
-        self.window_error: BaseException | None = None
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
@@ -123,6 +117,8 @@ class Guard:
         self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
+        #: The stop protocol (``guard.stopping``), shared with every trainer integration.
+        self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from spotguard import metrics
@@ -144,6 +140,17 @@ class Guard:
     def notice(self) -> Notice | None:
         """The notice that caused the stop, or None."""
         return self.watcher.notice
+
+    @property
+    def emergency_error(self) -> BaseException | None:
+        """Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet)."""
+        return self.protocol.emergency_error
+
+    @property
+    def window_error(self) -> BaseException | None:
+        """``"use-window"``: why the second checkpoint, at the window's end, was not committed; the first
+        stays the resume point (``emergency_error`` None), and the job still exits 75."""
+        return self.protocol.window_error
 
     @property
     def last_saved(self) -> Manifest | None:
@@ -332,7 +339,7 @@ class Guard:
             return False
         self.windowing.end()
         self.stopped_at = step
-        self._emergency(step, window.left(), self.watcher.acknowledge, first_step=window.first_step)
+        self._emergency(step, window.left(), [], first_step=window.first_step)
         return True
 
     def _first_stop(self, step: int) -> bool:
@@ -341,36 +348,32 @@ class Guard:
         self.stopped_at = step
         if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
             self.in_step.at_stop(step)
-        left = None
-        if self.agreement is not None:
-            left, peer = self.agreement.agree_stop(step, self.notice)
-            if peer is not None:  # another rank saw it: make this rank's guard say so too
-                self.watcher.report(peer)
-        elif self.notice is not None:
-            left = self.notice.seconds_left()
-        self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # tells the supervisor: do not restart
+        left, peer = self.protocol.stopped(step, self.agreement, self.notice)
+        if peer is not None:  # another rank saw it: make this rank's guard say so too
+            self.watcher.report(peer)
+        self.protocol.flag_stopped()  # tells the supervisor: do not restart
         if not self.windowing.wanted:
-            self._emergency(step, left, self.watcher.acknowledge)
+            self._emergency(step, left, [])
             return True
         deadline = None if left is None else time.monotonic() + left
         held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
-        stop = self._emergency(step, left, held.append, emit=False)
+        stop = self._emergency(step, left, held, emit=False)
         committed = stop.error is None and self.saves.durable_step == step
         measured = stop.save_s if stop.save_s is not None else stop.estimate()
         if self.windowing.open(step, deadline, measured if committed else None, self.agreement) is None:
             stop.emit("stop")
-            self.lease.release()  # nothing more is written: the replacement machine may take the lease at once
-            for notice in held:
-                self.watcher.acknowledge(notice)
+            self.protocol.finish(held)  # the lease back, then the cloud told
             return True
         self.stopped_at = None
         stop.emit("window", **self.windowing.describe())
         return False
 
     def _emergency(
-        self, step: int, left: float | None, acknowledge: Callable[[Notice], None], emit: bool = True, **more: Any
+        self, step: int, left: float | None, held: list[Notice], emit: bool = True, **more: Any
     ) -> Emergency:
-        held: list[Notice] = []  # acknowledged once the lease is given back: Azure evicts once approved
+        """The stop's checkpoint of ``step``; its notices go to ``held``, acknowledged (after the lease is
+        given back: Azure evicts once approved) here when ``emit`` (the stop's last checkpoint), else by
+        the caller."""
         stop = Emergency(
             self.saves,
             step,
@@ -381,18 +384,11 @@ class Guard:
         try:
             stop.run(left)
         finally:
-            if "first_step" in more:  # the window's end: the first checkpoint stands, whatever happens here
-                self.window_error = stop.error
-            else:
-                self.emergency_error = stop.error
-            if stop.committed:  # the supervisor exits 75 ("checkpoint written") only on this
-                self._beat[1] |= heartbeat.COMMITTED
+            # the window's end ("first_step"): the first checkpoint stands, whatever happens here
+            self.protocol.record(stop.error, stop.committed, second="first_step" in more)
             if emit:  # the last checkpoint of this stop
                 stop.emit("stop", **more)
-                # Nothing more is written after a stop: the replacement machine may take the lease at once.
-                self.lease.release()
-            for notice in held:
-                acknowledge(notice)
+                self.protocol.finish(held)
         return stop
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:

@@ -17,18 +17,17 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from spotguard import heartbeat
-from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.guard import ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
-from spotguard.guard.options import Unloadable
-from spotguard.guard.window import DeadlinePolicy, WindowPolicy
+from spotguard.guard.options import CommonOptions, Unloadable
+from spotguard.guard.stopping import StopProtocol
+from spotguard.guard.window import WindowPolicy
 from spotguard.heartbeat import EXIT_PREEMPTED
-from spotguard.planner import DEFAULT_WINDOW_MARGIN_S
 
-from ..errors import ConfigError
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
@@ -36,67 +35,44 @@ from ._folders import FolderCheckpoints
 from ._group import RankGroup
 from ._marks import Marks
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack  # noqa: F401  (in typing from 3.11)
-
 logger = logging.getLogger(__name__)
 
 
-class WatchOptions(TypedDict, total=False):
-    """What every trainer integration takes by keyword, as for ``spotguard.Guard``: ``keep`` (3)
-    checkpoints are kept; ``providers`` ("auto") / ``interval`` (1 s): what to watch and how often;
-    ``stop_on_advisory`` (False): stop on an advisory notice instead of only checkpointing early;
-    ``work_dir`` (the system's temp directory): where verified copies are fetched for a resume;
-    ``on_unloadable`` ("raise"): when checkpoints exist but none loads, the resume raises
-    ``NoLoadableCheckpointError`` ("fresh": starts from the beginning with a warning);
-    ``untracked`` ("refuse"): a checkpoint holding state that nothing restores now (an optimizer the
-    trainer no longer has) is refused, naming it ("accept": resumed without it, with a warning);
-    ``rebatch`` ("refuse"): a data loader saved with another batch size is refused, naming both ("accept":
-    it continues at the same sample in batches of the new size, with a warning), as for ``Guard``;
-    ``lease_ttl`` (60) / ``takeover`` ($SPOTGUARD_TAKEOVER): the run's writer lease, as for ``Guard``;
-    ``deadline_policy`` ($SPOTGUARD_DEADLINE_POLICY, else "stop") / ``window_margin`` (5 s): after the
-    emergency checkpoint of a notice with a deadline, stop, or train on and checkpoint again before the
-    deadline ("use-window"), as for ``Guard`` (``spotguard.guard.window``)."""
+@dataclass
+class WatchOptions(CommonOptions):
+    """What every trainer integration takes by keyword: ``CommonOptions`` (``keep``, ``providers``,
+    ``interval``, ``stop_on_advisory``, ``on_unloadable``, ``untracked``, ``rebatch``, ``deadline_policy``,
+    ``window_margin``, ``lease_ttl``, ``takeover``), as for ``spotguard.Guard``, and ``work_dir`` (the
+    system's temp directory): where verified copies are fetched for a resume."""
 
-    keep: int
-    lease_ttl: float | None
-    takeover: bool
-    on_unloadable: str
-    untracked: str
-    rebatch: str
-    providers: str | Iterable[str | NoticeProvider] | None
-    interval: float
-    stop_on_advisory: bool
-    work_dir: str | None
-    deadline_policy: DeadlinePolicy | str | None
-    window_margin: float
+    owner: ClassVar[str] = "a trainer integration"
+
+    work_dir: str | None = None
 
 
-def watch_parts(storage: str | Storage | None, options: WatchOptions) -> tuple[FolderCheckpoints, NoticeWatch]:
-    """The checkpoint folder and the notice watch of an integration, from its ``WatchOptions``."""
-    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
-    if unknown:
-        raise ConfigError(
-            f"unknown option(s) {unknown}; known: every_steps (where taken), {', '.join(WatchOptions.__annotations__)}"
-        )
-    windowing = WindowPolicy(options.get("deadline_policy"), options.get("window_margin", DEFAULT_WINDOW_MARGIN_S))
+def watch_parts(
+    storage: str | Storage | None, options: dict[str, Any], owner: str | None = None
+) -> tuple[FolderCheckpoints, NoticeWatch]:
+    """The checkpoint folder and the notice watch of an integration (``owner``), from its keyword
+    ``options`` (``WatchOptions``: an unknown or invalid one is a ``ConfigError``)."""
+    o = WatchOptions.from_kwargs(options, owner)
+    windowing = WindowPolicy(o.deadline_policy, o.window_margin)
     group = RankGroup(windowing)
-    fresh_ok = Unloadable(options.get("on_unloadable", Unloadable.RAISE)) is Unloadable.FRESH
     checkpoints = FolderCheckpoints(
         storage,
-        options.get("keep", 3),
-        options.get("work_dir"),
+        o.keep,
+        o.work_dir,
         group,
-        fresh_ok,
-        lease_ttl=options.get("lease_ttl", DEFAULT_TTL_S),
-        takeover=options.get("takeover"),
-        untracked=options.get("untracked", "refuse"),
-        rebatch=options.get("rebatch", "refuse"),
+        Unloadable(o.on_unloadable) is Unloadable.FRESH,
+        lease_ttl=o.lease_ttl,
+        takeover=o.takeover,
+        untracked=o.untracked,
+        rebatch=o.rebatch,
     )
     notices = NoticeWatch(
-        ranks.providers_for_rank(options.get("providers", "auto")),
-        options.get("interval", 1.0),
-        options.get("stop_on_advisory", False),
+        ranks.providers_for_rank(o.providers),
+        o.interval,
+        bool(o.stop_on_advisory),
         group=group,
         windowing=windowing,
         release=checkpoints.release,
@@ -119,7 +95,7 @@ class NoticeWatch:
         self,
         providers: str | Iterable[str | NoticeProvider] | None = "auto",
         interval: float = 1.0,
-        stop_on_advisory: bool = False,
+        stop_on_advisory: bool = False,  # watch_parts: the option, else $SPOTGUARD_STOP_ON_ADVISORY (WatchOptions)
         group: RankGroup | None = None,
         windowing: WindowPolicy | None = None,
         release: Callable[[], None] | None = None,
@@ -134,17 +110,14 @@ class NoticeWatch:
         self.group = group or RankGroup(self.windowing)
         #: True once the ranks agreed to stop (this rank's notice, or another rank's).
         self.stopping = False
-        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
-        self.emergency_error: BaseException | None = None
-        #: ``"use-window"``: why the second checkpoint was not committed (the first stays the resume point).
-        self.window_error: BaseException | None = None
         self._stop_on_advisory = stop_on_advisory
-        self._release = release  # the writer lease, given back after the stop's last checkpoint
         self._advisory = False
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
         #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags, marks].
         self._beat = heartbeat.attach()
+        #: The stop protocol (``guard.stopping``): flags, outcome, lease and cloud, in the Guard's order.
+        self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
         self.marks = Marks(self._beat)
 
@@ -204,37 +177,49 @@ class NoticeWatch:
         checkpoint: the writer lease is given back and, last, the cloud told (Azure approves the
         eviction and may take the machine at once: a lease still held would keep the replacement
         waiting for its TTL)."""
-        if error is None:
-            self._beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
-        spent = self.windowing.end()
-        if spent is not None:  # the second stop: whatever happens, the first checkpoint stands
-            self.window_error = error
-            if error is not None:
-                logger.error(
-                    "the second checkpoint of the notice window (step %d) is NOT committed: the resume point "
-                    "stays the first, step %d",
-                    step,
-                    spent.first_step,
-                )
-        else:
-            self.emergency_error = error
-            if may_train_on and self.windowing.open(
-                step, self.deadline(), save_s if error is None else None, self.group.get()
-            ):
-                return True  # the cloud is told after the second checkpoint: Azure evicts once approved
-        if self._release is not None:
-            self._release()  # nothing more is written: the replacement machine takes the lease at once
-        if error is None and self.watcher.notice is not None:
-            # e.g. Azure: approve the eviction, the state is safe. Last: the machine may go at once then.
-            self.watcher.acknowledge(self.watcher.notice)
-        return False
+        return self.protocol.saved(
+            step, error, save_s, self.deadline, self.group.get(), self.watcher.notice, may_train_on
+        )
+
+    def emergency(
+        self,
+        step: int,
+        committed: bool,
+        write: Callable[[float | None], object],
+        last_save_s: float | None,
+        resume_step: int | None,
+        *,
+        where: str = "after step",
+        may_train_on: bool = True,
+    ) -> bool:
+        """The stop's checkpoint of ``step``, the same in every integration; True: train on in the notice
+        window (``stop_saved``). ``committed``: ``step`` is committed already (the resume point is safe;
+        ``last_save_s`` is what its save took), else ``write(deadline)`` writes and commits it now, raising
+        on failure (``resume_step`` stays the resume point then). ``where``: how the log says it stopped."""
+        if committed:
+            logger.warning("stop at step %d: already checkpointed", step)
+            return self.stop_saved(step, save_s=last_save_s, may_train_on=may_train_on)
+        logger.warning("stopping %s %d for a notice: writing the emergency checkpoint", where, step)
+        t0 = time.monotonic()
+        try:
+            write(self.deadline())
+        except Exception as e:
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
+                step,
+                type(e).__name__,
+                e,
+                resume_step,
+            )
+            return self.stop_saved(step, e, may_train_on=may_train_on)
+        return self.stop_saved(step, save_s=time.monotonic() - t0, may_train_on=may_train_on)
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
-        self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE  # also where only another rank saw the notice
+        self.protocol.flag_stopped()  # also where only another rank saw the notice
         if agreed is None:
             return
-        left, self._peer = agreed.agree_stop(step, self.watcher.notice)
+        left, self._peer = self.protocol.stopped(step, agreed, self.watcher.notice)
         self._deadline = None if left is None else time.monotonic() + left
         if self._peer is not None:
             logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreed.rank, step)
@@ -299,9 +284,9 @@ class StopOutcome:
     @property
     def emergency_error(self) -> BaseException | None:
         """Why the stop's (first) emergency checkpoint was not committed; None when it was."""
-        return self.notices.emergency_error
+        return self.notices.protocol.emergency_error
 
     @property
     def window_error(self) -> BaseException | None:
         """``"use-window"``: why the second checkpoint was not committed (the first is the resume point)."""
-        return self.notices.window_error
+        return self.notices.protocol.window_error

@@ -22,7 +22,7 @@ from ..guard.agreement import ADVISORY, STOP
 from ..guard.schedule import next_multiple
 from ..notices.base import Notice
 from ..storage import Storage
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class LoopGuard(StopOutcome):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``every_steps``:
     periodic checkpoints (None: only on notices and at the end). ``save_on_exit``: a clean exit from
-    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions``, as for ``spotguard.Guard``.
+    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions`` by name, as for ``spotguard.Guard``.
     """
 
     def __init__(
@@ -42,11 +42,11 @@ class LoopGuard(StopOutcome):
         storage: str | Storage | None,
         every_steps: int | None,
         save_on_exit: bool,
-        options: WatchOptions,
+        options: dict[str, Any],
     ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
-        self.checkpoints, self.notices = watch_parts(storage, options)
+        self.checkpoints, self.notices = watch_parts(storage, options, type(self).__name__)
         self.every_steps = every_steps
         self.save_on_exit = save_on_exit
         #: The step this run stopped at for a notice, or None (also while training on in the notice window).
@@ -127,23 +127,14 @@ class LoopGuard(StopOutcome):
         return self._saved_step == step
 
     def _emergency(self, step: int) -> bool:
-        """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.stop_saved``)."""
-        if self._holds(step):
-            logger.warning("stop at step %d: already checkpointed", step)
-            return self.notices.stop_saved(step, save_s=self._save_s)
-        logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
-        try:
-            self._timed_save(step, "emergency", deadline=self.notices.deadline())
-        except Exception as e:
-            logger.error(
-                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
-                step,
-                type(e).__name__,
-                e,
-                self._saved_step,
-            )
-            return self.notices.stop_saved(step, e)
-        return self.notices.stop_saved(step, save_s=self._save_s)
+        """The stop's checkpoint of ``step``; True: train on in the notice window (``NoticeWatch.emergency``)."""
+        return self.notices.emergency(
+            step,
+            self._holds(step),
+            lambda deadline: self._timed_save(step, "emergency", deadline=deadline),
+            self._save_s,
+            self._saved_step,
+        )
 
     def _schedule(self, step: int) -> None:
         self._due_step = next_multiple(step, self.every_steps)  # on multiples of N, as HF's save_steps

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotguard import heartbeat
 from spotguard.checkpoint import data, state
@@ -46,11 +46,7 @@ from ..storage import Storage
 from . import _accelerate_loaders as loaders
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import WatchOptions
 from ._loop import LoopGuard
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +68,7 @@ class AcceleratorGuard(LoopGuard):
         *,
         every_steps: int | None = None,
         save_on_exit: bool = True,
-        **options: Unpack[WatchOptions],
+        **options: Any,
     ) -> None:
         project = getattr(accelerator, "project_configuration", None)
         if getattr(project, "automatic_checkpoint_naming", False):

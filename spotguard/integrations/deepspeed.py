@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,11 +45,7 @@ from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError
 from ..guard import ranks
 from ..storage import Storage
 from . import _rankfiles
-from ._common import WatchOptions
 from ._loop import LoopGuard
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +128,7 @@ class DeepSpeedGuard(LoopGuard):
         *,
         every_steps: int | None = None,
         save_on_exit: bool = True,
-        **options: Unpack[WatchOptions],
+        **options: Any,
     ) -> None:
         if not callable(getattr(engine, "save_checkpoint", None)) or not callable(
             getattr(engine, "load_checkpoint", None)

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotguard import checkpoint
 from spotguard.checkpoint import data
@@ -50,11 +50,8 @@ from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 from .deepspeed import config_doubt
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback
@@ -87,8 +84,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
     notice window (``"use-window"``), as for ``spotguard.Guard``.
     """
 
-    def __init__(self, storage: str | Storage | None = None, **options: Unpack[WatchOptions]) -> None:
-        self.checkpoints, self.notices = watch_parts(storage, options)
+    def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (HF)")
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self._trainer: Any = None
@@ -300,13 +297,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         ``began``: when the Trainer was asked to write it. True: an emergency one opened the notice window."""
         emergency = reason == "emergency"
         try:
-            with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
-                if self.checkpoints.group.get() is None and not folder.is_dir():
-                    raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
-                t0 = time.monotonic() if began is None else began
-                self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
-            self._committed_step = step
-            self._save_s = time.monotonic() - t0
+            self._commit_folder(step, folder, reason, began, self.notices.deadline() if emergency else None)
         except Exception as e:  # a failed periodic commit must not end the training
             logger.error(
                 "%s checkpoint of step %d NOT committed (%s: %s)%s",
@@ -322,17 +313,31 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         self.stopped_at = None  # the notice window: train on, checkpoint again before the deadline
         return True
 
+    def _commit_folder(self, step: int, folder: Path, reason: str, began: float | None, deadline: float | None) -> None:
+        """Commit the Trainer's folder of ``step`` before ``deadline``, or raise."""
+        with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
+            if self.checkpoints.group.get() is None and not folder.is_dir():
+                raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
+            t0 = time.monotonic() if began is None else began
+            self.checkpoints.commit(step, folder, reason, deadline)
+        self._committed_step = step
+        self._save_s = time.monotonic() - t0
+
     def _save_interrupted(self, trainer: Any) -> None:
         """After a notice cut training short outside a step: checkpoint unless the state is already saved."""
-        step = trainer.state.global_step
-        self.stopped_at = step
-        if step == self._resumed_step or step == self._committed_step:
-            logger.warning("stopped for a notice at step %d: it is already checkpointed", step)
-            self.notices.stop_saved(step, may_train_on=False)
-            return
-        logger.warning(
-            "stopped for a notice during an evaluation after step %d: writing the emergency checkpoint", step
+        step = self.stopped_at = trainer.state.global_step
+        self.notices.emergency(
+            step,
+            step in (self._resumed_step, self._committed_step),
+            lambda deadline: self._save_cut(trainer, step, deadline),
+            None,  # the Trainer has left its loop: no notice window
+            self._committed_step,
+            where="during an evaluation after step",
+            may_train_on=False,
         )
+
+    def _save_cut(self, trainer: Any, step: int, deadline: float | None) -> None:
+        """The Trainer's own checkpoint of ``step``, left inside an evaluation, committed; or raise."""
         folder = Path(trainer.args.output_dir) / f"checkpoint-{step}"
         if self._rng_before_eval is not None:  # the streams the cut evaluation started with: it is run again
             state_module.restore_rng(self._rng_before_eval)
@@ -342,4 +347,4 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         if self._rng_before_eval is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / EVAL_CUT).write_text(json.dumps({"step": step}))
-        self._commit(step, folder, "emergency", began, may_train_on=False)  # the Trainer has left its loop
+        self._commit_folder(step, folder, "emergency", began, deadline)

@@ -34,7 +34,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -49,11 +49,8 @@ from ..storage import Storage
 from . import _lightning_loops as loops
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, WatchOptions, watch_parts
+from ._common import StopOutcome, watch_parts
 from ._planned_resume import PlannedResume
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -88,10 +85,8 @@ class SpotguardCallback(StopOutcome, Callback):
     as for ``spotguard.Guard``.
     """
 
-    def __init__(
-        self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Unpack[WatchOptions]
-    ) -> None:
-        self.checkpoints, self.notices = watch_parts(storage, options)
+    def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Any) -> None:
+        self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")
         self.every_steps = every_steps
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
@@ -316,16 +311,17 @@ class SpotguardCallback(StopOutcome, Callback):
             return
         self.notices.marks.end(EVALUATING)  # a validation cut short has ended (the save is no part of it)
         if self.stopped_at is None:
-            self.stopped_at = trainer.global_step
-            if trainer.global_step in (self._resumed_step, self._committed_step):
-                logger.warning("stopped for a notice at step %d: it is already checkpointed", trainer.global_step)
-                self.notices.stop_saved(trainer.global_step, may_train_on=False)
-                return
+            self.stopped_at = step = trainer.global_step
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"
-            logger.warning(
-                "stopped for a notice %s after step %d: writing the emergency checkpoint", where, trainer.global_step
+            self.notices.emergency(
+                step,
+                step in (self._resumed_step, self._committed_step),
+                lambda deadline: self._write(trainer, "emergency", deadline=deadline),
+                None,  # Lightning has left its loop: no notice window
+                self._committed_step,
+                where=f"{where} after step",
+                may_train_on=False,
             )
-            self._save(trainer, "emergency", may_train_on=False)  # Lightning has left its loop
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
@@ -337,12 +333,13 @@ class SpotguardCallback(StopOutcome, Callback):
         trainer.should_stop = True
         if self.stopped_at is None:
             step = self.stopped_at = trainer.global_step
-            if step != self._committed_step:
-                logger.warning("stopping after step %d for a notice: writing the emergency checkpoint", step)
-                train_on = self._save(trainer, "emergency", batch_end=True)
-            else:  # already committed: the resume point is safe
-                logger.warning("stop at step %d: already checkpointed", step)
-                train_on = self.notices.stop_saved(step, save_s=self._save_s)
+            train_on = self.notices.emergency(
+                step,
+                step == self._committed_step,
+                lambda deadline: self._write(trainer, "emergency", batch_end=True, deadline=deadline),
+                self._save_s,
+                self._committed_step,
+            )
             if train_on:  # the notice window: train on, checkpoint again before the deadline
                 trainer.should_stop = False
                 self.stopped_at = None
@@ -356,29 +353,31 @@ class SpotguardCallback(StopOutcome, Callback):
         if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
             signal.signal(signal.SIGTERM, original)
 
-    def _save(self, trainer: Any, reason: str, batch_end: bool = False, may_train_on: bool = True) -> bool:
-        """Write and commit a checkpoint of this step; True: an emergency one opened the notice window."""
-        step, emergency = trainer.global_step, reason == "emergency"
+    def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
+        """A periodic or advisory checkpoint of this step; one that fails is logged, training goes on."""
+        try:
+            self._write(trainer, reason, batch_end)
+        except Exception as e:  # a failed periodic save must not end the training
+            logger.error(
+                "%s checkpoint of step %d NOT committed (%s: %s)", reason, trainer.global_step, type(e).__name__, e
+            )
+
+    def _write(self, trainer: Any, reason: str, batch_end: bool = False, deadline: float | None = None) -> None:
+        """Write and commit a checkpoint of this step (``deadline``: the emergency one's), or raise."""
+        step = trainer.global_step
         t0 = time.monotonic()
         self._validation_next = batch_end and loops.validation_due(trainer)
-        try:
-            with self.notices.marks.during(SAVING, step), self.checkpoints.storage.scratch() as scratch:
-                folder = scratch / "lightning"
-                try:
-                    with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
-                        trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
-                finally:
-                    self._validation_next = False
-                if self.checkpoints.group.get() is not None:  # Lightning wrote rank 0's streams only
-                    folder.mkdir(parents=True, exist_ok=True)
-                    torch.save(
-                        self._rng_before_validation or state.capture_rng(), folder / rng_file(trainer.global_rank)
-                    )
-                logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
-                self.checkpoints.commit(step, folder, reason, self.notices.deadline() if emergency else None)
-            self._committed_step = step
-            self._save_s = time.monotonic() - t0
-        except Exception as e:  # a failed periodic save must not end the training
-            logger.error("%s checkpoint of step %d NOT committed (%s: %s)", reason, step, type(e).__name__, e)
-            return emergency and self.notices.stop_saved(step, e, may_train_on=may_train_on)
-        return emergency and self.notices.stop_saved(step, save_s=self._save_s, may_train_on=may_train_on)
+        with self.notices.marks.during(SAVING, step), self.checkpoints.storage.scratch() as scratch:
+            folder = scratch / "lightning"
+            try:
+                with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
+                    trainer.save_checkpoint(str(Path(folder) / CKPT_NAME), weights_only=False)  # the full state
+            finally:
+                self._validation_next = False
+            if self.checkpoints.group.get() is not None:  # Lightning wrote rank 0's streams only
+                folder.mkdir(parents=True, exist_ok=True)
+                torch.save(self._rng_before_validation or state.capture_rng(), folder / rng_file(trainer.global_rank))
+            logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
+            self.checkpoints.commit(step, folder, reason, deadline)
+        self._committed_step = step
+        self._save_s = time.monotonic() - t0

@@ -1,0 +1,117 @@
+"""The stop protocol, written once for the ``Guard`` and every trainer integration.
+
+What a stop does, in this order (the saving itself is the caller's: ``stop.Emergency`` for the
+Guard, the trainer's own save for an integration):
+
+1. ``stopped(step, agreement, notice)``: [distributed] every rank stops after the same step, under
+   the earliest deadline of all ranks (``Agreement.agree_stop``, collective); the heartbeat says
+   "stopped for a notice", so ``spotguard run`` does not restart the job.
+2. The emergency checkpoint is written, then ``record(error, committed, second)``: the heartbeat's
+   "committed" flag (``spotguard run`` exits 75 only then; the first commit stands), and why it was
+   not committed, as ``emergency_error`` (or, for the notice window's second checkpoint,
+   ``window_error``: the first stays the resume point).
+3. With ``deadline_policy="use-window"`` the first stop may open a notice window
+   (``WindowPolicy.open``): training goes on, and steps 2-4 come again at the window's end.
+4. ``finish(notices)`` after the stop's last checkpoint: the writer lease is given back (nothing
+   more is written: the replacement machine takes it at once), then, last, the cloud is told
+   (Azure approves the eviction and may take the machine at once).
+
+``saved`` is steps 2-4 for an integration, whose trainer has written the checkpoint of ``step``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from spotguard import heartbeat
+from spotguard.notices.base import Notice
+
+if TYPE_CHECKING:
+    from spotguard.guard.agreement import Agreement
+    from spotguard.guard.window import WindowPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class StopProtocol:
+    """One job's stops: the heartbeat's flags, the outcome, the lease and the cloud, in order.
+
+    ``beat``: the heartbeat shared with ``spotguard run`` (``heartbeat.attach``); ``release``: gives
+    the writer lease back (None: no lease); ``acknowledge``: tells the cloud (``Watcher.acknowledge``).
+    """
+
+    def __init__(
+        self,
+        beat: memoryview,
+        windowing: WindowPolicy,
+        release: Callable[[], None] | None,
+        acknowledge: Callable[[Notice], None],
+    ) -> None:
+        self.beat = beat
+        self.windowing = windowing
+        self.release = release
+        self.acknowledge = acknowledge
+        #: Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).
+        self.emergency_error: BaseException | None = None
+        #: ``"use-window"``: why the second checkpoint was not committed (the first stays the resume point).
+        self.window_error: BaseException | None = None
+
+    def flag_stopped(self) -> None:
+        """Tell ``spotguard run``: stopped for a notice (also where only another rank saw it), do not restart."""
+        self.beat[1] |= heartbeat.STOPPED_FOR_NOTICE
+
+    def stopped(
+        self, step: int, agreement: Agreement | None, notice: Notice | None
+    ) -> tuple[float | None, Notice | None]:
+        """The first stop, at ``step``: (seconds to the deadline, the notice another rank saw or None).
+
+        [distributed] Collective: the earliest deadline of all ranks. In one process: ``notice``'s."""
+        if agreement is None:
+            return (None if notice is None else notice.seconds_left()), None
+        return agreement.agree_stop(step, notice)
+
+    def record(self, error: BaseException | None, committed: bool, second: bool = False) -> None:
+        """The outcome of a stop's checkpoint (``second``: the notice window's, at its end)."""
+        if committed:
+            self.beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
+        if second:
+            self.window_error = error  # whatever happens, the first checkpoint stands
+        else:
+            self.emergency_error = error
+
+    def finish(self, notices: Iterable[Notice]) -> None:
+        """After the stop's last checkpoint: the lease back, then, last, each of ``notices`` acknowledged."""
+        if self.release is not None:
+            self.release()  # nothing more is written: the replacement machine takes the lease at once
+        for notice in notices:
+            # e.g. Azure: approve the eviction, the state is safe. Last: the machine may go at once then.
+            self.acknowledge(notice)
+
+    def saved(
+        self,
+        step: int,
+        error: BaseException | None,
+        save_s: float | None,
+        deadline: Callable[[], float | None],
+        agreement: Agreement | None,
+        notice: Notice | None,
+        may_train_on: bool = True,
+    ) -> bool:
+        """An integration's stop checkpoint of ``step``, committed (``error`` None) or not; True: train on
+        in the notice window. ``deadline()``: the monotonic deadline; ``notice``: acknowledged when committed."""
+        spent = self.windowing.end()
+        self.record(error, error is None, second=spent is not None)
+        if spent is not None:
+            if error is not None:
+                logger.error(
+                    "the second checkpoint of the notice window (step %d) is NOT committed: the resume point "
+                    "stays the first, step %d",
+                    step,
+                    spent.first_step,
+                )
+        elif may_train_on and self.windowing.open(step, deadline(), save_s if error is None else None, agreement):
+            return True  # the cloud is told after the second checkpoint: Azure evicts once approved
+        self.finish([notice] if error is None and notice is not None else [])
+        return False
