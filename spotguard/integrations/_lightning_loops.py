@@ -1,10 +1,15 @@
-"""Where Lightning's loops are after a resume: whether a validation follows the batch now ending, a
-fresh iterator for an epoch Lightning resumes from an ended one's state, and the point where the
-resumed train loaders get their states, which the resume checks first (``lightning.SpotguardCallback``)."""
+"""Lightning's private loops and attributes, reached in one place so that ``lightning.SpotguardCallback``
+holds the callback alone: whether a validation follows the batch now ending, the fit's validation run
+wrapped and its progress rewound in a checkpoint, a fresh iterator for an epoch Lightning resumes from
+an ended one's state, the point where the resumed train loaders get their states (which the resume
+checks first), and Lightning's SIGTERM handler set aside in a process group. Each finds what it needs
+with ``getattr`` and gives up with a log line where Lightning has moved it: a change in a private API
+must not end the training."""
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +37,51 @@ def validation_due(trainer: Any) -> bool:
         return False
     finally:
         trainer.should_stop = should_stop
+
+
+def wrap_validation(trainer: Any, around: Callable[[Callable[[], Any]], Any]) -> None:
+    """Run each validation of ``fit`` as ``around(run)``, ``run`` being Lightning's own (once per loop).
+
+    Lightning offers no hook before a validation's loader iterator exists (``on_validation_start``
+    comes after it), nor one to skip a validation: the fit loop's validation loop's ``run`` is
+    replaced. Where that loop is not found, validations run as Lightning's."""
+    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
+    if loop is None or getattr(loop, "_spotguard_wrapped", False):
+        return
+    run = loop.run
+
+    def run_around(*args: Any, **kwargs: Any) -> Any:
+        return around(lambda: run(*args, **kwargs))
+
+    loop.run = run_around
+    loop._spotguard_wrapped = True
+
+
+def rewind_validation(checkpoint: dict[str, Any], begun: bool) -> None:
+    """Make a checkpoint saved during a validation (``begun``), or at a step whose validation comes
+    next, run that validation from its first batch when resumed.
+
+    Lightning resumes a cut validation as "mid-evaluation" but iterates its loader afresh and runs
+    only the batches it counts as left: a shortened validation from the start, which draws fewer
+    random numbers than the uninterrupted run's. A checkpoint of a step whose validation has not
+    begun (saved at the batch's end, before Lightning validates) resumes past that validation:
+    Lightning fast-forwards it. In both cases the progress is rewound here to "first batch started,
+    none done", so the whole validation runs."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+    if not progress or "current" not in progress or "total" not in progress:
+        logger.warning("Lightning's validation progress is not where expected: a cut validation is not repeated")
+        return
+    current, total = progress["current"], progress["total"]
+    # the totals when this validation began (or begins: ``current`` is the previous one's then)
+    before = {k: total[k] - current.get(k, 0) for k in total} if begun else dict(total)
+    progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    progress["total"] = {
+        "ready": before["ready"] + 1,
+        "started": before["started"] + 1,
+        "processed": before["processed"],
+        "completed": before["completed"],
+    }
+    progress["is_last_batch"] = False
 
 
 def begin_the_next_epoch(trainer: Any) -> None:
@@ -102,3 +152,13 @@ def check_loader_states(trainer: Any, check: Callable[[dict[str, Any], dict[str,
 
     fit._load_combined_loader_states = checked_load
     fit._spotguard_checked = True
+
+
+def bypass_lightning_sigterm(trainer: Any) -> None:
+    """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).
+
+    Lightning's handler broadcasts from inside the signal handler and stops the rank that got the
+    signal on its own; with a signal to one rank only the ranks fall out of step."""
+    original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}).get(signal.SIGTERM)
+    if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
+        signal.signal(signal.SIGTERM, original)

@@ -31,8 +31,8 @@ signal) is bypassed in a process group: the vote does its job.
 from __future__ import annotations
 
 import logging
-import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,34 +161,11 @@ class SpotguardCallback(StopOutcome, Callback):
         return {"rng": self._rng_before_validation or state.capture_rng(), "loaders": loaders}
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        """Saved during a validation, or at a step whose validation comes next: make the resumed run
-        run it from its first batch.
-
-        Lightning resumes a cut validation as "mid-evaluation" but iterates its loader afresh and
-        runs only the batches it counts as left: a shortened validation from the start, which
-        draws fewer random numbers than the uninterrupted run's. A checkpoint of a step whose
-        validation has not begun (saved at the batch's end, before Lightning validates) resumes
-        past that validation: Lightning fast-forwards it. In both cases the progress is rewound
-        here to "first batch started, none done", so the whole validation runs, from the streams
-        it starts with (``state_dict``)."""
+        """Saved during a validation, or at a step whose validation comes next: the resumed run runs
+        it from its first batch, from the streams it starts with (``state_dict``)."""
         begun = self._rng_before_validation is not None
-        if not begun and not self._validation_next:
-            return
-        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
-        if not progress or "current" not in progress or "total" not in progress:
-            logger.warning("Lightning's validation progress is not where expected: a cut validation is not repeated")
-            return
-        current, total = progress["current"], progress["total"]
-        # the totals when this validation began (or begins: ``current`` is the previous one's then)
-        before = {k: total[k] - current.get(k, 0) for k in total} if begun else dict(total)
-        progress["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
-        progress["total"] = {
-            "ready": before["ready"] + 1,
-            "started": before["started"] + 1,
-            "processed": before["processed"],
-            "completed": before["completed"],
-        }
-        progress["is_last_batch"] = False
+        if begun or self._validation_next:
+            loops.rewind_validation(checkpoint, begun)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Set now, and again once the resumed loader's first iterator exists (on_train_start): the
@@ -208,7 +185,7 @@ class SpotguardCallback(StopOutcome, Callback):
         if stage == "fit":
             self._planned.fetch()  # the planned resume's copy, before Lightning reads it
             self._trainer = trainer
-            self._capture_before_validations(trainer)
+            loops.wrap_validation(trainer, lambda run: self._validate(trainer, run))
             loops.check_loader_states(trainer, self._check_loaders)  # as Guard: worker count, batch size
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
@@ -233,7 +210,7 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.checkpoints.group.get() is not None:
-            self._bypass_lightning_sigterm(trainer)
+            loops.bypass_lightning_sigterm(trainer)  # the vote stops every rank at the same step
         self.checkpoints.loaded()  # every rank has loaded its node's copy (collective in a group)
         self._resumed_step = self._steps = self._seen_steps = trainer.global_step
         if self._rng_after_iterator is not None:
@@ -273,28 +250,18 @@ class SpotguardCallback(StopOutcome, Callback):
             if self._rng_before_validation is None:
                 self._rng_before_validation = state.capture_rng()
 
-    def _capture_before_validations(self, trainer: Any) -> None:
-        """Capture the streams as each validation of ``fit`` begins, before its loader's iterator exists.
-
-        ``on_validation_start`` comes after Lightning created that iterator, and creating one draws
-        (a loader's base seed): a validation repeated from streams captured there would draw once
-        more than the uninterrupted run did. So the fit loop's validation loop is wrapped."""
-        loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "val_loop", None)
-        if loop is None or getattr(loop, "_spotguard_wrapped", False):
-            return
-        run = loop.run
-
-        def run_from_its_start(*args: Any, **kwargs: Any) -> Any:
-            if trainer.sanity_checking:
-                return run(*args, **kwargs)
-            if self.stopped_at is not None:  # Lightning validates at a stop as at an early stop; the uninterrupted
-                return []  # run did not (a validation due here is the resumed run's first: the checkpoint says so)
-            self._rng_before_validation = state.capture_rng()
-            with self.notices.marks.during(EVALUATING, self._steps):  # also when a notice cuts it short
-                return run(*args, **kwargs)
-
-        loop.run = run_from_its_start
-        loop._spotguard_wrapped = True
+    def _validate(self, trainer: Any, run: Callable[[], Any]) -> Any:
+        """Run one validation of ``fit`` (``loops.wrap_validation``), its streams captured before its
+        loader's iterator exists: ``on_validation_start`` comes after Lightning created that
+        iterator, and creating one draws (a loader's base seed), so a validation repeated from
+        streams captured there would draw once more than the uninterrupted run did."""
+        if trainer.sanity_checking:
+            return run()
+        if self.stopped_at is not None:  # Lightning validates at a stop as at an early stop; the uninterrupted
+            return []  # run did not (a validation due here is the resumed run's first: the checkpoint says so)
+        self._rng_before_validation = state.capture_rng()
+        with self.notices.marks.during(EVALUATING, self._steps):  # also when a notice cuts it short
+            return run()
 
     def on_validation_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -343,15 +310,6 @@ class SpotguardCallback(StopOutcome, Callback):
             if train_on:  # the notice window: train on, checkpoint again before the deadline
                 trainer.should_stop = False
                 self.stopped_at = None
-
-    def _bypass_lightning_sigterm(self, trainer: Any) -> None:
-        """In a process group, give SIGTERM back to spotguard's handler (installed before Lightning's).
-
-        Lightning's handler broadcasts from inside the signal handler and stops the rank that got
-        the signal on its own; with a signal to one rank only the ranks fall out of step."""
-        original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}).get(signal.SIGTERM)
-        if callable(original) and signal.getsignal(signal.SIGTERM) is not original:
-            signal.signal(signal.SIGTERM, original)
 
     def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
         """A periodic or advisory checkpoint of this step; one that fails is logged, training goes on."""
