@@ -3,8 +3,8 @@ holds the callback alone: whether a validation follows the batch now ending, the
 wrapped and its progress rewound in a checkpoint, a fresh iterator for an epoch Lightning resumes from
 an ended one's state, the point where the resumed train loaders get their states (which the resume
 checks first), and Lightning's SIGTERM handler set aside in a process group. Each finds what it needs
-with ``getattr`` and gives up with a log line where Lightning has moved it: a change in a private API
-must not end the training."""
+with ``getattr`` and leaves Lightning as it is where that has moved (with a warning where a resume then
+differs): a change in a private API must not end the training."""
 
 from __future__ import annotations
 
