@@ -26,6 +26,7 @@ so a name it misses is fetched by every node, never left out:
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _HF = re.compile(r"rng_state_(\d+)\.pth")
 _ACCELERATE = re.compile(r"random_states_(\d+)\.pkl|spotguard-loaders-(\d+)\.pt")
@@ -66,3 +67,27 @@ def hf_deepspeed(name: str) -> int | None:
     """As ``hf``, for a Trainer with a DeepSpeed config: its ZeRO files too (``global_step<N>/...``)."""
     rank = hf(name)
     return rank if rank is not None else deepspeed(name)
+
+
+# Why a node cannot trust the DeepSpeed rule (``deepspeed.fetch_rule`` from the engine, ``config_doubt``
+# from the config before the engine exists): every node then fetches every file.
+ELASTIC = "DeepSpeed's elastic checkpoint is on: every rank reads every ZeRO partition"
+UNIVERSAL = "DeepSpeed loads a universal checkpoint"
+EXPERTS = "DeepSpeed's expert parallelism names files by expert-parallel rank"
+PARALLEL = "model, pipeline or sequence parallelism: ZeRO files are named by data-parallel rank"
+
+
+def config_doubt(config: dict[str, Any], model: Any = None) -> str:
+    """The DeepSpeed rule's doubt before the engine exists (the HF Trainer builds it inside ``train``):
+    from the DeepSpeed config dict and the model's modules ("" when the ZeRO files are per rank)."""
+    zero, ckpt = config.get("zero_optimization") or {}, config.get("checkpoint") or {}
+    if zero.get("elastic_checkpoint") is True:
+        return ELASTIC
+    if ckpt.get("load_universal") is True:
+        return UNIVERSAL
+    if model is not None and any(type(m).__module__.startswith("deepspeed.moe") for m in model.modules()):
+        return EXPERTS
+    sizes = ((config.get("tensor_parallel") or {}).get("autotp_size"), config.get("sequence_parallel_size"))
+    if any(isinstance(n, int) and n > 1 for n in sizes):
+        return PARALLEL
+    return ""

@@ -71,30 +71,14 @@ def fetch_rule(engine: Any, world: int) -> RankFiles:
         getattr(engine, k, d) for k, d in (("mp_world_size", 1), ("dp_world_size", world), ("seq_dp_world_size", world))
     ]
     if _call(engine, "zero_elastic_checkpoint"):
-        doubt = "DeepSpeed's elastic checkpoint is on: every rank reads every ZeRO partition"
+        doubt = _rankfiles.ELASTIC
     elif _call(engine, "load_universal_checkpoint"):
-        doubt = "DeepSpeed loads a universal checkpoint"
+        doubt = _rankfiles.UNIVERSAL
     elif getattr(engine, "has_moe_layers", False):
-        doubt = "DeepSpeed's expert parallelism names files by expert-parallel rank"
+        doubt = _rankfiles.EXPERTS
     elif parallel != [1, world, world]:
-        doubt = "model, pipeline or sequence parallelism: ZeRO files are named by data-parallel rank"
+        doubt = _rankfiles.PARALLEL
     return RankFiles(_rankfiles.deepspeed, doubt)
-
-
-def config_doubt(config: dict[str, Any], model: Any = None) -> str:
-    """``fetch_rule``'s doubt, before the engine exists (the HF Trainer builds it inside ``train``):
-    from the DeepSpeed config dict and the model's modules ("" when the ZeRO files are per rank)."""
-    zero, ckpt = config.get("zero_optimization") or {}, config.get("checkpoint") or {}
-    if zero.get("elastic_checkpoint") is True:
-        return "DeepSpeed's elastic checkpoint is on: every rank reads every ZeRO partition"
-    if ckpt.get("load_universal") is True:
-        return "DeepSpeed loads a universal checkpoint"
-    if model is not None and any(type(m).__module__.startswith("deepspeed.moe") for m in model.modules()):
-        return "DeepSpeed's expert parallelism names files by expert-parallel rank"
-    sizes = ((config.get("tensor_parallel") or {}).get("autotp_size"), config.get("sequence_parallel_size"))
-    if any(isinstance(n, int) and n > 1 for n in sizes):
-        return "model, pipeline or sequence parallelism: ZeRO files are named by data-parallel rank"
-    return ""
 
 
 def _call(engine: Any, name: str) -> bool:

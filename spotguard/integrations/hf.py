@@ -51,7 +51,6 @@ from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
 from ._common import StopOutcome, watch_parts
-from .deepspeed import config_doubt
 
 try:
     from transformers import TrainerCallback
@@ -114,7 +113,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         ds_config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
         if not isinstance(ds_config, dict):
             return RankFiles(_rankfiles.hf)
-        return RankFiles(_rankfiles.hf_deepspeed, config_doubt(ds_config, getattr(trainer, "model", None)))
+        return RankFiles(_rankfiles.hf_deepspeed, _rankfiles.config_doubt(ds_config, getattr(trainer, "model", None)))
 
     def train(self, trainer: Any, **kwargs: Any) -> int:
         """``trainer.train`` from the newest verified checkpoint; returns the exit code for the job.
