@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
 from spotguard.checkpoint.manifest import Reshard
-from spotguard.errors import PERMANENT, LeaseHeldError, LeaseLostError, NoLoadableCheckpointError
+from spotguard.errors import PERMANENT, LeaseLostError, NoLoadableCheckpointError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, insync, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
@@ -85,9 +83,9 @@ class Guard:
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
         self._tracked = Tracked({}, self.extra, untracked=o.untracked)
-        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
+        self._beat = heartbeat.Beat()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         #: the heartbeat's marks of a save in flight and of ``evaluation()`` (never written by step())
-        self._activity = heartbeat.Activity(self._beat)
+        self._activity = self._beat.activity
         self._stats = GuardStats(
             async_save=o.async_save if self.agreement is None else self.agreement.store is not None
         )
@@ -198,7 +196,7 @@ class Guard:
             done = self._resume_or_release()
         except NoLoadableCheckpointError as e:
             if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
-                self._permanent(e)
+                self._beat.permanent(e)
                 raise
             logger.warning(
                 "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
@@ -207,7 +205,7 @@ class Guard:
             )
             done = None
         except PERMANENT as e:
-            self._permanent(e)
+            self._beat.permanent(e)
             raise
         if done is not None:
             self.extra.clear()
@@ -227,7 +225,7 @@ class Guard:
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
-        self._beat[0] = step
+        self._beat.step(step)
         self._step = step
         if self._reserve_due:  # after a training step: an optimizer has made its state by now
             self._reserve_due = False
@@ -283,11 +281,11 @@ class Guard:
         if verdict == STOP:
             return self._stop(step)
         if self.lease.lost is not None and self.agreement is None:  # another job took the run over
-            self._lease_flag()
+            self._beat.lease_held()
             raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
-        with self._marks():  # a state no resume could load (the first save checks it), another writer
+        with self._beat.marks():  # a state no resume could load (the first save checks it), another writer
             if not (self.options.async_save if dist is None else dist.store is not None):
                 self.saves.save_logged(step, reason)
             elif dist is None:
@@ -299,34 +297,13 @@ class Guard:
     def _hold_lease(self) -> None:
         """Take the run's writer lease before anything is loaded or written; ``LeaseHeldError`` (and the
         heartbeat flag: ``spotguard run`` exits 73, no restart) while another job holds it."""
-        with self._marks():
+        with self._beat.marks():
             self.lease.hold()
 
     def _lease_lost(self, why: str) -> None:
         """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
-        self._lease_flag()
+        self._beat.lease_held()
         self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
-
-    @contextmanager
-    def _marks(self) -> Iterator[None]:
-        """Mark the heartbeat for an error ``spotguard run`` must not restart into: one a restart would meet
-        again (``errors.PERMANENT``: exit 78) or another job's writer lease (exit 73)."""
-        try:
-            yield
-        except PERMANENT as e:
-            self._permanent(e)
-            raise
-        except LeaseHeldError:
-            self._lease_flag()
-            raise
-
-    def _lease_flag(self) -> None:
-        self._beat[1] |= heartbeat.LEASE_HELD
-
-    def _permanent(self, error: BaseException) -> None:
-        """Mark the heartbeat: ``error`` would come back after a restart, so ``spotguard run`` must not restart."""
-        self._beat[1] |= heartbeat.CONFIG_ERROR
-        logger.debug("marked the heartbeat: %s is not retried", type(error).__name__)
 
     def _stop(self, step: int) -> bool:
         """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
@@ -402,7 +379,7 @@ class Guard:
         if self.agreement is not None:
             self.agreement.check()
         self._hold_lease()
-        with self._marks():
+        with self._beat.marks():
             return self.saves.save(step, reason, deadline)
 
     def wait(self) -> None:
@@ -455,7 +432,7 @@ class Guard:
                 and (dist is None or dist.group is not None)
             )
             try:
-                with self._marks():
+                with self._beat.marks():
                     saves.finish(self._step, save, final, destroyed, collective=dist is not None)
             finally:
                 self.lease.release()  # clean exit or not, this guard writes nothing more: the next job starts at once
