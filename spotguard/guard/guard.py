@@ -7,8 +7,8 @@ flag check and one or two comparisons.
 
 The Guard only decides and records: ``Schedule`` says when a save is due, ``Saves`` drives the
 checkpoint engine (one process: ``checkpoint.single``; a process group: ``checkpoint.sharded``,
-with the ``Agreement`` voting so that every rank acts at the same step), ``stop.Emergency``
-writes the emergency checkpoint before the deadline.
+with the ``Agreement`` voting so that every rank acts at the same step), ``stop.GuardStops``
+carries a stop out (the emergency checkpoint before the deadline, the notice window).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
 from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
-from spotguard.guard.stop import Emergency
+from spotguard.guard.stop import GuardStops
 from spotguard.guard.stopping import StopProtocol
 from spotguard.guard.window import Window, WindowPolicy
 from spotguard.notices.base import Notice
@@ -78,7 +78,6 @@ class Guard:
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
-        self.stopped_at: int | None = None
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
@@ -117,6 +116,8 @@ class Guard:
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         #: The stop protocol (``guard.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
+        #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.
+        self.stops = GuardStops(self.saves, self.protocol, self.watcher, self.agreement, self.in_step)
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from spotguard import metrics
@@ -133,6 +134,11 @@ class Guard:
     def window(self) -> Window | None:
         """The open notice window (``deadline_policy="use-window"``, after the first stop), or None."""
         return self.windowing.window
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step training stopped at for a notice, or None (also while training on in the notice window)."""
+        return self.stops.stopped_at
 
     @property
     def notice(self) -> Notice | None:
@@ -279,7 +285,7 @@ class Guard:
 
     def _act(self, verdict: int, step: int) -> bool:
         if verdict == STOP:
-            return self._stop(step)
+            return self.stops.stop(step)
         if self.lease.lost is not None and self.agreement is None:  # another job took the run over
             self._beat.lease_held()
             raise LeaseLostError(self.lease.lost)
@@ -304,69 +310,6 @@ class Guard:
         """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
         self._beat.lease_held()
         self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
-
-    def _stop(self, step: int) -> bool:
-        """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
-        if self.stopped_at is not None:
-            return True
-        window = self.windowing.window
-        if window is None:
-            return self._first_stop(step)
-        if self.agreement is None and not window.closing():  # in a process group the vote said so already
-            return False
-        self.windowing.end()
-        self.stopped_at = step
-        self._emergency(step, window.left(), [], first_step=window.first_step)
-        return True
-
-    def _first_stop(self, step: int) -> bool:
-        """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
-        maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
-        self.stopped_at = step
-        if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
-            self.in_step.at_stop(step)
-        left, peer = self.protocol.stopped(step, self.agreement, self.notice)
-        if peer is not None:  # another rank saw it: make this rank's guard say so too
-            self.watcher.report(peer)
-        self.protocol.flag_stopped()  # tells the supervisor: do not restart
-        if not self.windowing.wanted:
-            self._emergency(step, left, [])
-            return True
-        deadline = None if left is None else time.monotonic() + left
-        held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
-        stop = self._emergency(step, left, held, emit=False)
-        committed = stop.error is None and self.saves.durable_step == step
-        measured = stop.save_s if stop.save_s is not None else stop.estimate()
-        if self.windowing.open(step, deadline, measured if committed else None, self.agreement) is None:
-            stop.emit("stop")
-            self.protocol.finish(held)  # the lease back, then the cloud told
-            return True
-        self.stopped_at = None
-        stop.emit("window", **self.windowing.describe())
-        return False
-
-    def _emergency(
-        self, step: int, left: float | None, held: list[Notice], emit: bool = True, **more: Any
-    ) -> Emergency:
-        """The stop's checkpoint of ``step``; its notices go to ``held``, acknowledged (after the lease is
-        given back: Azure evicts once approved) here when ``emit`` (the stop's last checkpoint), else by
-        the caller."""
-        stop = Emergency(
-            self.saves,
-            step,
-            self.notice,
-            held.append,
-            self.agreement.agree_inflight if self.agreement is not None else None,
-        )
-        try:
-            stop.run(left)
-        finally:
-            # the window's end ("first_step"): the first checkpoint stands, whatever happens here
-            self.protocol.record(stop.error, stop.committed, second="first_step" in more)
-            if emit:  # the last checkpoint of this stop
-                stop.emit("stop", **more)
-                self.protocol.finish(held)
-        return stop
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
@@ -402,7 +345,7 @@ class Guard:
                 self.options.sync_every, async_save=self.options.background_sharded, same=self.windowing.settings()
             )
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
-            self.lease.agreement = self.agreement
+            self.lease.agreement = self.stops.agreement = self.agreement
             self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel
         self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.metrics is not None:
