@@ -19,15 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
-from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
-from spotguard.checkpoint.manifest import Reshard
+from spotguard.checkpoint.engine import Tracked
 from spotguard.errors import PERMANENT, LeaseLostError, NoLoadableCheckpointError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, insync, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
-from spotguard.guard.saves import Saves, notice_lead
+from spotguard.guard.saves import Saves, make_engine, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import GuardStops
@@ -38,7 +37,6 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.collective import Groups
     from spotguard.checkpoint.engine import Resumed
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
@@ -388,28 +386,3 @@ class Guard:
                         dist.close()
                 finally:
                     self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics pause on it
-
-
-def make_engine(
-    storage: Storage,
-    local: Storage | None,
-    groups: Groups | None,
-    keep: int,
-    on_commit: OnCommit,
-    staged_final: bool = True,
-    reshard: Reshard | str = Reshard.REFUSE,
-    rebatch: str = "refuse",
-    staging_budget: int | None = None,
-) -> Engine:
-    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
-    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
-    ``data.Rebatch``. It lives here, with its caller: the engines import ``checkpoint.engine``."""
-    if groups is None:
-        from spotguard.checkpoint.single import SingleEngine
-
-        return SingleEngine(
-            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
-        )
-    from spotguard.checkpoint.sharded import ShardedEngine
-
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

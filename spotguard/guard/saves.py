@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
 from spotguard.checkpoint.budget import pinned_bytes
-from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.engine import Commit, Engine, OnCommit, Resumed, Tracked
+from spotguard.checkpoint.manifest import Manifest, Reshard
 from spotguard.errors import UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
@@ -28,6 +29,10 @@ from spotguard.guard.stats import GuardStats
 from spotguard.notices.base import NoticeProvider
 from spotguard.planner import NOTICE_LEAD_S
 
+if TYPE_CHECKING:
+    from spotguard.checkpoint.collective import Groups
+    from spotguard.storage.base import Storage
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +40,32 @@ def notice_lead(providers: Iterable[NoticeProvider]) -> tuple[str, float] | None
     """The shortest published notice of the clouds among ``providers`` (cloud, seconds), None for none."""
     leads = [(p.name, NOTICE_LEAD_S[p.name]) for p in providers if p.name in NOTICE_LEAD_S]
     return min(leads, key=lambda lead: lead[1]) if leads else None
+
+
+def make_engine(
+    storage: Storage,
+    local: Storage | None,
+    groups: Groups | None,
+    keep: int,
+    on_commit: OnCommit,
+    staged_final: bool = True,
+    reshard: Reshard | str = Reshard.REFUSE,
+    rebatch: str = "refuse",
+    staging_budget: int | None = None,
+) -> Engine:
+    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
+    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
+    ``data.Rebatch``. It lives beside ``Saves``, which drives it, not in ``checkpoint.engine``: the engines
+    import that."""
+    if groups is None:
+        from spotguard.checkpoint.single import SingleEngine
+
+        return SingleEngine(
+            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
+        )
+    from spotguard.checkpoint.sharded import ShardedEngine
+
+    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)
 
 
 class Saves:
