@@ -270,15 +270,7 @@ class Guard:
             return True
         if step % self.options.sync_every:
             return False
-        s, window = self.schedule, self.windowing.window
-        if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
-            code = STOP if window.closing() else NOTHING
-        else:
-            code = (
-                STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
-            )
-        dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
-        verdict = dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
+        verdict = self.stops.vote(step)
         return verdict != NOTHING and self._act(verdict, step)
 
     def _act(self, verdict: int, step: int) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.saves import Saves
@@ -226,6 +227,19 @@ class GuardStops:
         self.in_step = in_step
         #: The step training stopped at for a notice, or None (also while training on in the notice window).
         self.stopped_at: int | None = None
+
+    def vote(self, step: int) -> int:
+        """[distributed] The verdict of sync step ``step``, the same on every rank (hence the same stop step):
+        the most urgent of every rank's own; in the notice window, the second stop when any rank's clock
+        calls it."""
+        s, window = self.saves.schedule, self.windowing.window
+        if window is not None:
+            code = STOP if window.closing() else NOTHING
+        else:
+            preempted = self.watcher.preempted.is_set()
+            code = STOP if preempted else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
+        dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
+        return dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
 
     def stop(self, step: int) -> bool:
         """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
