@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked
-from spotguard.errors import PERMANENT, LeaseLostError, NoLoadableCheckpointError
+from spotguard.errors import PERMANENT, LeaseLostError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, insync, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.evaluation import Evaluation
 from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
-from spotguard.guard.saves import Saves, make_engine, notice_lead
+from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import GuardStops
@@ -37,7 +37,6 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.engine import Resumed
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
@@ -96,7 +95,7 @@ class Guard:
             o.background_nice,
             self._activity,
         )
-        self.saves.engine = make_engine(
+        self.saves.engine = checkpoint.make_engine(
             self.storage,
             self.local,
             self.agreement,
@@ -196,19 +195,10 @@ class Guard:
         if self.agreement is not None:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
+        fresh_ok = Unloadable(self.options.on_unloadable) is Unloadable.FRESH
         try:
-            done = self._resume_or_release()
-        except NoLoadableCheckpointError as e:
-            if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
-                self._beat.permanent(e)
-                raise
-            logger.warning(
-                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
-                self.storage.describe(),
-                "; ".join(e.skipped),
-            )
-            done = None
-        except PERMANENT as e:
+            done = self.saves.resume(fresh_ok, self.lease.release, self.storage.describe())
+        except PERMANENT as e:  # NoLoadableCheckpointError too, unless fresh_ok
             self._beat.permanent(e)
             raise
         if done is not None:
@@ -217,14 +207,6 @@ class Guard:
             self._step = done.step
         self.saves.resumed(done)
         return done.step if done else 0
-
-    def _resume_or_release(self) -> Resumed | None:
-        """The engine's resume; one that raises gives the lease back (this job does not start: the next may)."""
-        try:
-            return self.saves.engine.resume(self._tracked)
-        except BaseException:
-            self.lease.release()
-            raise
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
@@ -281,13 +263,9 @@ class Guard:
             raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
+        background = self.options.async_save if dist is None else dist.store is not None
         with self._beat.marks():  # a state no resume could load (the first save checks it), another writer
-            if not (self.options.async_save if dist is None else dist.store is not None):
-                self.saves.save_logged(step, reason)
-            elif dist is None:
-                self.saves.start(step, reason)
-            else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides
-                self.saves.start(step, reason, busy=dist.busy(self.saves.in_flight() is not None))
+            self.saves.due(step, reason, background, dist)
         return False
 
     def _hold_lease(self) -> None:

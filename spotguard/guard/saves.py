@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
 from spotguard.checkpoint.budget import pinned_bytes
-from spotguard.checkpoint.engine import Commit, Engine, OnCommit, Resumed, Tracked
-from spotguard.checkpoint.manifest import Manifest, Reshard
-from spotguard.errors import UnloadableStateError
+from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
+from spotguard.checkpoint.manifest import Manifest
+from spotguard.errors import NoLoadableCheckpointError, UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
 from spotguard.guard.options import BusyPolicy
@@ -30,8 +30,7 @@ from spotguard.notices.base import NoticeProvider
 from spotguard.planner import NOTICE_LEAD_S
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.collective import Groups
-    from spotguard.storage.base import Storage
+    from spotguard.guard.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -40,32 +39,6 @@ def notice_lead(providers: Iterable[NoticeProvider]) -> tuple[str, float] | None
     """The shortest published notice of the clouds among ``providers`` (cloud, seconds), None for none."""
     leads = [(p.name, NOTICE_LEAD_S[p.name]) for p in providers if p.name in NOTICE_LEAD_S]
     return min(leads, key=lambda lead: lead[1]) if leads else None
-
-
-def make_engine(
-    storage: Storage,
-    local: Storage | None,
-    groups: Groups | None,
-    keep: int,
-    on_commit: OnCommit,
-    staged_final: bool = True,
-    reshard: Reshard | str = Reshard.REFUSE,
-    rebatch: str = "refuse",
-    staging_budget: int | None = None,
-) -> Engine:
-    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
-    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
-    ``data.Rebatch``. It lives beside ``Saves``, which drives it, not in ``checkpoint.engine``: the engines
-    import that."""
-    if groups is None:
-        from spotguard.checkpoint.single import SingleEngine
-
-        return SingleEngine(
-            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
-        )
-    from spotguard.checkpoint.sharded import ShardedEngine
-
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)
 
 
 class Saves:
@@ -148,6 +121,26 @@ class Saves:
             lead[1],
         )
 
+    def resume(self, fresh_ok: bool, release: Callable[[], None], where: str) -> Resumed | None:
+        """The engine's resume (None: nothing to resume). One that raises calls ``release`` first (the writer
+        lease back: this job does not start, the next may); ``fresh_ok`` (``on_unloadable="fresh"``): where
+        checkpoints exist but none loads, a warning and None instead of ``NoLoadableCheckpointError``."""
+        try:
+            try:
+                return self.engine.resume(self.tracked)
+            except BaseException:
+                release()
+                raise
+        except NoLoadableCheckpointError as e:
+            if not fresh_ok:
+                raise
+            logger.warning(
+                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
+                where,
+                "; ".join(e.skipped),
+            )
+            return None
+
     def resumed(self, done: Resumed | None) -> None:
         """The engine restored ``done`` (None: nothing to resume): the next save is planned from its step."""
         if done is not None:
@@ -163,6 +156,16 @@ class Saves:
             checkpoint_time=m.time if m else None,
             restore_s=done.seconds if done else None,
         )
+
+    def due(self, step: int, reason: str, background: bool, agreement: Agreement | None) -> None:
+        """A periodic or advisory save of ``step``: in the background (``background``) or at once. In a process
+        group one save in flight on every rank or none: a rank whose previous one is still finishing decides."""
+        if not background:
+            self.save_logged(step, reason)
+        elif agreement is None:
+            self.start(step, reason)
+        else:
+            self.start(step, reason, busy=agreement.busy(self.in_flight() is not None))
 
     # -- synchronous ---------------------------------------------------------------------------
     def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:
