@@ -21,6 +21,10 @@ thread clears its mark while the loop's thread may be setting a stop flag, and a
 one shared word from two threads could lose one of them. A file of the older 16-byte layout still
 works: the two marks are then not kept.
 
+``Beat`` is the child's side, with a name for each write (``step``, ``stopped``, ``committed``,
+``permanent``, ``lease_held``); the Guard, the stop protocol and every trainer integration write
+through it. A flag is only ever added, never cleared.
+
 When the variable is set, the Guard also registers ``faulthandler`` on ``STACKS_SIGNAL`` so a hung
 child prints every thread's Python stack to its stderr (the supervisor's log) when asked, even while
 its main thread is blocked in C code.
@@ -34,7 +38,11 @@ import mmap
 import os
 import signal
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from spotguard.errors import PERMANENT, LeaseHeldError
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +135,54 @@ class Activity:
         slots = self._slots
         if slots is not None and slots[slot] == mark:
             slots[slot] = 0
+
+
+class Beat:
+    """The child's named writes to its heartbeat: the step on the hot path, then the flags ``spotguard
+    run`` reads when the child exits (each only added, never cleared), and the ``activity`` marks.
+
+    ``slots``: those of ``attach()`` (the default: shared with ``spotguard run`` when
+    ``$SPOTGUARD_HEARTBEAT`` is set, else private memory)."""
+
+    def __init__(self, slots: memoryview | None = None) -> None:
+        self.slots = attach() if slots is None else slots
+        #: The ``SAVING`` and ``EVALUATING`` marks, of a save in flight and of an evaluation.
+        self.activity = Activity(self.slots)
+
+    @property
+    def flags(self) -> int:
+        return int(self.slots[1])
+
+    def step(self, n: int) -> None:
+        """The last completed step: one memory write, no system call (the supervisor's hang watchdog)."""
+        self.slots[0] = n
+
+    def stopped(self) -> None:
+        """Stopped for a notice (also where only another rank saw it): ``spotguard run`` does not restart."""
+        self.slots[1] |= STOPPED_FOR_NOTICE
+
+    def committed(self) -> None:
+        """The stop's checkpoint is committed: ``spotguard run`` exits 75 only then."""
+        self.slots[1] |= COMMITTED
+
+    def lease_held(self) -> None:
+        """Another job holds (or took over) the run's writer lease: ``spotguard run`` exits 73, no restart."""
+        self.slots[1] |= LEASE_HELD
+
+    def permanent(self, error: BaseException) -> None:
+        """``error`` would come back after a restart: ``spotguard run`` exits 78, no restart."""
+        self.slots[1] |= CONFIG_ERROR
+        logger.debug("marked the heartbeat: %s is not retried", type(error).__name__)
+
+    @contextmanager
+    def marks(self) -> Iterator[None]:
+        """Mark an error raised in the block that ``spotguard run`` must not restart into: one a restart
+        would meet again (``errors.PERMANENT``: exit 78) or another job's writer lease (exit 73)."""
+        try:
+            yield
+        except PERMANENT as e:
+            self.permanent(e)
+            raise
+        except LeaseHeldError:
+            self.lease_held()
+            raise

@@ -2,8 +2,13 @@
 training state is (``state``, ``data``, ``snapshot``), and the engines that write and read one.
 
 The names below are the public face of checkpoints in a storage (``spotguard ls`` and ``verify``
-use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here.
+use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here
+(``make_engine`` imports the one it makes).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from spotguard.checkpoint.filewrite import Writer
 from spotguard.checkpoint.layout import copy, write, write_dir
@@ -16,12 +21,18 @@ from spotguard.checkpoint.manifest import (
     FileEntry,
     HashingWriter,
     Manifest,
+    Reshard,
     human_duration,
     parse_step_dir,
     step_dir,
 )
 from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, verify
 from spotguard.checkpoint.retention import delete, prune
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint.collective import Groups
+    from spotguard.checkpoint.engine import Engine, OnCommit
+    from spotguard.storage.base import Storage
 
 __all__ = [
     "FORMAT",
@@ -38,6 +49,7 @@ __all__ = [
     "fetch",
     "human_duration",
     "latest",
+    "make_engine",
     "open_verified",
     "parse_step_dir",
     "prune",
@@ -47,3 +59,28 @@ __all__ = [
     "write",
     "write_dir",
 ]
+
+
+def make_engine(
+    storage: Storage,
+    local: Storage | None,
+    groups: Groups | None,
+    keep: int,
+    on_commit: OnCommit,
+    staged_final: bool = True,
+    reshard: Reshard | str = Reshard.REFUSE,
+    rebatch: str = "refuse",
+    staging_budget: int | None = None,
+) -> Engine:
+    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
+    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
+    ``data.Rebatch``. It lives here, not in ``checkpoint.engine``: the engines import that."""
+    if groups is None:
+        from spotguard.checkpoint.single import SingleEngine
+
+        return SingleEngine(
+            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
+        )
+    from spotguard.checkpoint.sharded import ShardedEngine
+
+    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

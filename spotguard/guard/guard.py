@@ -7,23 +7,20 @@ flag check and one or two comparisons.
 
 The Guard only decides and records: ``Schedule`` says when a save is due, ``Saves`` drives the
 checkpoint engine (one process: ``checkpoint.single``; a process group: ``checkpoint.sharded``,
-with the ``Agreement`` voting so that every rank acts at the same step), ``stop.Emergency``
-writes the emergency checkpoint before the deadline.
+with the ``Agreement`` voting so that every rank acts at the same step), ``stop.GuardStops``
+carries a stop out (the emergency checkpoint before the deadline, the notice window).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
-from spotguard.checkpoint.engine import Engine, OnCommit, Tracked
-from spotguard.checkpoint.manifest import Reshard
-from spotguard.errors import PERMANENT, LeaseHeldError, LeaseLostError, NoLoadableCheckpointError
+from spotguard.checkpoint.engine import Tracked
+from spotguard.errors import PERMANENT, LeaseLostError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, insync, lease, ranks
 from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
@@ -32,7 +29,7 @@ from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
 from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
-from spotguard.guard.stop import Emergency
+from spotguard.guard.stop import GuardStops
 from spotguard.guard.stopping import StopProtocol
 from spotguard.guard.window import Window, WindowPolicy
 from spotguard.notices.base import Notice
@@ -40,8 +37,6 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.collective import Groups
-    from spotguard.checkpoint.engine import Resumed
     from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
@@ -80,14 +75,13 @@ class Guard:
         #: JSON-serialisable values saved in each checkpoint's manifest (as they are when the step is
         #: saved) and restored by ``resume()``: an epoch counter, an experiment tracker's run id.
         self.extra: dict[str, Any] = {}
-        self.stopped_at: int | None = None
         #: What this guard did (checkpoint, skipped, failed, notice, resume, stop, close), for listeners
         #: such as ``spotguard.metrics``; ``guard.events.add(fn)`` to hear them too.
         self.events = Events()
         self._tracked = Tracked({}, self.extra, untracked=o.untracked)
-        self._beat = heartbeat.attach()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
+        self._beat = heartbeat.Beat()  # shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set
         #: the heartbeat's marks of a save in flight and of ``evaluation()`` (never written by step())
-        self._activity = heartbeat.Activity(self._beat)
+        self._activity = self._beat.activity
         self._stats = GuardStats(
             async_save=o.async_save if self.agreement is None else self.agreement.store is not None
         )
@@ -101,7 +95,7 @@ class Guard:
             o.background_nice,
             self._activity,
         )
-        self.saves.engine = make_engine(
+        self.saves.engine = checkpoint.make_engine(
             self.storage,
             self.local,
             self.agreement,
@@ -119,6 +113,8 @@ class Guard:
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         #: The stop protocol (``guard.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
+        #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.
+        self.stops = GuardStops(self.saves, self.protocol, self.watcher, self.agreement, self.in_step)
         self.metrics: GuardMetrics | None = None
         if o.metrics_port is not None or o.metrics_file:  # [metrics] reads stats() and events; step() is untouched
             from spotguard import metrics
@@ -135,6 +131,11 @@ class Guard:
     def window(self) -> Window | None:
         """The open notice window (``deadline_policy="use-window"``, after the first stop), or None."""
         return self.windowing.window
+
+    @property
+    def stopped_at(self) -> int | None:
+        """The step training stopped at for a notice, or None (also while training on in the notice window)."""
+        return self.stops.stopped_at
 
     @property
     def notice(self) -> Notice | None:
@@ -194,20 +195,11 @@ class Guard:
         if self.agreement is not None:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
+        fresh_ok = Unloadable(self.options.on_unloadable) is Unloadable.FRESH
         try:
-            done = self._resume_or_release()
-        except NoLoadableCheckpointError as e:
-            if Unloadable(self.options.on_unloadable) is not Unloadable.FRESH:
-                self._permanent(e)
-                raise
-            logger.warning(
-                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
-                self.storage.describe(),
-                "; ".join(e.skipped),
-            )
-            done = None
-        except PERMANENT as e:
-            self._permanent(e)
+            done = self.saves.resume(fresh_ok, self.lease.release, self.storage.describe())
+        except PERMANENT as e:  # NoLoadableCheckpointError too, unless fresh_ok
+            self._beat.permanent(e)
             raise
         if done is not None:
             self.extra.clear()
@@ -216,18 +208,10 @@ class Guard:
         self.saves.resumed(done)
         return done.step if done else 0
 
-    def _resume_or_release(self) -> Resumed | None:
-        """The engine's resume; one that raises gives the lease back (this job does not start: the next may)."""
-        try:
-            return self.saves.engine.resume(self._tracked)
-        except BaseException:
-            self.lease.release()
-            raise
-
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> bool:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
-        self._beat[0] = step
+        self._beat.step(step)
         self._step = step
         if self._reserve_due:  # after a training step: an optimizer has made its state by now
             self._reserve_due = False
@@ -268,128 +252,32 @@ class Guard:
             return True
         if step % self.options.sync_every:
             return False
-        s, window = self.schedule, self.windowing.window
-        if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
-            code = STOP if window.closing() else NOTHING
-        else:
-            code = (
-                STOP if self.preempted.is_set() else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
-            )
-        dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
-        verdict = dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
+        verdict = self.stops.vote(step)
         return verdict != NOTHING and self._act(verdict, step)
 
     def _act(self, verdict: int, step: int) -> bool:
         if verdict == STOP:
-            return self._stop(step)
+            return self.stops.stop(step)
         if self.lease.lost is not None and self.agreement is None:  # another job took the run over
-            self._lease_flag()
+            self._beat.lease_held()
             raise LeaseLostError(self.lease.lost)
         reason = "advisory" if verdict == ADVISORY else "periodic"
         dist = self.agreement
-        with self._marks():  # a state no resume could load (the first save checks it), another writer
-            if not (self.options.async_save if dist is None else dist.store is not None):
-                self.saves.save_logged(step, reason)
-            elif dist is None:
-                self.saves.start(step, reason)
-            else:  # one save in flight on every rank or none: a rank whose previous one is still finishing decides
-                self.saves.start(step, reason, busy=dist.busy(self.saves.in_flight() is not None))
+        background = self.options.async_save if dist is None else dist.store is not None
+        with self._beat.marks():  # a state no resume could load (the first save checks it), another writer
+            self.saves.due(step, reason, background, dist)
         return False
 
     def _hold_lease(self) -> None:
         """Take the run's writer lease before anything is loaded or written; ``LeaseHeldError`` (and the
         heartbeat flag: ``spotguard run`` exits 73, no restart) while another job holds it."""
-        with self._marks():
+        with self._beat.marks():
             self.lease.hold()
 
     def _lease_lost(self, why: str) -> None:
         """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
-        self._lease_flag()
+        self._beat.lease_held()
         self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
-
-    @contextmanager
-    def _marks(self) -> Iterator[None]:
-        """Mark the heartbeat for an error ``spotguard run`` must not restart into: one a restart would meet
-        again (``errors.PERMANENT``: exit 78) or another job's writer lease (exit 73)."""
-        try:
-            yield
-        except PERMANENT as e:
-            self._permanent(e)
-            raise
-        except LeaseHeldError:
-            self._lease_flag()
-            raise
-
-    def _lease_flag(self) -> None:
-        self._beat[1] |= heartbeat.LEASE_HELD
-
-    def _permanent(self, error: BaseException) -> None:
-        """Mark the heartbeat: ``error`` would come back after a restart, so ``spotguard run`` must not restart."""
-        self._beat[1] |= heartbeat.CONFIG_ERROR
-        logger.debug("marked the heartbeat: %s is not retried", type(error).__name__)
-
-    def _stop(self, step: int) -> bool:
-        """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
-        if self.stopped_at is not None:
-            return True
-        window = self.windowing.window
-        if window is None:
-            return self._first_stop(step)
-        if self.agreement is None and not window.closing():  # in a process group the vote said so already
-            return False
-        self.windowing.end()
-        self.stopped_at = step
-        self._emergency(step, window.left(), [], first_step=window.first_step)
-        return True
-
-    def _first_stop(self, step: int) -> bool:
-        """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
-        maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
-        self.stopped_at = step
-        if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
-            self.in_step.at_stop(step)
-        left, peer = self.protocol.stopped(step, self.agreement, self.notice)
-        if peer is not None:  # another rank saw it: make this rank's guard say so too
-            self.watcher.report(peer)
-        self.protocol.flag_stopped()  # tells the supervisor: do not restart
-        if not self.windowing.wanted:
-            self._emergency(step, left, [])
-            return True
-        deadline = None if left is None else time.monotonic() + left
-        held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
-        stop = self._emergency(step, left, held, emit=False)
-        committed = stop.error is None and self.saves.durable_step == step
-        measured = stop.save_s if stop.save_s is not None else stop.estimate()
-        if self.windowing.open(step, deadline, measured if committed else None, self.agreement) is None:
-            stop.emit("stop")
-            self.protocol.finish(held)  # the lease back, then the cloud told
-            return True
-        self.stopped_at = None
-        stop.emit("window", **self.windowing.describe())
-        return False
-
-    def _emergency(
-        self, step: int, left: float | None, held: list[Notice], emit: bool = True, **more: Any
-    ) -> Emergency:
-        """The stop's checkpoint of ``step``; its notices go to ``held``, acknowledged (after the lease is
-        given back: Azure evicts once approved) here when ``emit`` (the stop's last checkpoint), else by
-        the caller."""
-        stop = Emergency(
-            self.saves,
-            step,
-            self.notice,
-            held.append,
-            self.agreement.agree_inflight if self.agreement is not None else None,
-        )
-        try:
-            stop.run(left)
-        finally:
-            # the window's end ("first_step"): the first checkpoint stands, whatever happens here
-            self.protocol.record(stop.error, stop.committed, second="first_step" in more)
-            if emit:  # the last checkpoint of this stop
-                stop.emit("stop", **more)
-                self.protocol.finish(held)
-        return stop
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.
@@ -402,7 +290,7 @@ class Guard:
         if self.agreement is not None:
             self.agreement.check()
         self._hold_lease()
-        with self._marks():
+        with self._beat.marks():
             return self.saves.save(step, reason, deadline)
 
     def wait(self) -> None:
@@ -425,7 +313,7 @@ class Guard:
                 self.options.sync_every, async_save=self.options.background_sharded, same=self.windowing.settings()
             )
             self.saves.engine.groups = self.agreement  # type: ignore[attr-defined]
-            self.lease.agreement = self.agreement
+            self.lease.agreement = self.stops.agreement = self.agreement
             self.saves.abandoned = None  # an abandoned writer ends on its own: it polls the store and its cancel
         self._hold_lease()  # before the watcher starts: a refused job leaves nothing running
         if self.metrics is not None:
@@ -455,7 +343,7 @@ class Guard:
                 and (dist is None or dist.group is not None)
             )
             try:
-                with self._marks():
+                with self._beat.marks():
                     saves.finish(self._step, save, final, destroyed, collective=dist is not None)
             finally:
                 self.lease.release()  # clean exit or not, this guard writes nothing more: the next job starts at once
@@ -468,28 +356,3 @@ class Guard:
                         dist.close()
                 finally:
                     self.events.emit("close", step=self._step, stopped_at=self.stopped_at)  # metrics pause on it
-
-
-def make_engine(
-    storage: Storage,
-    local: Storage | None,
-    groups: Groups | None,
-    keep: int,
-    on_commit: OnCommit,
-    staged_final: bool = True,
-    reshard: Reshard | str = Reshard.REFUSE,
-    rebatch: str = "refuse",
-    staging_budget: int | None = None,
-) -> Engine:
-    """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
-    imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
-    ``data.Rebatch``. It lives here, with its caller: the engines import ``checkpoint.engine``."""
-    if groups is None:
-        from spotguard.checkpoint.single import SingleEngine
-
-        return SingleEngine(
-            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
-        )
-    from spotguard.checkpoint.sharded import ShardedEngine
-
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

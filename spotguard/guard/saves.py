@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
 from spotguard.checkpoint.budget import pinned_bytes
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.manifest import Manifest
-from spotguard.errors import UnloadableStateError
+from spotguard.errors import NoLoadableCheckpointError, UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
 from spotguard.guard.options import BusyPolicy
@@ -27,6 +28,9 @@ from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.notices.base import NoticeProvider
 from spotguard.planner import NOTICE_LEAD_S
+
+if TYPE_CHECKING:
+    from spotguard.guard.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +121,26 @@ class Saves:
             lead[1],
         )
 
+    def resume(self, fresh_ok: bool, release: Callable[[], None], where: str) -> Resumed | None:
+        """The engine's resume (None: nothing to resume). One that raises calls ``release`` first (the writer
+        lease back: this job does not start, the next may); ``fresh_ok`` (``on_unloadable="fresh"``): where
+        checkpoints exist but none loads, a warning and None instead of ``NoLoadableCheckpointError``."""
+        try:
+            try:
+                return self.engine.resume(self.tracked)
+            except BaseException:
+                release()
+                raise
+        except NoLoadableCheckpointError as e:
+            if not fresh_ok:
+                raise
+            logger.warning(
+                "no checkpoint in %s loads (%s); starting from step 0 (on_unloadable='fresh')",
+                where,
+                "; ".join(e.skipped),
+            )
+            return None
+
     def resumed(self, done: Resumed | None) -> None:
         """The engine restored ``done`` (None: nothing to resume): the next save is planned from its step."""
         if done is not None:
@@ -132,6 +156,16 @@ class Saves:
             checkpoint_time=m.time if m else None,
             restore_s=done.seconds if done else None,
         )
+
+    def due(self, step: int, reason: str, background: bool, agreement: Agreement | None) -> None:
+        """A periodic or advisory save of ``step``: in the background (``background``) or at once. In a process
+        group one save in flight on every rank or none: a rank whose previous one is still finishing decides."""
+        if not background:
+            self.save_logged(step, reason)
+        elif agreement is None:
+            self.start(step, reason)
+        else:
+            self.start(step, reason, busy=agreement.busy(self.in_flight() is not None))
 
     # -- synchronous ---------------------------------------------------------------------------
     def save(self, step: int, reason: str, deadline: float | None = None, final: bool = False) -> Manifest | None:

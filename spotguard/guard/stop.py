@@ -1,5 +1,8 @@
 """What a stop does: settle the save in flight, then write the emergency checkpoint before the deadline.
 
+``GuardStops`` is the Guard's side of a stop, in the order of the stop protocol (``guard.stopping``):
+the first stop's emergency checkpoint (``Emergency``), maybe a notice window after it
+(``deadline_policy="use-window"``: ``WindowPolicy``), and the second stop at the window's end.
 ``emergency.decide`` says what to do with a periodic save still being written (in a process
 group all ranks take the most cautious decision, since their parts are one collective save);
 this module carries it out with the guard's ``Saves`` and reports the outcome. Failures are
@@ -12,12 +15,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.saves import Saves
 from spotguard.notices.base import Notice
+
+if TYPE_CHECKING:
+    from spotguard.guard.agreement import Agreement
+    from spotguard.guard.insync import InStep
+    from spotguard.guard.stopping import StopProtocol
+    from spotguard.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +204,102 @@ class Emergency:
         logger.warning("emergency checkpoint of step %d committed in %.2fs%s", self.step, took, tail)
         if self.notice:
             self.acknowledge(self.notice)  # e.g. Azure: approve the eviction, our state is safe
+
+
+class GuardStops:
+    """The Guard's stops: ``stop(step)`` on a stop verdict. ``agreement``: the ranks' vote (None in one
+    process; the Guard sets a new one when entered again after ``close()``); ``in_step``: sources polled
+    from ``step()`` (Ray's drain), or None."""
+
+    def __init__(
+        self,
+        saves: Saves,
+        protocol: StopProtocol,
+        watcher: Watcher,
+        agreement: Agreement | None,
+        in_step: InStep | None,
+    ) -> None:
+        self.saves = saves
+        self.protocol = protocol
+        self.windowing = protocol.windowing
+        self.watcher = watcher
+        self.agreement = agreement
+        self.in_step = in_step
+        #: The step training stopped at for a notice, or None (also while training on in the notice window).
+        self.stopped_at: int | None = None
+
+    def vote(self, step: int) -> int:
+        """[distributed] The verdict of sync step ``step``, the same on every rank (hence the same stop step):
+        the most urgent of every rank's own; in the notice window, the second stop when any rank's clock
+        calls it."""
+        s, window = self.saves.schedule, self.windowing.window
+        if window is not None:
+            code = STOP if window.closing() else NOTHING
+        else:
+            preempted = self.watcher.preempted.is_set()
+            code = STOP if preempted else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
+        dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
+        return dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
+
+    def stop(self, step: int) -> bool:
+        """A stop verdict at ``step``; True: training stops here (its emergency checkpoint is written)."""
+        if self.stopped_at is not None:
+            return True
+        window = self.windowing.window
+        if window is None:
+            return self._first(step)
+        if self.agreement is None and not window.closing():  # in a process group the vote said so already
+            return False
+        self.windowing.end()
+        self.stopped_at = step
+        self._emergency(step, window.left(), [], first_step=window.first_step)
+        return True
+
+    def _first(self, step: int) -> bool:
+        """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
+        maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
+        self.stopped_at = step
+        if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
+            self.in_step.at_stop(step)
+        left, peer = self.protocol.stopped(step, self.agreement, self.watcher.notice)
+        if peer is not None:  # another rank saw it: make this rank's guard say so too
+            self.watcher.report(peer)
+        self.protocol.flag_stopped()  # tells the supervisor: do not restart
+        if not self.windowing.wanted:
+            self._emergency(step, left, [])
+            return True
+        deadline = None if left is None else time.monotonic() + left
+        held: list[Notice] = []  # acknowledged after the last checkpoint (Azure evicts once approved)
+        stop = self._emergency(step, left, held, emit=False)
+        committed = stop.error is None and self.saves.durable_step == step
+        measured = stop.save_s if stop.save_s is not None else stop.estimate()
+        if self.windowing.open(step, deadline, measured if committed else None, self.agreement) is None:
+            stop.emit("stop")
+            self.protocol.finish(held)  # the lease back, then the cloud told
+            return True
+        self.stopped_at = None
+        stop.emit("window", **self.windowing.describe())
+        return False
+
+    def _emergency(
+        self, step: int, left: float | None, held: list[Notice], emit: bool = True, **more: Any
+    ) -> Emergency:
+        """The stop's checkpoint of ``step``; its notices go to ``held``, acknowledged (after the lease is
+        given back: Azure evicts once approved) here when ``emit`` (the stop's last checkpoint), else by
+        the caller."""
+        stop = Emergency(
+            self.saves,
+            step,
+            self.watcher.notice,
+            held.append,
+            self.agreement.agree_inflight if self.agreement is not None else None,
+        )
+        try:
+            stop.run(left)
+        finally:
+            # the window's end ("first_step"): the first checkpoint stands, whatever happens here
+            self.protocol.record(stop.error, stop.committed, second="first_step" in more)
+            if emit:  # the last checkpoint of this stop
+                stop.emit("stop", **more)
+                self.protocol.finish(held)
+        return stop

@@ -38,13 +38,13 @@ logger = logging.getLogger(__name__)
 class StopProtocol:
     """One job's stops: the heartbeat's flags, the outcome, the lease and the cloud, in order.
 
-    ``beat``: the heartbeat shared with ``spotguard run`` (``heartbeat.attach``); ``release``: gives
+    ``beat``: the heartbeat shared with ``spotguard run`` (``heartbeat.Beat``); ``release``: gives
     the writer lease back (None: no lease); ``acknowledge``: tells the cloud (``Watcher.acknowledge``).
     """
 
     def __init__(
         self,
-        beat: memoryview,
+        beat: heartbeat.Beat,
         windowing: WindowPolicy,
         release: Callable[[], None] | None,
         acknowledge: Callable[[Notice], None],
@@ -60,7 +60,7 @@ class StopProtocol:
 
     def flag_stopped(self) -> None:
         """Tell ``spotguard run``: stopped for a notice (also where only another rank saw it), do not restart."""
-        self.beat[1] |= heartbeat.STOPPED_FOR_NOTICE
+        self.beat.stopped()
 
     def stopped(
         self, step: int, agreement: Agreement | None, notice: Notice | None
@@ -75,7 +75,7 @@ class StopProtocol:
     def record(self, error: BaseException | None, committed: bool, second: bool = False) -> None:
         """The outcome of a stop's checkpoint (``second``: the notice window's, at its end)."""
         if committed:
-            self.beat[1] |= heartbeat.COMMITTED  # `spotguard run` exits 75 only then; the first commit stands
+            self.beat.committed()  # `spotguard run` exits 75 only then; the first commit stands
         if second:
             self.window_error = error  # whatever happens, the first checkpoint stands
         else:

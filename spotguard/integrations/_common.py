@@ -115,11 +115,11 @@ class NoticeWatch:
         self._peer: Notice | None = None
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
         #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags, marks].
-        self._beat = heartbeat.attach()
+        self._beat = heartbeat.Beat()
         #: The stop protocol (``guard.stopping``): flags, outcome, lease and cloud, in the Guard's order.
         self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
-        self.marks = Marks(self._beat)
+        self.marks = Marks(self._beat.slots)
 
     def check(self, step: int, stop_only: bool = False, tick: bool | None = None) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
@@ -132,7 +132,7 @@ class NoticeWatch:
         In the notice window the verdict is ``STOP`` once the second checkpoint is due, else
         ``NOTHING``; ``tick`` (default: not ``stop_only``) says that a training step ended here.
         """
-        self._beat[0] = step  # `spotguard run`'s hang watchdog: one memory write
+        self._beat.step(step)  # `spotguard run`'s hang watchdog: one memory write
         agreed = self.group.get()
         window = self.windowing.window
         if agreed is None:
@@ -230,7 +230,7 @@ class NoticeWatch:
         if not self.preempted.is_set():
             self._advisory = True
         else:  # the job exits 75 now (exit_code): `spotguard run` reads it here when a launcher hides it
-            self._beat[1] |= heartbeat.STOPPED_FOR_NOTICE
+            self._beat.stopped()
         self.due = True  # last: the loop's reader sees the reason already set
 
     @property

@@ -70,7 +70,7 @@ class FolderCheckpoints:
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
         takeover = _env.flag(_env.TAKEOVER, default=False) if takeover is None else takeover
         self.lease = WriterLease(self.storage, lease_ttl, bool(takeover), None, self)
-        self._beat = heartbeat.attach()  # `spotguard run` does not restart a job another one writes over
+        self._beat = heartbeat.Beat()  # `spotguard run` does not restart a job another one writes over
         self.keep = keep
         self.work_dir = work_dir
         self.group = group or RankGroup()
@@ -216,9 +216,9 @@ class FolderCheckpoints:
         wrapper, ``cb.fit``, returns ``EXIT_CONFIG`` then)."""
         try:
             yield
-        except CheckpointMismatchError:
+        except CheckpointMismatchError as e:
             self.refused = True
-            self._beat[1] |= heartbeat.CONFIG_ERROR
+            self._beat.permanent(e)
             raise
 
     def _hold(self) -> None:
@@ -231,7 +231,7 @@ class FolderCheckpoints:
             raise
 
     def _lease_lost(self, why: str) -> None:
-        self._beat[1] |= heartbeat.LEASE_HELD  # `spotguard run` exits 73, no restart
+        self._beat.lease_held()  # `spotguard run` exits 73, no restart
 
     def release(self) -> None:
         """This job writes nothing more here: the next job on the storage takes the lease at once."""

@@ -91,7 +91,8 @@ class LoopGuard(StopOutcome):
         committed). In a process group the ranks vote (one all-reduce of one integer per step)."""
         if self._watch.due or step >= self._due_step or self._grouped:
             return self._step_slow(step)
-        self._step = self._beat[0] = step  # the heartbeat: `spotguard run`'s hang watchdog sees the step
+        self._step = step
+        self._beat.step(step)  # the heartbeat: `spotguard run`'s hang watchdog sees the step
         return False
 
     def _step_slow(self, step: int) -> bool:

@@ -84,7 +84,7 @@ def test_a_position_that_cannot_move_to_another_worker_count_is_refused_once_wit
         r".*Resume with num_workers=0",
     ):
         again.resume()
-    assert again._beat[1] & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
+    assert again._beat.flags & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
 
 
 @pytest.mark.timeout(120)

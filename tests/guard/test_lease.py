@@ -183,7 +183,7 @@ def test_a_guard_refused_by_a_live_lease_names_it_and_marks_the_heartbeat(tmp_pa
     guard = Guard(storage, providers=None).track(state={"x": 1})
     with pytest.raises(LeaseHeldError, match="host other-host pid 4242, holding for 30 s"):
         guard.resume()
-    assert guard._beat[1] & heartbeat.LEASE_HELD
+    assert guard._beat.flags & heartbeat.LEASE_HELD
     assert checkpoint.scan(storage) == []
     assert Guard(storage, providers=None, lease_ttl=None).track(state={"x": 1}).resume() == 0  # opted out
 

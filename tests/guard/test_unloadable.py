@@ -48,7 +48,7 @@ def make(root, **kw) -> tuple[spotguard.Guard, nn.Linear, Engine]:
 
 
 def config_flag(guard: spotguard.Guard) -> bool:
-    return bool(guard._beat[1] & heartbeat.CONFIG_ERROR)
+    return bool(guard._beat.flags & heartbeat.CONFIG_ERROR)
 
 
 @pytest.mark.parametrize("how", ["periodic-sync", "periodic-async", "manual", "final"])

@@ -43,7 +43,7 @@ def test_a_checkpoint_with_state_nothing_tracks_is_refused_naming_it(tmp_path):
     with pytest.raises(CheckpointMismatchError, match=r"holds the state of optimizer, scheduler, which nothing tracks"):
         guard.resume()
     assert all(torch.equal(fresh[k], v) for k, v in model.state_dict().items())  # nothing was loaded
-    assert guard._beat[1] & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
+    assert guard._beat.flags & heartbeat.CONFIG_ERROR  # `spotguard run` exits 78 instead of restarting
 
 
 def test_untracked_accept_resumes_without_that_state_and_names_it(tmp_path, caplog):

@@ -178,7 +178,7 @@ def test_a_second_checkpoint_that_fails_leaves_the_first_as_the_resume_point(tmp
     assert "NOT committed" in caplog.text and "resume point stays step 3" in caplog.text
     # the first checkpoint stands: no emergency error, the second's apart, and the job still exits 75
     assert guard.emergency_error is None and isinstance(guard.window_error, StorageError)
-    assert guard._beat[1] & heartbeat.COMMITTED and guard._beat[1] & heartbeat.STOPPED_FOR_NOTICE
+    assert guard._beat.flags & heartbeat.COMMITTED and guard._beat.flags & heartbeat.STOPPED_FOR_NOTICE
     assert steps_in(tmp_path) == [(3, "emergency")]
     assert window_guard(tmp_path).resume() == 3
 

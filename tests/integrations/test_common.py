@@ -187,7 +187,7 @@ def test_the_resume_checks_a_loaders_batch_size_marks_a_refusal_and_takes_the_re
     refusing = FolderCheckpoints(str(tmp_path))
     with pytest.raises(CheckpointMismatchError, match=r"'0' was saved with batch_size=2 and has batch_size=4 now"):
         refusing.check_loaders(now, dict(states), facts, "checkpoint of step 3")
-    assert refusing.refused and refusing._beat[1] & heartbeat.CONFIG_ERROR
+    assert refusing.refused and refusing._beat.flags & heartbeat.CONFIG_ERROR
     accepting = FolderCheckpoints(str(tmp_path), rebatch="accept")
     with caplog.at_level(logging.WARNING):
         accepting.check_loaders(now, dict(states), facts, "checkpoint of step 3")

@@ -34,7 +34,7 @@ def test_a_live_lease_of_another_job_stops_the_resume_and_the_commit(tmp_path):
     with pytest.raises(LeaseHeldError):
         ckpts.commit(10, trainer_folder(tmp_path / "out", 10), "periodic")
     assert checkpoint.scan(storage) == []
-    assert ckpts._beat[1] & heartbeat.LEASE_HELD
+    assert ckpts._beat.flags & heartbeat.LEASE_HELD
 
 
 def test_a_job_whose_lease_was_taken_over_commits_nothing_more(tmp_path):
@@ -46,7 +46,7 @@ def test_a_job_whose_lease_was_taken_over_commits_nothing_more(tmp_path):
     with pytest.raises(LeaseLostError, match="now held by run run-b on host other-host"):
         ckpts.commit(20, trainer_folder(tmp_path / "out", 20), "periodic")
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [10]
-    assert ckpts._beat[1] & heartbeat.LEASE_HELD
+    assert ckpts._beat.flags & heartbeat.LEASE_HELD
 
 
 def test_the_stops_last_checkpoint_releases_the_lease_for_the_replacement(tmp_path):

@@ -96,7 +96,7 @@ def test_a_loop_guard_whose_second_checkpoint_fails_keeps_the_first_and_still_ex
     stopped = train_loop(guard, notice_in(2.5), on_step=break_disk)
     assert stopped is not None and stopped > 5 and steps_in(tmp_path) == [(3, "emergency")]
     assert guard.emergency_error is None and isinstance(guard.window_error, StorageError)
-    assert guard.exit_code == EXIT_PREEMPTED and guard.notices._beat[1] & heartbeat.COMMITTED
+    assert guard.exit_code == EXIT_PREEMPTED and guard.notices._beat.flags & heartbeat.COMMITTED
 
 
 def test_a_loop_guard_stops_at_once_without_a_deadline_or_with_the_default_policy(tmp_path, monkeypatch):
