@@ -46,11 +46,11 @@ from spotguard.checkpoint.stream import pinned_torch_save
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
-from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
+from ..heartbeat import EVALUATING, SAVING
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, watch_parts
+from ._common import StopOutcome, exit_refused, watch_parts
 
 try:
     from transformers import TrainerCallback
@@ -150,16 +150,14 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             try:
                 resume = self.resume_from_checkpoint()
             except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
-                logger.error("cannot resume: %s: %s", type(e).__name__, e)
-                return EXIT_CONFIG
+                return exit_refused(e)
             trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Interrupt:
             self._save_interrupted(trainer)
         except PERMANENT as e:
             if not self.checkpoints.refused:  # refused in on_train_begin: no restart would fix it
                 raise
-            logger.error("cannot resume: %s: %s", type(e).__name__, e)
-            return EXIT_CONFIG
+            return exit_refused(e)
         finally:
             del trainer.evaluate, trainer._save_checkpoint  # the class's methods again
             self._trainer = None

@@ -41,7 +41,7 @@ import torch
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
-from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
+from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
@@ -49,7 +49,7 @@ from ..storage import Storage
 from . import _lightning_loops as loops
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, watch_parts
+from ._common import StopOutcome, exit_refused, watch_parts
 from ._planned_resume import PlannedResume
 
 try:
@@ -128,8 +128,7 @@ class SpotguardCallback(StopOutcome, Callback):
             try:
                 ckpt_path = self.resume_from_checkpoint()
             except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
-                logger.error("cannot resume: %s: %s", type(e).__name__, e)
-                return EXIT_CONFIG
+                return exit_refused(e)
             trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
         except (_Interrupt, SIGTERMException):
             if self.stopped_at is None:
@@ -137,8 +136,7 @@ class SpotguardCallback(StopOutcome, Callback):
         except PERMANENT as e:
             if not (self._planned.failed or self.checkpoints.refused):
                 raise
-            logger.error("cannot resume: %s: %s", type(e).__name__, e)
-            return EXIT_CONFIG
+            return exit_refused(e)
         finally:
             self.close()
         return self.exit_code
