@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from spotguard.checkpoint.collective import broadcast
 from spotguard.checkpoint.leaseholder import Lease
+from spotguard.coordination import ranks
 from spotguard.errors import LeaseHeldError, StorageError
-from spotguard.guard import ranks
 from spotguard.storage.base import Storage
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from spotguard import heartbeat
 from spotguard.notices.base import Notice
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
-    from spotguard.guard.window import WindowPolicy
+    from spotguard.coordination.agreement import Agreement
+    from spotguard.coordination.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -17,16 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
+from spotguard.coordination.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.saves import Saves
 from spotguard.notices.base import Notice
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
+    from spotguard.coordination.stopping import StopProtocol
     from spotguard.guard.insync import InStep
-    from spotguard.guard.stopping import StopProtocol
     from spotguard.watcher import Watcher
 
 logger = logging.getLogger(__name__)

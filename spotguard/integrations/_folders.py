@@ -29,11 +29,11 @@ from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
 from spotguard.checkpoint.state import Untracked
-from spotguard.guard.lease import WriterLease
+from spotguard.coordination.group import RankGroup
+from spotguard.coordination.lease import WriterLease
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError, ConfigError, LeaseHeldError
 from ..storage import Storage, open_storage
-from ._group import RankGroup
 
 logger = logging.getLogger(__name__)
 

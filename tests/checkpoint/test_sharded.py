@@ -18,8 +18,8 @@ from torch import nn
 from spotguard import ConfigError, Guard
 from spotguard.checkpoint import latest, scan
 from spotguard.checkpoint.dcp import load_metadata
+from spotguard.coordination.ranks import providers_for_rank
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError
-from spotguard.guard.ranks import providers_for_rank
 from spotguard.notices.base import Notice
 from spotguard.notices.file import FileProvider
 from spotguard.storage import LocalStorage
