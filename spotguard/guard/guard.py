@@ -65,11 +65,7 @@ class Guard:
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
         self.watcher = Watcher(
-            providers,
-            o.interval,
-            on_notice=self._on_notice,
-            stop_on_advisory=bool(o.stop_on_advisory),
-            sigint=o.sigint,
+            providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory), sigint=o.sigint
         )
         self.preempted = self.watcher.preempted
         #: Sources polled from step() where the ranks synchronise (Ray's drain), or None
@@ -97,6 +93,9 @@ class Guard:
             o.background_nice,
             self._activity,
         )
+        #: The run's writer lease (``coordination.lease``): taken before anything is loaded or written; its
+        #: fence goes to the engine, which calls it before each manifest.
+        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         self.saves.engine = checkpoint.make_engine(
             self.storage,
             self.local,
@@ -107,12 +106,11 @@ class Guard:
             o.reshard,
             o.rebatch,
             o.staging_budget,
+            self.lease.fence,
         )
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
         self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
-        #: The run's writer lease (``coordination.lease``): taken before anything is loaded or written.
-        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         #: The stop protocol (``coordination.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
         #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.

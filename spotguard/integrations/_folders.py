@@ -108,9 +108,9 @@ class FolderCheckpoints:
         agreed = self.group.get()
         if agreed is None:
             revision = layout.next_revision(self.storage, step) if supersede else 0
-            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision)
+            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision, fence=self.lease.fence)
         else:
-            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede)
+            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede, fence=self.lease.fence)
         try:
             manifest = write(
                 step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline
