@@ -176,3 +176,24 @@ def test_the_record_keeps_its_format_for_readers(storage):
     del older["owner"]  # a record written before the owner field: still readable
     assert LeaseRecord.from_bytes(json.dumps(older).encode()).owner == ""
     lease.release()
+
+
+def test_a_two_tier_writer_fences_the_upload_not_the_local_tier(storage, tmp_path):
+    """The fence guards the run's storage: the local tier (nobody else's) still commits, the upload of a
+    writer that lost its lease to the durable storage does not."""
+    import torch
+
+    from spotguard.checkpoint.engine import Tracked
+    from spotguard.checkpoint.single import SingleEngine
+
+    local = open_storage(str(tmp_path / "local"))
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    engine = SingleEngine(storage, local, keep=3, on_commit=lambda c: None, fence=lease.fence)
+    tracked = Tracked({"model": torch.nn.Linear(2, 2)}, {})
+    engine.stage(tracked, 1, "periodic")(threading.Event())
+    other_writer(storage)
+    with pytest.raises(LeaseLostError):
+        engine.stage(tracked, 2, "periodic")(threading.Event())
+    assert [i.step for i in checkpoint.scan(local) if i.complete] == [1, 2]
+    assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1]
