@@ -5,7 +5,7 @@ attribute read in a single process, one all-reduce of one integer in a process g
 ``Guard``'s agreement, ``RankGroup``), so that every rank stops after the same step. With
 ``deadline_policy="use-window"`` it follows the Guard's ``WindowPolicy``: after the first emergency
 checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the second stop is due.
-Its ``marks`` (``Marks``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
+Its ``marks`` (the heartbeat's ``Activity``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
 ``watch_parts`` makes it with the trainer's ``FolderCheckpoints`` (``_folders``) over one
 ``RankGroup``: in a process group (``torch.distributed`` initialised, world size > 1) every rank
 must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
@@ -33,7 +33,6 @@ from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
 from ._folders import FolderCheckpoints
-from ._marks import Marks
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class NoticeWatch:
         #: The stop protocol (``coordination.stopping``): flags, outcome, lease and cloud, in the Guard's order.
         self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
-        self.marks = Marks(self._beat.slots)
+        self.marks = self._beat.activity
 
     def check(self, step: int, stop_only: bool = False, tick: bool | None = None) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.

@@ -137,12 +137,12 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
 
         def save_marked(*args: Any, **kw: Any) -> Any:
             # The Trainer writes its folder here; the mark ends once ``_commit`` has committed it.
-            marks.begin(SAVING, trainer.state.global_step)
+            marks.hold(SAVING, trainer.state.global_step)
             try:
                 with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
                     return save_checkpoint(*args, **kw)
             except BaseException:
-                marks.end(SAVING)
+                marks.release(SAVING)
                 raise
 
         trainer.evaluate, trainer._save_checkpoint = evaluate_from_its_start, save_marked
@@ -240,17 +240,17 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
         if self.stopped_at is None and self._act(self.notices.check(state.global_step, tick=False), state, control):
             self._save_began = self._save_began or time.monotonic()  # the Trainer saves next
         return control
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # A bare callback (no ``cb.train``) learns of an evaluation here first, after its first batch.
-        self.notices.marks.begin(EVALUATING, state.global_step)
+        self.notices.marks.hold(EVALUATING, state.global_step)
         if self._trainer is not None and self.notices.check(state.global_step, stop_only=True) == STOP:
             raise _Interrupt  # cut the evaluation short: the checkpoint must make the deadline
 

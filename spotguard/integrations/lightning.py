@@ -246,7 +246,7 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self.notices.marks.begin(EVALUATING, self._steps)  # when the loop could not be wrapped
+            self.notices.marks.hold(EVALUATING, self._steps)  # when the loop could not be wrapped
             if self._rng_before_validation is None:
                 self._rng_before_validation = state.capture_rng()
 
@@ -271,12 +271,12 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._rng_before_validation = None
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if not isinstance(exception, (_Interrupt, SIGTERMException)):
             return
-        self.notices.marks.end(EVALUATING)  # a validation cut short has ended (the save is no part of it)
+        self.notices.marks.release(EVALUATING)  # a validation cut short has ended (the save is no part of it)
         if self.stopped_at is None:
             self.stopped_at = step = trainer.global_step
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"
