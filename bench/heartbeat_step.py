@@ -19,7 +19,7 @@ from _rows import emit, parser, row  # noqa: E402
 
 import spotguard  # noqa: E402
 from spotguard import heartbeat  # noqa: E402
-from spotguard.guard.agreement import ADVISORY, PERIODIC, STOP  # noqa: E402
+from spotguard.coordination.agreement import ADVISORY, PERIODIC, STOP  # noqa: E402
 
 N, REPEAT = 1_000_000, 7
 

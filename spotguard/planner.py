@@ -46,7 +46,7 @@ DEFAULT_WINDOW_MARGIN_S = 5.0
 
 def window_reserve(save_s: float, margin_s: float = DEFAULT_WINDOW_MARGIN_S) -> float:
     """Seconds a notice window keeps free before the deadline for its second save: the measured save
-    time, ``WINDOW_SLACK`` of it, and the margin. The guard (``spotguard.guard.window``) uses the same rule."""
+    time, ``WINDOW_SLACK`` of it, and the margin. The guard (``spotguard.coordination.window``) uses the same rule."""
     return save_s * (1.0 + WINDOW_SLACK) + margin_s
 
 

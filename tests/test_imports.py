@@ -116,3 +116,30 @@ def test_the_package_has_no_import_circle():
     assert len(graph) > 50 and "spotguard.checkpoint.layout" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_integrations_import_nothing_of_the_guard_but_guard():
+    """What the integrations share with the Guard lives in ``spotguard.coordination``: an integration
+    that reaches into ``spotguard.guard.<module>`` depends on the Guard's internals, the floor beside it."""
+    graph = package_graph()
+    allowed = {"spotguard.guard"}  # the public ``Guard`` (ray.py, lazily)
+    reached = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.startswith("spotguard.integrations")
+        for dep in deps
+        if (dep == "spotguard.guard" or dep.startswith("spotguard.guard.")) and dep not in allowed
+    }
+    assert not reached, "integrations import guard internals: " + ", ".join(f"{a} -> {b}" for a, b in sorted(reached))
+
+
+def test_coordination_imports_neither_the_guard_nor_the_integrations():
+    graph = package_graph()
+    up = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.startswith("spotguard.coordination")
+        for dep in deps
+        if dep.split(".")[:2] in (["spotguard", "guard"], ["spotguard", "integrations"])
+    }
+    assert not up, "coordination imports a floor above it: " + ", ".join(f"{a} -> {b}" for a, b in sorted(up))

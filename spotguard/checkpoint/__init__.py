@@ -30,6 +30,8 @@ from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, veri
 from spotguard.checkpoint.retention import delete, prune
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from spotguard.checkpoint.collective import Groups
     from spotguard.checkpoint.engine import Engine, OnCommit
     from spotguard.storage.base import Storage
@@ -71,16 +73,25 @@ def make_engine(
     reshard: Reshard | str = Reshard.REFUSE,
     rebatch: str = "refuse",
     staging_budget: int | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> Engine:
     """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
     imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see
-    ``data.Rebatch``. It lives here, not in ``checkpoint.engine``: the engines import that."""
+    ``data.Rebatch``. ``fence``: the writer lease's, called before each manifest on ``storage``
+    (``leaseholder.Lease.fence``). It lives here, not in ``checkpoint.engine``: the engines import that."""
     if groups is None:
         from spotguard.checkpoint.single import SingleEngine
 
         return SingleEngine(
-            storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
+            storage,
+            local,
+            keep,
+            on_commit,
+            staged_final=staged_final,
+            rebatch=rebatch,
+            staging_budget=staging_budget,
+            fence=fence,
         )
     from spotguard.checkpoint.sharded import ShardedEngine
 
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)
+    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch, fence=fence)

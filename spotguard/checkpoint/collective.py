@@ -25,7 +25,7 @@ from spotguard.errors import CheckpointMismatchError
 
 
 class Groups(Protocol):
-    """The process groups a sharded engine runs its collectives on (``spotguard.guard.agreement.Agreement``)."""
+    """The process groups a sharded engine runs its collectives on (``spotguard.coordination.agreement.Agreement``)."""
 
     rank: int
     world_size: int

@@ -27,13 +27,13 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import layout, leaseholder, pernode
+from spotguard.checkpoint import layout, pernode
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
 from spotguard.checkpoint.pernode import RankFiles
@@ -87,6 +87,7 @@ def commit(
     torch_version: str = "",
     deadline: float | None = None,
     supersede: bool = False,
+    fence: Callable[[], None] | None = None,
 ) -> Manifest:
     """Collective: commit the folders every rank holds for ``step`` as one checkpoint (module docstring).
 
@@ -94,6 +95,7 @@ def commit(
     is already committed, ``StorageError`` on every rank when any rank failed (nothing committed),
     ``ConfigError`` when no rank holds a file. ``supersede``: as the step's next revision (rank 0
     picks it, ``layout.next_revision``), which replaces the committed one once it is committed itself.
+    ``fence``: rank 0's writer lease's, called just before the manifest (a lost lease commits nothing).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -152,7 +154,8 @@ def commit(
                 torch_version=torch_version,
             )
             try:
-                leaseholder.fence(storage)  # rank 0 holds the run's writer lease, if any: a lost one commits nothing
+                if fence is not None:  # rank 0 holds the run's writer lease, if any: a lost one commits nothing
+                    fence()
                 storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
                 outcome = manifest.to_bytes()
             except Exception as e:

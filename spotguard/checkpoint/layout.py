@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint import digest, filewrite, leaseholder
+from spotguard.checkpoint import digest, filewrite
 from spotguard.checkpoint.fileio import WorkMeter
 from spotguard.checkpoint.filewrite import Writer
 from spotguard.checkpoint.manifest import (
@@ -63,6 +63,7 @@ def write(
     upload_crc: Callable[[Any, Any], Any] | None = None,
     crcs: dict[str, Any] | None = None,
     meter: WorkMeter | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -85,7 +86,8 @@ def write(
     by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
 
     ``meter`` adds up what the files cost apart from waiting for a CPU (``DirectFile.work_seconds``);
-    a streamed upload's network time is not in it (its rate is the wall time's).
+    a streamed upload's network time is not in it (its rate is the wall time's). ``fence``: the writer
+    lease's, called just before the manifest (``_commit``).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -142,7 +144,7 @@ def write(
     manifest = Manifest(
         step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
     )
-    return _commit(storage, name, manifest, deadline)
+    return _commit(storage, name, manifest, deadline, fence)
 
 
 def write_dir(
@@ -156,6 +158,7 @@ def write_dir(
     torch_version: str = "",
     deadline: float | None = None,
     revision: int = 0,
+    fence: Callable[[], None] | None = None,
 ) -> Manifest:
     """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
 
@@ -187,7 +190,7 @@ def write_dir(
     manifest = Manifest(
         step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
     )
-    return _commit(storage, name, manifest, deadline)
+    return _commit(storage, name, manifest, deadline, fence)
 
 
 def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
@@ -209,10 +212,13 @@ def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline
     return entries
 
 
-def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None) -> Manifest:
-    """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: a writer that lost
-    the storage's lease (``leaseholder.fence``) raises ``LeaseLostError`` and commits nothing."""
-    leaseholder.fence(storage)
+def _commit(
+    storage: Storage, name: str, manifest: Manifest, deadline: float | None, fence: Callable[[], None] | None
+) -> Manifest:
+    """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: given the fence of
+    a writer lease it lost (``leaseholder.Lease.fence``), it raises ``LeaseLostError`` and commits nothing."""
+    if fence is not None:
+        fence()
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 
@@ -299,6 +305,7 @@ def copy(
     cancel: threading.Event | None = None,
     verify: bool = False,
     crcs: Mapping[str, Any] | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
 
@@ -307,7 +314,8 @@ def copy(
 
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
     each file against the manifest on its way (``open_verified``: one read, not a verify then a
-    copy) and raises ``CheckpointCorruptError`` before a bad file is stored.
+    copy) and raises ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer
+    lease of ``dst``'s, called just before the manifest.
     """
     manifest = require_manifest(info)
     existing = dst.list(info.name + "/")
@@ -324,6 +332,7 @@ def copy(
             filewrite.store(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
-    leaseholder.fence(dst)
+    if fence is not None:
+        fence()
     dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest

@@ -20,8 +20,9 @@ would otherwise mix one run's history. Order of use, by the ``Guard``:
 4. ``release()`` at a clean exit and after a committed emergency save: the record stays, marked
    released, so the replacement machine takes it over at once instead of waiting for the TTL.
 
-``fence(storage)`` is what the checkpoint writers call: a no-op for a storage nobody leased in this
-process, else the holder's ``fence()``.
+The holder hands ``fence`` to the writers of its run (``layout.write(fence=)``, the engines'
+``fence=``), which call it just before each manifest write; a writer given no fence is not fenced:
+nothing here keeps a table of which storage is leased.
 """
 
 from __future__ import annotations
@@ -60,20 +61,6 @@ DEFAULT_TTL_S = 60.0
 #: After taking a live lease over on purpose: time for a commit the other job fenced just before to land,
 #: so that this job's resume (which follows) sees it, and never commits beside it.
 TAKEOVER_GRACE_S = 2.0
-
-#: The lease this process took on each storage (weak both ways: a lease given up and forgotten goes).
-_holders: weakref.WeakKeyDictionary[Storage, weakref.ref[Lease]] = weakref.WeakKeyDictionary()
-_holders_lock = threading.Lock()
-
-
-def fence(storage: Storage) -> None:
-    """Before a manifest is written to ``storage``: raise ``LeaseLostError`` unless this process still
-    holds its lease (and extend it). Nothing to check where no lease was taken on ``storage``."""
-    with _holders_lock:
-        ref = _holders.get(storage)
-    lease = ref() if ref is not None else None
-    if lease is not None:
-        lease.fence()
 
 
 def _visible(record: LeaseRecord) -> bool:
@@ -132,6 +119,7 @@ class Lease:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._at_exit = False
 
     @property
     def held(self) -> bool:
@@ -149,8 +137,9 @@ class Lease:
             token = self._claim(mine)
             self.record, self._token, self.lost, self.released = mine, token, None, False
             self._stop = threading.Event()
-        with _holders_lock:
-            _holders[self.storage] = weakref.ref(self)
+        if not self._at_exit:  # released at interpreter exit if the program left it held (a Guard never closed)
+            self._at_exit = True
+            atexit.register(_release_at_exit, weakref.ref(self))
         self._thread = threading.Thread(target=self._beat, name="spotguard-lease", daemon=True)
         self._thread.start()
         return mine
@@ -341,11 +330,8 @@ class Lease:
             logger.debug("released the writer lease of %s", self.storage.describe())
 
 
-@atexit.register
-def _release_all() -> None:
-    """At interpreter exit, release what a program left held (a Guard never closed)."""
-    with _holders_lock:
-        leases = [ref() for ref in _holders.values()]
-    for lease in leases:
-        if lease is not None:
-            lease.release()
+def _release_at_exit(ref: weakref.ref[Lease]) -> None:
+    """At interpreter exit, release a lease the program left held (weakly: a forgotten lease goes)."""
+    lease = ref()
+    if lease is not None:
+        lease.release()

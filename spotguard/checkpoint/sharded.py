@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,6 @@ from spotguard.checkpoint import (
     data,
     filewrite,
     layout,
-    leaseholder,
     loadable,
     retention,
     sharded_async,
@@ -83,8 +83,10 @@ class ShardedEngine:
         on_commit: OnCommit,
         reshard: Reshard | str = Reshard.REFUSE,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self.storage, self.groups, self.keep = storage, groups, keep
+        self.fence = fence  # rank 0's writer lease's, called before each manifest (``_commit``)
         self.reshard = Reshard(reshard)
         self.rebatch = data.Rebatch(rebatch)
         self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
@@ -237,7 +239,8 @@ class ShardedEngine:
             torch_version=torch.__version__,
         )
         raw = manifest.to_bytes()
-        leaseholder.fence(self.storage)  # rank 0 holds the run's writer lease: a lost one commits nothing
+        if self.fence is not None:  # rank 0 holds the run's writer lease: a lost one commits nothing
+            self.fence()
         self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
         return raw
 

@@ -62,8 +62,10 @@ class SingleEngine:
         staged_final: bool = True,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
         staging_budget: int | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self.storage, self.local, self.keep = storage, local, keep
+        self.fence = fence  # the writer lease's, called before each manifest on ``storage`` (not the local tier)
         self.budget = Budget(staging_budget)
         self._ring_made: stream.Ring | None = None
         self.rebatch = data.Rebatch(rebatch)
@@ -199,7 +201,7 @@ class SingleEngine:
             t1 = time.monotonic()
             info = CheckpointInfo(step, step_dir(step), "complete", manifest)
             try:
-                layout.copy(self.local, self.storage, info, cancel=cancel, crcs=crcs)
+                layout.copy(self.local, self.storage, info, cancel=cancel, crcs=crcs, fence=self.fence)
             except CheckpointExistsError:
                 pass
             took = time.monotonic() - t1
@@ -240,6 +242,7 @@ class SingleEngine:
                 upload_crc=self.storage.upload_crc if crcs is not None and storage is not self.storage else None,
                 crcs=crcs,
                 meter=meter,
+                fence=self.fence if storage is self.storage else None,
             )
         except CheckpointExistsError:
             logger.info(

@@ -20,18 +20,20 @@ from typing import TYPE_CHECKING, Any
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked
+from spotguard.coordination import agreement, lease, ranks
+from spotguard.coordination.agreement import ADVISORY, NOTHING, PERIODIC, STOP
+from spotguard.coordination.evaluation import Evaluation
+from spotguard.coordination.options import Unloadable
+from spotguard.coordination.stopping import StopProtocol
+from spotguard.coordination.window import Window, WindowPolicy
 from spotguard.errors import PERMANENT, LeaseLostError
 from spotguard.events import Events
-from spotguard.guard import agreement, buckets, insync, lease, ranks
-from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
-from spotguard.guard.evaluation import Evaluation
-from spotguard.guard.options import BusyPolicy, GuardOptions, Unloadable
+from spotguard.guard import buckets, insync
+from spotguard.guard.options import BusyPolicy, GuardOptions
 from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import GuardStops
-from spotguard.guard.stopping import StopProtocol
-from spotguard.guard.window import Window, WindowPolicy
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
@@ -63,11 +65,7 @@ class Guard:
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
         self.watcher = Watcher(
-            providers,
-            o.interval,
-            on_notice=self._on_notice,
-            stop_on_advisory=bool(o.stop_on_advisory),
-            sigint=o.sigint,
+            providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory), sigint=o.sigint
         )
         self.preempted = self.watcher.preempted
         #: Sources polled from step() where the ranks synchronise (Ray's drain), or None
@@ -95,6 +93,9 @@ class Guard:
             o.background_nice,
             self._activity,
         )
+        #: The run's writer lease (``coordination.lease``): taken before anything is loaded or written; its
+        #: fence goes to the engine, which calls it before each manifest.
+        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         self.saves.engine = checkpoint.make_engine(
             self.storage,
             self.local,
@@ -105,13 +106,12 @@ class Guard:
             o.reshard,
             o.rebatch,
             o.staging_budget,
+            self.lease.fence,
         )
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
         self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
-        #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
-        self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
-        #: The stop protocol (``guard.stopping``), shared with every trainer integration.
+        #: The stop protocol (``coordination.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
         #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.
         self.stops = GuardStops(self.saves, self.protocol, self.watcher, self.agreement, self.in_step)

@@ -16,8 +16,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from spotguard.coordination.agreement import STOP, Agreement
 from spotguard.errors import ConfigError
-from spotguard.guard.agreement import STOP, Agreement
 from spotguard.notices.base import Notice, NoticeProvider
 
 logger = logging.getLogger(__name__)

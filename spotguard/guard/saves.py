@@ -30,7 +30,7 @@ from spotguard.notices.base import NoticeProvider
 from spotguard.planner import NOTICE_LEAD_S
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What a stop does: settle the save in flight, then write the emergency checkpoint before the deadline.
 
-``GuardStops`` is the Guard's side of a stop, in the order of the stop protocol (``guard.stopping``):
+``GuardStops`` is the Guard's side of a stop, in the order of the stop protocol (``coordination.stopping``):
 the first stop's emergency checkpoint (``Emergency``), maybe a notice window after it
 (``deadline_policy="use-window"``: ``WindowPolicy``), and the second stop at the window's end.
 ``emergency.decide`` says what to do with a periodic save still being written (in a process
@@ -17,16 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spotguard.guard.agreement import NOTHING, PERIODIC
+from spotguard.coordination.agreement import NOTHING, PERIODIC
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.saves import Saves
 from spotguard.notices.base import Notice
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
+    from spotguard.coordination.stopping import StopProtocol
     from spotguard.guard.insync import InStep
-    from spotguard.guard.stopping import StopProtocol
     from spotguard.watcher import Watcher
 
 logger = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class GuardStops:
 
     def _first(self, step: int) -> bool:
         """The emergency checkpoint, before the earliest deadline of all ranks; with ``"use-window"``
-        maybe a notice window after it (``spotguard.guard.window``). True: stop now."""
+        maybe a notice window after it (``spotguard.coordination.window``). True: stop now."""
         self.stopped_at = step
         if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
             self.in_step.at_stop(step)

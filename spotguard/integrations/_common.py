@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from spotguard import heartbeat
-from spotguard.guard import ranks
-from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
-from spotguard.guard.options import CommonOptions, Unloadable
-from spotguard.guard.stopping import StopProtocol
-from spotguard.guard.window import WindowPolicy
+from spotguard.coordination import ranks
+from spotguard.coordination.agreement import ADVISORY, NOTHING, STOP, Agreement
+from spotguard.coordination.group import RankGroup
+from spotguard.coordination.options import CommonOptions, Unloadable
+from spotguard.coordination.stopping import StopProtocol
+from spotguard.coordination.window import WindowPolicy
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
 from ._folders import FolderCheckpoints
-from ._group import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class NoticeWatch:
         self._deadline: float | None = None  # monotonic, from the earliest deadline of all ranks
         #: Shared with `spotguard run` when $SPOTGUARD_HEARTBEAT is set: [last step, flags, marks].
         self._beat = heartbeat.Beat()
-        #: The stop protocol (``guard.stopping``): flags, outcome, lease and cloud, in the Guard's order.
+        #: The stop protocol (``coordination.stopping``): flags, outcome, lease and cloud, in the Guard's order.
         self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
         self.marks = self._beat.activity

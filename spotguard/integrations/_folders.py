@@ -29,11 +29,11 @@ from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import none_loads, refuse_newer_format
 from spotguard.checkpoint.state import Untracked
-from spotguard.guard.lease import WriterLease
+from spotguard.coordination.group import RankGroup
+from spotguard.coordination.lease import WriterLease
 
 from ..errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError, ConfigError, LeaseHeldError
 from ..storage import Storage, open_storage
-from ._group import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class FolderCheckpoints:
         agreed = self.group.get()
         if agreed is None:
             revision = layout.next_revision(self.storage, step) if supersede else 0
-            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision)
+            write = functools.partial(checkpoint.write_dir, self.storage, revision=revision, fence=self.lease.fence)
         else:
-            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede)
+            write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede, fence=self.lease.fence)
         try:
             manifest = write(
                 step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from spotguard.checkpoint.manifest import Manifest
 
+from ..coordination.agreement import ADVISORY, STOP
+from ..coordination.cadence import next_multiple
 from ..errors import ConfigError
-from ..guard.agreement import ADVISORY, STOP
-from ..guard.schedule import next_multiple
 from ..notices.base import Notice
 from ..storage import Storage
 from ._common import StopOutcome, watch_parts

@@ -24,7 +24,7 @@ from spotguard.checkpoint import folders
 from spotguard.checkpoint.collective import agree
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.reader import refuse_newer_format, scan
-from spotguard.guard import ranks
+from spotguard.coordination import ranks
 
 from ..errors import CheckpointMismatchError, ConfigError
 from ._folders import FolderCheckpoints

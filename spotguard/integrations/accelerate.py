@@ -40,8 +40,8 @@ from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
 
+from ..coordination.evaluation import Evaluation
 from ..errors import ConfigError
-from ..guard.evaluation import Evaluation
 from ..storage import Storage
 from . import _accelerate_loaders as loaders
 from . import _rankfiles

@@ -41,8 +41,8 @@ from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
 
+from ..coordination import ranks
 from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError
-from ..guard import ranks
 from ..storage import Storage
 from . import _rankfiles
 from ._loop import LoopGuard

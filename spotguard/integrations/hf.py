@@ -44,8 +44,8 @@ from spotguard.checkpoint import state as state_module
 from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
 
+from ..coordination.agreement import ADVISORY, STOP
 from ..errors import PERMANENT, MissingDependencyError
-from ..guard.agreement import ADVISORY, STOP
 from ..heartbeat import EVALUATING, SAVING
 from ..storage import Storage
 from . import _rankfiles

@@ -43,8 +43,8 @@ from spotguard.checkpoint.pernode import RankFiles
 from spotguard.checkpoint.stream import pinned_torch_save
 from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
 
+from ..coordination.agreement import ADVISORY, STOP
 from ..errors import PERMANENT, MissingDependencyError
-from ..guard.agreement import ADVISORY, STOP
 from ..storage import Storage
 from . import _lightning_loops as loops
 from . import _rankfiles

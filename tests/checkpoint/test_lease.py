@@ -11,7 +11,6 @@ import pytest
 
 from spotguard import checkpoint
 from spotguard.checkpoint import lease as record_mod
-from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.checkpoint.leaseholder import Lease
 from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError
@@ -104,17 +103,18 @@ def test_the_heartbeat_renews_and_notices_a_takeover(storage):
     assert not lease.held
 
 
-def test_commits_are_fenced_by_the_lease_of_their_storage(storage):
-    def save(step: int) -> None:
-        checkpoint.write(storage, step, {"x.bin": lambda f: f.write(b"x")}, reason="periodic")
+def test_commits_are_fenced_by_the_lease_their_writer_was_given(storage):
+    def save(step: int, lease: Lease | None) -> None:
+        fence = lease.fence if lease is not None else None
+        checkpoint.write(storage, step, {"x.bin": lambda f: f.write(b"x")}, reason="periodic", fence=fence)
 
-    save(1)  # no lease taken on it in this process: unfenced, as before
+    save(1, None)  # no lease: unfenced, as before
     lease = Lease(storage, ttl_s=30)
     lease.acquire()
-    save(2)
+    save(2, lease)
     other_writer(storage)
     with pytest.raises(LeaseLostError):
-        save(3)
+        save(3, lease)
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1, 2]  # step 3 has no manifest
 
 
@@ -148,10 +148,24 @@ def test_a_dead_process_of_this_host_does_not_hold_the_lease(storage, tmp_path):
     lease.release()
 
 
-def test_fence_is_a_no_op_for_storage_nobody_leased(storage, tmp_path):
-    other_writer(storage)
-    leaseholder.fence(storage)
-    leaseholder.fence(open_storage(str(tmp_path / "elsewhere")))
+def test_the_fence_goes_with_the_writer_not_with_the_storage(storage, tmp_path):
+    """Only the writers the holder handed its fence to are fenced: no table of leased storages decides
+    it behind their backs (a second storage object for the same URL, or this one written without the
+    fence, as a test or an offline tool does, commits as before)."""
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    other_writer(storage)  # taken over: this lease is lost
+    with pytest.raises(LeaseLostError):
+        checkpoint.write_dir(storage, 1, folder(tmp_path / "a"), reason="periodic", fence=lease.fence)
+    checkpoint.write(storage, 2, {"x.bin": lambda f: f.write(b"x")}, reason="periodic")  # the same object, unfenced
+    checkpoint.write_dir(open_storage(str(tmp_path / "run")), 3, folder(tmp_path / "b"), reason="periodic")
+    assert [i.step for i in checkpoint.scan(storage) if i.complete] == [2, 3]  # step 1 has no manifest
+
+
+def folder(path):
+    path.mkdir()
+    (path / "model.bin").write_bytes(b"weights")
+    return path
 
 
 def test_the_record_keeps_its_format_for_readers(storage):
@@ -162,3 +176,24 @@ def test_the_record_keeps_its_format_for_readers(storage):
     del older["owner"]  # a record written before the owner field: still readable
     assert LeaseRecord.from_bytes(json.dumps(older).encode()).owner == ""
     lease.release()
+
+
+def test_a_two_tier_writer_fences_the_upload_not_the_local_tier(storage, tmp_path):
+    """The fence guards the run's storage: the local tier (nobody else's) still commits, the upload of a
+    writer that lost its lease to the durable storage does not."""
+    import torch
+
+    from spotguard.checkpoint.engine import Tracked
+    from spotguard.checkpoint.single import SingleEngine
+
+    local = open_storage(str(tmp_path / "local"))
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    engine = SingleEngine(storage, local, keep=3, on_commit=lambda c: None, fence=lease.fence)
+    tracked = Tracked({"model": torch.nn.Linear(2, 2)}, {})
+    engine.stage(tracked, 1, "periodic")(threading.Event())
+    other_writer(storage)
+    with pytest.raises(LeaseLostError):
+        engine.stage(tracked, 2, "periodic")(threading.Event())
+    assert [i.step for i in checkpoint.scan(local) if i.complete] == [1, 2]
+    assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1]

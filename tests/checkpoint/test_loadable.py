@@ -126,7 +126,7 @@ def group():
 
 
 def test_sharded_engine_refuses_values_of_the_dcp_state_and_of_the_rank_file(tmp_path, group):
-    from spotguard.guard import agreement
+    from spotguard.coordination import agreement
 
     storage = LocalStorage(str(tmp_path))
     groups = agreement.setup(1, async_save=False)

@@ -18,8 +18,8 @@ from torch import nn
 from spotguard import ConfigError, Guard
 from spotguard.checkpoint import latest, scan
 from spotguard.checkpoint.dcp import load_metadata
+from spotguard.coordination.ranks import providers_for_rank
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError
-from spotguard.guard.ranks import providers_for_rank
 from spotguard.notices.base import Notice
 from spotguard.notices.file import FileProvider
 from spotguard.storage import LocalStorage
@@ -257,3 +257,23 @@ def test_a_sharded_emergency_save_leaves_pruning_to_the_next_save(tmp_path, grou
         (2, "emergency"),
     ]  # keep=1, and step 1 is still there: nothing but the commit ran on the deadline's clock
     assert guard.stats().sync_Bps is not None  # a synchronous save's own rate, for the next estimate
+
+
+def test_a_sharded_guard_that_lost_its_lease_commits_nothing(tmp_path, group):
+    """Rank 0's engine was handed the lease's fence (no table of leased storages finds it)."""
+    import time
+
+    from spotguard.checkpoint.lease import LEASE, LeaseRecord
+    from spotguard.errors import LeaseLostError
+
+    guard, model, opt, sched = make(tmp_path, lease_ttl=30)
+    assert guard.save(1) is not None  # holds the lease, fenced and committed
+    now = time.time()
+    other = LeaseRecord("run-b", "other-host", 4242, now, now, 30.0, owner="b" * 16)
+    _, token = guard.storage.get_versioned(LEASE)
+    guard.storage.put_conditional(LEASE, other.to_bytes(), token=token)  # another job took the run over
+    train(model, opt, sched, 1)
+    with pytest.raises(LeaseLostError, match="other-host"):
+        guard.save(2)
+    assert [i.step for i in scan(guard.storage) if i.complete] == [1]
+    guard.close()

@@ -239,7 +239,7 @@ def test_a_rank_whose_store_client_is_busy_when_the_outcome_lands_still_reads_it
 
 def test_a_job_that_rendezvoused_through_a_file_saves_synchronously(tmp_path):
     """A FileStore only grows (deletes append tombstones): background saves would bloat it forever."""
-    from spotguard.guard.agreement import setup
+    from spotguard.coordination.agreement import setup
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:
@@ -252,7 +252,7 @@ def test_a_job_that_rendezvoused_through_a_file_saves_synchronously(tmp_path):
 
 def test_the_writer_gets_a_store_client_of_its_own(tmp_path):
     """One TCPStore client serves one request at a time: the writer must not queue behind the loop's."""
-    from spotguard.guard.agreement import setup
+    from spotguard.coordination.agreement import setup
     from tests.helpers import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -11,8 +11,8 @@ from torch import nn
 from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.sharded import ShardedEngine
+from spotguard.coordination.agreement import setup
 from spotguard.errors import SaveCancelled
-from spotguard.guard.agreement import setup
 from tests.checkpoint.test_dcp import CancelMidStream
 
 ITEM = 512 * 512 * 4  # bytes of one weight

@@ -386,11 +386,11 @@ def test_a_kill_around_the_final_commit_never_loses_the_step_nor_resumes_the_sta
     durable, local = tmp_path / "durable", tmp_path / "local"
     commit = layout._commit
 
-    def commit_and_copy(storage, name, manifest, deadline):
+    def commit_and_copy(storage, name, manifest, deadline, fence):
         if storage is g.storage and manifest.reason == "final":
             copy_tree(durable, tmp_path / "before" / "durable")
             copy_tree(local, tmp_path / "before" / "local")
-        out = commit(storage, name, manifest, deadline)
+        out = commit(storage, name, manifest, deadline, fence)
         if storage is g.storage and manifest.reason == "final":
             copy_tree(durable, tmp_path / "after" / "durable")
             copy_tree(local, tmp_path / "after" / "local")

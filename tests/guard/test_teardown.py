@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from spotguard import EXIT_PREEMPTED, Guard, Notice, SpotguardError
 from spotguard.checkpoint import latest
-from spotguard.guard import agreement
+from spotguard.coordination import agreement
 from tests.helpers import WORKERS, free_port, subprocess_env
 from tests.workers.dist_teardown import KINDS, gloo_threads, job_args, newest_step
 

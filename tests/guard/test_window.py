@@ -20,8 +20,8 @@ import torch
 
 import spotguard
 from spotguard import Notice, checkpoint, heartbeat
+from spotguard.coordination.window import DeadlinePolicy, Window
 from spotguard.errors import ConfigError, StorageError
-from spotguard.guard.window import DeadlinePolicy, Window
 from spotguard.notices.azure import AzureProvider
 from spotguard.planner import window_reserve as reserve
 from spotguard.storage import LocalStorage, open_storage

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from spotguard import Guard
+from spotguard.coordination.options import CommonOptions
 from spotguard.errors import ConfigError
-from spotguard.guard.options import CommonOptions, GuardOptions
+from spotguard.guard.options import GuardOptions
 from spotguard.integrations._common import WatchOptions
 
 from .test_window import FolderLoop

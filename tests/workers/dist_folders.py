@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from spotguard.checkpoint import folders, scan, write_dir
 from spotguard.checkpoint.pernode import RankFiles
+from spotguard.coordination import agreement
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
-from spotguard.guard import agreement
 from spotguard.integrations._common import FolderCheckpoints
 from spotguard.integrations._planned_resume import PlannedResume
 from spotguard.storage import LocalStorage

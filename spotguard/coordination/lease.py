@@ -2,7 +2,8 @@
 hears whether it got it.
 
 One writer per run (``spotguard.checkpoint.leaseholder``): in a process group rank 0 writes every
-manifest anyway, so it alone takes the lease and its commits are the fenced ones; the other ranks
+manifest anyway, so it alone takes the lease and its commits are the fenced ones (its owner hands
+``fence`` to the checkpoint writers, which call it before each manifest); the other ranks
 learn the outcome through one broadcast, so that every rank raises alike instead of waiting in a
 collective for a rank 0 that stopped. The owner (a ``Guard``, ``FolderCheckpoints``) is held weakly:
 the heartbeat thread never keeps it alive, and releases the lease once it is gone unclosed.
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from spotguard.checkpoint.collective import broadcast
 from spotguard.checkpoint.leaseholder import Lease
+from spotguard.coordination import ranks
 from spotguard.errors import LeaseHeldError, StorageError
-from spotguard.guard import ranks
 from spotguard.storage.base import Storage
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,12 @@ class WriterLease:
                 raise LeaseHeldError(message, other)
             raise StorageError(message)
         self.held = True
+
+    def fence(self) -> None:
+        """The writers call it before each manifest: ``LeaseLostError`` once this job lost the lease (or
+        released it), else the lease is extended. Nothing to check on a rank that took none."""
+        if self.holder is not None and self.holder.record is not None:
+            self.holder.fence()
 
     def release(self) -> None:
         """Nothing more is written: mark the lease released so that the next job starts at once."""

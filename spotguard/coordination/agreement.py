@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotguard.coordination.ranks import is_distributed
 from spotguard.errors import ConfigError, SpotguardError
-from spotguard.guard.ranks import is_distributed
 from spotguard.notices.base import Notice
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 from spotguard import heartbeat
 from spotguard.checkpoint import state
 from spotguard.checkpoint.engine import Cut, Tracked
-from spotguard.guard.agreement import NOTHING, STOP, Agreement
+from spotguard.coordination.agreement import NOTHING, STOP, Agreement
 
 
 class Evaluation:

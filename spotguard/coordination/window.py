@@ -39,7 +39,7 @@ from spotguard.errors import ConfigError
 from spotguard.planner import DEFAULT_WINDOW_MARGIN_S, window_reserve
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
+    from spotguard.coordination.agreement import Agreement
     from spotguard.notices.base import Notice
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from spotguard.guard import agreement, ranks
-from spotguard.guard.agreement import Agreement
-from spotguard.guard.window import WindowPolicy
+from spotguard.coordination import agreement, ranks
+from spotguard.coordination.agreement import Agreement
+from spotguard.coordination.window import WindowPolicy
 
 
 class RankGroup:

@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
-from spotguard.guard.agreement import ADVISORY, NOTHING, STOP
+from spotguard.coordination.agreement import ADVISORY, NOTHING, STOP
 from spotguard.notices.base import Notice
 
 if TYPE_CHECKING:
-    from spotguard.guard.agreement import Agreement
-    from spotguard.guard.window import WindowPolicy
+    from spotguard.coordination.agreement import Agreement
+    from spotguard.coordination.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 
