@@ -143,3 +143,57 @@ def test_coordination_imports_neither_the_guard_nor_the_integrations():
         if dep.split(".")[:2] in (["spotguard", "guard"], ["spotguard", "integrations"])
     }
     assert not up, "coordination imports a floor above it: " + ", ".join(f"{a} -> {b}" for a, b in sorted(up))
+
+
+# -- the drawing of docs/architecture.md ------------------------------------------------------------
+DOC = ROOT.parent / "docs" / "architecture.md"
+BEGIN, END = (
+    "<!-- floors: made by tests/test_imports.py (floors_drawing); edit the code, not this -->",
+    "<!-- /floors -->",
+)
+
+
+def floor_graph() -> dict[str, set[str]]:
+    """The package's top-level parts (``guard``, ``checkpoint``, ``watcher`` ...) and the parts each imports."""
+    floors: dict[str, set[str]] = {}
+    for name, deps in package_graph().items():
+        own = name.split(".")[1] if "." in name else "__init__"
+        floors.setdefault(own, set()).update(d.split(".")[1] if "." in d else "__init__" for d in deps)
+    return {f: deps - {f} for f, deps in floors.items()}
+
+
+def floors_drawing(graph: dict[str, set[str]]) -> str:
+    """Each part on the floor above everything it imports (floor 0 imports no other part), with its arrows."""
+    level: dict[str, int] = {}
+
+    def floor(node: str) -> int:
+        if node not in level:
+            level[node] = 1 + max((floor(d) for d in graph[node]), default=-1)
+        return level[node]
+
+    lines = []
+    for n in sorted(graph, key=lambda f: (-floor(f), f)):
+        shown = "spotguard (__init__: the public face)" if n == "__init__" else n
+        arrows = " ".join(sorted(graph[n]))
+        lines.append(f"{floor(n):>2}  {shown:<38} -> {arrows}" if arrows else f"{floor(n):>2}  {shown}")
+    return "\n".join(["```", *lines, "```"])
+
+
+def test_the_package_parts_form_floors_with_no_circle_as_the_drawing_shows():
+    graph = floor_graph()
+    assert {"guard", "checkpoint", "storage", "coordination", "integrations", "ops"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "parts import each other in a circle: " + " -> ".join(cycle or [])
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, f"docs/architecture.md lost its {BEGIN} ... {END} block"
+    drawn = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    expected = floors_drawing(graph)
+    assert drawn == expected, (
+        "docs/architecture.md's floors are out of date; put this between its markers:\n" + expected
+    )
+
+
+def test_the_drawing_puts_each_part_above_what_it_imports():
+    drawing = floors_drawing({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()})
+    rows = [line.split() for line in drawing.splitlines()[1:-1]]
+    assert rows == [["2", "a", "->", "b", "c"], ["1", "b", "->", "c"], ["0", "c"], ["0", "d"]]
