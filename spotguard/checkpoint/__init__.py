@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spotguard.checkpoint.filewrite import Writer
-from spotguard.checkpoint.layout import copy, write, write_dir
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.layout import copy, write, write_dir
+from spotguard.checkpoint.folders.retention import delete, prune
+from spotguard.checkpoint.format.manifest import (
     FORMAT,
     FORMATS,
     MANIFEST,
@@ -26,8 +27,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, verify
-from spotguard.checkpoint.retention import delete, prune
+from spotguard.checkpoint.format.reader import fetch, latest, open_verified, scan, verify
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.collective import Groups
@@ -81,6 +81,6 @@ def make_engine(
         return SingleEngine(
             storage, local, keep, on_commit, staged_final=staged_final, rebatch=rebatch, staging_budget=staging_budget
         )
-    from spotguard.checkpoint.sharded import ShardedEngine
+    from spotguard.checkpoint.sharded.sharded import ShardedEngine
 
     return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch)

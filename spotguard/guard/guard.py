@@ -18,8 +18,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked
+from spotguard.checkpoint.state import data, state
 from spotguard.errors import PERMANENT, LeaseLostError
 from spotguard.events import Events
 from spotguard.guard import agreement, buckets, insync, lease, ranks
@@ -37,7 +37,7 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
+    from spotguard.checkpoint.format.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spotguard import _env
-from spotguard.checkpoint.data import Rebatch
-from spotguard.checkpoint.manifest import Reshard
-from spotguard.checkpoint.state import Untracked
+from spotguard.checkpoint.format.manifest import Reshard
+from spotguard.checkpoint.state.data import Rebatch
+from spotguard.checkpoint.state.state import Untracked
 from spotguard.errors import ConfigError
 from spotguard.guard.ranks import PollOn
 from spotguard.guard.window import DeadlinePolicy, WindowPolicy

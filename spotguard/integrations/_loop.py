@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any, TypeVar
 
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.format.manifest import Manifest
 
 from ..errors import ConfigError
 from ..guard.agreement import ADVISORY, STOP

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from spotguard import checkpoint
-from spotguard.checkpoint import cleanup
+from spotguard.checkpoint.folders import cleanup
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.errors import ConfigError
 from spotguard.storage import open_storage

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import spotguard
 from spotguard import heartbeat
-from spotguard.checkpoint import data, workers
+from spotguard.checkpoint.state import data, workers
 from spotguard.errors import CheckpointMismatchError
 
 DATA = list(range(24))

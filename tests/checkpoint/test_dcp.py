@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import fileio, filewrite
-from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardWriter, shard_file
+from spotguard.checkpoint.files import fileio, filewrite
+from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardWriter, shard_file
 from spotguard.errors import SaveCancelled
 from spotguard.storage import LocalStorage
 

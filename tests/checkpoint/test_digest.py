@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import spotguard
 from spotguard import checkpoint
-from spotguard.checkpoint import digest
-from spotguard.checkpoint.digest import ALGORITHMS, ChunkedDigest, chunked_file_digest
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.format import digest
+from spotguard.checkpoint.format.digest import ALGORITHMS, ChunkedDigest, chunked_file_digest
+from spotguard.checkpoint.format.manifest import Manifest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 from spotguard.storage import open_storage
 from tests.helpers import chunked_digest

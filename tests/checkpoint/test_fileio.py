@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotguard.checkpoint import fileio
-from spotguard.checkpoint.fileio import ALIGN, O_DIRECT, DirectFile
+from spotguard.checkpoint.files import fileio
+from spotguard.checkpoint.files.fileio import ALIGN, O_DIRECT, DirectFile
 from spotguard.errors import SaveCancelled
 from tests.helpers import chunked_digest
 

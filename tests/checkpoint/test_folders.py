@@ -1,5 +1,5 @@
 """Trainer folders written by several ranks, committed as one checkpoint and fetched back
-(spotguard/checkpoint/folders.py), with real gloo processes that share no folder."""
+(spotguard/checkpoint/folders/folders.py), with real gloo processes that share no folder."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from spotguard.checkpoint import folders, scan
+from spotguard.checkpoint import scan
+from spotguard.checkpoint.folders import folders
 from spotguard.storage import open_storage
 
 from ..helpers import WORKERS, run_ranks, worker_results

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import spotguard
 from spotguard import checkpoint
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.format.manifest import Manifest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
 from spotguard.storage import open_storage
 

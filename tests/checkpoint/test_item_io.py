@@ -1,4 +1,4 @@
-"""Items of a DCP shard file read straight into their targets (checkpoint/item_io.py), else loaded as before."""
+"""Items of a DCP shard file read straight into their targets (checkpoint/sharded/item_io.py), else loaded as before."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from spotguard.checkpoint import item_io
-from spotguard.checkpoint.dcp import SpotguardReader, SpotguardWriter
+from spotguard.checkpoint.sharded import item_io
+from spotguard.checkpoint.sharded.dcp import SpotguardReader, SpotguardWriter
 from spotguard.storage import LocalStorage
 
 STEP = "step-00000001"

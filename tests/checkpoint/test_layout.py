@@ -14,8 +14,8 @@ import torch
 
 import spotguard
 from spotguard import checkpoint
-from spotguard.checkpoint import layout
-from spotguard.checkpoint.manifest import check_file_name
+from spotguard.checkpoint.folders import layout
+from spotguard.checkpoint.format.manifest import check_file_name
 from spotguard.errors import CheckpointExistsError, CheckpointMismatchError, ConfigError, NoLoadableCheckpointError
 from spotguard.storage import LocalStorage, open_storage
 from tests.helpers import chunked_digest
@@ -162,9 +162,9 @@ def test_a_step_whose_checkpoint_is_corrupt_for_good_can_be_saved_again(tmp_path
         checkpoint.write(st, 5, {"state.pt": lambda f: f.write(b"b" * 100)}, reason="periodic")
     assert "corrupt for good: step-00000005: missing file(s) state.pt" in caplog.text
     assert [(i.step, i.status) for i in checkpoint.scan(st)] == [(5, "complete")]
-    assert checkpoint.layout.prepare(st, "step-00000005") == "exists"  # a whole one is never replaced
+    assert layout.prepare(st, "step-00000005") == "exists"  # a whole one is never replaced
     (tmp_path / "step-00000005" / "state.pt").write_bytes(b"short")
-    assert checkpoint.layout.prepare(st, "step-00000005") == "ok" and not (tmp_path / "step-00000005").exists()
+    assert layout.prepare(st, "step-00000005") == "ok" and not (tmp_path / "step-00000005").exists()
 
 
 class _Exploit:
@@ -339,7 +339,7 @@ def test_names_may_start_with_a_dot_but_never_leave_the_checkpoint():
 
 def test_a_trainers_files_are_stored_while_they_are_hashed_not_after(tmp_path, monkeypatch):
     """A trainer's emergency folder: the fsync (or upload) of each file overlaps the hashing of the others."""
-    from spotguard.checkpoint import digest
+    from spotguard.checkpoint.format import digest
 
     folder = tmp_path / "trainer"
     folder.mkdir()

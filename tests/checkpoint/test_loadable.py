@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from spotguard.checkpoint import loadable, scan
+from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Tracked
-from spotguard.checkpoint.sharded import ShardedEngine
+from spotguard.checkpoint.sharded.sharded import ShardedEngine
 from spotguard.checkpoint.single import SingleEngine
+from spotguard.checkpoint.state import loadable
 from spotguard.errors import ConfigError, UnloadableStateError
 from spotguard.storage import LocalStorage
 

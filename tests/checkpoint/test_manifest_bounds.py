@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import spotguard
-from spotguard.checkpoint import bounds
-from spotguard.checkpoint.manifest import FileEntry, Manifest
+from spotguard.checkpoint.format import bounds
+from spotguard.checkpoint.format.manifest import FileEntry, Manifest
 from spotguard.errors import CheckpointCorruptError, ConfigError
 from spotguard.ops.cli import main
 

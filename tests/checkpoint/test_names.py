@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spotguard import checkpoint
-from spotguard.checkpoint import cleanup
+from spotguard.checkpoint.folders import cleanup
 from spotguard.errors import ConfigError, StorageError
 from spotguard.storage import open_storage
 

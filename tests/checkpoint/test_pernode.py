@@ -1,4 +1,4 @@
-"""Which files one node fetches for a resume (spotguard/checkpoint/pernode.py): pure functions of names; and
+"""Which files one node fetches for a resume (spotguard/checkpoint/folders/pernode.py): pure functions of names; and
 the private folder its copy goes to."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from spotguard.checkpoint import pernode
+from spotguard.checkpoint.folders import pernode
 from spotguard.errors import ConfigError
 
 NAMES = ["model.bin", "own-0", "own-1", "own-2", "own-3", "own-7"]
@@ -53,7 +53,7 @@ def test_a_node_folder_planted_by_another_user_never_receives_the_checkpoint(tmp
     import hashlib
     import tempfile
 
-    from spotguard.checkpoint import folders
+    from spotguard.checkpoint.folders import folders
 
     shared_tmp, theirs = tmp_path / "tmp", tmp_path / "theirs"
     shared_tmp.mkdir()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from spotguard import checkpoint
-from spotguard.checkpoint import layout
-from spotguard.checkpoint.manifest import MANIFEST, dir_order
+from spotguard.checkpoint.folders import layout
+from spotguard.checkpoint.format.manifest import MANIFEST, dir_order
 from spotguard.errors import ConfigError
 from spotguard.integrations._common import FolderCheckpoints
 from spotguard.storage import open_storage

@@ -1,4 +1,4 @@
-"""Checkpoint files are written without torch.save's zip CRC32s (checkpoint/serialize.py), and load."""
+"""Checkpoint files are written without torch.save's zip CRC32s (checkpoint/files/serialize.py), and load."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.checkpoint import serialize
+from spotguard.checkpoint.files import serialize
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch.serialization, "set_crc32_options"), reason="torch < 2.6 cannot switch the CRC32s off"

@@ -17,7 +17,7 @@ from torch import nn
 
 from spotguard import ConfigError, Guard
 from spotguard.checkpoint import latest, scan
-from spotguard.checkpoint.dcp import load_metadata
+from spotguard.checkpoint.sharded.dcp import load_metadata
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError
 from spotguard.guard.ranks import providers_for_rank
 from spotguard.notices.base import Notice

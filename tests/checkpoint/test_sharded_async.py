@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotguard.checkpoint import scan, sharded_async
+from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Tracked
-from spotguard.checkpoint.manifest import MANIFEST
-from spotguard.checkpoint.sharded import ShardedEngine
+from spotguard.checkpoint.format.manifest import MANIFEST
+from spotguard.checkpoint.sharded import sharded_async
+from spotguard.checkpoint.sharded.sharded import ShardedEngine
 from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage import LocalStorage
 

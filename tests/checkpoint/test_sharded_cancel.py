@@ -10,7 +10,7 @@ from torch import nn
 
 from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Tracked
-from spotguard.checkpoint.sharded import ShardedEngine
+from spotguard.checkpoint.sharded.sharded import ShardedEngine
 from spotguard.errors import SaveCancelled
 from spotguard.guard.agreement import setup
 from tests.checkpoint.test_dcp import CancelMidStream

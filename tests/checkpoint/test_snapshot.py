@@ -6,7 +6,7 @@ from collections import OrderedDict, namedtuple
 
 import torch
 
-from spotguard.checkpoint.snapshot import Staging
+from spotguard.checkpoint.state.snapshot import Staging
 
 Pair = namedtuple("Pair", "a b")
 

@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from spotguard.checkpoint import serialize, stream
-from spotguard.checkpoint.fileio import DirectFile
+from spotguard.checkpoint.files import serialize, stream
+from spotguard.checkpoint.files.fileio import DirectFile
 
 
 def awkward_state() -> dict:

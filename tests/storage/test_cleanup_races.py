@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 
 from spotguard import checkpoint
-from spotguard.checkpoint import cleanup
+from spotguard.checkpoint.folders import cleanup
 from spotguard.storage import open_storage
 from tests.storage.test_cli_cleanup import age, backdate_in_moto, sg, write
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import folders, scan, write_dir
-from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint import scan, write_dir
+from spotguard.checkpoint.folders import folders
+from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.guard import agreement
 from spotguard.integrations._common import FolderCheckpoints

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from spotguard.checkpoint.fileio import DirectFile, WorkMeter
-from spotguard.checkpoint.manifest import FileEntry
+from spotguard.checkpoint.files.fileio import DirectFile, WorkMeter
+from spotguard.checkpoint.format.manifest import FileEntry
 from spotguard.errors import SaveCancelled
 from spotguard.storage.base import Storage
 from spotguard.storage.growing import Upload, abandoned_on_error

@@ -12,8 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from spotguard.checkpoint import reader, retention
-from spotguard.checkpoint.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry
+from spotguard.checkpoint.folders import retention
+from spotguard.checkpoint.format import reader
+from spotguard.checkpoint.format.manifest import NEWER_FORMAT, CheckpointInfo, FileEntry
 from spotguard.storage import Storage
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import torch
 
-from spotguard.checkpoint import serialize
+from spotguard.checkpoint.files import serialize
 from spotguard.errors import SaveCancelled
 
 logger = logging.getLogger(__name__)

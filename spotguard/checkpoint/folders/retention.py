@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from spotguard.checkpoint.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
-from spotguard.checkpoint.reader import scan
+from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
+from spotguard.checkpoint.format.reader import scan
 from spotguard.errors import ConfigError
 from spotguard.storage.base import Storage
 

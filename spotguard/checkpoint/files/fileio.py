@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from spotguard.checkpoint.digest import CHUNK, ChunkedDigest
-from spotguard.checkpoint.manifest import FileEntry
+from spotguard.checkpoint.format.digest import CHUNK, ChunkedDigest
+from spotguard.checkpoint.format.manifest import FileEntry
 from spotguard.errors import ConfigError, SaveCancelled
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from spotguard.checkpoint.state import rng_isolated
-from spotguard.checkpoint.workers import convert as convert_workers
+from spotguard.checkpoint.state.state import rng_isolated
+from spotguard.checkpoint.state.workers import convert as convert_workers
 from spotguard.errors import CheckpointMismatchError
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from spotguard.checkpoint.slabs import Need, carve
+from spotguard.checkpoint.state.slabs import Need, carve
 
 logger = logging.getLogger(__name__)
 _ATOMS = (int, float, bool, str, bytes, type(None))  # immutable: shared, not deep-copied

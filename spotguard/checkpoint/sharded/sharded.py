@@ -32,24 +32,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import (
-    data,
-    filewrite,
-    layout,
-    leaseholder,
-    loadable,
-    retention,
-    sharded_async,
-    sharded_load,
-    state,
-    stream,
-)
+from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
-from spotguard.checkpoint.dcp import SpotguardWriter
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
-from spotguard.checkpoint.sharded_load import rank_file
-from spotguard.checkpoint.snapshot import Staging
+from spotguard.checkpoint.files import filewrite, stream
+from spotguard.checkpoint.folders import layout, retention
+from spotguard.checkpoint.format.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
+from spotguard.checkpoint.sharded import sharded_async, sharded_load
+from spotguard.checkpoint.sharded.dcp import SpotguardWriter
+from spotguard.checkpoint.sharded.sharded_load import rank_file
+from spotguard.checkpoint.state import data, loadable, state
+from spotguard.checkpoint.state.snapshot import Staging
 from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 

@@ -17,10 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint import digest, filewrite, leaseholder
-from spotguard.checkpoint.fileio import WorkMeter
-from spotguard.checkpoint.filewrite import Writer
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint import leaseholder
+from spotguard.checkpoint.files import filewrite
+from spotguard.checkpoint.files.fileio import WorkMeter
+from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.retention import delete
+from spotguard.checkpoint.format import digest
+from spotguard.checkpoint.format.manifest import (
     MANIFEST,
     REASONS,
     CheckpointInfo,
@@ -31,8 +34,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from spotguard.checkpoint.reader import listing_problem, open_verified, require_manifest
-from spotguard.checkpoint.retention import delete
+from spotguard.checkpoint.format.reader import listing_problem, open_verified, require_manifest
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointExistsError,

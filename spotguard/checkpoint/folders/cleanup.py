@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint import lease
-from spotguard.checkpoint.manifest import MANIFEST, human_duration, parse_step_dir
-from spotguard.checkpoint.reader import scan, scan_one
-from spotguard.checkpoint.retention import delete
+from spotguard.checkpoint.folders.retention import delete
+from spotguard.checkpoint.format.manifest import MANIFEST, human_duration, parse_step_dir
+from spotguard.checkpoint.format.reader import scan, scan_one
 from spotguard.errors import ConfigError
 from spotguard.storage.base import Leftover, Storage
 from spotguard.storage.local_leftovers import writer_running

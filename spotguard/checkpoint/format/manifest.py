@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 from spotguard._version import __version__
-from spotguard.checkpoint import bounds, digest
+from spotguard.checkpoint.format import bounds, digest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, SaveCancelled
 from spotguard.storage.base import STEP_DIR, reserved_name
 

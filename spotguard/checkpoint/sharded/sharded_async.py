@@ -35,8 +35,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from spotguard.checkpoint.dcp import SpotguardWriter
-from spotguard.checkpoint.manifest import FileEntry, step_dir
+from spotguard.checkpoint.format.manifest import FileEntry, step_dir
+from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage.base import Storage
 

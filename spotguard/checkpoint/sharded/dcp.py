@@ -41,9 +41,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from spotguard.checkpoint import filewrite, item_io, stream
-from spotguard.checkpoint.item_io import Slice
-from spotguard.checkpoint.manifest import FileEntry, HashingWriter
+from spotguard.checkpoint.files import filewrite, stream
+from spotguard.checkpoint.format.manifest import FileEntry, HashingWriter
+from spotguard.checkpoint.sharded import item_io
+from spotguard.checkpoint.sharded.item_io import Slice
 from spotguard.errors import CheckpointCorruptError, SaveCancelled
 from spotguard.storage.base import Storage
 

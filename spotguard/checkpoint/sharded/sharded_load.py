@@ -19,12 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint import data, state
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, set_dcp_state, split
-from spotguard.checkpoint.dcp import METADATA_FILE, SpotguardReader
 from spotguard.checkpoint.engine import Resumed, Tracked
-from spotguard.checkpoint.manifest import CheckpointInfo, Reshard, human_duration
-from spotguard.checkpoint.reader import none_loads, open_verified, refuse_newer_format, scan
+from spotguard.checkpoint.format.manifest import CheckpointInfo, Reshard, human_duration
+from spotguard.checkpoint.format.reader import none_loads, open_verified, refuse_newer_format, scan
+from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardReader
+from spotguard.checkpoint.state import data, state
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from spotguard.storage.base import Storage
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from spotguard.checkpoint import bounds, digest
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format import bounds, digest
+from spotguard.checkpoint.format.manifest import (
     MANIFEST,
     NEWER_FORMAT,
     CheckpointInfo,

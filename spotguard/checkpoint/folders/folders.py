@@ -33,12 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import layout, leaseholder, pernode
+from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.collective import Groups, broadcast
-from spotguard.checkpoint.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.reader import fetch as fetch_checkpoint
-from spotguard.checkpoint.reader import none_loads, refuse_newer_format, scan
+from spotguard.checkpoint.folders import layout, pernode
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
+from spotguard.checkpoint.format.reader import fetch as fetch_checkpoint
+from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseLostError, StorageError
 from spotguard.storage.base import Storage
 
