@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import pytest
@@ -90,3 +91,18 @@ def test_cancel_set_inside_a_large_item_stops_within_a_piece_not_at_the_items_en
     assert any(isinstance(e, SaveCancelled) for e in errors_of(info.value))
     assert storage.written <= (16 << 20) + 4096  # the piece being written when it was set, and a header
     assert storage.list_sizes("") == {}
+
+
+def test_metadata_written_before_the_move_to_checkpoint_sharded_still_loads(tmp_path):
+    # Until checkpoint/ had subpackages, the pickle named ShardLocation by spotguard.checkpoint.dcp.
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from spotguard.checkpoint.sharded.dcp import ShardLocation, load_metadata
+
+    where = ShardLocation(shard_file(0), 8, 16)
+    data = pickle.dumps(Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): where}), protocol=2)
+    old = data.replace(b"spotguard.checkpoint.sharded.dcp\n", b"spotguard.checkpoint.dcp\n")
+    assert old != data
+    for i, blob in enumerate((data, old)):
+        (tmp_path / f"{i}.dcp").write_bytes(blob)
+        assert load_metadata(tmp_path / f"{i}.dcp").storage_data == {MetadataIndex("w"): where}

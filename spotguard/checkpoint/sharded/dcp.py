@@ -185,7 +185,7 @@ _SAFE_GLOBALS = {
         "_MEM_FORMAT_ENCODING",
     )
 } | {
-    ("spotguard.checkpoint.dcp", "ShardLocation"),
+    (__name__, "ShardLocation"),
     ("torch", "Size"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
@@ -195,8 +195,14 @@ _SAFE_GLOBALS = {
 }
 
 
+# Metadata written before checkpoint/ had subpackages names ShardLocation by its old module.
+_MOVED = {("spotguard.checkpoint.dcp", "ShardLocation"): ShardLocation}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _MOVED:
+            return _MOVED[module, name]
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
