@@ -1,5 +1,6 @@
-"""Checkpoints: what one is (``manifest``), how it is laid out in storage (``layout``), what a
-training state is (``state``, ``data``, ``snapshot``), and the engines that write and read one.
+"""Checkpoints: what one is on disk (``format/``), what a training state is (``state/``), how one file
+is written (``files/``), how ``step-N/`` folders are committed, copied and pruned (``folders/``), and the
+engines that write and read one (``single``; ``sharded/`` in a process group, through ``engine``).
 
 The names below are the public face of checkpoints in a storage (``spotguard ls`` and ``verify``
 use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here

@@ -1,4 +1,4 @@
-"""``checkpoint.cleanup``: which garbage may go, judged on a local folder with injected clocks."""
+"""``checkpoint.folders.cleanup``: which garbage may go, judged on a local folder with injected clocks."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ step collective on the agreement's save group, in the same order whatever happen
 
 The resume goes the other way (``fetch``): rank 0 proposes the newest complete checkpoint, local
 rank 0 of every node fetches and verifies what its ranks need into a folder of that node (the
-shared files and its own ranks' files, by the integration's rule: ``spotguard.checkpoint.pernode``),
+shared files and its own ranks' files, by the integration's rule: ``pernode``),
 and when any node failed (a corrupt file) all ranks move to the next older checkpoint together.
 """
 

@@ -2,7 +2,7 @@
 
 ``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
 last, write-once, and lists every file with its size and checksum (BLAKE3 per 16 MiB chunk, see
-``spotguard.checkpoint.digest``; SHA-256 in older manifests): a directory without a valid
+``checkpoint.format.digest``; SHA-256 in older manifests): a directory without a valid
 manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
 other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
 """

@@ -57,7 +57,7 @@ def empty_local(url: str) -> bool:
 
 
 def rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
-    """Delete the garbage of killed saves that no running save can own (``checkpoint.cleanup``)."""
+    """Delete the garbage of killed saves that no running save can own (``checkpoint.folders.cleanup``)."""
     try:
         found = cleanup.plan(storage, args.min_age)
     except (CheckpointCorruptError, CheckpointFormatError) as e:  # the lease record: is a run writing? unknown
