@@ -1,4 +1,4 @@
-"""Worker for tests/checkpoint/test_folders.py (2 plain processes, gloo): trainer folders committed
+"""Worker for tests/checkpoint/folders/test_folders.py (2 plain processes, gloo): trainer folders committed
 across ranks that share no folder, and fetched back per node.
 
 Each rank writes its own folder: a file both ranks have (the same bytes, as a model every rank saves

@@ -11,7 +11,7 @@ from spotguard.checkpoint import scan
 from spotguard.checkpoint.folders import folders
 from spotguard.storage import open_storage
 
-from ..helpers import WORKERS, run_ranks, worker_results
+from ...helpers import WORKERS, run_ranks, worker_results
 
 
 def test_assign_gives_each_file_to_the_lowest_rank_that_has_it():

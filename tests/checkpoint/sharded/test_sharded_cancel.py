@@ -13,7 +13,7 @@ from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.sharded.sharded import ShardedEngine
 from spotguard.errors import SaveCancelled
 from spotguard.guard.agreement import setup
-from tests.checkpoint.test_dcp import CancelMidStream
+from tests.checkpoint.sharded.test_dcp import CancelMidStream
 
 ITEM = 512 * 512 * 4  # bytes of one weight
 

@@ -78,7 +78,7 @@ def fixture_guard(root: Path) -> tuple[spotguard.Guard, torch.nn.Linear]:
 
 @pytest.mark.parametrize("fmt", ["spotguard/1", "spotguard/2"])
 def test_checkpoints_written_in_old_formats_still_load_and_a_flip_is_still_caught(tmp_path, fmt, caplog):
-    """The fixtures were written by spotguard before format 3 (tests/checkpoint/fixtures/README.md)."""
+    """The fixtures were written by spotguard before format 3 (tests/checkpoint/format/fixtures/README.md)."""
     root = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / fmt.replace("/", "-"), root)
     (info,) = checkpoint.scan(open_storage(str(root)))
@@ -167,7 +167,7 @@ def test_a_bad_digest_entry_is_a_corrupt_manifest(bad):
 
 
 def test_an_unknown_manifest_format_is_corrupt(tmp_path):
-    """Not a spotguard/N format (a newer spotguard's is ``newer-format``: tests/checkpoint/test_format.py)."""
+    """Not a spotguard/N format (a newer spotguard's is ``newer-format``: tests/checkpoint/format/test_format.py)."""
     guard, _ = guard_with_model(tmp_path, 1.0)
     guard.save(1)
     path = tmp_path / "step-00000001" / "manifest.json"
