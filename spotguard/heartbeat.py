@@ -119,10 +119,17 @@ def _register_stack_dump() -> None:
 
 class Activity:
     """The ``SAVING`` and ``EVALUATING`` marks of a heartbeat: set at a save's or an evaluation's start,
-    cleared at its end (from any thread; a clear leaves a mark another save set since alone)."""
+    cleared at its end (from any thread; a clear leaves a mark another save set since alone).
+
+    ``begin``/``end`` pass the mark along (the Guard's background save ends it on its own thread).
+    A trainer's save or evaluation often begins in one hook and ends in another, so the integrations
+    ``hold`` a mark by its slot instead: ``hold`` while one is held keeps the earlier start (the save
+    began before this hook), ``release`` clears it (nothing when none is held), ``during`` is both
+    around one block."""
 
     def __init__(self, slots: memoryview | None = None) -> None:
         self._slots = slots if slots is not None and len(slots) > EVALUATING else None
+        self._held: dict[int, int] = {}
 
     def begin(self, slot: int, step: int) -> int:
         """Mark ``slot`` for ``step``; returns the mark, for ``end``."""
@@ -135,6 +142,30 @@ class Activity:
         slots = self._slots
         if slots is not None and slots[slot] == mark:
             slots[slot] = 0
+
+    def hold(self, slot: int, step: int) -> None:
+        if slot not in self._held:
+            self._held[slot] = self.begin(slot, step)
+
+    def release(self, slot: int) -> None:
+        mark = self._held.pop(slot, None)
+        if mark is not None:
+            self.end(slot, mark)
+
+    def held(self, slot: int) -> bool:
+        return slot in self._held
+
+    @contextmanager
+    def during(self, slot: int, step: int, *, last: bool = False) -> Iterator[None]:
+        """Marked for the block. A mark held already stays after it, unless the block is the save's or
+        the evaluation's ``last`` part (a trainer's commit of the folder it wrote)."""
+        ends = last or slot not in self._held
+        self.hold(slot, step)
+        try:
+            yield
+        finally:
+            if ends:
+                self.release(slot)
 
 
 class Beat:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spotguard.guard.agreement import ADVISORY, NOTHING, PERIODIC, STOP
+from spotguard.guard.agreement import NOTHING, PERIODIC
 from spotguard.guard.emergency import CANCEL_GRACE_S, EMERGENCY_FLOOR_S, FIT, Inflight, decide, time_given
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.saves import Saves
@@ -37,6 +37,7 @@ class Emergency:
     """One stop at ``step``: ``run()`` once. ``agree`` ([distributed]) makes a decision every rank's."""
 
     saves: Saves
+    protocol: StopProtocol
     step: int
     notice: Notice | None
     acknowledge: Callable[[Notice], None]
@@ -136,22 +137,16 @@ class Emergency:
         )
         if saves.saved_step == step:
             saves.saved_step = None  # committed to the local tier only: write it durably now
-        t_save = time.monotonic()
-        try:
-            saves.save(step, "emergency", deadline=deadline)
-            self.save_s = time.monotonic() - t_save
-        except Exception as e:
-            self.error = e
-            saves.failed(step, "emergency", e, keep=False)
-            resume_at = saves.durable_step
-            logger.error(
-                "emergency checkpoint of step %d NOT committed (%s: %s); resume point stays %s, %d step(s) lost",
-                step,
-                type(e).__name__,
-                e,
-                f"step {resume_at}" if resume_at is not None else "the start",
-                step - (resume_at or 0),
-            )
+
+        def write() -> None:
+            try:
+                saves.save(step, "emergency", deadline=deadline)
+            except Exception as e:
+                saves.failed(step, "emergency", e, keep=False)
+                raise
+
+        self.error, self.save_s = self.protocol.write(step, write, lambda: saves.durable_step)
+        if self.error is not None:
             return
         saves.stats.emergency_s = time.monotonic() - t0
         self._report(t0, left)
@@ -233,11 +228,9 @@ class GuardStops:
         the most urgent of every rank's own; in the notice window, the second stop when any rank's clock
         calls it."""
         s, window = self.saves.schedule, self.windowing.window
-        if window is not None:
-            code = STOP if window.closing() else NOTHING
-        else:
-            preempted = self.watcher.preempted.is_set()
-            code = STOP if preempted else ADVISORY if s.advisory else PERIODIC if s.is_due(step) else NOTHING
+        code = self.protocol.verdict(self.watcher.preempted.is_set(), s.advisory)
+        if code == NOTHING and window is None and s.is_due(step):
+            code = PERIODIC
         dist, sources = self.agreement, self.in_step  # with in-step sources (Ray's drain) the vote polls them
         return dist.vote(code) if sources is None else sources.vote(dist, code, step, window is not None)  # type: ignore
 
@@ -261,10 +254,9 @@ class GuardStops:
         self.stopped_at = step
         if self.in_step is not None:  # Ray's drain and the machine's notice: the earliest deadline governs
             self.in_step.at_stop(step)
-        left, peer = self.protocol.stopped(step, self.agreement, self.watcher.notice)
+        left, peer = self.protocol.stopped(step, self.agreement, self.watcher.notice)  # the flag, the vote
         if peer is not None:  # another rank saw it: make this rank's guard say so too
             self.watcher.report(peer)
-        self.protocol.flag_stopped()  # tells the supervisor: do not restart
         if not self.windowing.wanted:
             self._emergency(step, left, [])
             return True
@@ -289,6 +281,7 @@ class GuardStops:
         the caller."""
         stop = Emergency(
             self.saves,
+            self.protocol,
             step,
             self.watcher.notice,
             held.append,

@@ -3,10 +3,14 @@
 What a stop does, in this order (the saving itself is the caller's: ``stop.Emergency`` for the
 Guard, the trainer's own save for an integration):
 
-1. ``stopped(step, agreement, notice)``: [distributed] every rank stops after the same step, under
-   the earliest deadline of all ranks (``Agreement.agree_stop``, collective); the heartbeat says
-   "stopped for a notice", so ``spotguard run`` does not restart the job.
-2. The emergency checkpoint is written, then ``record(error, committed, second)``: the heartbeat's
+0. ``verdict(stop, advisory)``: this rank's own verdict of a step, which the ranks then vote on
+   (``Agreement.vote``: the most urgent of all); in the notice window, the second stop on this
+   rank's clock.
+1. ``stopped(step, agreement, notice)``: the heartbeat says "stopped for a notice", so ``spotguard
+   run`` does not restart the job; [distributed] every rank stops after the same step, under the
+   earliest deadline of all ranks (``Agreement.agree_stop``, collective).
+2. The emergency checkpoint is written (``write``: timed, its failure logged with what it costs), then
+   ``record(error, committed, second)``: the heartbeat's
    "committed" flag (``spotguard run`` exits 75 only then; the first commit stands), and why it was
    not committed, as ``emergency_error`` (or, for the notice window's second checkpoint,
    ``window_error``: the first stays the resume point).
@@ -22,10 +26,12 @@ Guard, the trainer's own save for an integration):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
+from spotguard.guard.agreement import ADVISORY, NOTHING, STOP
 from spotguard.notices.base import Notice
 
 if TYPE_CHECKING:
@@ -58,19 +64,53 @@ class StopProtocol:
         #: ``"use-window"``: why the second checkpoint was not committed (the first stays the resume point).
         self.window_error: BaseException | None = None
 
-    def flag_stopped(self) -> None:
-        """Tell ``spotguard run``: stopped for a notice (also where only another rank saw it), do not restart."""
-        self.beat.stopped()
+    def verdict(self, stop: bool, advisory: bool, tick: bool = True) -> int:
+        """This rank's own verdict of a step, before the ranks vote: ``STOP`` for a stop notice
+        (``stop``), ``ADVISORY`` for an advisory to act on, else ``NOTHING``. In the notice window
+        ``STOP`` once its second checkpoint is due by this rank's clock (``tick``: a training step
+        ended here), else ``NOTHING``: no advisory or periodic checkpoint in the window."""
+        window = self.windowing.window
+        if window is not None:
+            return STOP if window.closing(tick=tick) else NOTHING
+        return STOP if stop else ADVISORY if advisory else NOTHING
 
     def stopped(
         self, step: int, agreement: Agreement | None, notice: Notice | None
     ) -> tuple[float | None, Notice | None]:
         """The first stop, at ``step``: (seconds to the deadline, the notice another rank saw or None).
 
-        [distributed] Collective: the earliest deadline of all ranks. In one process: ``notice``'s."""
+        First the heartbeat's flag (also where only another rank saw the notice: ``spotguard run``
+        does not restart), then, [distributed], collectively, the earliest deadline of all ranks; in
+        one process ``notice``'s."""
+        self.beat.stopped()
         if agreement is None:
             return (None if notice is None else notice.seconds_left()), None
-        return agreement.agree_stop(step, notice)
+        left, peer = agreement.agree_stop(step, notice)
+        if peer is not None:
+            logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreement.rank, step)
+        return left, peer
+
+    def write(
+        self, step: int, write: Callable[[], object], resume_step: Callable[[], int | None]
+    ) -> tuple[BaseException | None, float | None]:
+        """Write the stop's checkpoint of ``step`` (``write()`` raises when it is not committed): (None,
+        seconds it took) or (the error, None), logged with the resume point that stays (``resume_step()``,
+        asked after the failure) and the steps lost. Never raises: the stop goes on either way."""
+        t0 = time.monotonic()
+        try:
+            write()
+        except Exception as e:
+            kept = resume_step()
+            logger.error(
+                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays %s, %d step(s) lost",
+                step,
+                type(e).__name__,
+                e,
+                "the start" if kept is None else f"step {kept}",
+                step - (kept or 0),
+            )
+            return e, None
+        return None, time.monotonic() - t0
 
     def record(self, error: BaseException | None, committed: bool, second: bool = False) -> None:
         """The outcome of a stop's checkpoint (``second``: the notice window's, at its end)."""

@@ -5,7 +5,7 @@ attribute read in a single process, one all-reduce of one integer in a process g
 ``Guard``'s agreement, ``RankGroup``), so that every rank stops after the same step. With
 ``deadline_policy="use-window"`` it follows the Guard's ``WindowPolicy``: after the first emergency
 checkpoint ``stop_saved`` says whether to train on, and ``check`` says when the second stop is due.
-Its ``marks`` (``Marks``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
+Its ``marks`` (the heartbeat's ``Activity``) tell ``spotguard rehearse`` when the trainer saves or evaluates.
 ``watch_parts`` makes it with the trainer's ``FolderCheckpoints`` (``_folders``) over one
 ``RankGroup``: in a process group (``torch.distributed`` initialised, world size > 1) every rank
 must then call ``check``, ``commit`` and ``newest_verified`` at the same points, in the same order.
@@ -26,14 +26,13 @@ from spotguard.guard.agreement import ADVISORY, NOTHING, STOP, Agreement
 from spotguard.guard.options import CommonOptions, Unloadable
 from spotguard.guard.stopping import StopProtocol
 from spotguard.guard.window import WindowPolicy
-from spotguard.heartbeat import EXIT_PREEMPTED
+from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
 from ._folders import FolderCheckpoints
 from ._group import RankGroup
-from ._marks import Marks
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ class NoticeWatch:
         #: The stop protocol (``guard.stopping``): flags, outcome, lease and cloud, in the Guard's order.
         self.protocol = StopProtocol(self._beat, self.windowing, release, self.watcher.acknowledge)
         #: The heartbeat's marks of a save in flight and of an evaluation (``spotguard rehearse`` sees them).
-        self.marks = Marks(self._beat.slots)
+        self.marks = self._beat.activity
 
     def check(self, step: int, stop_only: bool = False, tick: bool | None = None) -> int:
         """The verdict of ``step``: ``NOTHING``, ``ADVISORY`` (checkpoint, go on) or ``STOP``.
@@ -135,19 +134,13 @@ class NoticeWatch:
         self._beat.step(step)  # `spotguard run`'s hang watchdog: one memory write
         agreed = self.group.get()
         window = self.windowing.window
+        stop, tick = self.preempted.is_set(), not stop_only if tick is None else tick
         if agreed is None:
-            if not self.due or (stop_only and not self.preempted.is_set()):
+            if not self.due or (stop_only and not stop):
                 return NOTHING
-            if window is not None:
-                verdict = STOP if window.closing(tick=not stop_only if tick is None else tick) else NOTHING
-            else:
-                verdict = STOP if self.preempted.is_set() else ADVISORY
-        else:
-            if window is not None:  # the ranks vote on the second stop: any rank's clock may call it
-                own = STOP if window.closing(tick=not stop_only if tick is None else tick) else NOTHING
-            else:
-                own = STOP if self.preempted.is_set() else ADVISORY if self._advisory and not stop_only else NOTHING
-            verdict = agreed.vote(own)
+            verdict = self.protocol.verdict(stop, True, tick)  # due, not a stop: an advisory
+        else:  # the ranks vote; in the notice window on the second stop: any rank's clock may call it
+            verdict = agreed.vote(self.protocol.verdict(stop, self._advisory and not stop_only, tick))
             if stop_only and verdict != STOP:
                 return NOTHING
         if verdict == STOP:
@@ -200,29 +193,14 @@ class NoticeWatch:
             logger.warning("stop at step %d: already checkpointed", step)
             return self.stop_saved(step, save_s=last_save_s, may_train_on=may_train_on)
         logger.warning("stopping %s %d for a notice: writing the emergency checkpoint", where, step)
-        t0 = time.monotonic()
-        try:
-            write(self.deadline())
-        except Exception as e:
-            logger.error(
-                "emergency checkpoint of step %d NOT committed (%s: %s); the resume point stays step %s",
-                step,
-                type(e).__name__,
-                e,
-                resume_step,
-            )
-            return self.stop_saved(step, e, may_train_on=may_train_on)
-        return self.stop_saved(step, save_s=time.monotonic() - t0, may_train_on=may_train_on)
+        error, save_s = self.protocol.write(step, lambda: write(self.deadline()), lambda: resume_step)
+        return self.stop_saved(step, error, save_s, may_train_on=may_train_on)
 
     def _agree_stop(self, agreed: Agreement | None, step: int) -> None:
         self.stopping = True
-        self.protocol.flag_stopped()  # also where only another rank saw the notice
-        if agreed is None:
-            return
-        left, self._peer = self.protocol.stopped(step, agreed, self.watcher.notice)
-        self._deadline = None if left is None else time.monotonic() + left
-        if self._peer is not None:
-            logger.warning("rank %d: another rank saw a notice: stopping after step %d with it", agreed.rank, step)
+        left, self._peer = self.protocol.stopped(step, agreed, self.watcher.notice)  # the flag, the vote
+        if agreed is not None:  # in one process deadline() follows this rank's notice
+            self._deadline = None if left is None else time.monotonic() + left
 
     def _on_notice(self, notice: Notice) -> None:
         if self.windowing.cut(notice, self._stop_on_advisory):
@@ -274,6 +252,13 @@ class NoticeWatch:
         """``spotguard.EXIT_PREEMPTED`` (75) after a stop notice (on any rank), else 0: the job's exit code
         (also after a second checkpoint of the notice window that failed: the first is the resume point)."""
         return EXIT_PREEMPTED if self.preempted.is_set() or self.stopping else 0
+
+
+def exit_refused(error: BaseException) -> int:
+    """The job's exit code for a resume refused with ``error`` (``errors.PERMANENT``): a restart would
+    meet it again, so ``spotguard run`` does not retry (``EXIT_CONFIG``)."""
+    logger.error("cannot resume: %s: %s", type(error).__name__, error)
+    return EXIT_CONFIG
 
 
 class StopOutcome:

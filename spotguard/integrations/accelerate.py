@@ -150,7 +150,7 @@ class AcceleratorGuard(LoopGuard):
         at = self._step if step is None else step
         notices = self.notices
         stopping = lambda: notices.preempted.is_set() and not notices.in_window  # noqa: E731
-        return Evaluation(self._evaluations, at, stopping, self.checkpoints.group.get(), self.notices.marks.activity)
+        return Evaluation(self._evaluations, at, stopping, self.checkpoints.group.get(), self.notices.marks)
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """``accelerator.save_state`` of the current state, committed as checkpoint ``step``, now.

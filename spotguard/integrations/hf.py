@@ -46,11 +46,11 @@ from spotguard.checkpoint.state import state as state_module
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
-from ..heartbeat import EVALUATING, EXIT_CONFIG, SAVING
+from ..heartbeat import EVALUATING, SAVING
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, watch_parts
+from ._common import StopOutcome, exit_refused, watch_parts
 
 try:
     from transformers import TrainerCallback
@@ -137,12 +137,12 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
 
         def save_marked(*args: Any, **kw: Any) -> Any:
             # The Trainer writes its folder here; the mark ends once ``_commit`` has committed it.
-            marks.begin(SAVING, trainer.state.global_step)
+            marks.hold(SAVING, trainer.state.global_step)
             try:
                 with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
                     return save_checkpoint(*args, **kw)
             except BaseException:
-                marks.end(SAVING)
+                marks.release(SAVING)
                 raise
 
         trainer.evaluate, trainer._save_checkpoint = evaluate_from_its_start, save_marked
@@ -150,16 +150,14 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             try:
                 resume = self.resume_from_checkpoint()
             except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
-                logger.error("cannot resume: %s: %s", type(e).__name__, e)
-                return EXIT_CONFIG
+                return exit_refused(e)
             trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Interrupt:
             self._save_interrupted(trainer)
         except PERMANENT as e:
             if not self.checkpoints.refused:  # refused in on_train_begin: no restart would fix it
                 raise
-            logger.error("cannot resume: %s: %s", type(e).__name__, e)
-            return EXIT_CONFIG
+            return exit_refused(e)
         finally:
             del trainer.evaluate, trainer._save_checkpoint  # the class's methods again
             self._trainer = None
@@ -240,17 +238,17 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
         if self.stopped_at is None and self._act(self.notices.check(state.global_step, tick=False), state, control):
             self._save_began = self._save_began or time.monotonic()  # the Trainer saves next
         return control
 
     def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # A bare callback (no ``cb.train``) learns of an evaluation here first, after its first batch.
-        self.notices.marks.begin(EVALUATING, state.global_step)
+        self.notices.marks.hold(EVALUATING, state.global_step)
         if self._trainer is not None and self.notices.check(state.global_step, stop_only=True) == STOP:
             raise _Interrupt  # cut the evaluation short: the checkpoint must make the deadline
 

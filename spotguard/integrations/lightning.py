@@ -41,7 +41,7 @@ import torch
 from spotguard.checkpoint.files.stream import pinned_torch_save
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.state import data, state
-from spotguard.heartbeat import EVALUATING, EXIT_CONFIG, EXIT_PREEMPTED, SAVING
+from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
 
 from ..errors import PERMANENT, MissingDependencyError
 from ..guard.agreement import ADVISORY, STOP
@@ -49,7 +49,7 @@ from ..storage import Storage
 from . import _lightning_loops as loops
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, watch_parts
+from ._common import StopOutcome, exit_refused, watch_parts
 from ._planned_resume import PlannedResume
 
 try:
@@ -128,8 +128,7 @@ class SpotguardCallback(StopOutcome, Callback):
             try:
                 ckpt_path = self.resume_from_checkpoint()
             except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
-                logger.error("cannot resume: %s: %s", type(e).__name__, e)
-                return EXIT_CONFIG
+                return exit_refused(e)
             trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
         except (_Interrupt, SIGTERMException):
             if self.stopped_at is None:
@@ -137,8 +136,7 @@ class SpotguardCallback(StopOutcome, Callback):
         except PERMANENT as e:
             if not (self._planned.failed or self.checkpoints.refused):
                 raise
-            logger.error("cannot resume: %s: %s", type(e).__name__, e)
-            return EXIT_CONFIG
+            return exit_refused(e)
         finally:
             self.close()
         return self.exit_code
@@ -246,7 +244,7 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
-            self.notices.marks.begin(EVALUATING, self._steps)  # when the loop could not be wrapped
+            self.notices.marks.hold(EVALUATING, self._steps)  # when the loop could not be wrapped
             if self._rng_before_validation is None:
                 self._rng_before_validation = state.capture_rng()
 
@@ -271,12 +269,12 @@ class SpotguardCallback(StopOutcome, Callback):
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._rng_before_validation = None
-        self.notices.marks.end(EVALUATING)
+        self.notices.marks.release(EVALUATING)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if not isinstance(exception, (_Interrupt, SIGTERMException)):
             return
-        self.notices.marks.end(EVALUATING)  # a validation cut short has ended (the save is no part of it)
+        self.notices.marks.release(EVALUATING)  # a validation cut short has ended (the save is no part of it)
         if self.stopped_at is None:
             self.stopped_at = step = trainer.global_step
             where = "during validation" if self._rng_before_validation is not None else "outside a training step"

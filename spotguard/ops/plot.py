@@ -66,6 +66,11 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower center")
     fig.tight_layout()
+    return save(plt, fig, path)
+
+
+def save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` and close it (a ``StorageError`` when the file cannot be written)."""
     out = Path(path)
     try:
         fig.savefig(out)

@@ -34,17 +34,16 @@ import re
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import azure.core.exceptions as aze
 import requests
 from azure.core import MatchConditions
 
 from ..errors import ConfigError, MissingDependencyError, StorageAccessError, StorageError
-from . import retry
-from ._common import check_fields, crc_b64, file_crc
+from ._common import crc_b64, file_crc
 from .azure_blocks import (
     KINDS,
     BlockChecksum,
@@ -58,6 +57,7 @@ from .azure_blocks import (
 from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolicy, error_code, parse_url
 from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
+from .options import TransferOptions
 
 __all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
 
@@ -79,9 +79,10 @@ _NETWORK = (
 )
 
 
-@dataclass
-class AzureOptions:
-    """Transfer and retry tuning; the defaults suit multi-GB checkpoints on one machine."""
+@dataclass(kw_only=True)
+class AzureOptions(TransferOptions):
+    """Transfer and retry tuning; the defaults suit multi-GB checkpoints on one machine.
+    ``retry``: the retry policy (``RetryOptions``)."""
 
     block_size: int = 16 * MiB  # Put Block size (Azure allows up to 4000 MiB, 50,000 blocks)
     single_put_threshold: int = 16 * MiB  # objects up to this size go up in one Put Blob
@@ -93,22 +94,14 @@ class AzureOptions:
     urgent_timeout: float = 5.0  # least connect/read timeout under a deadline (emergency saves)
     account_url: str | None = None  # Blob endpoint override (a private endpoint, an HTTPS emulator)
     block_checksum: str = "auto"  # what each block carries for the service to check: "crc64", "md5", "auto"
-    retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
+
+    bounds: ClassVar[dict[str, Any]] = {
+        "ints": {"block_size": (64 * 1024, 4000 * MiB), "single_put_threshold": 1, "page_size": (1, 5000)},
+        "urls": ("account_url",),
+    }
 
     def __post_init__(self) -> None:
-        check_fields(
-            self,
-            kinds={"retry": retry.RetryOptions},
-            ints={
-                "block_size": (64 * 1024, 4000 * MiB),
-                "single_put_threshold": 1,
-                "concurrency": 1,
-                "page_size": (1, 5000),
-                "request_attempts": 1,
-            },
-            positive=("connect_timeout", "read_timeout", "urgent_timeout"),
-            urls=("account_url",),
-        )
+        super().__post_init__()
         if self.block_checksum not in ("auto", *KINDS):
             raise ConfigError(
                 f"AzureOptions.block_checksum must be 'auto', 'crc64' or 'md5', got {self.block_checksum!r}"

@@ -22,9 +22,9 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import google.api_core.exceptions as gexc
 import google.auth.exceptions as aexc
@@ -35,9 +35,10 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from ..errors import ConfigError, StorageError
 from . import gcs_compose, gcs_errors, retry
-from ._common import check_fields, crc_b64, split_url
+from ._common import crc_b64, split_url
 from .base import GCS_PART_NAME, STEP_DIR, Leftover, check_key
 from .cloud import CloudStorage, _Conflict
+from .options import TransferOptions
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,9 @@ def _private_boundaries() -> None:
             _upload.get_boundary = get_boundary
 
 
-@dataclass
-class GCSOptions:
-    """Transfer and retry tuning."""
+@dataclass(kw_only=True)
+class GCSOptions(TransferOptions):
+    """Transfer and retry tuning; ``retry``: the retry policy (``RetryOptions``)."""
 
     chunk_size: int = 32 * MiB  # resumable chunk and composite part size (multiple of 256 KiB)
     resumable_threshold: int = 8 * MiB  # objects from this size up use resumable uploads
@@ -101,22 +102,14 @@ class GCSOptions:
     page_size: int = 1000  # keys per LIST request
     timeout: float = 60.0  # seconds per HTTP request (connect, read)
     project: str | None = None  # None: from the credentials / environment
-    retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
+
+    bounds: ClassVar[dict[str, Any]] = {
+        "ints": {"chunk_size": _CHUNK_UNIT, "resumable_threshold": 1, "composite_threshold": 0, "page_size": (1, 5000)},
+        "strings": ("project",),
+    }
 
     def __post_init__(self) -> None:
-        check_fields(
-            self,
-            kinds={"retry": retry.RetryOptions},
-            ints={
-                "chunk_size": _CHUNK_UNIT,
-                "resumable_threshold": 1,
-                "composite_threshold": 0,
-                "concurrency": 1,
-                "page_size": (1, 5000),
-            },
-            positive=("timeout",),
-            strings=("project",),
-        )
+        super().__post_init__()
         if self.chunk_size % _CHUNK_UNIT:
             raise ConfigError(f"chunk_size must be a positive multiple of 256 KiB, got {self.chunk_size}")
 
@@ -247,40 +240,27 @@ class GCSStorage(CloudStorage):
         super().put_bytes(key, data, exclusive=exclusive, deadline=deadline)
 
     def _put(self, client: Any, full: str, data: bytes, exclusive: bool, deadline: float | None) -> None:
-        _private_boundaries()
-        blob = client.blob(full)
-        blob.crc32c = crc_b64(_crc32c(data, 0))
-        try:
-            # Below the library's resumable threshold: one multipart request, where GCS and the
-            # emulators apply ifGenerationMatch=0.
-            blob.upload_from_string(
-                data,
-                if_generation_match=0 if exclusive else None,
-                checksum="crc32c",
-                retry=None,
-                timeout=self._timeout(deadline),
-            )
-        except gexc.PreconditionFailed as e:
-            raise _Conflict from e
+        self._upload_small(client, full, data, 0 if exclusive else None, self._timeout(deadline))
 
     def _put_conditional(self, client: Any, full: str, data: bytes, token: str | None) -> str:
-        """``ifGenerationMatch``: 0 creates only; a generation replaces only that version (412 else).
-        One multipart request: the emulators apply the precondition there (fake-gcs-server does,
-        gcp-storage-emulator ignores it)."""
+        """``ifGenerationMatch``: 0 creates only; a generation replaces only that version (412 else)."""
+        blob = self._upload_small(client, full, data, 0 if token is None else int(token), self.options.timeout)
+        return str(blob.generation)
+
+    def _upload_small(self, client: Any, full: str, data: bytes, generation: int | None, timeout: float) -> Any:
+        """One multipart request (below the library's resumable threshold), checked by its CRC32C: the
+        request where GCS and the emulators apply ``ifGenerationMatch`` (fake-gcs-server does there,
+        gcp-storage-emulator ignores it). A precondition that fails is a ``_Conflict``."""
         _private_boundaries()
         blob = client.blob(full)
         blob.crc32c = crc_b64(_crc32c(data, 0))
         try:
             blob.upload_from_string(
-                data,
-                if_generation_match=0 if token is None else int(token),
-                checksum="crc32c",
-                retry=None,
-                timeout=self.options.timeout,
+                data, if_generation_match=generation, checksum="crc32c", retry=None, timeout=timeout
             )
         except gexc.PreconditionFailed as e:
             raise _Conflict from e
-        return str(blob.generation)
+        return blob
 
     def _read_versioned(self, full: str, client: Any = None) -> tuple[bytes, str]:
         """The generation first, then those bytes only (pinned: a newer version fails, never mixes)."""

@@ -19,9 +19,9 @@ import functools
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import boto3
 import botocore.exceptions as bex
@@ -31,18 +31,20 @@ from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import ConfigError, StorageError
-from . import retry, s3_errors
-from ._common import check_fields, split_url
+from . import s3_errors
+from ._common import split_url
 from .base import STEP_DIR, Leftover
 from .cloud import CloudStorage, _ChecksumMismatch, _Conflict, urgent_timeout
+from .options import TransferOptions
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
 
 
-@dataclass
-class S3Options:
-    """Transfer and retry tuning; the defaults suit multi-GB checkpoints on one machine."""
+@dataclass(kw_only=True)
+class S3Options(TransferOptions):
+    """Transfer and retry tuning; the defaults suit multi-GB checkpoints on one machine.
+    ``retry``: the retry policy (``RetryOptions``)."""
 
     part_size: int = 16 * MiB  # multipart chunk size (S3 minimum 5 MiB, except the last part)
     multipart_threshold: int = 16 * MiB  # objects from this size up go multipart
@@ -55,22 +57,11 @@ class S3Options:
         5.0  # least connect/read timeout under a deadline (emergency saves): see cloud.urgent_timeout
     )
     endpoint_url: str | None = None  # None: boto3's chain (AWS_ENDPOINT_URL, config files)
-    retry: retry.RetryOptions = field(default_factory=retry.RetryOptions)
 
-    def __post_init__(self) -> None:
-        check_fields(
-            self,
-            kinds={"retry": retry.RetryOptions},
-            ints={
-                "part_size": 5 * MiB,
-                "multipart_threshold": 1,
-                "concurrency": 1,
-                "page_size": (1, 1000),
-                "request_attempts": 1,
-            },
-            positive=("connect_timeout", "read_timeout", "urgent_timeout"),
-            urls=("endpoint_url",),
-        )
+    bounds: ClassVar[dict[str, Any]] = {
+        "ints": {"part_size": 5 * MiB, "multipart_threshold": 1, "page_size": (1, 1000)},
+        "urls": ("endpoint_url",),
+    }
 
 
 class S3Storage(CloudStorage):

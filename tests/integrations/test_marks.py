@@ -1,5 +1,5 @@
 """The heartbeat's marks of a save and of an evaluation, set by the trainer integrations in one process
-(``_marks.Marks``): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
+(``heartbeat.Activity``, held by slot): what ``spotguard rehearse --during-save/--during-eval`` waits for. Each trainer's
 own save and evaluation read the marks while they run; both are cleared once they end. (The HF
 Trainer's and DeepSpeed's are also rehearsed end to end in tests/ops/test_rehearse.py.)"""
 
@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader
 
 from spotguard import heartbeat
 from spotguard.heartbeat import EVALUATING, SAVING
-from spotguard.integrations._marks import Marks
 
 
 @pytest.fixture
@@ -42,16 +41,16 @@ class Peek:
 
 
 def test_a_mark_begun_in_one_hook_is_cleared_in_another_and_a_block_keeps_an_earlier_start(slots):
-    marks = Marks(slots)
-    marks.begin(SAVING, 4)  # e.g. the Trainer begins writing its folder
-    marks.begin(SAVING, 9)  # a later hook of the same save: the earlier start stands
+    marks = heartbeat.Activity(slots)
+    marks.hold(SAVING, 4)  # e.g. the Trainer begins writing its folder
+    marks.hold(SAVING, 9)  # a later hook of the same save: the earlier start stands
     with marks.during(SAVING, 9):
         assert slots[SAVING] == 5
     assert slots[SAVING] == 5  # a block inside the save leaves it marked
     with marks.during(SAVING, 4, last=True):  # the commit: the save's last part
         assert slots[SAVING] == 5
     assert slots[SAVING] == 0
-    marks.end(SAVING)  # nothing held: nothing happens
+    marks.release(SAVING)  # nothing held: nothing happens
     with pytest.raises(RuntimeError), marks.during(EVALUATING, 0):
         assert slots[EVALUATING] == 1
         raise RuntimeError

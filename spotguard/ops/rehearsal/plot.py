@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spotguard.errors import StorageError
-from spotguard.ops.plot import pyplot
+from spotguard.ops.plot import pyplot, save
 
 if TYPE_CHECKING:
     from . import Result
@@ -61,11 +60,4 @@ def plot_rehearsal(result: Result, path: str | Path) -> Path:
     bars.barh(names, [lost[n] for n in names], color=[CAUSES[n] for n in names])
     bars.set_xlabel("seconds lost")
     bars.invert_yaxis()
-    out = Path(path)
-    try:
-        fig.savefig(out)
-    except OSError as e:
-        raise StorageError(f"cannot write plot {out}: {e}") from e
-    finally:
-        plt.close(fig)
-    return out
+    return save(plt, fig, path)
