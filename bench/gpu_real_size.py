@@ -104,7 +104,7 @@ def pinned_copy(ts: list[torch.Tensor]) -> float:
 
 def disk_floor(root: Path, nbytes: int) -> float:
     """Sequential O_DIRECT write of ``nbytes`` and fsync: what the disk can take."""
-    from spotguard.checkpoint.fileio import DirectFile
+    from spotguard.checkpoint.files.fileio import DirectFile
 
     block = bytes(64 << 20)
     t0 = time.perf_counter()

@@ -36,7 +36,7 @@ from _rows import emit, parser, row  # noqa: E402
 from restore import build, drop_cache  # noqa: E402
 
 from spotguard import Guard  # noqa: E402
-from spotguard.checkpoint import digest  # noqa: E402
+from spotguard.checkpoint.format import digest  # noqa: E402
 
 
 class _NoHash:

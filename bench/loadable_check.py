@@ -1,6 +1,6 @@
 """Cost of the first save's check that the state loads back with ``torch.load(weights_only=True)``.
 
-Our figure: ``spotguard.checkpoint.loadable.check`` on a trained model's and AdamW's state (the
+Our figure: ``spotguard.checkpoint.state.loadable.check`` on a trained model's and AdamW's state (the
 structure pickled with empty tensors, read back by torch's weights-only loader). Baselines, measured
 in the same run: ``torch.save`` of the same state to a sink that drops the bytes (what checking by a
 second serialisation would cost at least), and the other way to check, ``torch.save`` to a file
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from _rows import emit, parser, row  # noqa: E402
 from torch import nn  # noqa: E402
 
-from spotguard.checkpoint import loadable  # noqa: E402
+from spotguard.checkpoint.state import loadable  # noqa: E402
 
 LAYERS, WIDTH, REPEAT = 400, 256, 5
 

@@ -26,7 +26,7 @@ DEADLINE_POLICY = "SPOTGUARD_DEADLINE_POLICY"  # a Guard's deadline_policy: stop
 STORAGE = "SPOTGUARD_STORAGE"  # the durable URL of a Guard built without one
 LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local-dir`)
 METRICS_FILE = "SPOTGUARD_METRICS_FILE"  # JSON lines of a Guard built without one (`spotguard rehearse`)
-CHECKSUM = "SPOTGUARD_CHECKSUM"  # the checksum of new checkpoints (spotguard.checkpoint.digest)
+CHECKSUM = "SPOTGUARD_CHECKSUM"  # the checksum of new checkpoints (spotguard.checkpoint.format.digest)
 TAKEOVER = "SPOTGUARD_TAKEOVER"  # 1: take over a live writer lease (`spotguard run --takeover`)
 
 T = TypeVar("T")

@@ -28,7 +28,7 @@ import torch
 import spotguard
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest
-from spotguard.checkpoint.snapshot import Staging
+from spotguard.checkpoint.state.snapshot import Staging
 from spotguard.storage import open_storage
 
 from .guard.test_resume import stop_at
@@ -71,8 +71,8 @@ def test_staging_pins_host_buffers_and_snapshots_device_tensors_exactly():
 def test_a_streamed_save_of_cuda_state_loads_back_exactly_through_a_small_ring(tmp_path):
     """The emergency path: device storages reach the file in pinned chunks, the copy of one overlapping
     the write of the one before; the file loads as torch.save's would, with weights_only."""
-    from spotguard.checkpoint import stream
-    from spotguard.checkpoint.fileio import DirectFile
+    from spotguard.checkpoint.files import stream
+    from spotguard.checkpoint.files.fileio import DirectFile
 
     base = torch.randn(1000, 333, device="cuda")
     state = {"w": base, "view": base[10:20], "t": base.t(), "b": torch.randn(7, device="cuda").bfloat16(), "n": 3}
@@ -88,7 +88,7 @@ def test_a_streamed_save_of_cuda_state_loads_back_exactly_through_a_small_ring(t
 
 
 def test_a_trainers_torch_save_copies_through_pinned_memory_inside_pinned_torch_save(tmp_path):
-    from spotguard.checkpoint import stream
+    from spotguard.checkpoint.files import stream
 
     def pinned_requests() -> int:  # cumulative counters of the caching host allocator (cache hits count too)
         return sum(v for k, v in torch.cuda.host_memory_stats().items() if k.endswith(".allocated"))

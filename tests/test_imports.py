@@ -113,7 +113,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
 
 def test_the_package_has_no_import_circle():
     graph = package_graph()
-    assert len(graph) > 50 and "spotguard.checkpoint.layout" in graph
+    assert len(graph) > 50 and "spotguard.checkpoint.folders.layout" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 

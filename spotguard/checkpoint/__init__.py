@@ -1,5 +1,6 @@
-"""Checkpoints: what one is (``manifest``), how it is laid out in storage (``layout``), what a
-training state is (``state``, ``data``, ``snapshot``), and the engines that write and read one.
+"""Checkpoints: what one is on disk (``format/``), what a training state is (``state/``), how one file
+is written (``files/``), how ``step-N/`` folders are committed, copied and pruned (``folders/``), and the
+engines that write and read one (``single``; ``sharded/`` in a process group, through ``engine``).
 
 The names below are the public face of checkpoints in a storage (``spotguard ls`` and ``verify``
 use them too); the engines (``single``, ``sharded``) import torch.distributed and are not loaded here
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spotguard.checkpoint.filewrite import Writer
-from spotguard.checkpoint.layout import copy, write, write_dir
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.layout import copy, write, write_dir
+from spotguard.checkpoint.folders.retention import delete, prune
+from spotguard.checkpoint.format.manifest import (
     FORMAT,
     FORMATS,
     MANIFEST,
@@ -26,8 +28,7 @@ from spotguard.checkpoint.manifest import (
     parse_step_dir,
     step_dir,
 )
-from spotguard.checkpoint.reader import fetch, latest, open_verified, scan, verify
-from spotguard.checkpoint.retention import delete, prune
+from spotguard.checkpoint.format.reader import fetch, latest, open_verified, scan, verify
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,6 +93,6 @@ def make_engine(
             staging_budget=staging_budget,
             fence=fence,
         )
-    from spotguard.checkpoint.sharded import ShardedEngine
+    from spotguard.checkpoint.sharded.sharded import ShardedEngine
 
     return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch, fence=fence)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.state import Untracked
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.state.state import Untracked
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, layout, loadable, reader, retention, stale_local, state, stream
-from spotguard.checkpoint.budget import Budget, tensor_bytes
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
-from spotguard.checkpoint.fileio import WorkMeter
-from spotguard.checkpoint.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
-from spotguard.checkpoint.snapshot import Staging, canonical
+from spotguard.checkpoint.files import stream
+from spotguard.checkpoint.files.fileio import WorkMeter
+from spotguard.checkpoint.folders import layout, retention, stale_local
+from spotguard.checkpoint.format import reader
+from spotguard.checkpoint.format.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
+from spotguard.checkpoint.state import data, loadable, state
+from spotguard.checkpoint.state.budget import Budget, tensor_bytes
+from spotguard.checkpoint.state.snapshot import Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
 from spotguard.storage import Storage
 

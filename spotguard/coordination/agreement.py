@@ -4,8 +4,8 @@ Each rank watches its own notice sources (signal handlers on every rank, cloud m
 rank 0 of each node by default). ``guard.step()`` then combines the local flags of all ranks with
 one all-reduce of one integer (MAX) on a dedicated gloo group, every ``sync_every`` steps: a
 separate group never interleaves with the training's NCCL collectives, nor with the save group
-that synchronous sharded checkpoints (``spotguard.checkpoint.sharded``) coordinate on. Background
-saves coordinate through the job's key-value store instead (``spotguard.checkpoint.sharded_async``):
+that synchronous sharded checkpoints (``spotguard.checkpoint.sharded.sharded``) coordinate on. Background
+saves coordinate through the job's key-value store instead (``spotguard.checkpoint.sharded.sharded_async``):
 no collective from a second thread, none that a destroyed group can leave blocked. Only when the verdict is "stop" is
 a second, equally small all-reduce spent on the earliest deadline (MIN of UTC epoch seconds:
 wall clocks, because monotonic clocks differ between machines). With ``deadline_policy="use-window"`` one

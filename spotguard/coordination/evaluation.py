@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from spotguard import heartbeat
-from spotguard.checkpoint import state
 from spotguard.checkpoint.engine import Cut, Tracked
+from spotguard.checkpoint.state import state
 from spotguard.coordination.agreement import NOTHING, STOP, Agreement
 
 

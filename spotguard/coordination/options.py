@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spotguard import _env
-from spotguard.checkpoint.data import Rebatch
-from spotguard.checkpoint.state import Untracked
+from spotguard.checkpoint.state.data import Rebatch
+from spotguard.checkpoint.state.state import Untracked
 from spotguard.coordination.window import DeadlinePolicy, WindowPolicy
 from spotguard.errors import ConfigError
 from spotguard.notices.base import NoticeProvider

@@ -18,8 +18,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Tracked
+from spotguard.checkpoint.state import data, state
 from spotguard.coordination import agreement, lease, ranks
 from spotguard.coordination.agreement import ADVISORY, NOTHING, PERIODIC, STOP
 from spotguard.coordination.evaluation import Evaluation
@@ -39,7 +39,7 @@ from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.manifest import CheckpointInfo, Manifest
+    from spotguard.checkpoint.format.manifest import CheckpointInfo, Manifest
     from spotguard.metrics import GuardMetrics
 
 logger = logging.getLogger(__name__)

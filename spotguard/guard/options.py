@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from spotguard import _env
-from spotguard.checkpoint.manifest import Reshard
+from spotguard.checkpoint.format.manifest import Reshard
 from spotguard.coordination.options import CommonOptions
 from spotguard.coordination.ranks import PollOn
 from spotguard.errors import ConfigError

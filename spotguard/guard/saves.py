@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
-from spotguard.checkpoint.budget import pinned_bytes
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.state.budget import pinned_bytes
 from spotguard.errors import NoLoadableCheckpointError, UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spotguard.checkpoint import data
+from spotguard.checkpoint.state import data
 
 if TYPE_CHECKING:
     from ._folders import FolderCheckpoints

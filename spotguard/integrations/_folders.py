@@ -4,7 +4,7 @@ Trainers write their checkpoint as a folder of files, with no commit marker and 
 kill during the save leaves a folder that looks whole, and resuming from it fails or, worse,
 loads half a state. ``FolderCheckpoints`` commits such a folder to spotguard storage (files
 first, manifest with checksums last), prunes, and finds the newest folder that verifies for the
-resume; in a process group through the integration's ``RankGroup`` (``spotguard.checkpoint.folders``).
+resume; in a process group through the integration's ``RankGroup`` (``spotguard.checkpoint.folders.folders``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard.checkpoint import data, folders, layout, state
-from spotguard.checkpoint.data import Rebatch
+from spotguard.checkpoint.folders import folders, layout
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.reader import none_loads, refuse_newer_format
-from spotguard.checkpoint.state import Untracked
+from spotguard.checkpoint.state import data, state
+from spotguard.checkpoint.state.data import Rebatch
+from spotguard.checkpoint.state.state import Untracked
 from spotguard.coordination.group import RankGroup
 from spotguard.coordination.lease import WriterLease
 

@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any, TypeVar
 
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.format.manifest import Manifest
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..coordination.cadence import next_multiple

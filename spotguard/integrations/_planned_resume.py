@@ -20,10 +20,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint import folders
 from spotguard.checkpoint.collective import agree
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.reader import refuse_newer_format, scan
+from spotguard.checkpoint.folders import folders
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.reader import refuse_newer_format, scan
 from spotguard.coordination import ranks
 
 from ..errors import CheckpointMismatchError, ConfigError

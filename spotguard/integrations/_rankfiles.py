@@ -1,6 +1,6 @@
 """Each trainer's per-rank files: which rank alone reads a file of its checkpoint folder (None: any rank).
 
-The rules behind a node's resume fetch (``spotguard.checkpoint.pernode``): a node fetches the shared
+The rules behind a node's resume fetch (``spotguard.checkpoint.folders.pernode``): a node fetches the shared
 files and its own ranks' files, not other nodes' ranks' ones. Each rule is a pure function of the
 file's relative name, written from the names the trainer's own save writes and its load reads
 (checked in their sources, versions in docs/integrations.md); a name a rule does not claim is shared,

@@ -34,11 +34,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from spotguard import heartbeat
-from spotguard.checkpoint import data, state
 from spotguard.checkpoint.engine import Cut, Tracked
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.stream import pinned_torch_save
+from spotguard.checkpoint.files.stream import pinned_torch_save
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.state import data, state
 
 from ..coordination.evaluation import Evaluation
 from ..errors import ConfigError

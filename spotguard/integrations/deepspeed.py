@@ -21,7 +21,7 @@ fetches the newest checkpoint that verifies (one copy per node) and loads it wit
 ``engine.load_checkpoint`` on every rank, then restores each rank's own file. ZeRO stages 0-3.
 
 spotguard's per-rank files load with ``torch.load(weights_only=True)`` (checked at the first save on
-every rank, ``spotguard.checkpoint.loadable``, naming what does not); DeepSpeed's own files hold pickled objects and DeepSpeed loads them with
+every rank, ``spotguard.checkpoint.state.loadable``, naming what does not); DeepSpeed's own files hold pickled objects and DeepSpeed loads them with
 ``weights_only=False``: the manifest's checksums are verified before they are read.
 """
 
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from spotguard import heartbeat
-from spotguard.checkpoint import data, loadable, state
 from spotguard.checkpoint.collective import agree
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.stream import pinned_torch_save
+from spotguard.checkpoint.files.stream import pinned_torch_save
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.state import data, loadable, state
 
 from ..coordination import ranks
 from ..errors import CheckpointMismatchError, ConfigError, UnloadableStateError

@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import checkpoint
-from spotguard.checkpoint import data
-from spotguard.checkpoint import state as state_module
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.stream import pinned_torch_save
+from spotguard.checkpoint.files.stream import pinned_torch_save
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.state import data
+from spotguard.checkpoint.state import state as state_module
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..errors import PERMANENT, MissingDependencyError

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from spotguard.checkpoint import data, state
-from spotguard.checkpoint.pernode import RankFiles
-from spotguard.checkpoint.stream import pinned_torch_save
+from spotguard.checkpoint.files.stream import pinned_torch_save
+from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.state import data, state
 from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
 
 from ..coordination.agreement import ADVISORY, STOP

@@ -13,8 +13,8 @@ import torch
 
 import spotguard
 from spotguard import Notice, checkpoint
-from spotguard.checkpoint import layout
-from spotguard.checkpoint.snapshot import Staging
+from spotguard.checkpoint.folders import layout
+from spotguard.checkpoint.state.snapshot import Staging
 from spotguard.storage import LocalStorage, open_storage
 
 
@@ -356,7 +356,7 @@ def test_the_same_state_serialises_to_the_same_bytes_whatever_its_strings_identi
     would change the bytes, and the final save would rewrite an unchanged checkpoint."""
     import io
 
-    from spotguard.checkpoint.snapshot import canonical
+    from spotguard.checkpoint.state.snapshot import canonical
 
     def saved(obj) -> bytes:
         buf = io.BytesIO()

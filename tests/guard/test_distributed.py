@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from spotguard import CheckpointMismatchError, Guard
 from spotguard.checkpoint import latest, scan
-from spotguard.checkpoint.dcp import load_metadata
+from spotguard.checkpoint.sharded.dcp import load_metadata
 from spotguard.storage import open_storage
 from tests.helpers import (
     DDP_ARGS,
@@ -241,7 +241,7 @@ def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_the
     from torch import nn
 
     from spotguard.checkpoint import open_verified
-    from spotguard.checkpoint.dcp import SpotguardReader
+    from spotguard.checkpoint.sharded.dcp import SpotguardReader
 
     root = tmp_path / "ckpt"
     steps = 80  # every step due; a save lasts ~20 steps here, more on a loaded machine

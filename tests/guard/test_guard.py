@@ -381,7 +381,7 @@ def test_a_kill_around_the_final_commit_never_loses_the_step_nor_resumes_the_sta
     the durable manifest lands (copies of both tiers at those instants) must resume step 2: the old
     content before the commit (no newer one exists), the final content after it (never the stale
     local copy, which resume would otherwise prefer)."""
-    from spotguard.checkpoint import layout
+    from spotguard.checkpoint.folders import layout
 
     durable, local = tmp_path / "durable", tmp_path / "local"
     commit = layout._commit

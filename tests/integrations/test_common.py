@@ -178,7 +178,7 @@ def test_the_resume_checks_a_loaders_batch_size_marks_a_refusal_and_takes_the_re
     a refusal marks the heartbeat, so that ``spotguard run`` exits 78 instead of restarting into it."""
     torchdata = pytest.importorskip("torchdata.stateful_dataloader")
     from spotguard import heartbeat
-    from spotguard.checkpoint import data
+    from spotguard.checkpoint.state import data
     from spotguard.errors import CheckpointMismatchError
 
     saved = torchdata.StatefulDataLoader(list(range(16)), batch_size=2)

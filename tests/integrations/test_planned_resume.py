@@ -4,8 +4,9 @@ it, and the move of an older one when the newest does not verify, run in tests/w
 
 from __future__ import annotations
 
-from spotguard.checkpoint import folders, write_dir
-from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint import write_dir
+from spotguard.checkpoint.folders import folders
+from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.integrations._folders import FolderCheckpoints
 from spotguard.integrations._planned_resume import PlannedResume
 from spotguard.storage import LocalStorage

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spotguard.checkpoint import pernode
+from spotguard.checkpoint.folders import pernode
 from spotguard.integrations import _accelerate_loaders, _rankfiles, deepspeed
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 
 from spotguard import checkpoint
-from spotguard.checkpoint import cleanup
+from spotguard.checkpoint.folders import cleanup
 from spotguard.storage import open_storage
 from tests.storage.test_cli_cleanup import age, backdate_in_moto, sg, write
 
@@ -121,7 +121,7 @@ def test_a_newline_in_a_temp_files_owner_forges_no_line(tmp_path):
 def test_s3_a_folder_named_almost_like_a_step_never_supersedes_it(s3_url):
     st = open_storage(s3_url)
     write(s3_url, 4, 5)
-    # (moto refuses a key with a newline: that alias is tested on local storage, tests/checkpoint/test_names.py)
+    # (moto refuses a key with a newline: that alias is tested on local storage, tests/checkpoint/folders/test_names.py)
     for alias in ("step-000000005.r2", "step-0000000\u0665.r2", "step-00000005.r2x"):
         for name in ("state.pt", "manifest.json"):
             st.put_bytes(f"{alias}/{name}", st.get_bytes(f"step-00000005/{name}"))

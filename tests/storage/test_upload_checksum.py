@@ -28,7 +28,7 @@ import torch
 
 import spotguard
 from spotguard import checkpoint
-from spotguard.checkpoint import layout
+from spotguard.checkpoint.folders import layout
 from spotguard.errors import CheckpointCorruptError, StorageError
 from spotguard.storage import azure_blocks, cloud, growing, open_storage
 from spotguard.storage._common import crc_b64

@@ -1,4 +1,4 @@
-"""Worker for tests/checkpoint/test_folders.py (2 plain processes, gloo): trainer folders committed
+"""Worker for tests/checkpoint/folders/test_folders.py (2 plain processes, gloo): trainer folders committed
 across ranks that share no folder, and fetched back per node.
 
 Each rank writes its own folder: a file both ranks have (the same bytes, as a model every rank saves
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from spotguard.checkpoint import folders, scan, write_dir
-from spotguard.checkpoint.pernode import RankFiles
+from spotguard.checkpoint import scan, write_dir
+from spotguard.checkpoint.folders import folders
+from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.coordination import agreement
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.integrations._common import FolderCheckpoints

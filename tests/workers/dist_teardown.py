@@ -94,7 +94,7 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
 
-    import spotguard.checkpoint.sharded  # noqa: F401  # torch.distributed.checkpoint
+    import spotguard.checkpoint.sharded.sharded  # noqa: F401  # torch.distributed.checkpoint
 
     storage = root / "ckpt"
     for index in range(first, last + 1):

@@ -10,8 +10,8 @@ import sys
 from typing import Any
 
 from spotguard import checkpoint
-from spotguard.checkpoint import cleanup
-from spotguard.checkpoint.manifest import NEWER_FORMAT
+from spotguard.checkpoint.folders import cleanup
+from spotguard.checkpoint.format.manifest import NEWER_FORMAT
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, StorageError
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.timeouts import DEFAULT_TIMEOUT

@@ -1,5 +1,5 @@
 """``spotguard rm --incomplete`` and the ``hidden:`` line of ``ls``: the garbage of killed saves, through
-``spotguard.checkpoint.cleanup`` (which decides what may go), reported one line or document per candidate."""
+``spotguard.checkpoint.folders.cleanup`` (which decides what may go), reported one line or document per candidate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import math
 import sys
 from typing import Any
 
-from spotguard.checkpoint import cleanup, lease
-from spotguard.checkpoint.manifest import human_duration
+from spotguard.checkpoint import lease
+from spotguard.checkpoint.folders import cleanup
+from spotguard.checkpoint.format.manifest import human_duration
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, StorageError
 from spotguard.storage import Storage
 
@@ -56,7 +57,7 @@ def empty_local(url: str) -> bool:
 
 
 def rm_incomplete(args: argparse.Namespace, storage: Storage) -> int:
-    """Delete the garbage of killed saves that no running save can own (``checkpoint.cleanup``)."""
+    """Delete the garbage of killed saves that no running save can own (``checkpoint.folders.cleanup``)."""
     try:
         found = cleanup.plan(storage, args.min_age)
     except (CheckpointCorruptError, CheckpointFormatError) as e:  # the lease record: is a run writing? unknown

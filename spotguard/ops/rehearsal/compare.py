@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import checkpoint
-from spotguard.checkpoint.manifest import CheckpointInfo
+from spotguard.checkpoint.format.manifest import CheckpointInfo
 from spotguard.storage import open_storage
 
 TENSOR_FILES = (".pt", ".pth", ".bin")

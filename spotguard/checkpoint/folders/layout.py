@@ -1,0 +1,339 @@
+"""The layout of one checkpoint, and how it is written and copied (``retention``: how one goes).
+
+``<root>/step-00000100/`` holds the state file(s) and ``manifest.json``. The manifest is written
+last, write-once, and lists every file with its size and checksum (BLAKE3 per 16 MiB chunk, see
+``checkpoint.format.digest``; SHA-256 in older manifests): a directory without a valid
+manifest is not a checkpoint (the commit-marker idea of torchsnapshot and Orbax). Deleting goes the
+other way round: manifest first, so a half-deleted checkpoint is never mistaken for a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint.files import filewrite
+from spotguard.checkpoint.files.fileio import WorkMeter
+from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.retention import delete
+from spotguard.checkpoint.format import digest
+from spotguard.checkpoint.format.manifest import (
+    MANIFEST,
+    REASONS,
+    CheckpointInfo,
+    FileEntry,
+    Manifest,
+    check_file_name,
+    dir_order,
+    parse_step_dir,
+    step_dir,
+)
+from spotguard.checkpoint.format.reader import listing_problem, open_verified, require_manifest
+from spotguard.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    ConfigError,
+    SaveCancelled,
+    StorageError,
+)
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+STORERS = 4  # files stored at once by ``store_files``
+
+
+def write(
+    storage: Storage,
+    step: int,
+    files: Mapping[str, Writer],
+    *,
+    reason: str,
+    extra: Mapping[str, Any] | None = None,
+    world_size: int = 1,
+    torch_version: str = "",
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+    replace: bool = False,
+    on_content: Callable[[tuple[FileEntry, ...]], None] | None = None,
+    upload_crc: Callable[[Any, Any], Any] | None = None,
+    crcs: dict[str, Any] | None = None,
+    meter: WorkMeter | None = None,
+    fence: Callable[[], None] | None = None,
+) -> Manifest:
+    """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
+
+    Files are serialised to a scratch directory the backend chooses (beside the target for local
+    storage, so storing is a hard link) through a ``DirectFile``: written once, past the page cache,
+    hashed on the way, so that a background save takes little CPU from the training loop and an
+    upload never waits on a slow stream. A complete checkpoint for ``step`` already there raises
+    ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
+    ``cancel``, when set, abandons the save within one write buffer (``DirectFile``), or before the
+    next file or the manifest.
+
+    ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
+    serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
+    ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
+    to write), one that differs is deleted, manifest first, before the new files are stored. Until
+    the new manifest lands the previous checkpoint is the resume point.
+
+    ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
+    is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
+    by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
+
+    ``meter`` adds up what the files cost apart from waiting for a CPU (``DirectFile.work_seconds``);
+    a streamed upload's network time is not in it (its rate is the wall time's). ``fence``: the writer
+    lease's, called just before the manifest (``_commit``).
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
+    for fname in files:
+        check_file_name(fname)
+    committed = _clear_leftovers(storage, name, replace=replace)
+    entries: list[FileEntry] = []
+    held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
+    with storage.scratch() as scratch:
+        for i, (fname, writer) in enumerate(files.items()):
+            written = filewrite.write(
+                storage,
+                f"{name}/{fname}",
+                fname,
+                writer,
+                scratch / f"{i}-{fname.replace('/', '_')}",
+                deadline=deadline,
+                cancel=cancel,
+                upload_crc=upload_crc,
+                meter=meter,
+                stream=not replace,
+            )
+            entries.append(written.entry)
+            own_crc = written.crc if upload_crc is None else None
+            if crcs is not None and written.crc is not None:
+                crcs[fname] = written.crc
+            if replace:
+                held.append((fname, written.path, own_crc))
+            elif not written.stored:
+                filewrite.store(storage, f"{name}/{fname}", written.path, deadline, own_crc)
+        if replace:
+            if on_content is not None:
+                on_content(tuple(entries))
+            if committed:
+                old = _committed_manifest(storage, name)
+                if old is not None and old.files == tuple(entries) and old.extra == extra_json:
+                    raise CheckpointExistsError(f"{storage.describe(name)} is already committed with this content")
+                logger.info(
+                    "replacing %s (%s): the state at step %d has changed since",
+                    storage.describe(name),
+                    old.reason if old else "unreadable",
+                    step,
+                )
+                delete(storage, name)
+            for fname, path, crc in held:
+                filewrite.store(storage, f"{name}/{fname}", path, deadline, crc)
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"save of {name} abandoned before its commit")
+    manifest = Manifest(
+        step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
+    )
+    return _commit(storage, name, manifest, deadline, fence)
+
+
+def write_dir(
+    storage: Storage,
+    step: int,
+    directory: Path,
+    *,
+    reason: str,
+    extra: Mapping[str, Any] | None = None,
+    world_size: int = 1,
+    torch_version: str = "",
+    deadline: float | None = None,
+    revision: int = 0,
+    fence: Callable[[], None] | None = None,
+) -> Manifest:
+    """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
+
+    Trainers write their checkpoint folders file by file, with no commit marker and no checksums:
+    a folder cut short by a kill looks like a checkpoint. Here every regular file below
+    ``directory`` is hashed and stored under ``step-N/`` with its relative path, and the manifest
+    is written last, so the folder obeys the same rules as ``write``. The files must not change
+    afterwards: local storage hard-links them when it can. ``revision`` > 0: as ``step-N.rK/``, which
+    supersedes the step's lower revisions (``next_revision``; ``prune`` deletes them).
+    """
+    if reason not in REASONS:
+        raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
+    name = step_dir(step, revision)
+    root = Path(directory)
+    if not root.is_dir():
+        raise ConfigError(f"cannot commit {root}: not a directory")
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    if not paths:
+        raise ConfigError(f"cannot commit {root}: it holds no files")
+    files = {p.relative_to(root).as_posix(): p for p in paths}
+    for fname in files:
+        check_file_name(fname)
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
+    _clear_leftovers(storage, name)
+    entries = store_files(storage, name, files, deadline)
+    manifest = Manifest(
+        step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
+    )
+    return _commit(storage, name, manifest, deadline, fence)
+
+
+def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
+    """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``.
+
+    The stores (an fsync of each file, or its upload) run on helper threads while this one hashes:
+    a trainer's emergency save pays about the longer of the two, not their sum."""
+    alg = digest.default_alg()
+    with ThreadPoolExecutor(STORERS, thread_name_prefix="spotguard-store") as pool:
+        stored = [pool.submit(storage.put_file, f"{name}/{f}", p, deadline=deadline) for f, p in files.items()]
+        try:
+            entries = [
+                FileEntry(f, p.stat().st_size, digest.chunked_file_digest(p, digest.CHUNK, alg=alg), digest.CHUNK, alg)
+                for f, p in files.items()
+            ]
+        finally:
+            for fut in stored:
+                fut.result()  # the first store that failed raises
+    return entries
+
+
+def _commit(
+    storage: Storage, name: str, manifest: Manifest, deadline: float | None, fence: Callable[[], None] | None
+) -> Manifest:
+    """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: given the fence of
+    a writer lease it lost (``leaseholder.Lease.fence``), it raises ``LeaseLostError`` and commits nothing."""
+    if fence is not None:
+        fence()
+    storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest
+
+
+def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
+    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save of it left.
+    Returns whether ``name`` is committed."""
+    existing = storage.list(name + "/")
+    committed = f"{name}/{MANIFEST}" in existing
+    if committed and _drop_broken(storage, name):
+        committed, existing = False, []
+    if committed and not replace:
+        raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
+    if existing and not committed:
+        logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name))
+        storage.delete(existing)
+    return committed
+
+
+def next_revision(storage: Storage, step: int) -> int:
+    """The revision a new checkpoint of ``step`` takes to supersede the committed ones (``step_dir``):
+    one above the highest that holds a manifest. Only the step's own keys are listed: no manifest is read."""
+    committed = [
+        dir_order(top)[1]
+        for key in storage.list(step_dir(step))  # also lists step-N.rK/ (and nothing of another step)
+        for top, _, rest in [key.partition("/")]
+        if rest == MANIFEST and parse_step_dir(top) == step
+    ]
+    return max(committed) + 1 if committed else 0
+
+
+def prepare(storage: Storage, name: str) -> str:
+    """Rank 0 of a collective save, before any rank stores a file: "exists" when ``name`` is
+    committed, "ok" once leftovers of an interrupted save are cleared, else why it cannot be written
+    (a string, for every rank to agree on: never raises)."""
+    try:
+        existing = storage.list(name + "/")
+        if f"{name}/{MANIFEST}" in existing:
+            if not _drop_broken(storage, name):
+                return "exists"
+            existing = storage.list(name + "/")
+        if existing:
+            logger.info(
+                "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
+            )
+            storage.delete(existing)
+    except Exception as e:
+        return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def _drop_broken(storage: Storage, name: str) -> bool:
+    """Delete ``name`` when it is committed but corrupt for good (its manifest names a file that is
+    missing or of another size: ``reader.listing_problem``), so that its step can be saved again;
+    True when it did. Without this a save of that step would be refused as "already committed"."""
+    try:
+        manifest = _committed_manifest(storage, name)
+    except CheckpointFormatError:  # a newer spotguard's: not ours to judge
+        return False
+    if manifest is None:  # unreadable or unparseable: not judged here
+        return False
+    cut = len(name) + 1
+    problem = listing_problem(name, manifest, {k[cut:]: v for k, v in storage.list_sizes(name + "/").items()})
+    if not problem:
+        return False
+    logger.warning("replacing %s, corrupt for good: %s", storage.describe(name), problem)
+    delete(storage, name)
+    return True
+
+
+def _committed_manifest(storage: Storage, name: str) -> Manifest | None:
+    try:
+        return Manifest.from_bytes(storage.get_bytes(f"{name}/{MANIFEST}"), where=name)
+    except (CheckpointCorruptError, StorageError):
+        return None
+
+
+def copy(
+    src: Storage,
+    dst: Storage,
+    info: CheckpointInfo,
+    *,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+    verify: bool = False,
+    crcs: Mapping[str, Any] | None = None,
+    fence: Callable[[], None] | None = None,
+) -> Manifest:
+    """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
+
+    ``crcs``: the ``dst.upload_crc`` of files, kept when they were written (``write(crcs=)``), sent
+    with their uploads so that ``dst`` refuses a file damaged since (and none is read twice).
+
+    ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
+    each file against the manifest on its way (``open_verified``: one read, not a verify then a
+    copy) and raises ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer
+    lease of ``dst``'s, called just before the manifest.
+    """
+    manifest = require_manifest(info)
+    existing = dst.list(info.name + "/")
+    if f"{info.name}/{MANIFEST}" in existing:
+        if not _drop_broken(dst, info.name):
+            raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
+        existing = []
+    if existing:
+        dst.delete(existing)
+    for entry in manifest.files:
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled(f"upload of {info.name} abandoned")
+        with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
+            filewrite.store(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
+    if fence is not None:
+        fence()
+    dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+    return manifest

@@ -1,0 +1,60 @@
+"""Which checkpoints go, and how one goes: ``prune`` keeps the newest, ``delete`` removes one, manifest first.
+
+Deleting runs the other way round from writing: the manifest first, so a half-deleted checkpoint is
+never mistaken for a whole one. Split from ``layout`` (how a checkpoint is written and copied).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
+from spotguard.checkpoint.format.reader import scan
+from spotguard.errors import ConfigError
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def delete(storage: Storage, name: str) -> None:
+    """Delete one checkpoint directory, manifest first."""
+    if parse_step_dir(name) is None:
+        raise ConfigError(f"not a checkpoint name: {name!r}")
+    keys = storage.list(name + "/")
+    manifest = f"{name}/{MANIFEST}"
+    if manifest in keys:
+        storage.delete([manifest])
+    storage.delete([k for k in keys if k != manifest])
+
+
+def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
+    """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
+
+    Only directories carrying a valid spotguard manifest are ever deleted: incomplete ones are left
+    for ``spotguard rm --incomplete`` (or replaced when their step is saved again), and so are
+    checkpoints of a newer spotguard (newer-format), which do not count among the ``keep`` either.
+    Of the corrupt ones only those corrupt for good (``broken``: the manifest names a file that is
+    missing or of another size) and older than the newest complete checkpoint go: resume would
+    skip them, and nothing mends them. One whose manifest cannot be read or parsed is kept (a
+    passing fault, or something to look at). A revision of a step below its highest complete one
+    (``step_dir``) is superseded: it goes, complete, incomplete or broken (no writer returns to it),
+    and does not count among the ``keep``.
+    """
+    if keep < 1:
+        raise ConfigError("keep must be at least 1: the newest complete checkpoint is never deleted")
+    infos = scan(storage) if infos is None else infos
+    newest = {i.step: i.revision for i in infos if i.complete}  # scan's order: the highest revision last
+    superseded = {
+        i.name
+        for i in infos
+        if i.revision < newest.get(i.step, -1) and (i.complete or i.broken or i.status == "incomplete")
+    }
+    complete = [i for i in infos if i.complete and i.name not in superseded]
+    doomed = complete[:-keep] + [i for i in infos if i.name in superseded]
+    if complete:
+        doomed += [i for i in infos if i.broken and i.step < complete[-1].step and i.name not in superseded]
+    doomed.sort(key=lambda i: dir_order(i.name))
+    for info in doomed:
+        delete(storage, info.name)
+        logger.debug("pruned %s%s", storage.describe(info.name), f" ({info.problem})" if info.broken else "")
+    return [i.step for i in doomed]

@@ -1,0 +1,296 @@
+"""Sharded checkpoints in a process group: DCP for model/optimizer, one small file per rank.
+
+``<root>/step-00000100/`` holds ``shards/rank-NNNNN.distcp`` + ``shards/metadata.dcp`` (DCP,
+written by every rank without gathering onto one), ``rank-NNNNN.pt`` (what belongs to one rank:
+RNG streams, data loader position, other tracked objects) and ``manifest.json``. Order of a
+synchronous save, every step collective on the guard's save group (a save written in the
+background takes the same steps, coordinated through the job's store: ``sharded_async``):
+
+0. every rank collects its state (``ShardedEngine.stage``/``save``; for an async save, into reused host buffers: the
+   only part that blocks the training loop);
+1. rank 0 checks the step is not committed and clears leftovers of an interrupted save;
+2. every rank writes its ``rank-NNNNN.pt``; then, unless that failed or was cancelled on any rank,
+   ``dcp.save`` the shards;
+3. every rank reports (error, its file entries with checksums, cancelled) to every rank;
+4. rank 0 writes the manifest, write-once, only if every rank succeeded, and tells all the outcome.
+
+A rank that dies anywhere before 4 leaves a directory without a manifest: not a checkpoint.
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict`` (DDP and FSDP2 alike)
+and reshard to another world size; per-rank state does not (see ``Reshard``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
+from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
+from spotguard.checkpoint.files import filewrite, stream
+from spotguard.checkpoint.folders import layout, retention
+from spotguard.checkpoint.format.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
+from spotguard.checkpoint.sharded import sharded_async, sharded_load
+from spotguard.checkpoint.sharded.dcp import SpotguardWriter
+from spotguard.checkpoint.sharded.sharded_load import rank_file
+from spotguard.checkpoint.state import data, loadable, state
+from spotguard.checkpoint.state.snapshot import Staging
+from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Staged:
+    """What one rank saves: its own file's payload, its DCP state dict, or why it could not collect them."""
+
+    payload: dict[str, Any]
+    sd: dict[str, Any]
+    error: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # guard.extra when collected
+
+
+class ShardedEngine:
+    """Checkpoints of a process group, every call collective (see the module docstring).
+
+    ``groups`` is the guard's ``Agreement``: synchronous saves and resume run on its save group;
+    staged saves are written by the background writer's thread through its store.
+    """
+
+    two_tiers = False  # straight to the durable storage: every rank writes its part there
+
+    def __init__(
+        self,
+        storage: Storage,
+        groups: Groups,
+        keep: int,
+        on_commit: OnCommit,
+        reshard: Reshard | str = Reshard.REFUSE,
+        rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
+        self.storage, self.groups, self.keep = storage, groups, keep
+        self.fence = fence  # rank 0's writer lease's, called before each manifest (``_commit``)
+        self.reshard = Reshard(reshard)
+        self.rebatch = data.Rebatch(rebatch)
+        self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
+        self._on_commit = on_commit
+        self._staging = Staging()
+        self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
+        self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staging.nbytes
+
+    @property
+    def alloc_s(self) -> float:
+        return self._staging.alloc_s
+
+    def reserve(self, tracked: Tracked) -> None:
+        """Not here: collecting a sharded state may be collective, and this runs on one rank's schedule."""
+
+    def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None, final: bool = False) -> Staged:
+        """This rank's state, never raising (a failure is carried, then agreed on by ``_write``).
+
+        With ``staging`` (async saves) every tensor is copied into its reused host buffers, so that
+        training may go on while the copy is written; without, the live tensors are written at once.
+        """
+        rank, world = self.groups.rank, self.groups.world_size
+        _, _, rest = split(tracked.objects)
+        cut = tracked.cut_at(step, final)
+        with state.rng_isolated():
+            try:
+                rng = cut.rng if cut else state.capture_rng()  # first: collecting a loader's state may draw
+                objects = state.collect(rest)
+                if cut:
+                    data.as_at_last_batch(rest, objects)
+                payload = {
+                    "step": step,
+                    "rank": rank,
+                    "world_size": world,
+                    "rng": rng,
+                    "objects": objects,
+                    "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None},
+                    "loaders": data.loader_facts(rest),  # what a resume compares (worker count, batch size)
+                }
+                sd = dcp_state(tracked.objects)
+                if staging is not None:
+                    staged = staging.snapshot({"objects": payload["objects"], "sd": sd})
+                    payload["objects"], sd = staged["objects"], staged["sd"]
+                return Staged(payload, sd, extra=copy_extra(tracked.extra))  # this step's, whatever comes later
+            except Exception as e:
+                return Staged({}, {}, explain(e, rank))
+
+    def save(
+        self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
+    ) -> Manifest | None:
+        """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
+        are never replaced: a final save of a committed step returns None."""
+        t0 = time.monotonic()
+        staged = self._collect(tracked, step, final=final)
+        self._check_once(staged, step, collective=True)
+        manifest = self._write(step, reason, staged, deadline)
+        if manifest is not None:
+            self._on_commit(Commit(manifest, "durable", time.monotonic() - t0, synchronous=True))
+        return manifest
+
+    def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
+        """Snapshot this rank's state into the reused buffers; the work writes it, coordinated through
+        the store (``sharded_async``), never through a collective."""
+        staged = self._collect(tracked, step, staging=self._staging)
+        self._check_once(staged, step, collective=False)
+        self._staged += 1
+        prefix = f"{self.groups.uid}/{self._staged}/"
+
+        def work(cancel: threading.Event) -> None:
+            t0 = time.monotonic()
+            g = self.groups
+            ex = sharded_async.Exchange(g.store, prefix, g.rank, g.world_size, cancel, g.timeout_s)
+            raw = sharded_async.write(
+                ex,
+                self.storage,
+                step,
+                staged.sd,
+                prepare=lambda: self._prepare(step),
+                write_rank_file=lambda: self._write_rank_file(step, staged, None),
+                commit=lambda files: self._commit(step, reason, files, staged.extra, None),
+            )
+            if raw is not None:
+                manifest = self._committed(raw, step, reason)
+                self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
+
+        return work
+
+    def _check_once(self, staged: Staged, step: int, collective: bool) -> None:
+        """At the first save only: raise ``UnloadableStateError`` when this rank's state holds a value a resume
+        could not load (``loadable.check``), before anything is written.
+
+        ``collective`` (a synchronous save, itself collective): every rank raises when any rank failed. A staged
+        save raises on the ranks that failed only, which is every rank when they track the same kinds of
+        objects; another rank's background write then ends at its timeout, with nothing committed.
+        """
+        if self._checked:
+            return
+        error: UnloadableStateError | None = None
+        if not staged.error:  # a failed collection is reported by the save itself
+            try:
+                loadable.check(staged.payload["objects"])
+                loadable.check(staged.sd, as_items=True)  # DCP writes every tensor as an item of its own
+            except UnloadableStateError as e:
+                error = e
+        if collective:
+            agree(self.groups, f"the checkpoint of step {step}", error, what="cannot be written")
+        elif error is not None:
+            raise error
+        self._checked = True
+
+    def resume(self, tracked: Tracked) -> Resumed | None:
+        return sharded_load.resume(self.storage, self.groups, tracked, self.reshard, self.rebatch)
+
+    def _prepare(self, step: int) -> str:
+        """Rank 0, before any rank writes (``layout.prepare``)."""
+        return layout.prepare(self.storage, step_dir(step))
+
+    def _write_rank_file(self, step: int, staged: Staged, deadline: float | None) -> tuple[str, list[FileEntry]]:
+        """This rank's ``rank-NNNNN.pt``: (error, [its entry]); a failure is returned, to be agreed on."""
+        if staged.error:
+            return staged.error, []
+        rank = self.groups.rank
+        key = f"{step_dir(step)}/{rank_file(rank)}"
+        try:
+            entry = filewrite.put(
+                self.storage,
+                key,
+                rank_file(rank),
+                lambda f: stream.save(staged.payload, f, self._ring),
+                deadline=deadline,
+            )
+        except Exception as e:
+            return explain(e, rank), []
+        return "", [entry]
+
+    def _commit(
+        self, step: int, reason: str, files: list[FileEntry], extra: dict[str, Any], deadline: float | None
+    ) -> bytes:
+        """Rank 0, once every rank succeeded: write the manifest, write-once. Raises on failure."""
+        manifest = Manifest(
+            step=step,
+            reason=reason,
+            files=tuple(sorted(files, key=lambda f: f.name)),
+            world_size=self.groups.world_size,
+            extra=extra,
+            torch_version=torch.__version__,
+        )
+        raw = manifest.to_bytes()
+        if self.fence is not None:  # rank 0 holds the run's writer lease: a lost one commits nothing
+            self.fence()
+        self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
+        return raw
+
+    def _committed(self, raw: bytes, step: int, reason: str) -> Manifest:
+        """Every rank, after the commit: the manifest; rank 0 prunes old checkpoints, except after an
+        emergency save (nothing but its commit on the deadline's clock: the next save prunes)."""
+        manifest = Manifest.from_bytes(raw, where=step_dir(step))
+        world = self.groups.world_size
+        logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
+        if self.groups.rank == 0 and reason != "emergency":
+            try:
+                retention.prune(self.storage, self.keep)
+            except Exception as e:
+                logger.warning("pruning old checkpoints failed: %s", e)
+        return manifest
+
+    def _write(self, step: int, reason: str, staged: Staged, deadline: float | None) -> Manifest | None:
+        """Collective on the save group: every rank calls it for the same step, in the same order of
+        collectives whatever happens (a failure is agreed on, never acted on by one rank alone).
+
+        Returns the manifest, or None when the step is already committed. Raises ``StorageError``
+        (any rank failed) on all ranks alike.
+        """
+        group, rank, world = self.groups.save_group, self.groups.rank, self.groups.world_size
+        name = step_dir(step)
+        status = broadcast(self._prepare(step) if rank == 0 else "", group)
+        if status == "exists":
+            logger.info("%s is already committed; not writing it twice", self.storage.describe(name))
+            return None
+        if status != "ok":
+            raise StorageError(status)
+        error, entries = self._write_rank_file(step, staged, deadline)
+        # dcp.save is collective: every rank enters it, or (after a failure on any rank) none does
+        if not self.groups.reduce(2 if error else 0, group):
+            writer = SpotguardWriter(self.storage, name, rank, deadline=deadline, ring=self._ring)
+            try:
+                dcp.save(staged.sd, storage_writer=writer, process_group=group)
+                entries.extend(writer.entries)
+            except (Exception, CheckpointException) as e:  # DCP raises a failure on any rank on all ranks
+                error = explain(e, rank)
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, (error, [dataclasses.astuple(e) for e in entries]), group=group)
+
+        outcome: str | bytes = ""
+        if rank == 0:
+            failed = dict.fromkeys(err for err, _ in reports if err)  # DCP reports the same on every rank
+            if failed:
+                outcome = "; ".join(failed)
+            else:
+                try:
+                    files = [FileEntry(*e) for _, es in reports for e in es]
+                    outcome = self._commit(step, reason, files, staged.extra, deadline)
+                except Exception as e:
+                    outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"
+        outcome = broadcast(outcome, group)
+        if isinstance(outcome, str):
+            if f"{LeaseLostError.__name__}: " in outcome:  # every rank stops alike: the run has another writer
+                raise LeaseLostError(f"sharded checkpoint of step {step} not committed: {outcome}")
+            raise StorageError(f"sharded checkpoint of step {step} not committed: {outcome}")
+        return self._committed(outcome, step, reason)
