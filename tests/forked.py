@@ -133,18 +133,19 @@ class ForkServer:
             return Forked(self, self._pids[known], list(cmd))
 
     def close(self) -> None:
+        for pid in self._pids:  # a run still alive (its test failed): its session goes first
+            if pid not in self._codes:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             assert self._proc.stdin is not None
-            self._proc.stdin.close()
+            self._proc.stdin.close()  # the server ends once its runs are reaped
         try:
             self._proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
         self._reader.join(5)
-        for pid in self._pids:  # a run still alive (its test failed): its session goes too
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
         self._log.close()
 
 
