@@ -164,16 +164,20 @@ def run_ranks(cmd: list[str], world: int = 2, timeout: float = WAIT_S) -> list[s
     return [_finish(*s, timeout) for s in started]
 
 
-def run_group(cmd: list[str], world: int = 2, timeout: float = WAIT_S) -> list[subprocess.CompletedProcess[str]]:
+def run_group(
+    cmd: list[str], world: int = 2, timeout: float = WAIT_S, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
     """``world`` ranks of ``cmd`` as torchrun runs them, less torchrun's own process (a Python start and
     ``import torch``, seconds each launch): the TCP store is held here, as torchrun's agent holds it
     (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client, so it outlives any rank), and a rank that
-    fails ends the others (SIGTERM), as torchrun does. For workers whose launcher is not under test."""
+    fails ends the others (SIGTERM), as torchrun does. For workers whose launcher is not under test.
+    ``env``: the ranks' environment before their rank variables (default ``subprocess_env()``)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     envs = [
-        subprocess_env(
+        dict(
+            env or subprocess_env(),
             RANK=str(r),
             LOCAL_RANK=str(r),
             WORLD_SIZE=str(world),
