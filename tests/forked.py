@@ -149,31 +149,46 @@ class ForkServer:
         self._log.close()
 
 
-_installed: dict[str, ForkServer] = {}
+class _Lazy:
+    """A server started at its first run (a module whose runs are all deselected or skipped starts none)."""
+
+    def __init__(self, preload: tuple[str | Path, ...]) -> None:
+        self.preload, self.server, self._lock = preload, None, threading.Lock()
+
+    def get(self) -> ForkServer:
+        with self._lock:
+            if self.server is None:
+                self.server = ForkServer(*self.preload)
+            return self.server
+
+
+_installed: dict[str, _Lazy] = {}
 
 
 def server_for(cmd: list[str]) -> ForkServer | None:
     """The server installed for ``cmd``'s script (``[sys.executable, SCRIPT, ...]``), if any."""
     if len(cmd) < 2 or cmd[0] != sys.executable:
         return None
-    return _installed.get(str(Path(cmd[1]).resolve()))
+    lazy = _installed.get(str(Path(cmd[1]).resolve()))
+    return lazy.get() if lazy else None
 
 
 @contextlib.contextmanager
-def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterator[ForkServer]:
+def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterator[None]:
     """While inside, ``tests.helpers.run`` and ``stop_when`` fork every ``[sys.executable, SCRIPT, ...]``
-    of these scripts from one server, which imported ``preload`` (module names, or scripts whose top
-    level is run: their imports) and the scripts' own imports."""
-    server = ForkServer(*(preload or PRELOAD), *scripts)
+    of these scripts from one server (started at the first), which imported ``preload`` (module names,
+    or scripts whose top level is run: their imports) and the scripts' own imports."""
+    lazy = _Lazy((*(preload or PRELOAD), *scripts))
     keys = [str(Path(s).resolve()) for s in scripts]
     for key in keys:
-        _installed[key] = server
+        _installed[key] = lazy
     try:
-        yield server
+        yield
     finally:
         for key in keys:
             _installed.pop(key, None)
-        server.close()
+        if lazy.server is not None:
+            lazy.server.close()
 
 
 def run_forked(
