@@ -133,6 +133,13 @@ def _finish(proc: subprocess.Popen[bytes], out: Any, err: Any, timeout: float) -
 
 
 def _start(cmd: list[str], env: dict[str, str] | None, cwd: Path | None) -> tuple[subprocess.Popen[bytes], Any, Any]:
+    from tests.forked import server_for
+
+    server = server_for(cmd)
+    if server is not None:  # the script's runs fork from a server that imported torch once (tests/forked.py)
+        out, err = tempfile.NamedTemporaryFile(), tempfile.NamedTemporaryFile()  # noqa: SIM115
+        forked = server.popen(cmd, env=env or subprocess_env(), cwd=cwd, out=out.name, err=err.name)
+        return forked, out, err  # type: ignore[return-value]
     # Output goes to files, not pipes: a chatty child never blocks on a full pipe while the test polls.
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, env=env or subprocess_env(), stdout=out, stderr=err, cwd=cwd, start_new_session=True)
@@ -155,6 +162,45 @@ def run_ranks(cmd: list[str], world: int = 2, timeout: float = WAIT_S) -> list[s
     ]
     started = [_start(cmd, env, None) for env in envs]
     return [_finish(*s, timeout) for s in started]
+
+
+def run_group(
+    cmd: list[str], world: int = 2, timeout: float = WAIT_S, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """``world`` ranks of ``cmd`` as torchrun runs them, less torchrun's own process (a Python start and
+    ``import torch``, seconds each launch): the TCP store is held here, as torchrun's agent holds it
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client, so it outlives any rank), and a rank that
+    fails ends the others (SIGTERM), as torchrun does. For workers whose launcher is not under test.
+    ``env``: the ranks' environment before their rank variables (default ``subprocess_env()``)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    envs = [
+        dict(
+            env or subprocess_env(),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
+        for r in range(world)
+    ]
+    started = [_start(cmd, env, None) for env in envs]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p, _, _ in started) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p, _, _ in started):
+                for p, _, _ in started:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGTERM)
+                break
+            time.sleep(0.02)
+        return [_finish(*s, max(0.1, deadline - time.monotonic())) for s in started]
+    finally:
+        del store
 
 
 def stop_when(

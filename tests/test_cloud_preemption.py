@@ -13,7 +13,9 @@ from spotguard.ops.cli import main as spotguard_main
 from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
 
+from .forked import installed
 from .helpers import (
+    EXAMPLE,
     after_step,
     assert_same_run,
     example_cmd,
@@ -27,6 +29,12 @@ pytestmark = pytest.mark.slow
 
 ARGS = ("--steps", "60", "--every-steps", "25", "--batch-size", "16", "--num-workers", "0")
 _rng = random.Random()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(EXAMPLE):  # the example's runs fork from one server: one Python start, one import torch
+        yield
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])

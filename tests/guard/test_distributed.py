@@ -30,6 +30,7 @@ from tests.helpers import (
     ddp_example_cmd,
     read_losses,
     run,
+    run_group,
     run_ranks,
     stop_when,
     stopped_for_notice,
@@ -200,8 +201,9 @@ def test_rank_killed_during_save_leaves_no_committed_checkpoint(tmp_path):
 def test_storage_failing_on_one_rank_fails_every_rank_at_once(tmp_path):
     """A save or load that fails on rank 1 alone raises there and on rank 0 together; rank 0 used to wait
     in the next collective until the gloo timeout (30 minutes; here the run would be stopped at 90 s)."""
-    done = run(torchrun(2, WORKERS / "dist_one_rank_fails.py", str(tmp_path / "ckpt")), timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_group([sys.executable, str(WORKERS / "dist_one_rank_fails.py"), str(tmp_path / "ckpt")], timeout=120)
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
     got = {(r["case"], r["rank"]): (r["kind"], r["seconds"], r["message"]) for r in worker_results(tmp_path)}
     causes = {
         "save-state": "rank 1: RuntimeError: injected: no state",
@@ -222,8 +224,11 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_exactly_on_one(tmp_path, single_ran
     """FSDP2 state is saved without gathering (2 ranks) and resharded onto 1 rank (this process)."""
     from tests.workers.dist_fsdp2 import build, full_state
 
-    done = run(torchrun(2, WORKERS / "dist_fsdp2.py", str(tmp_path / "ckpt"), str(tmp_path / "full.pt")))
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_group(
+        [sys.executable, str(WORKERS / "dist_fsdp2.py"), str(tmp_path / "ckpt"), str(tmp_path / "full.pt")]
+    )
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
     meta = load_metadata(tmp_path / "ckpt" / "step-00000003" / "shards" / "metadata.dcp")
     weights = {loc.relative_path for idx, loc in meta.storage_data.items() if idx.fqn.startswith("model.")}
     assert weights == {"rank-00000.distcp", "rank-00001.distcp"}  # each rank wrote its own shards
@@ -245,8 +250,9 @@ def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_the
 
     root = tmp_path / "ckpt"
     steps = 80  # every step due; a save lasts ~20 steps here, more on a loaded machine
-    done = run(torchrun(2, WORKERS / "dist_async_save.py", str(root), str(steps)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_group([sys.executable, str(WORKERS / "dist_async_save.py"), str(root), str(steps)])
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
     lines = worker_results(tmp_path)
     runs = {r["rank"]: r for r in lines if "started" in r}
     resumes = {r["rank"]: r for r in lines if "resumed" in r}
@@ -256,7 +262,7 @@ def test_async_sharded_saves_with_a_slow_rank_commit_exactly_the_snapshot_of_the
     flips = {r["rank"]: r["after_flip"] for r in lines if "after_flip" in r}
     before = max(s for s in runs[0]["started"] if s < steps)  # step steps is the final save, or a periodic one
     assert flips[0] == flips[1] == before, flips  # corrupt step steps skipped on both ranks
-    assert "checksum does not match the manifest" in done.stderr
+    assert "checksum does not match the manifest" in "".join(d.stderr for d in done)
 
     storage = open_storage(str(root))
     periodic = [i for i in scan(storage) if i.complete and i.manifest.reason == "periodic"]

@@ -8,7 +8,6 @@ extra epoch (the loader's state said "epoch ended") with the RNG streams as the 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,14 @@ from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.storage import open_storage
 
-from ..helpers import WORKERS, run
+from ..forked import run_forked
+from ..helpers import WORKERS
 
 pytestmark = pytest.mark.slow
 
 
-def job(storage: Path, log: Path, *args: str) -> int:
-    cmd = [sys.executable, str(WORKERS / "eval_cut.py"), "--storage", str(storage), "--log", str(log), *args]
-    return run(cmd).returncode
+def job(storage: Path, log: Path, *args: str) -> list[str]:
+    return [str(WORKERS / "eval_cut.py"), "--storage", str(storage), "--log", str(log), *args]
 
 
 def rows(log: Path) -> list[list]:
@@ -37,10 +36,17 @@ def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
     """A reference run; a run stopped at the second batch of epoch 1's evaluation, then resumed: the
     resumed run starts with the cut evaluation, from its start, with the same draws; then the rest."""
     ref_log, cut_log, resumed_log = tmp_path / "ref.jsonl", tmp_path / "cut.jsonl", tmp_path / "resumed.jsonl"
-    assert job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common) == 0
     storage = tmp_path / "run"
-    assert job(storage, cut_log, "--notice-epoch", "1", *common) == EXIT_PREEMPTED
-    assert job(storage, resumed_log, "--final", str(tmp_path / "resumed.pt"), *common) == 0
+    # Three runs of the worker, each a process forked from one launcher that imported torch once.
+    done = run_forked(
+        [
+            job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common),
+            job(storage, cut_log, "--notice-epoch", "1", *common),
+            job(storage, resumed_log, "--final", str(tmp_path / "resumed.pt"), *common),
+        ]
+    )
+    codes = [d.returncode for d in done]
+    assert codes == [0, EXIT_PREEMPTED, 0], [(d.returncode, d.stderr[-3000:]) for d in done]
 
     ref, cut, resumed = rows(ref_log), rows(cut_log), rows(resumed_log)
     assert cut == ref[: len(cut)]  # the same run up to the notice

@@ -16,7 +16,9 @@ import pytest
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
+from tests.forked import installed
 from tests.helpers import (
+    EXAMPLE,
     EXAMPLE_ARGS,
     after_step,
     assert_same_run,
@@ -30,6 +32,12 @@ from tests.helpers import (
 STEPS = EXAMPLE_ARGS[1]
 COMMON = EXAMPLE_ARGS
 _rng = random.Random()  # the test's own randomness, reported so a failure can be replayed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(EXAMPLE):  # the example's runs fork from one server: one Python start, one import torch
+        yield
 
 
 def stop_at(

@@ -182,40 +182,50 @@ def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 12
     return Run("torchrun" if torchrun else "processes", codes, "".join(log.read_text() for log in logs))
 
 
-def forked(tmp: Path, order: str, first: int, last: int, timeout: float = 600) -> list[Run]:
-    """Jobs ``first``..``last`` of a chain, each rank a forked process (``dist_teardown.py --fork-chain``)."""
-    log = tmp / "launcher.log"
+def forked(root: Path, orders: tuple[str, ...], first: int, last: int, timeout: float = 900) -> dict[str, list[Run]]:
+    """Jobs ``first``..``last`` of each order's chain (in ``root/ORDER``), each rank a forked process, every
+    chain forked from one launcher that imported torch once (``dist_teardown.py --fork-chains``)."""
+    log = root / "launcher.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "--fork-chain", order, str(tmp), str(first), str(last)],
+            [sys.executable, str(WORKER), "--fork-chains", str(root), str(first), str(last), *orders],
             env=subprocess_env(),
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    assert _finish([proc], timeout) == [0], f"the launcher failed ({order}): {log.read_text()[-3000:]}"
-    runs = []
-    for index in range(first, last + 1):
-        work = tmp / f"run-{index}"
-        codes = [int(c) for c in (work / "codes").read_text().split()] if (work / "codes").exists() else [-1]
-        logs = sorted(work.glob("out-*.log"))
-        runs.append(Run("forked", codes, "".join(log.read_text() for log in logs)))
+    assert _finish([proc], timeout) == [0], f"the launcher failed: {log.read_text()[-3000:]}"
+    runs: dict[str, list[Run]] = {}
+    for order in orders:
+        for index in range(first, last + 1):
+            work = root / order / f"run-{index}"
+            codes = [int(c) for c in (work / "codes").read_text().split()] if (work / "codes").exists() else [-1]
+            logs = sorted(work.glob("out-*.log"))
+            runs.setdefault(order, []).append(Run("forked", codes, "".join(log.read_text() for log in logs)))
     return runs
 
 
-def chain(tmp: Path, order: str, runs: int) -> list[tuple[str, Run]]:
-    """``runs`` jobs on one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
-
-    Job 0 runs under torchrun, job 1 as two plain processes, the others forked from one launcher
-    that imported torch once (a torchrun start costs ~6 s; most of a plain start is ``import torch``).
-    """
+def launched(tmp: Path, order: str) -> list[tuple[Run, int]]:
+    """The first two jobs of a chain: job 0 under torchrun, job 1 as two plain processes; each with
+    the newest checkpoint's step after it."""
     storage = tmp / "ckpt"
     done = []
     for i in range(2):
         (tmp / f"run-{i}").mkdir()
         run = run_pair(tmp / f"run-{i}", job_args(storage, order, i, newest_step(storage)), torchrun=i == 0)
         done.append((run, newest_step(storage)))
-    for run in forked(tmp, order, 2, runs - 1):
+    return done
+
+
+def chain(tmp: Path, order: str, done: list[tuple[Run, int]], rest: list[Run]) -> list[tuple[str, Run]]:
+    """The jobs of one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
+
+    Job 0 ran under torchrun, job 1 as two plain processes (``launched``), the others (``rest``) forked
+    from one launcher that imported torch once for every chain (a torchrun start costs ~6 s; most of a
+    plain start is ``import torch``).
+    """
+    done = list(done)
+    for run in rest:
         done.append((run, int((tmp / f"run-{len(done)}" / "newest").read_text())))
 
     resume_at = 0
@@ -247,6 +257,8 @@ def test_two_dozen_jobs_exit_0_in_every_teardown_order(tmp_path):
         futures = {}
         for order in ORDERS:
             (tmp_path / order).mkdir()
-            futures[order] = pool.submit(chain, tmp_path / order, order, RUNS_PER_ORDER)
-    runs = [run for future in futures.values() for _, run in future.result()]
+            futures[order] = pool.submit(launched, tmp_path / order, order)
+        first = {order: future.result() for order, future in futures.items()}
+    rest = forked(tmp_path, ORDERS, 2, RUNS_PER_ORDER - 1)
+    runs = [run for order in ORDERS for _, run in chain(tmp_path / order, order, first[order], rest[order])]
     assert len(runs) == len(ORDERS) * RUNS_PER_ORDER and [run.launcher for run in runs].count("torchrun") == len(ORDERS)

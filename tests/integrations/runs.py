@@ -7,11 +7,12 @@ each resumed by the next, and the per-step losses and final parameters compared 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spotguard import EXIT_PREEMPTED
@@ -19,6 +20,7 @@ from spotguard.checkpoint import CheckpointInfo, scan
 from spotguard.storage import open_storage
 
 from .. import helpers
+from ..forked import installed
 from ..helpers import REPO, after_step, assert_same_run, read_jsonl, read_losses, signal_to, subprocess_env
 
 SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step N + 2
@@ -37,6 +39,14 @@ def command(script: str, run_dir: Path, *args: str) -> list[str]:
         "--quiet",
         *args,
     ]
+
+
+@contextlib.contextmanager
+def forked(script: str) -> Iterator[None]:
+    """While inside, every run of the example forks from one server that imported it once
+    (tests/forked.py): its Python start and imports (torch, the trainer's library) cost seconds a run."""
+    with installed(REPO / "examples" / script):
+        yield
 
 
 def events(run_dir: Path) -> list[dict]:

@@ -23,6 +23,12 @@ ARGS = ("--steps", str(STEPS), "--every-steps", "15", "--eval-steps", "10", "--i
 _rng = random.Random()  # the test's own randomness
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with runs.forked(SCRIPT):  # the example's runs fork from one server: one start, one import of each library
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("hf-reference")

@@ -25,6 +25,12 @@ AUGMENTED = (*ARGS, "--eval-augment")
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with runs.forked(SCRIPT):  # the example's runs fork from one server: one start, one import of each library
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return runs.reference_run(SCRIPT, tmp_path_factory.mktemp("lightning-reference"), *ARGS)

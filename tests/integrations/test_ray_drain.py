@@ -26,14 +26,14 @@ from spotguard.checkpoint import CheckpointInfo, scan
 from spotguard.storage import open_storage
 
 from ..helpers import WAIT_S, WORKERS, assert_same_run, read_jsonl, read_losses, subprocess_env
-from .test_ray import SCRIPT, _attempts, _reap
+from .test_ray import ARGS as RAY_ARGS
+from .test_ray import STEPS, _attempts, _reap, reference_run
 
 pytest.importorskip("ray.train")
 pytest.importorskip("torchdata")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS = 60
-ARGS = ("--steps", str(STEPS), "--every-steps", "20", "--interval", "0.2", "--max-failures", "0")
+ARGS = (*RAY_ARGS, "--max-failures", "0")  # test_ray.py's: its uninterrupted run is the reference here too
 AT = 25  # the reclaim comes once rank 1 logged this step (a periodic checkpoint of step 20 exists by then)
 
 
@@ -97,12 +97,9 @@ def _example_args(run_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run (2 ranks on one local node train as 2 nodes of 1 rank do)."""
-    ref = tmp_path_factory.mktemp("reference")
-    done, _, left = _run(ref, [sys.executable, str(SCRIPT), "--local-cpus", "2", *_example_args(ref)])
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert not left, left
-    return ref
+    """The uninterrupted run (2 ranks on one local node train as 2 nodes of 1 rank do): test_ray.py's,
+    computed once for both files (the same example, steps, saves and seed)."""
+    return reference_run(tmp_path_factory)
 
 
 def _reclaimed(tmp_path: Path, *how: str) -> tuple[subprocess.CompletedProcess[str], list[CheckpointInfo], int]:

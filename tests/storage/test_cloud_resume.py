@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import signal
+import sys
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import torch
 from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import latest, scan
 from spotguard.storage import open_storage
+from tests.forked import installed
 from tests.helpers import (
+    EXAMPLE,
     EXAMPLE_ARGS,
     WORKERS,
     after_step,
@@ -22,17 +25,22 @@ from tests.helpers import (
     assert_same_run,
     example_cmd,
     read_losses,
-    run,
     run_example,
+    run_group,
     signal_to,
     stop_when,
     subprocess_env,
-    torchrun,
 )
 from tests.storage.conftest import AWS_ENV, azurite_connection
 
 pytestmark = pytest.mark.slow
 _rng = random.Random()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(EXAMPLE):  # the example's runs fork from one server: one Python start, one import torch
+        yield
 
 
 CLOUDS = ("s3", "gs", "az")
@@ -78,14 +86,15 @@ def test_resume_from_cloud_storage_continues_identically(tmp_path, reference_run
 
 
 def test_sharded_checkpoint_of_two_ranks_resumes_exactly_from_each_cloud(tmp_path, request):
-    """One torchrun launch (seconds each) for the three clouds, one after the other."""
+    """One launch of two ranks (seconds each) for the three clouds, one after the other."""
     urls, env = [], {}
     for name in CLOUDS:
         url, cloud_env = cloud_url(request, name)
         urls.append(url)
         env.update(cloud_env)
-    done = run(torchrun(2, WORKERS / "dist_cloud_roundtrip.py", str(tmp_path), *urls), env=subprocess_env(**env))
-    assert done.returncode == 0, done.stderr[-3000:]
+    cmd = [sys.executable, str(WORKERS / "dist_cloud_roundtrip.py"), str(tmp_path), *urls]
+    for r, d in enumerate(run_group(cmd, env=subprocess_env(**env))):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
     for i, url in enumerate(urls):
         info = latest(open_storage(url))
         assert info and info.step == 3 and info.manifest and info.manifest.world_size == 2, url

@@ -19,6 +19,9 @@ op, and forks both ranks of each job. A forked rank runs ``main()`` and then exi
 interpreter shutdown like any process, which is where the abort happened. Per job, ``DIR/run-I/``
 gets ``out-R.log``, ``codes`` (the ranks' exit statuses, -N for signal N) and ``newest`` (the
 newest checkpoint's step afterwards).
+
+``--fork-chains ROOT FIRST LAST ORDER...`` does that for the chain of each order (in ``ROOT/ORDER``),
+two chains at a time, each forked from one process that imported everything once.
 """
 
 from __future__ import annotations
@@ -89,13 +92,16 @@ def newest_step(storage: Path) -> int:
     return info.step if info else 0
 
 
-def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 120) -> None:
+def _preload() -> None:
     import torch._dynamo  # noqa: F401  # DDP's constructor imports it: seconds per rank, paid once here
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401  # what the ranks would import, imported once (no torch op runs)
 
     import spotguard.checkpoint.sharded.sharded  # noqa: F401  # torch.distributed.checkpoint
 
+
+def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 120) -> None:
+    _preload()
     storage = root / "ckpt"
     for index in range(first, last + 1):
         work = root / f"run-{index}"
@@ -122,6 +128,41 @@ def fork_chain(order: str, root: Path, first: int, last: int, timeout: float = 1
         codes = [wait_exit(pid, time.monotonic() + timeout, poll=0.05) for pid in pids]
         (work / "codes").write_text(" ".join(map(str, codes)))
         (work / "newest").write_text(str(newest_step(storage)))
+
+
+def fork_chains(root: Path, first: int, last: int, orders: list[str], at_once: int = 2) -> int:
+    """``fork_chain`` for each order (``root/ORDER``), ``at_once`` chains at a time, each in a process
+    forked from this one: one ``import torch`` for every order's jobs. Exits 1 if a chain failed."""
+    _preload()
+    pending, running, failed = list(orders), {}, []
+    while pending or running:
+        while pending and len(running) < at_once:
+            order = pending.pop(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the chain's launcher: it forks the ranks of each job, as --fork-chain does
+                launcher = os.getpid()
+                try:  # a rank (forked in there) leaves by its own SystemExit: interpreter shutdown
+                    fork_chain(order, root / order, first, last)
+                except Exception:
+                    if os.getpid() != launcher:
+                        raise  # a rank's error: its traceback and exit 1, as in a process of its own
+                    import traceback
+
+                    traceback.print_exc()
+                    os._exit(1)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+            running[pid] = order
+        pid, status = os.wait()
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(running[pid])
+        del running[pid]
+    if failed:
+        print(f"chains failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -174,4 +215,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--fork-chain"]:
         fork_chain(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         raise SystemExit(0)
+    if sys.argv[1:2] == ["--fork-chains"]:
+        raise SystemExit(fork_chains(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
     raise SystemExit(main())

@@ -41,7 +41,14 @@ def main() -> int:
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = [(torch.randn(4), torch.randn(1)) for _ in range(24)]
-    kw = {"multiprocessing_context": "forkserver"} if a.num_workers else {}
+    kw = {}
+    if a.num_workers:
+        import multiprocessing
+
+        # Each epoch's workers fork from the forkserver: with torch imported there once, not in each of them.
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torchdata.stateful_dataloader"])
+        kw = {"multiprocessing_context": ctx}
     loader = StatefulDataLoader(
         data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1), num_workers=a.num_workers, **kw
     )

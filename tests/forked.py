@@ -1,0 +1,289 @@
+"""Runs of worker scripts and examples for the price of one ``import torch``: forked from one server.
+
+A test that runs a script several times (a reference, a stopped run, its resume) pays a Python start
+and ``import torch`` (spotguard, torchdata, a trainer library: 3-5 CPU seconds each on the 2-core
+machine) for every run. Where the start itself is not under test, a ``ForkServer``
+(``python -m tests.forked``) imports the scripts' heavy modules once, runs no torch op, and forks one
+child per run: the child takes its environment, folder, argv and output files, becomes the leader of a
+session of its own (as ``start_new_session``), runs the script as ``__main__`` and exits through
+interpreter shutdown like any process: its exit status, signals, handlers and atexit work as in a
+process of its own. Each child starts from the server's imports only (nothing of them was run: no
+thread started, no handler installed) and draws fresh seeds for torch and numpy, as a new process does.
+Environment variables read when a module is imported keep the server's values: spotguard reads none then.
+
+``ForkServer.popen`` gives a ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``,
+``send_signal``), which ``tests.helpers.run`` and ``stop_when`` use while a server is ``installed``
+for a script's runs. tests/workers/dist_teardown.py's ``--fork-chain`` does the same for the ranks of
+a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Imported by the server before it forks: what the workers and examples import (torch first).
+PRELOAD = ("torch", "torch.distributed", "torchdata.stateful_dataloader", "spotguard", "spotguard.guard")
+
+
+class Forked:
+    """A run forked by a ``ForkServer``: what ``subprocess.Popen`` offers the tests' helpers."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self._server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server._codes.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            if not self._server.alive():
+                raise RuntimeError(f"the fork server ended before run {self.pid}: {self._server.log()}")
+            time.sleep(0.005)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """``python -m tests.forked PRELOAD...``: forks the runs it is sent (several may run at once)."""
+
+    def __init__(self, *preload: str | Path, env: dict[str, str] | None = None) -> None:
+        from tests.helpers import REPO, WAIT_S, subprocess_env
+
+        self._log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.forked", *(str(p) for p in preload or PRELOAD)],
+            env=env or subprocess_env(),
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+        )
+        self._codes: dict[int, int] = {}
+        self._pids: list[int] = []
+        self._ready = False
+        self._lock = threading.Lock()
+        self._started = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        with self._started:  # the imports done
+            self._started.wait_for(lambda: self._ready or not self.alive(), WAIT_S)
+        assert self._ready and self.alive(), f"the fork server did not start: {self.log()}"
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            msg = json.loads(line)
+            with self._started:
+                if "code" in msg:
+                    self._codes[msg["pid"]] = msg["code"]
+                elif "pid" in msg:
+                    self._pids.append(msg["pid"])
+                else:
+                    self._ready = True
+                self._started.notify_all()
+        with self._started:
+            self._started.notify_all()
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")[-3000:]
+
+    def popen(self, cmd: list[str], *, env: dict[str, str], cwd: Path | None, out: str, err: str) -> Forked:
+        """Start ``cmd`` (``[python, SCRIPT, *args]``), its output to the files ``out`` and ``err``."""
+        job = {"argv": [str(a) for a in cmd[1:]], "env": env, "cwd": str(cwd or Path.cwd()), "out": out, "err": err}
+        with self._lock, self._started:
+            known = len(self._pids)
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(job) + "\n")
+            self._proc.stdin.flush()
+            self._started.wait_for(lambda: len(self._pids) > known or not self.alive(), 60)
+            assert len(self._pids) > known, f"the fork server did not start {cmd}: {self.log()}"
+            return Forked(self, self._pids[known], list(cmd))
+
+    def close(self) -> None:
+        for pid in self._pids:  # a run still alive (its test failed): its session goes first
+            if pid not in self._codes:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()  # the server ends once its runs are reaped
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        self._reader.join(5)
+        self._log.close()
+
+
+class _Lazy:
+    """A server started at its first run (a module whose runs are all deselected or skipped starts none)."""
+
+    def __init__(self, preload: tuple[str | Path, ...]) -> None:
+        self.preload, self.server, self._lock = preload, None, threading.Lock()
+
+    def get(self) -> ForkServer:
+        with self._lock:
+            if self.server is None:
+                self.server = ForkServer(*self.preload)
+            return self.server
+
+
+_installed: dict[str, _Lazy] = {}
+
+
+def server_for(cmd: list[str]) -> ForkServer | None:
+    """The server installed for ``cmd``'s script (``[sys.executable, SCRIPT, ...]``), if any."""
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    lazy = _installed.get(str(Path(cmd[1]).resolve()))
+    return lazy.get() if lazy else None
+
+
+@contextlib.contextmanager
+def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterator[None]:
+    """While inside, ``tests.helpers.run`` and ``stop_when`` fork every ``[sys.executable, SCRIPT, ...]``
+    of these scripts from one server (started at the first), which imported ``preload`` (module names,
+    or scripts whose top level is run: their imports) and the scripts' own imports."""
+    lazy = _Lazy((*(preload or PRELOAD), *scripts))
+    keys = [str(Path(s).resolve()) for s in scripts]
+    for key in keys:
+        _installed[key] = lazy
+    try:
+        yield
+    finally:
+        for key in keys:
+            _installed.pop(key, None)
+        if lazy.server is not None:
+            lazy.server.close()
+
+
+def run_forked(
+    runs: list[list[str]], *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run each ``[script, *args]`` of ``runs`` to its end, one after another, each forked from one
+    server; a run's failure is its exit status, as ``tests.helpers.run`` gives."""
+    from tests.helpers import run
+
+    with installed(*{r[0] for r in runs}):
+        return [run([sys.executable, *map(str, r)], env=env, cwd=cwd) for r in runs]
+
+
+# -- the server ---------------------------------------------------------------------------------------
+def _child(job: dict) -> None:
+    """In the forked child: become ``python SCRIPT ARGS`` in a session of its own; never returns."""
+    os.setsid()
+    os.close(_PROTOCOL[0].fileno())  # the test sees the server's pipe end when the server ends, not a child
+    for fd, path in ((0, os.devnull), (1, job["out"]), (2, job["err"])):
+        f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    script = os.path.abspath(job["argv"][0])
+    sys.argv = [script, *job["argv"][1:]]
+    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
+    if "torch" in sys.modules:  # a process of its own draws fresh seeds (`random` reseeds itself after a fork)
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)  # interpreter shutdown (atexit, finalizers), as the script's own process would
+
+
+_PROTOCOL: list = []  # the pipe to the test (the server's first stdout); its own output goes to stderr
+
+
+def _say(msg: dict) -> None:
+    _PROTOCOL[0].write(json.dumps(msg) + "\n")
+    _PROTOCOL[0].flush()
+
+
+def serve(preload: list[str]) -> int:
+    _PROTOCOL.append(os.fdopen(os.dup(1), "w"))
+    os.dup2(2, 1)  # what a preloaded script prints stays out of the protocol
+    for name in preload:
+        if name.endswith(".py"):  # a script: its top level (imports and definitions), not its main
+            sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
+            runpy.run_path(name, run_name="__forkserver_preload__")
+            sys.path.pop(0)
+        else:
+            importlib.import_module(name)
+    _say({"ready": True})
+    running: set[int] = set()
+    stdin_open = True
+    while stdin_open or running:
+        if stdin_open and select.select([sys.stdin], [], [], 0.01)[0]:
+            line = sys.stdin.readline()
+            if not line:
+                stdin_open = False
+            else:
+                job = json.loads(line)
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(job)  # exits
+                running.add(pid)
+                _say({"pid": pid})
+        elif not stdin_open:
+            time.sleep(0.01)
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                _say({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))
