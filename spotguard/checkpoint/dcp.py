@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from spotguard.checkpoint import filewrite, item_io, stream
+from spotguard.checkpoint.fileio import WorkMeter
 from spotguard.checkpoint.item_io import Slice
 from spotguard.checkpoint.manifest import FileEntry, HashingWriter
 from spotguard.errors import CheckpointCorruptError, SaveCancelled
@@ -97,6 +98,7 @@ class SpotguardWriter(StorageWriter):
         deadline: float | None = None,
         cancel: threading.Event | None = None,
         ring: stream.Ring | None = None,
+        meter: WorkMeter | None = None,
     ) -> None:
         super().__init__()
         self.storage = storage
@@ -105,6 +107,7 @@ class SpotguardWriter(StorageWriter):
         self.deadline = deadline
         self.cancel = cancel
         self.ring = ring or stream.Ring()
+        self.meter = meter  # adds the shard file's own work (``filewrite.put``)
         self.entries: list[FileEntry] = []
 
     def _check_cancel(self, what: str) -> None:
@@ -152,6 +155,7 @@ class SpotguardWriter(StorageWriter):
             write_items,
             deadline=self.deadline,
             cancel=self.cancel,
+            meter=self.meter,
         )
         self.entries.append(entry)
         return _done(results)
