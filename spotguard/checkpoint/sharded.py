@@ -58,6 +58,8 @@ from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
 
+RESERVE_WAIT_S = 60.0  # the longest the first step waits for the other ranks' plans (``reserve``)
+
 
 @dataclasses.dataclass
 class Staged:
@@ -105,7 +107,23 @@ class ShardedEngine:
         return self._staging.alloc_s
 
     def reserve(self, tracked: Tracked) -> None:
-        """Not here: collecting a sharded state may be collective, and this runs on one rank's schedule."""
+        """Start allocating the staging of background saves off the loop's thread (``Staging.reserve``), for
+        the items this rank's plan writes: every rank calls this at its first step, and the ranks agree on
+        the plan through the store as a staged save does (``sharded_plan``), waiting at most ``RESERVE_WAIT_S``.
+        A plan not agreed reserves nothing: the first save allocates, as it would have."""
+        g = self.groups
+        if g.store is None:  # saves are synchronous: nothing is staged
+            return
+        wait = min(g.timeout_s, RESERVE_WAIT_S)
+        ex = sharded_async.Exchange(g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), wait)
+        live = self._collect(tracked, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
+        writer = SpotguardWriter(self.storage, step_dir(0), g.rank)
+        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error)
+        ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
+        if planned.error:
+            logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
+            return
+        self._staging.reserve({"objects": live.payload["objects"], "items": planned.items})
 
     def _collect(self, tracked: Tracked, step: int, final: bool = False) -> Staged:
         """This rank's state, its live tensors, never raising (a failure is carried, then agreed on by ``_write``)."""

@@ -108,7 +108,7 @@ class Guard:
         )
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
-        self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
+        self._reserve_due = o.async_save if self.agreement is None else self.agreement.store is not None  # staging
         #: The run's writer lease (``guard.lease``): taken before anything is loaded or written.
         self.lease = lease.WriterLease(self.storage, o.lease_ttl, bool(o.takeover), self.agreement, self)
         #: The stop protocol (``guard.stopping``), shared with every trainer integration.

@@ -279,4 +279,5 @@ def test_under_ddp_each_rank_stages_only_the_replicated_items_it_writes_and_both
     assert saves[0]["staged"] + saves[1]["staged"] == whole, saves  # each item copied once, by its writer
     assert 0 < saves[1]["staged"] < whole, saves
     assert all(s["checkpoints"] >= 1 and s["work_Bps"] for s in saves.values()), saves  # the commit's own work
+    assert all(s["allocations"] == 0 and s["alloc_s"] is not None for s in saves.values()), saves  # reserved
     assert resumes[0] == {"rank": 0, "resumed": 2, "exact": True} and resumes[1]["exact"], resumes

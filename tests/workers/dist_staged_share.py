@@ -2,8 +2,8 @@
 
 Two ranks train a DDP model with AdamW; step 2 is a periodic, background sharded save. Each rank
 reports the bytes it staged (copied to host memory) for it beside the bytes of its whole DCP state
-(replicated: the same on both ranks), and the committed save's own work seconds as the stats saw
-them; then a fresh model and optimizer resume the checkpoint, and each rank reports whether its
+(replicated: the same on both ranks), the staging buffers that save allocated (none: reserved after
+step 1) and the committed save's own work as the stats saw it; then a fresh model and optimizer resume the checkpoint, and each rank reports whether its
 parameters and optimizer state are bit-exact copies of the saved ones.
 """
 
@@ -54,10 +54,18 @@ def main() -> int:
                 saved = tensors(model, opt)
                 whole = tensor_bytes(dcp_state({"model": model, "optimizer": opt}))
             guard.step(step)
-        staged = guard.saves.engine.staged_bytes
+        staged, allocations = guard.saves.engine.staged_bytes, guard.saves.engine._staging.allocations
         guard.saves.wait_pending()
     stats = guard.stats()
-    emit(out, staged=staged, whole=whole, work_Bps=stats.work_Bps, checkpoints=stats.checkpoints)
+    emit(
+        out,
+        staged=staged,
+        whole=whole,
+        allocations=allocations,
+        alloc_s=stats.alloc_s,
+        work_Bps=stats.work_Bps,
+        checkpoints=stats.checkpoints,
+    )
 
     model2, opt2 = build()
     with torch.no_grad():
