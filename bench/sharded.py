@@ -110,7 +110,8 @@ def worker(
         single = Guard(f"{tmp}/single", providers=None).track(model=model, optimizer=opt)
         t_save = timed(lambda: single.save(1))
         size = single.last_saved.size
-        fresh = Guard(f"{tmp}/single", providers=None).track(model=build(width, layers)[0])
+        m1, o1 = build(width, layers)
+        fresh = Guard(f"{tmp}/single", providers=None).track(model=m1, optimizer=o1)
         t_load = timed(fresh.resume)
         results["single"] = (size, t_save, t_load)
     dist.init_process_group("gloo", rank=rank, world_size=world)
