@@ -97,6 +97,7 @@ class ShardedEngine:
         self._staging = Staging()
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
+        self._plan = sharded_plan.Cache()  # the DCP plan agreed last (``reserve``, ``stage``)
 
     @property
     def staged_bytes(self) -> int:
@@ -118,7 +119,7 @@ class ShardedEngine:
         ex = sharded_async.Exchange(g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), wait)
         live = self._collect(tracked, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
         writer = SpotguardWriter(self.storage, step_dir(0), g.rank)
-        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error)
+        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan)
         ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
         if planned.error:
             logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
@@ -186,7 +187,7 @@ class ShardedEngine:
         )
         live = self._collect(tracked, step)
         writer = SpotguardWriter(self.storage, step_dir(step), g.rank)
-        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error)
+        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan, self._staged)
         self._check_once(live, step, collective=False)
         staged = self._snapshot(live, planned)
         del live  # the live tensors: not kept by the work

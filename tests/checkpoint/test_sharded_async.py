@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from spotguard.checkpoint import scan, sharded_async
-from spotguard.checkpoint.dcp import load_metadata
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.manifest import MANIFEST
 from spotguard.checkpoint.sharded import ShardedEngine
@@ -281,19 +280,6 @@ def test_the_writer_gets_a_store_client_of_its_own(tmp_path):
         dist.destroy_process_group()
 
 
-def test_each_replicated_item_is_staged_by_the_one_rank_that_writes_it(tmp_path):
-    """Every rank holds the same (replicated, as under DDP) state: DCP's plan gives each item to one rank,
-    and that rank alone copies it to host memory; the checkpoint still holds every item."""
-    storage = LocalStorage(str(tmp_path))
-    engines, works, commits = ranks(storage)
-    whole = sum(p.numel() * p.element_size() for p in nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).parameters())
-    staged = [e.staged_bytes for e in engines]
-    assert sum(staged) == whole and 0 < staged[1] < whole, staged
-    assert run(works)[0] == {0: "ok", 1: "ok"}
-    metadata = load_metadata(tmp_path / "step-00000001" / "shards" / "metadata.dcp")
-    assert {"model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"} <= set(metadata.state_dict_metadata)
-
-
 def test_a_background_commit_carries_the_slowest_ranks_own_work(tmp_path):
     """The emergency estimate's rate (``GuardStats.work_Bps``): the ranks write in parallel, so a save's own
     work is its slowest rank's, the same on every rank."""
@@ -303,33 +289,3 @@ def test_a_background_commit_carries_the_slowest_ranks_own_work(tmp_path):
     work = [c[0].work_s for c in commits.values()]
     assert work[0] is not None and work[0] > 0 and work[0] == work[1], work
     assert work[0] <= commits[0][0].seconds
-
-
-def test_the_staging_of_the_items_a_rank_writes_is_reserved_before_the_first_save(tmp_path):
-    """``reserve`` (every rank at its first step) agrees on the plan as a save does, and allocates the
-    buffers of this rank's items off the loop: the first save allocates nothing, and leaves no keys."""
-    store = dist.HashStore()
-    storage = LocalStorage(str(tmp_path))
-    engines, models, commits = [], [], {0: [], 1: []}
-    for r in range(2):
-        groups = SimpleNamespace(rank=r, world_size=2, store=store, uid="t", timeout_s=30.0, save_group=None)
-        torch.manual_seed(0)
-        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
-        engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append))
-
-    def each(call):
-        threads = [threading.Thread(target=call, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-
-    each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
-    assert store.num_keys() == 0
-    for e in engines:
-        e._staging._reserving.join()
-    assert sum(len(e._staging._reserved) for e in engines) == 4  # each weight and bias, by one rank
-    works: list = [None, None]
-    each(lambda r: works.__setitem__(r, engines[r].stage(Tracked({"model": models[r]}, {}), 1, "periodic")))
-    assert [e._staging.allocations for e in engines] == [0, 0] and all(e.alloc_s < 0.05 for e in engines)
-    assert run(works)[0] == {0: "ok", 1: "ok"} and store.num_keys() == 0
