@@ -70,9 +70,10 @@ def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypat
     plan changes; a changed state is planned anew, and every save still commits and loads."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    made = []
-    original = DefaultSavePlanner.create_global_plan
+    made, local = [], []
+    original, original_local = DefaultSavePlanner.create_global_plan, DefaultSavePlanner.create_local_plan
     monkeypatch.setattr(DefaultSavePlanner, "create_global_plan", lambda self, p: made.append(1) or original(self, p))
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", lambda self: local.append(1) or original_local(self))
     store = dist.HashStore()
     storage = LocalStorage(str(tmp_path))
     engines, commits = [], {0: [], 1: []}
@@ -102,7 +103,10 @@ def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypat
             for m in models:
                 m[1].weight.fill_(step)  # each save's values, with the same structure
         save(step, [{"model": m} for m in models])
-    assert len(made) == 1
+        if step == 1:
+            allocated = [e._staging.allocations for e in engines]
+    assert len(made) == 1 and len(local) == 2  # one plan per rank: the later saves found the same structure
+    assert [e._staging.allocations for e in engines] == allocated  # and the same buffers, in the same order
     info = next(i for i in scan(storage) if i.step == 3)
     sd = {"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).state_dict()}
     with SpotguardReader(lambda name: open_verified(storage, info, name)) as reader:
@@ -111,7 +115,7 @@ def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypat
     assert all(torch.equal(sd["model"][k], v) for k, v in models[0].state_dict().items())
     bigger = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)) for _ in range(2)]
     save(4, [{"model": m} for m in bigger])
-    assert len(made) == 2 and store.num_keys() == 0
+    assert len(made) == 2 and len(local) == 4 and store.num_keys() == 0
     metadata = load_metadata(tmp_path / "step-00000004" / "shards" / "metadata.dcp")
     assert metadata.state_dict_metadata["model.1.weight"].size == torch.Size([3, 8])
     assert [len(c) for c in commits.values()] == [4, 4]
