@@ -6,7 +6,9 @@ in the same run: the single-process ``Guard`` (one ``torch.save`` file) of the s
 throughput; for the stall of a periodic (async) save, ``guard.step()`` on a due step against the
 host copy of the rank's state dict into preallocated buffers (the floor: target <= 1.5x) and
 against ``torch.distributed.checkpoint.async_save`` of the same state (time until it returns).
-Stalls are the slowest rank's, medians over ``--repeat`` saves after a warm-up.
+Stalls are the slowest rank's, medians over ``--repeat`` saves after a warm-up. Host memory staged
+per rank (the most of any rank) against the rank's whole state: DCP's plan gives each replicated
+item to one rank, and only that rank copies it (``sharded_plan``).
 
     python bench/sharded.py [--ranks 2] [--width 2048] [--layers 2] [--repeat 3]
 """
@@ -56,8 +58,9 @@ def slowest(seconds: float, world: int) -> float:
 
 def stalls(
     model: nn.Module, opt: torch.optim.Optimizer, tmp: str, world: int, repeat: int
-) -> tuple[float, float, float]:
-    """(guard.step stall, host copy, dcp.async_save stall), each the slowest rank's median."""
+) -> tuple[float, float, float, int, int]:
+    """(guard.step stall, host copy, dcp.async_save stall), each the slowest rank's median; the most bytes
+    any rank staged, and the bytes of a rank's whole state dict."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -83,6 +86,9 @@ def stalls(
             dist.barrier()
             ours.append(slowest(timed(lambda step=step: guard.step(step)), world))
         guard.wait()
+    staged = [0] * world
+    dist.all_gather_object(staged, guard.saves.engine.staged_bytes)
+    whole = sum(t.numel() * t.element_size() for _, t in pairs)
     for i in range(repeat + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -90,7 +96,7 @@ def stalls(
         took = time.perf_counter() - t0
         fut.result()  # its thread runs collectives on the default group: no gather before it is done
         theirs.append(slowest(took, world))
-    return statistics.median(ours[1:]), statistics.median(copies[1:]), statistics.median(theirs[1:])
+    return statistics.median(ours[1:]), statistics.median(copies[1:]), statistics.median(theirs[1:]), max(staged), whole
 
 
 def worker(
@@ -104,7 +110,8 @@ def worker(
         single = Guard(f"{tmp}/single", providers=None).track(model=model, optimizer=opt)
         t_save = timed(lambda: single.save(1))
         size = single.last_saved.size
-        fresh = Guard(f"{tmp}/single", providers=None).track(model=build(width, layers)[0])
+        m1, o1 = build(width, layers)
+        fresh = Guard(f"{tmp}/single", providers=None).track(model=m1, optimizer=o1)
         t_load = timed(fresh.resume)
         results["single"] = (size, t_save, t_load)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -120,7 +127,7 @@ def worker(
     dist.barrier()
     t_load = timed(fresh.resume)
     assert all(torch.equal(a, b) for a, b in zip(m2.state_dict().values(), model.state_dict().values(), strict=True))
-    stall, copy, dcp_stall = stalls(model, opt, tmp, world, repeat)
+    stall, copy, dcp_stall, staged, whole = stalls(model, opt, tmp, world, repeat)
     times = [None] * world
     dist.all_gather_object(times, (t_save, t_load))
     if rank == 0:
@@ -174,6 +181,15 @@ def worker(
                     baseline_label="dcp.async_save until it returns",
                     target="info",
                     passed=None,
+                ),
+                row(
+                    f"async sharded save, host memory staged per rank, {world} ranks (DDP: replicated state)",
+                    staged / mb,
+                    "MB",
+                    baseline=whole / mb,
+                    baseline_label="the rank's whole state dict",
+                    target=f"<= {1.5 / world:.2f}x",
+                    passed=lambda v, r: r <= 1.5 / world,
                 ),
             ],
             json_path,

@@ -110,7 +110,7 @@ class Guard:
         )
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
-        self._reserve_due = o.async_save and self.agreement is None  # the staging, at the first step()
+        self._reserve_due = o.async_save if self.agreement is None else self.agreement.store is not None  # staging
         #: The stop protocol (``coordination.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
         #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.

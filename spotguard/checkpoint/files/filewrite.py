@@ -88,11 +88,14 @@ def put(
     *,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
+    meter: WorkMeter | None = None,
 ) -> FileEntry:
-    """``write`` in a scratch directory of its own, then stored: one whole file (a shard, a rank's file)."""
+    """``write`` in a scratch directory of its own, then stored: one whole file (a shard, a rank's file).
+    ``meter``: as ``write``'s (the file's own work; a file streamed to a bucket is not counted)."""
     with storage.scratch() as scratch:
         path = scratch / key.rsplit("/", 1)[-1]
-        written = write(storage, key, name, writer, path, deadline=deadline, cancel=cancel)
+        meter = None if storage.streams else meter  # its time is the upload's, not the disk's and the hash's
+        written = write(storage, key, name, writer, path, deadline=deadline, cancel=cancel, meter=meter)
         if not written.stored:
             store(storage, key, written.path, deadline, written.crc)
     return written.entry

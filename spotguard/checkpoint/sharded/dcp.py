@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from spotguard.checkpoint.files import filewrite, stream
+from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.format.manifest import FileEntry, HashingWriter
 from spotguard.checkpoint.sharded import item_io
 from spotguard.checkpoint.sharded.item_io import Slice
@@ -98,6 +99,7 @@ class SpotguardWriter(StorageWriter):
         deadline: float | None = None,
         cancel: threading.Event | None = None,
         ring: stream.Ring | None = None,
+        meter: WorkMeter | None = None,
     ) -> None:
         super().__init__()
         self.storage = storage
@@ -106,6 +108,7 @@ class SpotguardWriter(StorageWriter):
         self.deadline = deadline
         self.cancel = cancel
         self.ring = ring or stream.Ring()
+        self.meter = meter  # adds the shard file's own work (``filewrite.put``)
         self.entries: list[FileEntry] = []
 
     def _check_cancel(self, what: str) -> None:
@@ -153,6 +156,7 @@ class SpotguardWriter(StorageWriter):
             write_items,
             deadline=self.deadline,
             cancel=self.cancel,
+            meter=self.meter,
         )
         self.entries.append(entry)
         return _done(results)

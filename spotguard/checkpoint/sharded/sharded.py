@@ -6,7 +6,8 @@ RNG streams, data loader position, other tracked objects) and ``manifest.json``.
 synchronous save, every step collective on the guard's save group (a save written in the
 background takes the same steps, coordinated through the job's store: ``sharded_async``):
 
-0. every rank collects its state (``ShardedEngine.stage``/``save``; for an async save, into reused host buffers: the
+0. every rank collects its state (``ShardedEngine.stage``/``save``; for an async save, the ranks agree on
+   DCP's plan first and each copies the items it writes into reused host buffers, ``sharded_plan``: the
    only part that blocks the training loop);
 1. rank 0 checks the step is not committed and clears leftovers of an interrupted save;
 2. every rank writes its ``rank-NNNNN.pt``; then, unless that failed or was cancelled on any rank,
@@ -36,9 +37,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
 from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
 from spotguard.checkpoint.files import filewrite, stream
+from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention
 from spotguard.checkpoint.format.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
-from spotguard.checkpoint.sharded import sharded_async, sharded_load
+from spotguard.checkpoint.sharded import sharded_async, sharded_load, sharded_plan
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.checkpoint.sharded.sharded_load import rank_file
 from spotguard.checkpoint.state import data, loadable, state
@@ -47,6 +49,8 @@ from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
+
+RESERVE_WAIT_S = 60.0  # the longest the first step waits for the other ranks' plans (``reserve``)
 
 
 @dataclasses.dataclass
@@ -87,6 +91,7 @@ class ShardedEngine:
         self._staging = Staging()
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
+        self._plan = sharded_plan.Cache()  # the DCP plan agreed last (``reserve``, ``stage``)
 
     @property
     def staged_bytes(self) -> int:
@@ -97,14 +102,26 @@ class ShardedEngine:
         return self._staging.alloc_s
 
     def reserve(self, tracked: Tracked) -> None:
-        """Not here: collecting a sharded state may be collective, and this runs on one rank's schedule."""
+        """Start allocating the staging of background saves off the loop's thread (``Staging.reserve``), for
+        the items this rank's plan writes: every rank calls this at its first step, and the ranks agree on
+        the plan through the store as a staged save does (``sharded_plan``), waiting at most ``RESERVE_WAIT_S``.
+        A plan not agreed reserves nothing: the first save allocates, as it would have."""
+        g = self.groups
+        if g.store is None:  # saves are synchronous: nothing is staged
+            return
+        wait = min(g.timeout_s, RESERVE_WAIT_S)
+        ex = sharded_async.Exchange(g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), wait)
+        live = self._collect(tracked, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
+        writer = SpotguardWriter(self.storage, step_dir(0), g.rank)
+        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan)
+        ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
+        if planned.error:
+            logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
+            return
+        self._staging.reserve({"objects": live.payload["objects"], "items": planned.items})
 
-    def _collect(self, tracked: Tracked, step: int, staging: Staging | None = None, final: bool = False) -> Staged:
-        """This rank's state, never raising (a failure is carried, then agreed on by ``_write``).
-
-        With ``staging`` (async saves) every tensor is copied into its reused host buffers, so that
-        training may go on while the copy is written; without, the live tensors are written at once.
-        """
+    def _collect(self, tracked: Tracked, step: int, final: bool = False) -> Staged:
+        """This rank's state, its live tensors, never raising (a failure is carried, then agreed on by ``_write``)."""
         rank, world = self.groups.rank, self.groups.world_size
         _, _, rest = split(tracked.objects)
         cut = tracked.cut_at(step, final)
@@ -124,12 +141,21 @@ class ShardedEngine:
                     "loaders": data.loader_facts(rest),  # what a resume compares (worker count, batch size)
                 }
                 sd = dcp_state(tracked.objects)
-                if staging is not None:
-                    staged = staging.snapshot({"objects": payload["objects"], "sd": sd})
-                    payload["objects"], sd = staged["objects"], staged["sd"]
                 return Staged(payload, sd, extra=copy_extra(tracked.extra))  # this step's, whatever comes later
             except Exception as e:
                 return Staged({}, {}, explain(e, rank))
+
+    def _snapshot(self, staged: Staged, planned: sharded_plan.Planned) -> Staged:
+        """Copy this rank's own file's objects and the DCP items its plan writes (only those: under DDP a
+        replicated item is another rank's to write) into the reused host buffers; training may go on."""
+        if staged.error or planned.error:
+            return Staged({}, {}, staged.error or planned.error)
+        try:
+            copied = self._staging.snapshot({"objects": staged.payload["objects"], "items": planned.items})
+        except Exception as e:
+            return Staged({}, {}, explain(e, self.groups.rank))
+        planned.items = copied["items"]
+        return Staged({**staged.payload, "objects": copied["objects"]}, planned.items, extra=staged.extra)
 
     def save(
         self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
@@ -145,29 +171,37 @@ class ShardedEngine:
         return manifest
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
-        """Snapshot this rank's state into the reused buffers; the work writes it, coordinated through
-        the store (``sharded_async``), never through a collective."""
-        staged = self._collect(tracked, step, staging=self._staging)
-        self._check_once(staged, step, collective=False)
+        """Agree on the DCP plan through the store (``sharded_plan``), snapshot the items this rank writes
+        into the reused buffers; the work writes them, coordinated through the store (``sharded_async``),
+        never through a collective."""
+        g = self.groups
         self._staged += 1
-        prefix = f"{self.groups.uid}/{self._staged}/"
+        ex = sharded_async.Exchange(
+            g.store, f"{g.uid}/{self._staged}/", g.rank, g.world_size, threading.Event(), g.timeout_s
+        )
+        live = self._collect(tracked, step)
+        writer = SpotguardWriter(self.storage, step_dir(step), g.rank)
+        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan, self._staged)
+        self._check_once(live, step, collective=False)
+        staged = self._snapshot(live, planned)
+        del live  # the live tensors: not kept by the work
 
         def work(cancel: threading.Event) -> None:
             t0 = time.monotonic()
-            g = self.groups
-            ex = sharded_async.Exchange(g.store, prefix, g.rank, g.world_size, cancel, g.timeout_s)
+            meter = WorkMeter()
             raw = sharded_async.write(
-                ex,
+                dataclasses.replace(ex, cancel=cancel),
                 self.storage,
                 step,
-                staged.sd,
+                (planned.plan, planned.planner(g.rank), planned.metadata),
                 prepare=lambda: self._prepare(step),
-                write_rank_file=lambda: self._write_rank_file(step, staged, None),
+                write_rank_file=lambda: self._write_rank_file(step, staged, None, meter),
                 commit=lambda files: self._commit(step, reason, files, staged.extra, None),
+                meter=meter,
             )
             if raw is not None:
-                manifest = self._committed(raw, step, reason)
-                self._on_commit(Commit(manifest, "durable", time.monotonic() - t0))
+                manifest = self._committed(raw[0], step, reason)
+                self._on_commit(Commit(manifest, "durable", time.monotonic() - t0, work_s=raw[1]))
 
         return work
 
@@ -201,7 +235,9 @@ class ShardedEngine:
         """Rank 0, before any rank writes (``layout.prepare``)."""
         return layout.prepare(self.storage, step_dir(step))
 
-    def _write_rank_file(self, step: int, staged: Staged, deadline: float | None) -> tuple[str, list[FileEntry]]:
+    def _write_rank_file(
+        self, step: int, staged: Staged, deadline: float | None, meter: WorkMeter | None = None
+    ) -> tuple[str, list[FileEntry]]:
         """This rank's ``rank-NNNNN.pt``: (error, [its entry]); a failure is returned, to be agreed on."""
         if staged.error:
             return staged.error, []
@@ -214,6 +250,7 @@ class ShardedEngine:
                 rank_file(rank),
                 lambda f: stream.save(staged.payload, f, self._ring),
                 deadline=deadline,
+                meter=meter,
             )
         except Exception as e:
             return explain(e, rank), []

@@ -6,15 +6,16 @@ never reached the collective, the thread waited out gloo's timeout and aborted t
 exit. The store torch.distributed rendezvoused through (torchrun's TCPStore) outlives every
 group, and every wait here is a poll that also watches the save's cancel event and a timeout:
 the writer always ends, on every rank. DCP's own steps run as in ``dcp.save`` (plan, global
-plan, write, finish on the coordinator), with plans and write results passed through the store.
+plan, write, finish on the coordinator), with plans and write results passed through the store;
+the plans are agreed on the loop's thread when the save is staged (``sharded_plan``).
 
 Keys, under ``<agreement>/<seq>/`` (``seq`` counts staged saves; every rank stages the same ones):
 
+- ``plan/R``: rank R's DCP plan (or why it has none), published when it staged (``sharded_plan``);
+- ``gplan/R``: rank 0's global plan, rank R's part, likewise: a rank stages only the items it writes;
 - ``prep``: rank 0 checked the step is not committed and cleared leftovers of an interrupted save;
-- ``plan/R``: rank R wrote its ``rank-R.pt`` and planned its DCP items (or failed, or was cancelled);
-- ``gplan/R``: rank 0's global plan, rank R's part;
-- ``done/R``: rank R's shard written: its file entries and DCP write results;
-- ``outcome``: rank 0 committed the manifest (its bytes), or why it did not;
+- ``done/R``: rank R's files written: its file entries, DCP write results and its own work seconds;
+- ``outcome``: rank 0 committed the manifest (its bytes, and the slowest rank's work), or why it did not;
 - ``left``: a counter of ranks done with the save, whatever its end; the last one forgets its keys
   (never a timer: a rank whose store client is busy reads late, and must still find the outcome).
   After a commit, rank 0 keeps the store up (it may live in its process) until the others left.
@@ -33,8 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.format.manifest import FileEntry, step_dir
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.errors import SaveCancelled, StorageError
@@ -101,20 +104,25 @@ def write(
     ex: Exchange,
     storage: Storage,
     step: int,
-    sd: dict[str, Any],
+    planned: tuple[SavePlan | None, SavePlanner, Metadata | None],
     prepare: Callable[[], str],
     write_rank_file: Callable[[], tuple[str, list[FileEntry]]],
     commit: Callable[[list[FileEntry]], bytes],
-) -> bytes | None:
+    meter: WorkMeter | None = None,
+) -> tuple[bytes, float | None] | None:
     """This rank's part of a background sharded save of ``step``; every rank calls it for the same save.
 
-    ``prepare()`` (rank 0: "ok", "exists" or a failure), ``write_rank_file()`` (-> error, entries)
-    and ``commit(files)`` (rank 0: the manifest bytes) are the sharded engine's, shared with its
-    synchronous saves. Returns the committed manifest's bytes, None when the step is already
-    committed; raises ``StorageError`` or ``SaveCancelled`` on every rank alike.
+    ``planned``: this rank's final DCP plan, a planner that resolves its (staged) items, and on rank 0
+    DCP's metadata, all agreed when the save was staged (``sharded_plan``). ``prepare()`` (rank 0:
+    "ok", "exists" or a failure), ``write_rank_file()`` (-> error, entries) and ``commit(files)``
+    (rank 0: the manifest bytes) are the sharded engine's, shared with its synchronous saves.
+    ``meter``: this rank's files' own work (``DirectFile.work_seconds``, counted by ``write_rank_file``
+    and the shard's writer alike). Returns the committed manifest's bytes and the slowest rank's work
+    (None where a rank did not measure it), None when the step is already committed; raises
+    ``StorageError`` or ``SaveCancelled`` on every rank alike.
     """
     rank, world = ex.rank, ex.world
-    owed = ["prep", *(f"gplan/{r}" for r in range(world)), "outcome"] if rank == 0 else [f"plan/{rank}", f"done/{rank}"]
+    owed = ["prep", "outcome"] if rank == 0 else [f"done/{rank}"]
     try:
         if rank == 0:
             status = prepare()
@@ -128,41 +136,32 @@ def write(
         error, entries = write_rank_file()
         if error:
             raise Stopped(FAILED, error)
-        name = step_dir(step)
-        writer = SpotguardWriter(storage, name, rank, cancel=ex.cancel)
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict=sd, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        plan, planner, metadata = planned
+        if plan is None:  # never: a rank without a plan carries its reason into write_rank_file
+            raise Stopped(FAILED, f"rank {rank}: no plan")
+        writer = SpotguardWriter(storage, step_dir(step), rank, cancel=ex.cancel, meter=meter)
         writer.set_up_storage_writer(rank == 0)
-        local = writer.prepare_local_plan(planner.create_local_plan())
-        if rank == 0:
-            plans = [local] + [ex.get(f"plan/{r}") for r in range(1, world)]
-            plans, metadata = planner.create_global_plan(plans)
-            plans = writer.prepare_global_plan(plans)
-            for r in range(1, world):
-                ex.put(f"gplan/{r}", OK, plans[r])
-                owed.remove(f"gplan/{r}")
-            plan = plans[0]
-            owed.remove("gplan/0")
-        else:
-            ex.put(f"plan/{rank}", OK, local)
-            owed.remove(f"plan/{rank}")
-            plan = ex.get(f"gplan/{rank}")
-        results = writer.write_data(planner.finish_plan(plan), planner).value()
+        results = writer.write_data(plan, planner).value()
         entries.extend(writer.entries)
+        work_s = meter.seconds if meter is not None else None
         if rank != 0:
-            ex.put(f"done/{rank}", OK, ([dataclasses.astuple(e) for e in entries], results))
+            ex.put(f"done/{rank}", OK, ([dataclasses.astuple(e) for e in entries], results, work_s))
             owed.remove(f"done/{rank}")
             return ex.get("outcome", cancellable=False)  # rank 0 decides, promptly: it has every report
         done = [ex.get(f"done/{r}") for r in range(1, world)]
-        writer.finish(metadata, [results] + [res for _, res in done])
+        if metadata is None:  # never: rank 0 made the global plan when it staged
+            raise Stopped(FAILED, "rank 0: no global plan")
+        writer.finish(metadata, [results] + [res for _, res, _ in done])
         entries.append(writer.entries[-1])  # the metadata file finish() wrote
-        files = entries + [FileEntry(*e) for es, _ in done for e in es]
+        files = entries + [FileEntry(*e) for es, _, _ in done for e in es]
+        works = [work_s] + [w for _, _, w in done]
+        slowest = None if any(w is None for w in works) else max(w for w in works if w is not None)
         ex.check_cancel()  # the last moment an abandoned save can still be dropped
         manifest = commit(sorted(files, key=lambda f: f.name))
-        ex.put("outcome", OK, manifest)
+        ex.put("outcome", OK, (manifest, slowest))
         owed.remove("outcome")
         _await_readers(ex)
-        return manifest
+        return manifest, slowest
     except Stopped as e:
         _settle(ex, owed, e)
         if e.status == EXISTS:

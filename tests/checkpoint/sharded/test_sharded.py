@@ -277,3 +277,27 @@ def test_a_sharded_guard_that_lost_its_lease_commits_nothing(tmp_path, group):
         guard.save(2)
     assert [i.step for i in scan(guard.storage) if i.complete] == [1]
     guard.close()
+
+
+@pytest.mark.slow
+def test_under_ddp_each_rank_stages_only_the_replicated_items_it_writes_and_both_resume_exactly(tmp_path):
+    """Two gloo processes, a DDP model and AdamW, one background save: DCP's plan gives each replicated
+    item to one rank, so the two ranks' staged bytes add up to one copy of the state, not two."""
+    import sys
+
+    from tests.helpers import WORKERS, run_ranks, worker_results
+
+    root = tmp_path / "ckpt"
+    done = run_ranks([sys.executable, str(WORKERS / "dist_staged_share.py"), str(root), str(tmp_path)], timeout=120)
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
+    lines = worker_results(tmp_path)
+    saves = {r["rank"]: r for r in lines if "staged" in r}
+    resumes = {r["rank"]: r for r in lines if "resumed" in r}
+    whole = saves[0]["whole"]
+    assert saves[1]["whole"] == whole > 0
+    assert saves[0]["staged"] + saves[1]["staged"] == whole, saves  # each item copied once, by its writer
+    assert 0 < saves[1]["staged"] < whole, saves
+    assert all(s["checkpoints"] >= 1 and s["work_Bps"] for s in saves.values()), saves  # the commit's own work
+    assert all(s["allocations"] == 0 and s["alloc_s"] is not None for s in saves.values()), saves  # reserved
+    assert resumes[0] == {"rank": 0, "resumed": 2, "exact": True} and resumes[1]["exact"], resumes

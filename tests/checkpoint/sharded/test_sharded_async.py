@@ -27,18 +27,28 @@ from spotguard.storage import LocalStorage
 
 def ranks(storage, store=None, world=2, timeout=30.0, step=1, stores=None):
     """One engine per rank, each with the state staged for ``step``; returns (engines, works, commits).
-    ``stores``: each rank's own client of the store (default: ``store``, shared)."""
+    ``stores``: each rank's own client of the store (default: ``store``, shared). The ranks stage at
+    once, each in a thread of its own, as every rank's loop does: they agree on DCP's plan as they stage."""
     store = store or dist.HashStore()
     stores = stores or [store] * world
     commits: dict[int, list] = {r: [] for r in range(world)}
-    engines, works = [], []
+    engines, models = [], []
     for r in range(world):
         groups = SimpleNamespace(rank=r, world_size=world, store=stores[r], uid="t", timeout_s=timeout, save_group=None)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        engine = ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append)
-        engines.append(engine)
-        works.append(engine.stage(Tracked({"model": model}, {}), step, "periodic"))
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append))
+    works: list = [None] * world
+
+    def stage(r):
+        works[r] = engines[r].stage(Tracked({"model": models[r]}, {}), step, "periodic")
+
+    threads = [threading.Thread(target=stage, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(w is not None for w in works), "a rank never staged"
     return engines, works, commits
 
 
@@ -269,3 +279,14 @@ def test_the_writer_gets_a_store_client_of_its_own(tmp_path):
         groups.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_background_commit_carries_the_slowest_ranks_own_work(tmp_path):
+    """The emergency estimate's rate (``GuardStats.work_Bps``): the ranks write in parallel, so a save's own
+    work is its slowest rank's, the same on every rank."""
+    storage = LocalStorage(str(tmp_path))
+    _, works, commits = ranks(storage)
+    assert run(works)[0] == {0: "ok", 1: "ok"}
+    work = [c[0].work_s for c in commits.values()]
+    assert work[0] is not None and work[0] > 0 and work[0] == work[1], work
+    assert work[0] <= commits[0][0].seconds

@@ -1,0 +1,121 @@
+"""What each rank of a background sharded save stages: DCP's plan, agreed as the save is staged (``sharded_plan``).
+
+Two ranks as two threads on one HashStore, as in test_sharded_async.py; the two-process DDP case is in
+test_sharded.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from spotguard.checkpoint import open_verified, scan
+from spotguard.checkpoint.engine import Tracked
+from spotguard.checkpoint.sharded.dcp import SpotguardReader, load_metadata
+from spotguard.checkpoint.sharded.sharded import ShardedEngine
+from spotguard.storage import LocalStorage
+from tests.checkpoint.test_sharded_async import ranks, run
+
+
+def test_each_replicated_item_is_staged_by_the_one_rank_that_writes_it(tmp_path):
+    """Every rank holds the same (replicated, as under DDP) state: DCP's plan gives each item to one rank,
+    and that rank alone copies it to host memory; the checkpoint still holds every item."""
+    storage = LocalStorage(str(tmp_path))
+    engines, works, commits = ranks(storage)
+    whole = sum(p.numel() * p.element_size() for p in nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).parameters())
+    staged = [e.staged_bytes for e in engines]
+    assert sum(staged) == whole and 0 < staged[1] < whole, staged
+    assert run(works)[0] == {0: "ok", 1: "ok"}
+    metadata = load_metadata(tmp_path / "step-00000001" / "shards" / "metadata.dcp")
+    assert {"model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"} <= set(metadata.state_dict_metadata)
+
+
+def test_the_staging_of_the_items_a_rank_writes_is_reserved_before_the_first_save(tmp_path):
+    """``reserve`` (every rank at its first step) agrees on the plan as a save does, and allocates the
+    buffers of this rank's items off the loop: the first save allocates nothing, and leaves no keys."""
+    store = dist.HashStore()
+    storage = LocalStorage(str(tmp_path))
+    engines, models, commits = [], [], {0: [], 1: []}
+    for r in range(2):
+        groups = SimpleNamespace(rank=r, world_size=2, store=store, uid="t", timeout_s=30.0, save_group=None)
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append))
+
+    def each(call):
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
+    assert store.num_keys() == 0
+    for e in engines:
+        e._staging._reserving.join()
+    assert sum(len(e._staging._reserved) for e in engines) == 4  # each weight and bias, by one rank
+    works: list = [None, None]
+    each(lambda r: works.__setitem__(r, engines[r].stage(Tracked({"model": models[r]}, {}), 1, "periodic")))
+    assert [e._staging.allocations for e in engines] == [0, 0] and all(e.alloc_s < 0.05 for e in engines)
+    assert run(works)[0] == {0: "ok", 1: "ok"} and store.num_keys() == 0
+
+
+def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypatch):
+    """The global plan (every item of every rank, on the loop's thread) is made once while no rank's local
+    plan changes; a changed state is planned anew, and every save still commits and loads."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    made, local = [], []
+    original, original_local = DefaultSavePlanner.create_global_plan, DefaultSavePlanner.create_local_plan
+    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan", lambda self, p: made.append(1) or original(self, p))
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", lambda self: local.append(1) or original_local(self))
+    store = dist.HashStore()
+    storage = LocalStorage(str(tmp_path))
+    engines, commits = [], {0: [], 1: []}
+    models = []
+    for r in range(2):
+        torch.manual_seed(0)  # replicated, as under DDP
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        groups = SimpleNamespace(rank=r, world_size=2, store=store, uid="t", timeout_s=30.0, save_group=None)
+        engines.append(ShardedEngine(storage, groups, keep=5, on_commit=commits[r].append))
+
+    def save(step, objects):
+        works: list = [None, None]
+        threads = [
+            threading.Thread(
+                target=lambda r=r: works.__setitem__(r, engines[r].stage(Tracked(objects[r], {}), step, "p"))
+            )
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert run(works)[0] == {0: "ok", 1: "ok"}
+
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for m in models:
+                m[1].weight.fill_(step)  # each save's values, with the same structure
+        save(step, [{"model": m} for m in models])
+        if step == 1:
+            allocated = [e._staging.allocations for e in engines]
+    assert len(made) == 1 and len(local) == 2  # one plan per rank: the later saves found the same structure
+    assert [e._staging.allocations for e in engines] == allocated  # and the same buffers, in the same order
+    info = next(i for i in scan(storage) if i.step == 3)
+    sd = {"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).state_dict()}
+    with SpotguardReader(lambda name: open_verified(storage, info, name)) as reader:
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    assert torch.equal(sd["model"]["1.weight"], torch.full((2, 8), 3.0))
+    assert all(torch.equal(sd["model"][k], v) for k, v in models[0].state_dict().items())
+    bigger = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)) for _ in range(2)]
+    save(4, [{"model": m} for m in bigger])
+    assert len(made) == 2 and len(local) == 4 and store.num_keys() == 0
+    metadata = load_metadata(tmp_path / "step-00000004" / "shards" / "metadata.dcp")
+    assert metadata.state_dict_metadata["model.1.weight"].size == torch.Size([3, 8])
+    assert [len(c) for c in commits.values()] == [4, 4]
