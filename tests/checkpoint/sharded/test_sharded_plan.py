@@ -19,7 +19,7 @@ from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.sharded.dcp import SpotguardReader, load_metadata
 from spotguard.checkpoint.sharded.sharded import ShardedEngine
 from spotguard.storage import LocalStorage
-from tests.checkpoint.test_sharded_async import ranks, run
+from tests.checkpoint.sharded.test_sharded_async import ranks, run
 
 
 def test_each_replicated_item_is_staged_by_the_one_rank_that_writes_it(tmp_path):
