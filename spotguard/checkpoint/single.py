@@ -26,7 +26,7 @@ from spotguard.checkpoint.format import reader
 from spotguard.checkpoint.format.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.state import data, loadable, state
 from spotguard.checkpoint.state.budget import Budget, tensor_bytes
-from spotguard.checkpoint.state.snapshot import Staging, canonical
+from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
 from spotguard.storage import Storage
 
@@ -50,7 +50,7 @@ def refuse_sharded(info: CheckpointInfo) -> None:
         )
 
 
-class SingleEngine:
+class SingleEngine(HoldsStaging):
     """Checkpoints of one process. ``staged_final``: the final save is staged like periodic ones, so
     that an unchanged state serialises to the same bytes (and is not written again). A synchronous
     save of device state streams through a ring of pinned buffers (``stream``), as fast as a periodic
@@ -85,15 +85,6 @@ class SingleEngine:
         if self._ring_made is None:
             self._ring_made = stream.Ring.within(self.budget.resolve())
         return self._ring_made
-
-    @property
-    def staged_bytes(self) -> int:
-        return self._staging.nbytes
-
-    @property
-    def alloc_s(self) -> float:
-        """Seconds the last snapshot spent allocating staging buffers (not the loop's steady cost)."""
-        return self._staging.alloc_s
 
     def reserve(self, tracked: Tracked) -> None:
         """Start allocating the staging of periodic saves off the loop's thread (``Staging.reserve``)."""

@@ -44,7 +44,7 @@ from spotguard.checkpoint.sharded import sharded_async, sharded_load, sharded_pl
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.checkpoint.sharded.sharded_load import rank_file
 from spotguard.checkpoint.state import data, loadable, state
-from spotguard.checkpoint.state.snapshot import Staging
+from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging
 from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 
@@ -63,7 +63,7 @@ class Staged:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # guard.extra when collected
 
 
-class ShardedEngine:
+class ShardedEngine(HoldsStaging):
     """Checkpoints of a process group, every call collective (see the module docstring).
 
     ``groups`` is the guard's ``Agreement``: synchronous saves and resume run on its save group;
@@ -92,14 +92,6 @@ class ShardedEngine:
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
         self._plan = sharded_plan.Cache()  # the DCP plan agreed last (``reserve``, ``stage``)
-
-    @property
-    def staged_bytes(self) -> int:
-        return self._staging.nbytes
-
-    @property
-    def alloc_s(self) -> float:
-        return self._staging.alloc_s
 
     def reserve(self, tracked: Tracked) -> None:
         """Start allocating the staging of background saves off the loop's thread (``Staging.reserve``), for

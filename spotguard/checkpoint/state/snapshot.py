@@ -224,3 +224,19 @@ def canonical(obj: Any) -> Any:
         values = [v if type(v) in _SCALARS else canonical(v) for v in obj]
         return type(obj)(values) if not hasattr(obj, "_fields") else type(obj)(*values)
     return obj
+
+
+class HoldsStaging:
+    """What an engine that stages into a ``Staging`` (``_staging``) reports of it (both engines)."""
+
+    _staging: Staging
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes held in the reused host buffers of staged saves."""
+        return self._staging.nbytes
+
+    @property
+    def alloc_s(self) -> float:
+        """Seconds the last snapshot spent allocating staging buffers (not the loop's steady cost)."""
+        return self._staging.alloc_s
