@@ -12,13 +12,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from spotguard import errors
 from spotguard.errors import CheckpointMismatchError
@@ -54,7 +47,13 @@ def split(objects: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torc
     return modules, optims, rest
 
 
+# torch.distributed.checkpoint is imported where used: it costs ~1 s of CPU per process, and the
+# Guard (every rank, every worker) loads this module whether or not it ever saves sharded.
+
+
 def dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     modules, optims, _ = split(objects)
     sd: dict[str, Any] = {n: get_model_state_dict(m) for n, m in modules.items()}
     sd.update({n: get_optimizer_state_dict(owner(o, modules), o) for n, o in optims.items()})
@@ -62,6 +61,8 @@ def dcp_state(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def set_dcp_state(objects: dict[str, Any], sd: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     modules, optims, _ = split(objects)
     for n, m in modules.items():
         set_model_state_dict(m, sd[n])
@@ -77,6 +78,8 @@ def broadcast(value: Any, group: Any) -> Any:
 
 def failures(error: BaseException, rank: int) -> list[tuple[int, BaseException]]:
     """(rank, exception) behind one error: DCP hands every rank the exceptions of all failed ranks."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException):
         return sorted(((r, exc) for r, (exc, _) in error.failures.items()), key=lambda f: f[0])
     return [(rank, error)]
