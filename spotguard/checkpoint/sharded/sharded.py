@@ -92,25 +92,47 @@ class ShardedEngine(HoldsStaging):
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
         self._plan = sharded_plan.Cache()  # the DCP plan agreed last (``reserve``, ``stage``)
+        self._reserving: threading.Thread | None = None  # ``reserve``'s plan and allocation, until ``stage``
 
     def reserve(self, tracked: Tracked) -> None:
-        """Start allocating the staging of background saves off the loop's thread (``Staging.reserve``), for
-        the items this rank's plan writes: every rank calls this at its first step, and the ranks agree on
-        the plan through the store as a staged save does (``sharded_plan``), waiting at most ``RESERVE_WAIT_S``.
-        A plan not agreed reserves nothing: the first save allocates, as it would have."""
+        """Start allocating the staging of background saves off the loop's thread, for the items this rank's
+        plan writes. Every rank calls this at its first step: the state is collected here (the loop's
+        thread: nothing else reads it); agreeing on the plan through the store as a staged save does
+        (``sharded_plan``, waiting at most ``RESERVE_WAIT_S`` for the other ranks) and allocating
+        (``Staging.reserve``) run on a thread of their own, which the first ``stage`` waits for. A plan
+        not agreed reserves nothing: the first save allocates, as it would have."""
         g = self.groups
-        if g.store is None:  # saves are synchronous: nothing is staged
+        if g.store is None or self._reserving is not None:  # synchronous saves stage nothing
             return
-        wait = min(g.timeout_s, RESERVE_WAIT_S)
-        ex = sharded_async.Exchange(g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), wait)
         live = self._collect(tracked, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
+        self._reserving = threading.Thread(target=self._reserve, args=(live,), name="spotguard-plan", daemon=True)
+        self._reserving.start()
+
+    def _reserve(self, live: Staged) -> None:
+        g = self.groups
+        ex = sharded_async.Exchange(
+            g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), min(g.timeout_s, RESERVE_WAIT_S)
+        )
         writer = SpotguardWriter(self.storage, step_dir(0), g.rank)
-        planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan)
-        ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
-        if planned.error:
-            logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
-            return
-        self._staging.reserve({"objects": live.payload["objects"], "items": planned.items})
+        try:
+            planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan)
+            ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
+            if planned.error:
+                logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
+                return
+            self._staging.reserve({"objects": live.payload["objects"], "items": planned.items})
+        except Exception as e:  # never the loop's: the first save plans and allocates as it would have
+            self._plan.clear()
+            logger.warning("cannot reserve the checkpoint staging (%s: %s)", type(e).__name__, e)
+
+    def _reserved(self) -> float:
+        """Wait for ``reserve``'s thread (its plan is the cache ``stage`` starts from); the seconds waited."""
+        if self._reserving is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._reserving.join()
+        self._reserving = None
+        return time.perf_counter() - t0
 
     def _collect(self, tracked: Tracked, step: int, final: bool = False) -> Staged:
         """This rank's state, its live tensors, never raising (a failure is carried, then agreed on by ``_write``)."""
@@ -167,6 +189,7 @@ class ShardedEngine(HoldsStaging):
         into the reused buffers; the work writes them, coordinated through the store (``sharded_async``),
         never through a collective."""
         g = self.groups
+        waited = self._reserved()
         self._staged += 1
         ex = sharded_async.Exchange(
             g.store, f"{g.uid}/{self._staged}/", g.rank, g.world_size, threading.Event(), g.timeout_s
@@ -176,6 +199,7 @@ class ShardedEngine(HoldsStaging):
         planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan, self._staged)
         self._check_once(live, step, collective=False)
         staged = self._snapshot(live, planned)
+        self._staging.alloc_s += waited  # setting up, not the loop's steady cost (``alloc_s``)
         del live  # the live tensors: not kept by the work
 
         def work(cancel: threading.Event) -> None:

@@ -7,6 +7,7 @@ test_sharded.py.
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -55,14 +56,32 @@ def test_the_staging_of_the_items_a_rank_writes_is_reserved_before_the_first_sav
             t.join(60)
 
     each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
-    assert store.num_keys() == 0
     for e in engines:
+        e._reserving.join()
         e._staging._reserving.join()
+    assert store.num_keys() == 0
     assert sum(len(e._staging._reserved) for e in engines) == 4  # each weight and bias, by one rank
     works: list = [None, None]
     each(lambda r: works.__setitem__(r, engines[r].stage(Tracked({"model": models[r]}, {}), 1, "periodic")))
     assert [e._staging.allocations for e in engines] == [0, 0] and all(e.alloc_s < 0.05 for e in engines)
     assert run(works)[0] == {0: "ok", 1: "ok"} and store.num_keys() == 0
+
+
+def test_reserving_does_not_hold_the_loop_while_a_peer_is_late(tmp_path, caplog):
+    """The plan is agreed on a thread of its own: a rank whose peer has not reached its first step yet
+    returns from ``reserve`` at once (it waited up to a minute on the loop's thread before); a peer that
+    never comes costs a warning, and the first save then plans and allocates as it would have."""
+    store = dist.HashStore()
+    storage = LocalStorage(str(tmp_path))
+    groups = SimpleNamespace(rank=0, world_size=2, store=store, uid="t", timeout_s=3.0, save_group=None)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    engine = ShardedEngine(storage, groups, keep=3, on_commit=lambda c: None)
+    t0 = time.monotonic()
+    engine.reserve(Tracked({"model": model}, {}))
+    assert time.monotonic() - t0 < 1.5 and engine._reserving.is_alive()  # the peer's wait is 3 s
+    engine._reserving.join(10)
+    assert "cannot reserve the checkpoint staging" in caplog.text
+    assert engine._staging._reserving is None and engine._staging.nbytes == 0  # nothing allocated
 
 
 def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypatch):
