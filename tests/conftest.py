@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,31 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` gives out the longest files first (tests/xdist_order.py)."""
     return xdist_order.make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+_leases: list[object] = []  # the writer leases the running test acquired
+
+
+@pytest.fixture(autouse=True)
+def _leftover_leases_stop():
+    """A test that leaves a Guard open (the "machine is gone" mid-run) left its writer lease's renewal
+    thread running into the next tests of the same worker, whose ``caplog`` then caught its warnings
+    (a renewal, or the release once the Guard was collected, against a server the test had stopped).
+    When the test ends, each lease it acquired stops renewing, without a write: the record expires.
+    Only where the lease module is imported already: a light test file does not import torch here."""
+    module = sys.modules.get("spotguard.checkpoint.leaseholder")
+    if module is not None and not hasattr(module.Lease, "_seen_by_tests"):
+        acquire = module.Lease.acquire
+
+        def seen(self, *args, **kwargs):
+            _leases.append(self)
+            return acquire(self, *args, **kwargs)
+
+        module.Lease.acquire, module.Lease._seen_by_tests = seen, True
+    yield
+    for lease in _leases:
+        lease._stop.set()  # the renewal thread ends at its next wait
+    _leases.clear()
 
 
 def _computed_once(factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], None]) -> Path:
