@@ -10,12 +10,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar, overload
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .storage.base import Storage
 
 AWS_ALLOW_IMDSV1 = "SPOTGUARD_AWS_ALLOW_IMDSV1"
 AZURE_ACK = "SPOTGUARD_AZURE_ACK"
@@ -28,6 +25,12 @@ LOCAL_DIR = "SPOTGUARD_LOCAL_DIR"  # its fast first tier (`spotguard run --local
 METRICS_FILE = "SPOTGUARD_METRICS_FILE"  # JSON lines of a Guard built without one (`spotguard rehearse`)
 CHECKSUM = "SPOTGUARD_CHECKSUM"  # the checksum of new checkpoints (spotguard.checkpoint.format.digest)
 TAKEOVER = "SPOTGUARD_TAKEOVER"  # 1: take over a live writer lease (`spotguard run --takeover`)
+NOTICE_FILE = "SPOTGUARD_NOTICE_FILE"  # a flag file that means "stop" (``{rank}`` for one per rank)
+HEARTBEAT = "SPOTGUARD_HEARTBEAT"  # the file of slots `spotguard run` shares with the job (spotguard.heartbeat)
+TMPDIR = "SPOTGUARD_TMPDIR"  # where staging files of uploads and downloads go (default: the system's)
+AZURE_METADATA_ENDPOINT = "SPOTGUARD_AZURE_METADATA_ENDPOINT"  # Azure's IMDS elsewhere (a mock, a proxy)
+# Variables of other tools are read where they are used, as those tools read them: the launchers'
+# RANK / LOCAL_RANK / WORLD_SIZE, AWS_EC2_METADATA_SERVICE_ENDPOINT, GCE_METADATA_HOST, Azure's and Ray's.
 
 T = TypeVar("T")
 
@@ -35,7 +38,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def storage_or_env(given: str | Storage | None) -> str | Storage:
+@overload
+def storage_or_env(given: None) -> str: ...
+@overload
+def storage_or_env(given: T) -> T: ...
+def storage_or_env(given: T | None) -> T | str:
     """The storage a job was given, else ``$SPOTGUARD_STORAGE`` (set by `spotguard run`, terraform)."""
     if given is not None:
         return given

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from spotguard import _env
 from spotguard.errors import PERMANENT, LeaseHeldError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ EXIT_CONFIG = 78
 #: Exit code of ``spotguard run`` when another job holds the writer lease of the run's storage, or took
 #: it over from this job (EX_CANTCREAT): a restart would meet the same writer, so it is not restarted.
 EXIT_LEASE_HELD = 73
-HEARTBEAT_ENV = "SPOTGUARD_HEARTBEAT"
+HEARTBEAT_ENV = _env.HEARTBEAT
 STACKS_SIGNAL = signal.SIGUSR2
 SIZE = 32  # four native int64 slots: [last completed step, flags, save in flight, evaluating]
 MIN_SIZE = 16  # the first two slots: a file an older spotguard created
@@ -93,7 +94,7 @@ def attach(path: str | None = None) -> memoryview:
     Without a usable path the slots are private memory, so ``Guard.step()`` writes the same way
     either way (no branch on the hot path). Called once, from ``Guard.__init__``.
     """
-    path = os.environ.get(HEARTBEAT_ENV) if path is None else path
+    path = _env.text(HEARTBEAT_ENV) if path is None else path
     if path:
         try:
             with open(path, "r+b") as f:

@@ -48,6 +48,21 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, va
         build()
 
 
+def test_every_spotguard_variable_is_named_in_one_module():
+    """spotguard/_env.py names every ``SPOTGUARD_*`` variable and reads them (a bad value is a
+    ``ConfigError`` naming it): a name spelled out elsewhere in the package is a read that bypasses it."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "spotguard"
+    spelled = {
+        str(path.relative_to(package)): found
+        for path in package.rglob("*.py")
+        if path.name != "_env.py" and (found := re.findall(r"[\"']SPOTGUARD_[A-Z0-9_]+[\"']", path.read_text()))
+    }
+    assert spelled == {}
+
+
 def test_docs_environment_lists_exactly_the_variables_the_code_reads():
     """docs/environment.md is the one table of every ``SPOTGUARD_*`` variable: one that the code reads and
     the table lacks (or one the table names and no code reads) is a drift a user trips on."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard import notices
+from spotguard import _env, notices
 from spotguard.notices.base import NoticeProvider
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def providers_for_rank(
         if isinstance(item, NoticeProvider) or item in ("signal", "ray"):
             chosen.append(item)
         elif item == "file":
-            template = os.environ.get("SPOTGUARD_NOTICE_FILE", "")
+            template = _env.text(_env.NOTICE_FILE) or ""
             if "{" in template:
                 from spotguard.notices.file import FileProvider
 

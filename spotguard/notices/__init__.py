@@ -10,10 +10,10 @@ that reaches a job started by systemd or ``spotguard run``.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .. import _env
 from ..errors import ConfigError
 from .base import ADVISORY_KINDS, STOP_KINDS, Notice, NoticeProvider, stable_id
 
@@ -82,7 +82,7 @@ def auto_names() -> list[str]:
     from .ray import in_ray_train_worker
 
     chosen = ["signal"]
-    if os.environ.get("SPOTGUARD_NOTICE_FILE"):
+    if _env.text(_env.NOTICE_FILE):
         chosen.append("file")
     if in_ray_train_worker():
         chosen.append("ray")

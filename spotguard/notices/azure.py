@@ -20,7 +20,6 @@ import datetime as dt
 import email.utils
 import json
 import logging
-import os
 import re
 import threading
 from collections.abc import Iterable
@@ -34,7 +33,7 @@ from .base import Notice, deadline_ahead, utcnow
 
 logger = logging.getLogger(__name__)
 
-ENV_ENDPOINT = "SPOTGUARD_AZURE_METADATA_ENDPOINT"
+ENV_ENDPOINT = _env.AZURE_METADATA_ENDPOINT
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 API_VERSION = "2020-07-01"
 EVENTS = f"/metadata/scheduledevents?api-version={API_VERSION}"
@@ -60,7 +59,7 @@ _VM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}")
 
 
 def endpoint() -> str:
-    return os.environ.get(ENV_ENDPOINT) or DEFAULT_ENDPOINT
+    return _env.text(ENV_ENDPOINT) or DEFAULT_ENDPOINT
 
 
 def parse_stop_events(value: str | Iterable[str]) -> frozenset[str]:

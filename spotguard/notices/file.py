@@ -14,12 +14,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import _env
 from ..errors import ConfigError
 from .base import Notice, NoticeProvider, utcnow
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "SPOTGUARD_NOTICE_FILE"
+ENV_VAR = _env.NOTICE_FILE
 MAX_BYTES = 64 * 1024
 
 
@@ -41,7 +42,7 @@ class FileProvider(NoticeProvider):
     name = "file"
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        path = path or os.environ.get(ENV_VAR)
+        path = path or _env.text(ENV_VAR)
         if not path:
             raise ConfigError(f"the file provider needs a path: pass one or set {ENV_VAR}")
         self.path = Path(path)

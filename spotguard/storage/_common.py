@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import math
-import os
 import shutil
 import tempfile
 import zlib
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
+from .. import _env
 from ..errors import ConfigError
 from .base import check_key
 
@@ -150,4 +150,4 @@ def temp_dir(parent: str | None) -> Iterator[Path]:
 
 
 def tmp_parent() -> str | None:
-    return os.environ.get("SPOTGUARD_TMPDIR") or None
+    return _env.text(_env.TMPDIR)

@@ -92,16 +92,20 @@ def available(alg: str) -> bool:
 
 def default_alg() -> str:
     """The algorithm of new checkpoints: ``$SPOTGUARD_CHECKSUM``, else BLAKE3 where installed, else SHA-256."""
-    wanted = os.environ.get(ENV, "").strip().lower()
-    if wanted:
-        if wanted not in ALGORITHMS:
-            raise ConfigError(f"${ENV} must be one of {', '.join(ALGORITHMS)}, got {wanted!r}")
-        try:
-            hasher_factory(wanted)
-        except CheckpointFormatError as e:
-            raise ConfigError(f"${ENV}={wanted}: {e}") from e
-        return wanted
-    return BLAKE3 if available(BLAKE3) else SHA256
+    wanted = _env.choices(ENV, None, _usable)
+    return wanted or (BLAKE3 if available(BLAKE3) else SHA256)
+
+
+def _usable(value: str) -> str:
+    """``value`` as an algorithm this process can hash with; ValueError else."""
+    wanted = value.lower()
+    if wanted not in ALGORITHMS:
+        raise ValueError(f"must be one of {', '.join(ALGORITHMS)}, got {wanted!r}")
+    try:
+        hasher_factory(wanted)
+    except CheckpointFormatError as e:
+        raise ValueError(f"{wanted}: {e}") from e
+    return wanted
 
 
 class ChunkedDigest:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spotguard import _env
 from spotguard.errors import ConfigError
 from spotguard.ops.mockmeta.aws import AwsMock
 from spotguard.ops.mockmeta.azure import AzureMock
@@ -50,5 +51,5 @@ def endpoint_env(cloud: str, url: str) -> dict[str, str]:
     if cloud == "gcp":
         return {"GCE_METADATA_HOST": hostport, "GCE_METADATA_IP": hostport}
     if cloud == "azure":
-        return {"SPOTGUARD_AZURE_METADATA_ENDPOINT": url}
+        return {_env.AZURE_METADATA_ENDPOINT: url}
     raise ConfigError(f"unknown cloud {cloud!r}")

@@ -15,11 +15,12 @@ import signal
 import time
 from pathlib import Path
 
+from spotguard import _env
 from spotguard.notices.file import ENV_VAR as NOTICE_FILE_ENV
 from spotguard.ops import mockmeta
 from spotguard.ops.supervisor.procs import Job
 
-GCP_DEADLINE_ENV = "SPOTGUARD_GCP_DEADLINE"
+GCP_DEADLINE_ENV = _env.GCP_DEADLINE
 
 
 class Sender:

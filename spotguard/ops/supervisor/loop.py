@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from spotguard import checkpoint, heartbeat
+from spotguard import _env, checkpoint, heartbeat
 from spotguard._env import STORAGE as STORAGE_ENV
 from spotguard.errors import SpotguardError, StorageError
 from spotguard.events import Events, Record
@@ -79,7 +78,7 @@ class Supervisor:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _storage_url(self) -> str | None:
-        return self.options.storage or os.environ.get(STORAGE_ENV)
+        return self.options.storage or _env.text(STORAGE_ENV)
 
     def report_latest(self) -> checkpoint.CheckpointInfo | None:
         """Log the newest complete checkpoint (step, age, size); None when there is none.
