@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ..errors import (
     CheckpointCorruptError,
@@ -45,6 +45,8 @@ from .base import Storage, UploadCrc, check_key
 from .growing import Upload, abandoned_on_error
 
 logger = logging.getLogger(__name__)
+
+V = TypeVar("V")  # what a listing maps each name to (a size, a time)
 
 
 class _ChecksumMismatch(StorageError):
@@ -315,19 +317,18 @@ class CloudStorage(Storage):
             )
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        if prefix:
-            check_key(prefix.rstrip("/"))
-        cut = len(self.prefix)
-        return dict(
-            self._call("list", prefix, lambda: {name[cut:]: size for name, size in self._list(self.prefix + prefix)})
-        )
+        return self._listing(prefix, self._list)
 
     def list_times(self, prefix: str = "") -> dict[str, float]:
+        return self._listing(prefix, self._list_times)
+
+    def _listing(self, prefix: str, lister: Callable[[str], Iterable[tuple[str, V]]]) -> dict[str, V]:
+        """``lister``'s (full name, value) pairs under ``prefix``, retried, named below this storage's prefix."""
         if prefix:
             check_key(prefix.rstrip("/"))
         cut = len(self.prefix)
         return dict(
-            self._call("list", prefix, lambda: {name[cut:]: t for name, t in self._list_times(self.prefix + prefix)})
+            self._call("list", prefix, lambda: {name[cut:]: value for name, value in lister(self.prefix + prefix)})
         )
 
     def _list_times(self, full_prefix: str) -> Iterable[tuple[str, float]]:

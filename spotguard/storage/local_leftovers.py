@@ -63,16 +63,8 @@ def _idle(path: Path) -> bool:
 def _dead_owner(tagged: str) -> bool:
     """True for a leftover tagged ``host@pid-...`` (``LocalStorage``'s owner tag) whose process on this host is gone."""
     name, _, rest = tagged.rpartition("@")
-    pid = rest.split("-", 1)[0]
-    if name != host() or not (pid.isascii() and pid.isdigit()):
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    pid = _local_pid(f"{name}@{rest.split('-', 1)[0]}")
+    return pid is not None and not _alive(pid)
 
 
 def sweep(root: Path) -> None:
@@ -202,11 +194,19 @@ def tree_stats(top: Path) -> tuple[int, float] | None:
 
 def writer_running(owner: str) -> bool:
     """Whether ``owner`` ("host@pid", from a Leftover) is a process running on this host."""
+    pid = _local_pid(owner)
+    return pid is not None and _alive(pid)
+
+
+def _local_pid(owner: str) -> int | None:
+    """The pid of ``owner`` ("host@pid") when it names a process of this host; None for another host's."""
     name, _, pid = owner.rpartition("@")
-    if name != host() or not (pid.isascii() and pid.isdigit()):
-        return False
+    return int(pid) if name == host() and pid.isascii() and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: running

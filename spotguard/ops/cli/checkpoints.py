@@ -16,10 +16,10 @@ from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, Stor
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.timeouts import DEFAULT_TIMEOUT
 
+from ._args import add_json, add_seconds, add_url
 from ._output import fail, report
 from .cleanup import duration, empty_local, print_hidden, rm_incomplete
 
-_URL = "storage URL (path, file://, s3://, gs://, az://)"
 UNREADABLE = "unreadable"
 
 
@@ -263,9 +263,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _add_timeout(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    add_seconds(
+        p,
         "--timeout",
-        type=float,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help=f"give up on a cloud storage operation after about this long: each request waits at most this "
@@ -276,8 +276,8 @@ def _add_timeout(p: argparse.ArgumentParser) -> None:
 def register(sub: Any) -> None:
     """Add ``ls``, ``verify``, ``pull`` and ``rm`` to the ``spotguard`` subcommands."""
     p = sub.add_parser("ls", help="list the checkpoints under a storage URL")
-    p.add_argument("url", help="a path, file://, s3://, gs:// or az:// URL")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_url(p, "a path, file://, s3://, gs:// or az:// URL")
+    add_json(p, "one JSON object per line")
     p.add_argument(
         "--verify",
         action="store_true",
@@ -291,26 +291,25 @@ def register(sub: Any) -> None:
         help="check checkpoints against their manifests (exit 1 when corrupt, of a newer spotguard's format, "
         "or when there is nothing to verify)",
     )
-    p.add_argument("url", help="storage URL, or URL/step-NNNNNNNN for one checkpoint")
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="one JSON object per checkpoint (status ok, corrupt, incomplete or "
+    add_url(p, "storage URL, or URL/step-NNNNNNNN for one checkpoint")
+    add_json(
+        p,
+        "one JSON object per checkpoint (status ok, corrupt, incomplete or "
         "newer-format); an error object and exit 1 when there is nothing to verify",
     )
     _add_timeout(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("pull", help="copy a checkpoint (verified) to a local directory")
-    p.add_argument("url", help=_URL)
+    add_url(p)
     p.add_argument("dest", help="local checkpoint root; the checkpoint lands in DEST/step-NNNNNNNN/")
     p.add_argument("--step", type=int, help="which step (default: the newest complete checkpoint)")
-    p.add_argument("--json", action="store_true", help="one JSON object: the pulled checkpoint, or an error")
+    add_json(p, "one JSON object: the pulled checkpoint, or an error")
     _add_timeout(p)
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("rm", help="delete one checkpoint, or the leftovers of interrupted saves")
-    p.add_argument("url", help=_URL)
+    add_url(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--step", type=int, help="delete the checkpoint of this step (manifest first)")
     what.add_argument(
@@ -332,6 +331,6 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="with --incomplete: say what would be deleted, delete nothing"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per thing deleted or skipped, or an error")
+    add_json(p, "one JSON object per thing deleted or skipped, or an error")
     _add_timeout(p)
     p.set_defaults(func=cmd_rm)

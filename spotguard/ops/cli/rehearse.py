@@ -13,6 +13,8 @@ from typing import Any
 
 from spotguard.errors import StorageError
 
+from ._args import add_json, add_seconds, command
+
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from spotguard.ops import rehearsal
@@ -20,11 +22,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     # A SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C: the fleet kills the job it runs and
     # stops the mock server on its way out, instead of leaving them behind.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    command = list(args.cmd)
-    if command and command[0] == "--":
-        command = command[1:]
     options = rehearsal.RehearsalOptions(
-        command,
+        command(args),
         preemptions=args.preemptions,
         mtbf_s=args.mtbf,
         seed=args.seed,
@@ -90,9 +89,7 @@ def register(sub: Any) -> None:
         "preemption cost and the goodput beside the planner's prediction.",
     )
     p.add_argument("--preemptions", "-n", type=_positive_int, default=5, help="notices to send (default 5)")
-    p.add_argument(
-        "--mtbf", type=float, default=30.0, metavar="S", help="mean seconds of training between notices (default 30)"
-    )
+    add_seconds(p, "--mtbf", default=30.0, metavar="S", help="mean seconds of training between notices (default 30)")
     p.add_argument("--seed", type=int, help="seed of the notice moments (default: a new draw each time)")
     p.add_argument(
         "--notices",
@@ -100,15 +97,15 @@ def register(sub: Any) -> None:
         default="aws",
         help="where notices come from: a mock metadata service (default aws; gcp, azure), a SIGTERM, a notice file",
     )
-    p.add_argument(
+    add_seconds(
+        p,
         "--lead",
-        type=float,
         metavar="S",
         help="seconds from a notice to the machine's end (default: the cloud's, 30 s else)",
     )
-    p.add_argument(
+    add_seconds(
+        p,
         "--replacement-delay",
-        type=float,
         default=1.0,
         metavar="S",
         help="a machine's end to the next start (default 1)",
@@ -145,13 +142,13 @@ def register(sub: Any) -> None:
         "--reference-storage", metavar="URL", help="the reference run's storage (default: STORAGE.reference)"
     )
     p.add_argument("--report", metavar="FILE.json", help="write the full report as JSON")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON document instead of the table")
+    add_json(p, "print the report as one JSON document instead of the table")
     p.add_argument(
         "--plot", metavar="FILE.png", help="draw steps over time, preemptions and time lost (spotguard[plot])"
     )
     p.add_argument(
         "--work-dir", metavar="DIR", help="keep heartbeats and the Guard's events here (default: a temp dir)"
     )
-    p.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds")
+    add_seconds(p, "--timeout", "give up after this many seconds", metavar="S")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     p.set_defaults(func=cmd_rehearse)

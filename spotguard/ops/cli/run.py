@@ -12,13 +12,14 @@ from spotguard import redact
 from spotguard.errors import SpotguardError
 from spotguard.notices.base import Notice
 
+from ._args import add_json, add_seconds, command
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     from spotguard.ops.supervisor import Supervisor, SupervisorOptions
 
-    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     options = SupervisorOptions(
-        command,
+        command(args),
         storage=args.storage,
         local_dir=args.local_dir,
         prefetch=args.prefetch,
@@ -87,17 +88,23 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0 if got else 1
 
 
+#: ``spotguard run --help``'s description: what its exit code says (what a job scheduler decides on).
+EXIT_CODES = (
+    "Exit codes: 0 finished, 75 stopped for a notice (do not restart), 78 the job failed on "
+    "an error a restart would meet again (a checkpoint no resume can load, a changed data loader), "
+    "73 another job writes to the same storage (it holds the run's writer lease, or took it over), "
+    "2 restart budget used up, bad options or a newer spotguard's checkpoint, 128+N stopped by signal N "
+    "(the job died of it or did not exit in time); after a stop signal, "
+    "otherwise the job's own exit code."
+)
+
+
 def register(sub: Any) -> None:
     """Add ``run`` and ``watch`` to the ``spotguard`` subcommands."""
     p = sub.add_parser(
         "run",
         help="run a training command; restart it after a crash or hang, not after a preemption",
-        description="Exit codes: 0 finished, 75 stopped for a notice (do not restart), 78 the job failed on "
-        "an error a restart would meet again (a checkpoint no resume can load, a changed data loader), "
-        "73 another job writes to the same storage (it holds the run's writer lease, or took it over), "
-        "2 restart budget used up, bad options or a newer spotguard's checkpoint, 128+N stopped by signal N "
-        "(the job died of it or did not exit in time); after a stop signal, "
-        "otherwise the job's own exit code.",
+        description=EXIT_CODES,
     )
     p.add_argument("--storage", help="checkpoint URL, passed to the job as $SPOTGUARD_STORAGE")
     p.add_argument("--local-dir", help="the job's fast local tier (e.g. NVMe), passed as $SPOTGUARD_LOCAL_DIR")
@@ -113,17 +120,17 @@ def register(sub: Any) -> None:
         help="copy the newest checkpoint into --local-dir, verified, before starting the job",
     )
     p.add_argument("--max-restarts", type=int, default=10, help="restarts after crashes/hangs (default 10)")
-    p.add_argument(
+    add_seconds(
+        p,
         "--hang-timeout",
-        type=float,
         help="seconds without a completed step before the job counts as hung (default: no watchdog)",
     )
-    p.add_argument("--startup-timeout", type=float, help="the same before the first step (default: --hang-timeout)")
-    p.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds, doubled each restart")
-    p.add_argument("--backoff-max", type=float, default=60.0, help="longest restart delay (default 60)")
-    p.add_argument(
+    add_seconds(p, "--startup-timeout", help="the same before the first step (default: --hang-timeout)")
+    add_seconds(p, "--backoff", default=1.0, help="first restart delay in seconds, doubled each restart")
+    add_seconds(p, "--backoff-max", default=60.0, help="longest restart delay (default 60)")
+    add_seconds(
+        p,
         "--grace",
-        type=float,
         default=120.0,
         help="seconds the job gets to checkpoint and exit after a forwarded stop signal (default 120)",
     )
@@ -133,10 +140,9 @@ def register(sub: Any) -> None:
         help="forward stop signals as this one (e.g. USR1) "
         "where the platform also signals the job directly (Slurm preemption)",
     )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON document at the end (exit code, outcome, "
+    add_json(
+        p,
+        "print one JSON document at the end (exit code, outcome, "
         "restarts by cause, every exit); the job's stdout goes to stderr",
     )
     p.add_argument(
@@ -158,8 +164,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0)
-    p.add_argument("--json", action="store_true", help="one JSON object per notice")
-    p.add_argument("--timeout", type=float, help="give up after this many seconds (exit 1)")
+    add_json(p, "one JSON object per notice")
+    add_seconds(p, "--timeout", "give up after this many seconds (exit 1)")
     p.add_argument(
         "--advisory",
         action="store_true",
