@@ -191,6 +191,31 @@ def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Ite
             lazy.server.close()
 
 
+class Served:
+    """One server for scripts written as the tests go (a snippet per test, each in its own folder):
+    ``with served.scripts(path):`` forks that script's runs from it. The server starts at the first
+    run and imports ``preload`` only: unlike ``installed``, no script's top level is run there (a
+    snippet has no ``__main__`` guard: its top level is the whole run). ``close()`` at the end."""
+
+    def __init__(self, preload: tuple[str | Path, ...] = ()) -> None:
+        self._lazy = _Lazy(preload or PRELOAD)
+
+    @contextlib.contextmanager
+    def scripts(self, *scripts: str | Path) -> Iterator[None]:
+        keys = [str(Path(s).resolve()) for s in scripts]
+        for key in keys:
+            _installed[key] = self._lazy
+        try:
+            yield
+        finally:
+            for key in keys:
+                _installed.pop(key, None)
+
+    def close(self) -> None:
+        if self._lazy.server is not None:
+            self._lazy.server.close()
+
+
 def run_forked(
     runs: list[list[str]], *, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> list[subprocess.CompletedProcess[str]]:
