@@ -34,8 +34,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-#: Imported by the server before it forks: what the workers and examples import (torch first).
-PRELOAD = ("torch", "torch.distributed", "torchdata.stateful_dataloader", "spotguard", "spotguard.guard")
+#: Imported by the server before it forks: what the workers and examples import (torch first), and
+#: torch._dynamo with sympy, which an optimizer's constructor imports (1-2.5 CPU-s a run on this machine).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torchdata.stateful_dataloader",
+    "spotguard",
+    "spotguard.guard",
+)
 
 
 class Forked:

@@ -155,10 +155,8 @@ def s3_env():
 
 @pytest.fixture(scope="module")
 def forks():
-    """The server the snippets' runs fork from. It imports what every run would import for itself too:
-    ``torch._dynamo`` (the optimizer's constructor imports it, and sympy: ~1 s of CPU a run) and boto3
-    (the README's S3 snippet)."""
-    served = Served((*PRELOAD, "torch._dynamo", *(["boto3"] if importlib.util.find_spec("boto3") else [])))
+    """The server the snippets' runs fork from (boto3 imported there too: the README's S3 snippet)."""
+    served = Served((*PRELOAD, *(["boto3"] if importlib.util.find_spec("boto3") else [])))
     yield served
     served.close()
 
