@@ -34,8 +34,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-#: Imported by the server before it forks: what the workers and examples import (torch first).
-PRELOAD = ("torch", "torch.distributed", "torchdata.stateful_dataloader", "spotguard", "spotguard.guard")
+#: Imported by the server before it forks: what the workers and examples import (torch first), and
+#: torch._dynamo with sympy, which an optimizer's constructor imports (1-2.5 CPU-s a run on this machine).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torchdata.stateful_dataloader",
+    "spotguard",
+    "spotguard.guard",
+)
 
 
 class Forked:
@@ -189,6 +197,31 @@ def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Ite
             _installed.pop(key, None)
         if lazy.server is not None:
             lazy.server.close()
+
+
+class Served:
+    """One server for scripts written as the tests go (a snippet per test, each in its own folder):
+    ``with served.scripts(path):`` forks that script's runs from it. The server starts at the first
+    run and imports ``preload`` only: unlike ``installed``, no script's top level is run there (a
+    snippet has no ``__main__`` guard: its top level is the whole run). ``close()`` at the end."""
+
+    def __init__(self, preload: tuple[str | Path, ...] = ()) -> None:
+        self._lazy = _Lazy(preload or PRELOAD)
+
+    @contextlib.contextmanager
+    def scripts(self, *scripts: str | Path) -> Iterator[None]:
+        keys = [str(Path(s).resolve()) for s in scripts]
+        for key in keys:
+            _installed[key] = self._lazy
+        try:
+            yield
+        finally:
+            for key in keys:
+                _installed.pop(key, None)
+
+    def close(self) -> None:
+        if self._lazy.server is not None:
+            self._lazy.server.close()
 
 
 def run_forked(

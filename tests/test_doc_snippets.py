@@ -7,10 +7,13 @@ A snippet is the text of a fenced ``python`` block; the harness gives it only wh
 (a tiny model, optimizer, scheduler, scaler and ``StatefulDataLoader``, endless ``total_steps``/``epochs``,
 and for the fragments the ``guard`` and loop around them), runs it in a process of its own in a fresh
 folder, and sends SIGTERM once spotguard's handler is in place. ``s3://`` snippets write to moto's S3.
+Each snippet's process is forked from one server that imported torch, torchdata and spotguard once
+(tests/forked.py): what is checked is what the snippet does, not the interpreter's start.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import textwrap
@@ -21,6 +24,7 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
 
+from .forked import PRELOAD, Served
 from .helpers import REPO, block_cloud_metadata, run, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -149,6 +153,14 @@ def s3_env():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def forks():
+    """The server the snippets' runs fork from (boto3 imported there too: the README's S3 snippet)."""
+    served = Served((*PRELOAD, *(["boto3"] if importlib.util.find_spec("boto3") else [])))
+    yield served
+    served.close()
+
+
 def _boto(env: dict[str, str]) -> dict[str, str]:
     return {
         "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
@@ -166,13 +178,16 @@ def script(kind: str, text: str) -> str:
 
 
 @pytest.mark.parametrize("key", list(LOOPS), ids=[f"{p}:{f}" for p, f in LOOPS])
-def test_a_loop_snippet_exits_75_after_a_notice_with_its_checkpoint_committed(tmp_path, key, s3_env, monkeypatch):
+def test_a_loop_snippet_exits_75_after_a_notice_with_its_checkpoint_committed(
+    tmp_path, key, s3_env, monkeypatch, forks
+):
     (text,) = [t for p, f, t in snippets() if _key(p, f, LOOPS) == key]
     kind, storage = LOOPS[key]
     (tmp_path / "snippet.py").write_text(script(kind, text))
     block_cloud_metadata()  # providers="auto" on a machine of no cloud: refused at once
     env = subprocess_env(**s3_env)
-    done = run([sys.executable, "snippet.py"], env=env, cwd=tmp_path)
+    with forks.scripts(tmp_path / "snippet.py"):
+        done = run([sys.executable, str(tmp_path / "snippet.py")], env=env, cwd=tmp_path)
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
     if storage.startswith("s3://"):
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["AWS_ENDPOINT_URL"])
@@ -185,8 +200,9 @@ def test_a_loop_snippet_exits_75_after_a_notice_with_its_checkpoint_committed(tm
 
 
 @pytest.mark.parametrize("key", sorted(PLAIN))
-def test_a_plain_snippet_runs(tmp_path, key):
+def test_a_plain_snippet_runs(tmp_path, key, forks):
     (text,) = [t for p, f, t in snippets() if _key(p, f, dict.fromkeys(PLAIN)) == key]
     (tmp_path / "snippet.py").write_text(text)
-    done = run([sys.executable, "snippet.py"], env=subprocess_env(), cwd=tmp_path)
+    with forks.scripts(tmp_path / "snippet.py"):
+        done = run([sys.executable, str(tmp_path / "snippet.py")], env=subprocess_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
