@@ -1,6 +1,8 @@
-"""Distributed training with real torchrun processes on gloo: same-step stops, exact resume, resharding.
+"""Distributed training with real processes on gloo: same-step stops, exact resume, resharding.
 
-Each torchrun start costs seconds, so each test launches few jobs and checks several things.
+Each torchrun start costs seconds, so each test launches few jobs and checks several things. Where the
+launcher is not what a test checks (a resume, a worker's own protocol) the ranks run around a store the
+test holds (``run_group``, ``run_ranks``), each forked from one server that imported torch once.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from spotguard import CheckpointMismatchError, Guard
 from spotguard.checkpoint import latest, scan
 from spotguard.checkpoint.sharded.dcp import load_metadata
 from spotguard.storage import open_storage
+from tests.forked import PRELOAD, installed
 from tests.helpers import (
     DDP_ARGS,
+    EXAMPLE_DDP,
     WORKERS,
     after_step,
     assert_same,
     ddp_example_cmd,
     read_losses,
-    run,
     run_group,
     run_ranks,
     stop_when,
@@ -40,6 +43,35 @@ from tests.helpers import (
 )
 
 _rng = random.Random()  # the test's own randomness
+
+#: Scripts whose runs here are not launched by torchrun: forked from one server (tests/forked.py).
+FORKED = (
+    EXAMPLE_DDP,
+    *(WORKERS / f"dist_{name}.py" for name in ("reshard", "one_rank_fails", "fsdp2", "async_save", "destroy_inflight")),
+)
+#: What their ranks import on top of PRELOAD (DDP's constructor imports dynamo: seconds per process).
+HEAVY = (
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "spotguard.checkpoint.sharded.sharded",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(*FORKED, preload=(*PRELOAD, *HEAVY)):
+        yield
+
+
+def ddp_group(storage: Path, *args: str, script: Path = EXAMPLE_DDP) -> subprocess.CompletedProcess[str]:
+    """examples/train_ddp.py (or a worker taking its arguments) as 2 ranks around a store held here, as
+    ``ddp_example_cmd`` runs it under torchrun: every rank must exit 0; rank 0's output, then rank 1's."""
+    cmd = [sys.executable, str(script), "--storage", str(storage), "--quiet", "--interval", "0.2", *args]
+    done = run_group(cmd)
+    for r, d in enumerate(done):
+        assert d.returncode == 0, f"rank {r}: {d.stderr[-3000:]}"
+    return subprocess.CompletedProcess(cmd, 0, "".join(d.stdout for d in done), "".join(d.stderr for d in done))
 
 
 def worker_pid(torchrun_pid: int, rank: int) -> int:
@@ -91,8 +123,7 @@ def test_notice_on_one_rank_stops_all_ranks_on_one_step_and_resume_is_identical(
     assert {"rank-00000.pt", "rank-00001.pt", "shards/metadata.dcp"} <= names
 
     Path(str(notice).format(rank=1)).unlink()
-    second = run(ddp_example_cmd(2, storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt")))
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = ddp_group(storage, *common, "--losses", losses, "--final", str(tmp_path / "final.pt"))
     assert f"resuming at step {stops[0]}" in second.stdout
     for r in range(2):
         got, want = read_losses(tmp_path / f"loss-{r}.jsonl"), dict(read_losses(ref / f"loss-{r}.jsonl"))
@@ -143,18 +174,9 @@ def test_sigusr1_to_one_of_four_ranks_then_reshard_to_two(tmp_path, single_rank_
 
     # ... and on 2 ranks too, on every rank, naming the data loader's position; then (same launch)
     # with the opt-in, 2 ranks load exactly the model and optimizer the 4 ranks had.
-    two = run(
-        ddp_example_cmd(
-            2,
-            storage,
-            "--steps",
-            str(stops[0]),
-            "--final",
-            str(tmp_path / "resharded.pt"),
-            script=WORKERS / "dist_reshard.py",
-        )
+    two = ddp_group(
+        storage, "--steps", str(stops[0]), "--final", str(tmp_path / "resharded.pt"), script=WORKERS / "dist_reshard.py"
     )
-    assert two.returncode == 0, two.stderr[-3000:]
     for r in range(2):
         assert re.search(
             rf"^rank {r} refused: .*saved by 4 ranks and this job has 2\..*per-rank state cannot: "

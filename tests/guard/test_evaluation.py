@@ -8,6 +8,7 @@ extra epoch (the loader's state said "epoch ended") with the RNG streams as the 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +19,21 @@ from spotguard.checkpoint import scan
 from spotguard.checkpoint.engine import Cut, Tracked
 from spotguard.storage import open_storage
 
-from ..forked import run_forked
-from ..helpers import WORKERS
+from ..forked import installed
+from ..helpers import WORKERS, run
 
 pytestmark = pytest.mark.slow
+WORKER = WORKERS / "eval_cut.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(WORKER):  # every run of the file forks from one server: one Python start, one import torch
+        yield
 
 
 def job(storage: Path, log: Path, *args: str) -> list[str]:
-    return [str(WORKERS / "eval_cut.py"), "--storage", str(storage), "--log", str(log), *args]
+    return [sys.executable, str(WORKER), "--storage", str(storage), "--log", str(log), *args]
 
 
 def rows(log: Path) -> list[list]:
@@ -37,14 +45,15 @@ def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
     resumed run starts with the cut evaluation, from its start, with the same draws; then the rest."""
     ref_log, cut_log, resumed_log = tmp_path / "ref.jsonl", tmp_path / "cut.jsonl", tmp_path / "resumed.jsonl"
     storage = tmp_path / "run"
-    # Three runs of the worker, each a process forked from one launcher that imported torch once.
-    done = run_forked(
-        [
+    # Three runs of the worker, one after another, each a process forked from the module's server.
+    done = [
+        run(cmd)
+        for cmd in (
             job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common),
             job(storage, cut_log, "--notice-epoch", "1", *common),
             job(storage, resumed_log, "--final", str(tmp_path / "resumed.pt"), *common),
-        ]
-    )
+        )
+    ]
     codes = [d.returncode for d in done]
     assert codes == [0, EXIT_PREEMPTED, 0], [(d.returncode, d.stderr[-3000:]) for d in done]
 

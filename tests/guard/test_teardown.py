@@ -2,9 +2,10 @@
 
 Each run is a real pair of processes that end by interpreter shutdown, the moment the abort came
 ("terminate called without an active exception", about 1 run in 4): the Guard's gloo groups, held
-past ``dist.destroy_process_group()``, were destroyed only while Python finalized. Most runs start
-plain processes with a TCP store on rank 0 (~4x cheaper than torchrun); the first run of each
-chain uses torchrun itself.
+past ``dist.destroy_process_group()``, were destroyed only while Python finalized. The first run of
+each chain uses torchrun itself; the others are pairs of processes with a TCP store on rank 0, each
+forked from a launcher that imported torch once (a process of its own would pay a Python start and
+``import torch`` per rank), and each exits through interpreter shutdown as a process of its own does.
 """
 
 from __future__ import annotations
@@ -147,39 +148,16 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     return [proc.returncode for proc in procs]
 
 
-def run_pair(work: Path, args: list[str], *, torchrun: bool, timeout: float = 120) -> Run:
-    """One 2-rank job (output in ``work``): torchrun, or two plain processes (rank 0 hosts the TCP store)."""
-    port = str(free_port())
-    if torchrun:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            port,
-            str(WORKER),
-            *args,
-        ]
-        envs = [subprocess_env()]
-    else:
-        cmd = [sys.executable, str(WORKER), *args]
-        envs = [
-            subprocess_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            for r in range(2)
-        ]
-    logs = [work / f"out-{i}.log" for i in range(len(envs))]
-    procs = []
-    for env, log in zip(envs, logs, strict=True):
-        with open(log, "w") as f:
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            )
-    codes = _finish(procs, timeout)
-    return Run("torchrun" if torchrun else "processes", codes, "".join(log.read_text() for log in logs))
+def run_torchrun(work: Path, args: list[str], timeout: float = 120) -> Run:
+    """One 2-rank job under torchrun (its output in ``work``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(free_port()), str(WORKER), *args]
+    log = work / "out-0.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+    return Run("torchrun", _finish([proc], timeout), log.read_text())
 
 
 def forked(root: Path, orders: tuple[str, ...], first: int, last: int, timeout: float = 900) -> dict[str, list[Run]]:
@@ -206,23 +184,18 @@ def forked(root: Path, orders: tuple[str, ...], first: int, last: int, timeout: 
 
 
 def launched(tmp: Path, order: str) -> list[tuple[Run, int]]:
-    """The first two jobs of a chain: job 0 under torchrun, job 1 as two plain processes; each with
-    the newest checkpoint's step after it."""
+    """The first job of a chain, under torchrun, with the newest checkpoint's step after it."""
     storage = tmp / "ckpt"
-    done = []
-    for i in range(2):
-        (tmp / f"run-{i}").mkdir()
-        run = run_pair(tmp / f"run-{i}", job_args(storage, order, i, newest_step(storage)), torchrun=i == 0)
-        done.append((run, newest_step(storage)))
-    return done
+    (tmp / "run-0").mkdir()
+    run = run_torchrun(tmp / "run-0", job_args(storage, order, 0, newest_step(storage)))
+    return [(run, newest_step(storage))]
 
 
 def chain(tmp: Path, order: str, done: list[tuple[Run, int]], rest: list[Run]) -> list[tuple[str, Run]]:
     """The jobs of one storage, cycling: uninterrupted, stopped by SIGTERM on rank 1, resumed.
 
-    Job 0 ran under torchrun, job 1 as two plain processes (``launched``), the others (``rest``) forked
-    from one launcher that imported torch once for every chain (a torchrun start costs ~6 s; most of a
-    plain start is ``import torch``).
+    Job 0 ran under torchrun (``launched``), the others (``rest``) forked from one launcher that imported
+    torch once for every chain (a torchrun start costs ~6 s; most of a plain start is ``import torch``).
     """
     done = list(done)
     for run in rest:
@@ -259,6 +232,6 @@ def test_two_dozen_jobs_exit_0_in_every_teardown_order(tmp_path):
             (tmp_path / order).mkdir()
             futures[order] = pool.submit(launched, tmp_path / order, order)
         first = {order: future.result() for order, future in futures.items()}
-    rest = forked(tmp_path, ORDERS, 2, RUNS_PER_ORDER - 1)
+    rest = forked(tmp_path, ORDERS, 1, RUNS_PER_ORDER - 1)
     runs = [run for order in ORDERS for _, run in chain(tmp_path / order, order, first[order], rest[order])]
     assert len(runs) == len(ORDERS) * RUNS_PER_ORDER and [run.launcher for run in runs].count("torchrun") == len(ORDERS)

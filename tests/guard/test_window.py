@@ -10,7 +10,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,10 @@ from spotguard.errors import ConfigError, StorageError
 from spotguard.notices.azure import AzureProvider
 from spotguard.planner import window_reserve as reserve
 from spotguard.storage import LocalStorage, open_storage
+from tests.forked import installed
 from tests.helpers import (
     DDP_ARGS,
+    EXAMPLE,
     EXAMPLE_ARGS,
     WORKERS,
     after_step,
@@ -41,8 +42,16 @@ from tests.helpers import (
     stopped_for_notice,
     subprocess_env,
 )
+from tests.helpers import _start as start  # a process (or a forked run) to stop by hand: no stop_when moment
 
 STEP_S = 0.05
+SLOW_DISK = WORKERS / "window_slow_disk.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    with installed(EXAMPLE, SLOW_DISK):  # their runs fork from one server: one Python start, one import torch
+        yield
 
 
 def steps_in(root) -> list[tuple[int, str]]:
@@ -266,27 +275,28 @@ def test_example_trains_through_a_20s_window_keeps_every_step_and_resumes_exactl
 @pytest.mark.timeout(120)
 def test_a_second_checkpoint_cut_by_the_deadline_leaves_the_first_to_resume(tmp_path):
     """The second save outlasts the deadline (the disk slowed down) and the machine goes: resume at the first."""
-    notice, root, out = tmp_path / "notice", tmp_path / "ckpt", tmp_path / "out"
-    out.mkdir()
-    progress = out / "results-0.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKERS / "window_slow_disk.py"), str(root), str(out)],
-        env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    notice, root, out_dir = tmp_path / "notice", tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    progress = out_dir / "results-0.jsonl"
+    cmd = [sys.executable, str(SLOW_DISK), str(root), str(out_dir)]
+    proc, out, err = start(cmd, subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)), None)
+
+    def stderr() -> str:
+        err.seek(0)
+        return err.read().decode(errors="replace")[-3000:]
+
     try:
         while not any(r.get("step", 0) >= 3 for r in read_jsonl(progress)):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, stderr()
             time.sleep(0.02)
         deadline = write_notice(notice, 10.0)
         time.sleep(max(deadline - time.time(), 0.0))
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]  # still writing the second checkpoint
+        assert proc.poll() is None, stderr()  # still writing the second checkpoint
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the machine is gone at the deadline
         proc.wait()
-        proc.stderr.close()
+        out.close()
+        err.close()
     records = read_jsonl(progress)
     opened = next(r["window"] for r in records if "window" in r)
     trained = max(r["step"] for r in records if "step" in r)
