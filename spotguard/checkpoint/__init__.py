@@ -95,4 +95,6 @@ def make_engine(
         )
     from spotguard.checkpoint.sharded.sharded import ShardedEngine
 
-    return ShardedEngine(storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch, fence=fence)
+    return ShardedEngine(
+        storage, groups, keep, on_commit, reshard=reshard, rebatch=rebatch, fence=fence, staging_budget=staging_budget
+    )

@@ -235,7 +235,7 @@ class Saves:
         alloc = self.engine.alloc_s
         self.stats.record_snapshot(stall, self.engine.staged_bytes)
         self.stats.alloc_s = alloc
-        budget = getattr(self.engine, "budget", None)  # the single-process engine's (sharded: none yet)
+        budget = getattr(self.engine, "budget", None)
         self.stats.staging_budget = budget.limit if budget is not None else None
         self.stats.pinned_bytes = pinned_bytes()
         # With async saves the loop only loses the snapshot; a first one's allocation is not a steady cost.

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, explain, split
-from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work, copy_extra
+from spotguard.checkpoint.collective import Groups, agree, broadcast, explain
+from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work
 from spotguard.checkpoint.files import filewrite, stream
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention
@@ -43,7 +43,9 @@ from spotguard.checkpoint.format.manifest import MANIFEST, FileEntry, Manifest, 
 from spotguard.checkpoint.sharded import sharded_async, sharded_load, sharded_plan
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.checkpoint.sharded.sharded_load import rank_file
-from spotguard.checkpoint.state import data, loadable, state
+from spotguard.checkpoint.sharded.staged import Staged, collected
+from spotguard.checkpoint.state import data, loadable
+from spotguard.checkpoint.state.budget import Budget
 from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging
 from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
@@ -51,16 +53,6 @@ from spotguard.storage.base import Storage
 logger = logging.getLogger(__name__)
 
 RESERVE_WAIT_S = 60.0  # the longest the first step waits for the other ranks' plans (``reserve``)
-
-
-@dataclasses.dataclass
-class Staged:
-    """What one rank saves: its own file's payload, its DCP state dict, or why it could not collect them."""
-
-    payload: dict[str, Any]
-    sd: dict[str, Any]
-    error: str = ""
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # guard.extra when collected
 
 
 class ShardedEngine(HoldsStaging):
@@ -81,8 +73,10 @@ class ShardedEngine(HoldsStaging):
         reshard: Reshard | str = Reshard.REFUSE,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
         fence: Callable[[], None] | None = None,
+        staging_budget: int | None = None,
     ) -> None:
         self.storage, self.groups, self.keep = storage, groups, keep
+        self.budget = Budget(staging_budget)  # a rank's share of a background save (``stage``)
         self.fence = fence  # rank 0's writer lease's, called before each manifest (``_commit``)
         self.reshard = Reshard(reshard)
         self.rebatch = data.Rebatch(rebatch)
@@ -104,7 +98,7 @@ class ShardedEngine(HoldsStaging):
         g = self.groups
         if g.store is None or self._reserving is not None:  # synchronous saves stage nothing
             return
-        live = self._collect(tracked, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
+        live = collected(tracked, self.groups, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
         self._reserving = threading.Thread(target=self._reserve, args=(live,), name="spotguard-plan", daemon=True)
         self._reserving.start()
 
@@ -134,31 +128,6 @@ class ShardedEngine(HoldsStaging):
         self._reserving = None
         return time.perf_counter() - t0
 
-    def _collect(self, tracked: Tracked, step: int, final: bool = False) -> Staged:
-        """This rank's state, its live tensors, never raising (a failure is carried, then agreed on by ``_write``)."""
-        rank, world = self.groups.rank, self.groups.world_size
-        _, _, rest = split(tracked.objects)
-        cut = tracked.cut_at(step, final)
-        with state.rng_isolated():
-            try:
-                rng = cut.rng if cut else state.capture_rng()  # first: collecting a loader's state may draw
-                objects = state.collect(rest)
-                if cut:
-                    data.as_at_last_batch(rest, objects)
-                payload = {
-                    "step": step,
-                    "rank": rank,
-                    "world_size": world,
-                    "rng": rng,
-                    "objects": objects,
-                    "generators": {n: g for n, o in rest.items() if (g := data.generator_state(o)) is not None},
-                    "loaders": data.loader_facts(rest),  # what a resume compares (worker count, batch size)
-                }
-                sd = dcp_state(tracked.objects)
-                return Staged(payload, sd, extra=copy_extra(tracked.extra))  # this step's, whatever comes later
-            except Exception as e:
-                return Staged({}, {}, explain(e, rank))
-
     def _snapshot(self, staged: Staged, planned: sharded_plan.Planned) -> Staged:
         """Copy this rank's own file's objects and the DCP items its plan writes (only those: under DDP a
         replicated item is another rank's to write) into the reused host buffers; training may go on."""
@@ -177,7 +146,7 @@ class ShardedEngine(HoldsStaging):
         """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
-        staged = self._collect(tracked, step, final=final)
+        staged = collected(tracked, self.groups, step, final=final)
         self._check_once(staged, step, collective=True)
         manifest = self._write(step, reason, staged, deadline)
         if manifest is not None:
@@ -187,18 +156,21 @@ class ShardedEngine(HoldsStaging):
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
         """Agree on the DCP plan through the store (``sharded_plan``), snapshot the items this rank writes
         into the reused buffers; the work writes them, coordinated through the store (``sharded_async``),
-        never through a collective."""
+        never through a collective. A share over the staging budget (``budget.Budget``) is written before
+        this returns, from the live state."""
         g = self.groups
         waited = self._reserved()
         self._staged += 1
         ex = sharded_async.Exchange(
             g.store, f"{g.uid}/{self._staged}/", g.rank, g.world_size, threading.Event(), g.timeout_s
         )
-        live = self._collect(tracked, step)
+        live = collected(tracked, self.groups, step)
         writer = SpotguardWriter(self.storage, step_dir(step), g.rank)
         planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan, self._staged)
         self._check_once(live, step, collective=False)
-        staged = self._snapshot(live, planned)
+        share = {"objects": live.payload.get("objects"), "items": planned.items}
+        over = not (live.error or planned.error) and not self.budget.fits(share, self._ring.chunk * self._ring.slots)
+        staged = live if over else self._snapshot(live, planned)
         self._staging.alloc_s += waited  # setting up, not the loop's steady cost (``alloc_s``)
         del live  # the live tensors: not kept by the work
 
@@ -214,12 +186,30 @@ class ShardedEngine(HoldsStaging):
                 write_rank_file=lambda: self._write_rank_file(step, staged, None, meter),
                 commit=lambda files: self._commit(step, reason, files, staged.extra, None),
                 meter=meter,
+                ring=self._ring if over else None,
             )
             if raw is not None:
                 manifest = self._committed(raw[0], step, reason)
                 self._on_commit(Commit(manifest, "durable", time.monotonic() - t0, work_s=raw[1]))
 
-        return work
+        # This rank's share over its staging budget: written now from the live state, streamed through the
+        # ring, while the other ranks' background writes go on (the single engine does the same).
+        return self._done_now(work) if over else work
+
+    @staticmethod
+    def _done_now(work: Work) -> Work:
+        """Run ``work`` here; the work that remains raises its error, if any, where a background save's is
+        raised (training goes on), else does nothing."""
+        try:
+            work(threading.Event())
+        except Exception as e:
+            error = e
+
+            def failed(cancel: threading.Event) -> None:
+                raise error
+
+            return failed
+        return lambda cancel: None
 
     def _check_once(self, staged: Staged, step: int, collective: bool) -> None:
         """At the first save only: raise ``UnloadableStateError`` when this rank's state holds a value a resume

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from spotguard.checkpoint.files.fileio import WorkMeter
+from spotguard.checkpoint.files.stream import Ring
 from spotguard.checkpoint.format.manifest import FileEntry, step_dir
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.errors import SaveCancelled, StorageError
@@ -109,6 +110,7 @@ def write(
     write_rank_file: Callable[[], tuple[str, list[FileEntry]]],
     commit: Callable[[list[FileEntry]], bytes],
     meter: WorkMeter | None = None,
+    ring: Ring | None = None,
 ) -> tuple[bytes, float | None] | None:
     """This rank's part of a background sharded save of ``step``; every rank calls it for the same save.
 
@@ -116,6 +118,7 @@ def write(
     DCP's metadata, all agreed when the save was staged (``sharded_plan``). ``prepare()`` (rank 0:
     "ok", "exists" or a failure), ``write_rank_file()`` (-> error, entries) and ``commit(files)``
     (rank 0: the manifest bytes) are the sharded engine's, shared with its synchronous saves.
+    ``ring``: where live device tensors pass on their way to the files (the items are not staged).
     ``meter``: this rank's files' own work (``DirectFile.work_seconds``, counted by ``write_rank_file``
     and the shard's writer alike). Returns the committed manifest's bytes and the slowest rank's work
     (None where a rank did not measure it), None when the step is already committed; raises
@@ -139,7 +142,7 @@ def write(
         plan, planner, metadata = planned
         if plan is None:  # never: a rank without a plan carries its reason into write_rank_file
             raise Stopped(FAILED, f"rank {rank}: no plan")
-        writer = SpotguardWriter(storage, step_dir(step), rank, cancel=ex.cancel, meter=meter)
+        writer = SpotguardWriter(storage, step_dir(step), rank, cancel=ex.cancel, meter=meter, ring=ring)
         writer.set_up_storage_writer(rank == 0)
         results = writer.write_data(plan, planner).value()
         entries.extend(writer.entries)

@@ -211,6 +211,27 @@ def test_async_sharded_save_returns_before_the_write_and_writes_the_snapshot(tmp
         assert torch.equal(model2.state_dict()[k], v), k  # the state at step 1, not the one trained after
 
 
+def test_a_background_sharded_save_over_the_staging_budget_is_written_now_and_resumes_exactly(tmp_path, group, caplog):
+    """A rank's share larger than its staging budget (``staging_budget``): nothing is copied into host
+    buffers; the rank writes its share before ``step()`` returns, from the live state, streamed, as the
+    single engine does; one WARNING says so. It commits and resumes like any other."""
+    guard, model, opt, sched = make(tmp_path, every_steps=1, async_sharded=True, staging_budget=64)
+    with guard:
+        train(model, opt, sched, 1)
+        with caplog.at_level(logging.WARNING, logger="spotguard"):
+            guard.step(1)
+        assert guard.last_saved is not None and guard.last_saved.step == 1  # committed before step() returned
+        stats = guard.stats()
+        assert guard.saves.engine.staged_bytes == 0 and stats.staging_budget == 64
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sum("larger than the staging budget" in r.getMessage() for r in caplog.records) == 1
+    guard2, model2, *_ = make(tmp_path)
+    assert guard2.resume() == 1
+    for k, v in want.items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    guard2.close()
+
+
 def test_emergency_abandons_an_inflight_async_sharded_save_and_commits_the_newest(tmp_path, group, caplog):
     caplog.set_level(logging.INFO, logger="spotguard")
     storage = GatedStorage(str(tmp_path))

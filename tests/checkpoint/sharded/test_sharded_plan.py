@@ -19,6 +19,7 @@ from spotguard.checkpoint import open_verified, scan
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.sharded.dcp import SpotguardReader, load_metadata
 from spotguard.checkpoint.sharded.sharded import ShardedEngine
+from spotguard.checkpoint.state.budget import Budget
 from spotguard.storage import LocalStorage
 from tests.checkpoint.sharded.test_sharded_async import ranks, run
 
@@ -138,3 +139,38 @@ def test_a_state_of_unchanged_structure_is_not_planned_again(tmp_path, monkeypat
     metadata = load_metadata(tmp_path / "step-00000004" / "shards" / "metadata.dcp")
     assert metadata.state_dict_metadata["model.1.weight"].size == torch.Size([3, 8])
     assert [len(c) for c in commits.values()] == [4, 4]
+
+
+def test_a_rank_over_its_staging_budget_writes_its_share_now_while_the_other_stages(tmp_path):
+    """Rank 1's share does not fit its budget: it copies nothing and writes its items from the live state
+    before its ``stage`` returns, while rank 0 stages and writes in the background (as the Guard runs a
+    work: on a thread of its own once staged). One checkpoint, every item, nothing left in the store."""
+    store = dist.HashStore()
+    storage = LocalStorage(str(tmp_path))
+    engines, models, commits = [], [], {0: [], 1: []}
+    for r in range(2):
+        groups = SimpleNamespace(rank=r, world_size=2, store=store, uid="t", timeout_s=30.0, save_group=None)
+        torch.manual_seed(0)  # replicated, as under DDP
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append, staging_budget=None))
+    engines[1].budget = Budget(16)  # bytes: less than any item
+    returned: dict[int, bool] = {}
+
+    def save(r: int) -> None:
+        work = engines[r].stage(Tracked({"model": models[r]}, {}), 1, "periodic")
+        returned[r] = bool(commits[r])  # committed before stage returned?
+        work(threading.Event())
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert returned == {0: False, 1: True}  # rank 1 waited for the commit; rank 0 only staged
+    assert [len(c) for c in commits.values()] == [1, 1] and store.num_keys() == 0
+    assert engines[1].staged_bytes == 0 < engines[0].staged_bytes
+    info = next(i for i in scan(storage) if i.step == 1)
+    sd = {"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).state_dict()}
+    with SpotguardReader(lambda name: open_verified(storage, info, name)) as reader:
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(sd["model"][k], v) for k, v in models[0].state_dict().items())
