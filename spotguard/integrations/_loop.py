@@ -39,11 +39,10 @@ class LoopGuard(StopOutcome):
 
     def __init__(
         self,
-        storage: str | Storage | None = None,
-        *,
-        every_steps: int | None = None,
-        save_on_exit: bool = True,
-        **options: Any,
+        storage: str | Storage | None,
+        every_steps: int | None,
+        save_on_exit: bool,
+        options: dict[str, Any],
     ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")

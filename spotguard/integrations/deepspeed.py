@@ -105,15 +105,22 @@ class DeepSpeedGuard(LoopGuard):
     accumulation boundaries only: a checkpoint does not hold half-accumulated gradients.
     """
 
-    def __init__(self, engine: Any, storage: str | Storage | None = None, **options: Any) -> None:
-        """``options``: ``every_steps``, ``save_on_exit`` and the rest by name, as ``LoopGuard`` takes them."""
+    def __init__(
+        self,
+        engine: Any,
+        storage: str | Storage | None = None,
+        *,
+        every_steps: int | None = None,
+        save_on_exit: bool = True,
+        **options: Any,
+    ) -> None:
         if not callable(getattr(engine, "save_checkpoint", None)) or not callable(
             getattr(engine, "load_checkpoint", None)
         ):
             raise ConfigError(
                 f"DeepSpeedGuard needs the engine deepspeed.initialize returned, got {type(engine).__name__}"
             )
-        super().__init__(storage, **options)
+        super().__init__(storage, every_steps, save_on_exit, options)
         self.engine = engine
         #: Saved and restored with each rank's state (values that load with ``weights_only=True``).
         self.extra: dict[str, Any] = {}
