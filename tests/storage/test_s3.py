@@ -34,6 +34,23 @@ def corrupt_in_moto(bucket: str, key: str) -> None:
     obj.value = bytes(data)
 
 
+def parts_stored(st: S3Storage) -> threading.Event:
+    """Set once the server has acknowledged a part (an UploadPart answered 200) through ``st``'s client.
+
+    Seen from the client, not by polling ``list_parts``: moto computes a part's ETag lazily, without
+    its lock, from a buffer it shares with the UploadPart answer, so listing parts while they land
+    can store a wrong ETag and fail the upload's completion with InvalidPart (seen once in CI).
+    """
+    stored = threading.Event()
+
+    def answered(http_response, **kw) -> None:
+        if http_response.status_code == 200:
+            stored.set()
+
+    st.client.meta.events.register("after-call.s3.UploadPart", answered)
+    return stored
+
+
 def test_url_and_standard_chain_are_used(s3_url: str):
     st = open_storage(s3_url)  # AWS_ENDPOINT_URL and keys come from the environment
     assert isinstance(st, S3Storage) and st.bucket.startswith("t-") and st.prefix == "run/"
@@ -254,20 +271,16 @@ def test_a_background_operation_does_not_lift_a_concurrent_emergency_deadline(s3
 def test_a_save_straight_to_s3_uploads_parts_while_its_file_is_still_being_written(s3_url: str):
     """The sum of disk and network becomes their maximum: a part is on S3 before the writer has finished."""
     st = open_storage(s3_url)
-    overlapped = threading.Event()
+    stored = parts_stored(st)
+    overlapped: list[bool] = []
 
     def writer(f) -> None:
         f.write(os.urandom(40 * MiB))  # two 16 MiB buffers land: one 32 MiB part can go
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not overlapped.is_set():
-            for up in st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads", []):
-                if st.client.list_parts(Bucket=st.bucket, Key=up["Key"], UploadId=up["UploadId"]).get("Parts"):
-                    overlapped.set()
-            time.sleep(0.05)
+        overlapped.append(stored.wait(60))  # a part on S3 while the file is still being written
         f.write(os.urandom(MiB))
 
     checkpoint.write(st, 1, {"state.pt": writer}, reason="emergency")
-    assert overlapped.is_set()
+    assert overlapped == [True]
     (info,) = checkpoint.scan(st)
     assert info.complete and info.manifest.files[0].size == 41 * MiB
     checkpoint.verify(st, info)  # the object is the file the writer wrote, byte for byte
@@ -277,16 +290,10 @@ def test_open_write_uploads_parts_while_the_stream_is_still_written(s3_url: str)
     """What DCP shards and rank files use: parts go up as the spool grows, the object is what was written."""
     st = S3Storage(s3_url, S3Options(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4))
     data = os.urandom(45 * MiB)
-    overlapped = False
+    stored = parts_stored(st)
     with st.open_write("step-00000001/shards/rank-00000.distcp") as f:
         f.write(data[: 33 * MiB])  # reported to the upload every 16 MiB: three 10 MiB parts can go
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not overlapped:
-            for up in st.client.list_multipart_uploads(Bucket=st.bucket).get("Uploads", []):
-                overlapped = bool(
-                    st.client.list_parts(Bucket=st.bucket, Key=up["Key"], UploadId=up["UploadId"]).get("Parts")
-                )
-            time.sleep(0.05)
+        overlapped = stored.wait(60)
         f.write(data[33 * MiB :])
     assert overlapped
     with st.local_copy("step-00000001/shards/rank-00000.distcp") as path:
