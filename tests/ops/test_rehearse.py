@@ -60,6 +60,7 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     landed = [p["landed"].split("+") for p in pre]  # what the heartbeat said the job was doing then
     assert "evaluation" in landed[1] and "save" in landed[2], landed
     stops = [p["stop_step"] for p in pre]
+    print(json.dumps({"preemptions": pre, "machines": doc["machines_detail"]}))  # shown in full on a failure
     assert stops == sorted(stops) and stops[-1] < 120, stops
     for before, p in zip([None, *stops[:-1]], pre, strict=True):  # every figure measured
         limit = 60 if p["after_restart"] else 5  # one sent while the job starts is seen once it trains
