@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from spotguard import _env, checkpoint, heartbeat
+from spotguard.checkpoint.files.onclose import ClosedFileHashes
 from spotguard.checkpoint.folders import folders, layout
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import Manifest
@@ -87,6 +88,17 @@ class FolderCheckpoints:
         self.last_saved: Manifest | None = None
         self.refused = False  # ``refuse_untracked`` or ``check_loaders`` refused the resume
         self._fetched: list[Path] = []
+        self._hashes: ClosedFileHashes | None = None
+
+    def hash_on_close(self, folder: Path | None) -> None:
+        """Hash each file the trainer closes in ``folder`` (created) from now on, on a thread, for the next
+        ``commit`` (which stops it; None: stop now). Only on a rank that stores what it finds there."""
+        if self._hashes is not None:
+            self._hashes.close()
+        self._hashes = None
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)  # watched before the trainer's first file
+            self._hashes = ClosedFileHashes(folder)
 
     def commit(
         self,
@@ -103,7 +115,8 @@ class FolderCheckpoints:
         step's next revision (``step-N.rK/``): the old one stays the resume point until this one is
         committed, and ``prune`` deletes it then.
 
-        Collective in a process group: every rank passes its own folder (see ``folders.commit``)."""
+        Files ``hash_on_close`` hashed as the trainer closed them are not hashed again. Collective in a
+        process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
         self._hold()
         agreed = self.group.get()
@@ -112,9 +125,16 @@ class FolderCheckpoints:
             write = functools.partial(checkpoint.write_dir, self.storage, revision=revision, fence=self.lease.fence)
         else:
             write = functools.partial(folders.commit, self.storage, agreed, supersede=supersede, fence=self.lease.fence)
+        known = self._hashes.known if self._hashes is not None else None
         try:
             manifest = write(
-                step, Path(folder), reason=reason, extra=extra, torch_version=torch.__version__, deadline=deadline
+                step,
+                Path(folder),
+                reason=reason,
+                extra=extra,
+                torch_version=torch.__version__,
+                deadline=deadline,
+                known=known,
             )
         except CheckpointExistsError:
             logger.info("%s is already committed", self.storage.describe(checkpoint.step_dir(step)))
@@ -122,6 +142,8 @@ class FolderCheckpoints:
         except LeaseHeldError:  # LeaseLostError: another job took the run over; nothing was committed
             self._lease_lost("")
             raise
+        finally:
+            self.hash_on_close(None)
         self.last_saved = manifest  # (after a stop's last checkpoint NoticeWatch.stop_saved releases the lease)
         took = time.monotonic() - t0
         tail = "" if deadline is None else f", T-{deadline - time.monotonic():.1f}s before the deadline"
@@ -253,6 +275,7 @@ class FolderCheckpoints:
     def cleanup(self) -> None:
         """Remove the local copies fetched for a resume (the trainer has loaded them; in a process
         group, every rank of the node has: call it after a collective that follows the load)."""
+        self.hash_on_close(None)
         for path in self._fetched:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched.clear()

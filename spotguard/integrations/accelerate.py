@@ -172,6 +172,7 @@ class AcceleratorGuard(LoopGuard):
         prepared = getattr(self.accelerator, "_dataloaders", [])
         with self.notices.marks.during(heartbeat.SAVING, step), self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "state"
+            self.checkpoints.hash_on_close(folder)  # each file hashed as Accelerate closes it
             t0 = time.monotonic()
             with _as_at(cut, prepared), pinned_torch_save():  # device tensors through pinned memory (CUDA)
                 self.accelerator.save_state(str(folder))

@@ -143,7 +143,8 @@ class DeepSpeedGuard(LoopGuard):
         rank = ranks.rank()
         with self.notices.marks.during(heartbeat.SAVING, step), self.checkpoints.storage.scratch() as scratch:
             folder = scratch / "deepspeed"
-            (folder / tag_for(step)).mkdir(parents=True)  # ZeRO-0: DeepSpeed writes nothing on rank 1+
+            # ZeRO-0: DeepSpeed writes nothing on rank 1+; each file hashed as DeepSpeed closes it
+            self.checkpoints.hash_on_close(folder / tag_for(step))
             t0 = time.monotonic()
             with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
                 self.engine.save_checkpoint(str(folder), tag=tag_for(step))

@@ -40,6 +40,7 @@ from typing import Any
 
 from spotguard import checkpoint
 from spotguard.checkpoint.files.stream import pinned_torch_save
+from spotguard.checkpoint.folders.folders import is_node_leader
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.state import data
 from spotguard.checkpoint.state import state as state_module
@@ -138,6 +139,10 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         def save_marked(*args: Any, **kw: Any) -> Any:
             # The Trainer writes its folder here; the mark ends once ``_commit`` has committed it.
             marks.hold(SAVING, trainer.state.global_step)
+            if is_node_leader():  # the rank that stores its node's files (a shared folder: all of them)
+                self.checkpoints.hash_on_close(
+                    Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+                )
             try:
                 with pinned_torch_save():  # device tensors copied through pinned memory (CUDA)
                     return save_checkpoint(*args, **kw)

@@ -88,6 +88,7 @@ def commit(
     deadline: float | None = None,
     supersede: bool = False,
     fence: Callable[[], None] | None = None,
+    known: layout.Known | None = None,
 ) -> Manifest:
     """Collective: commit the folders every rank holds for ``step`` as one checkpoint (module docstring).
 
@@ -96,6 +97,7 @@ def commit(
     ``ConfigError`` when no rank holds a file. ``supersede``: as the step's next revision (rank 0
     picks it, ``layout.next_revision``), which replaces the committed one once it is committed itself.
     ``fence``: rank 0's writer lease's, called just before the manifest (a lost lease commits nothing).
+    ``known``: digests taken as the files were closed (``layout.store_files``).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -130,7 +132,7 @@ def commit(
         mine_to_store = {n: Path(folder) / n for n in sorted(owners) if owners[n] == rank}
         for fname in mine_to_store:
             check_file_name(fname)
-        entries = layout.store_files(storage, name, mine_to_store, deadline)
+        entries = layout.store_files(storage, name, mine_to_store, deadline, known)
     except StorageError as e:
         error = str(e) if str(e).startswith("rank ") else f"rank {rank}: StorageError: {e}"
     except Exception as e:

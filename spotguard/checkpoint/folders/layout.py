@@ -160,6 +160,7 @@ def write_dir(
     deadline: float | None = None,
     revision: int = 0,
     fence: Callable[[], None] | None = None,
+    known: Known | None = None,
 ) -> Manifest:
     """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
 
@@ -168,7 +169,8 @@ def write_dir(
     ``directory`` is hashed and stored under ``step-N/`` with its relative path, and the manifest
     is written last, so the folder obeys the same rules as ``write``. The files must not change
     afterwards: local storage hard-links them when it can. ``revision`` > 0: as ``step-N.rK/``, which
-    supersedes the step's lower revisions (``next_revision``; ``prune`` deletes them).
+    supersedes the step's lower revisions (``next_revision``; ``prune`` deletes them). ``known``: digests
+    taken as the files were closed (``store_files``).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -187,26 +189,34 @@ def write_dir(
     except (TypeError, ValueError) as e:
         raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
     _clear_leftovers(storage, name)
-    entries = store_files(storage, name, files, deadline)
+    entries = store_files(storage, name, files, deadline, known)
     manifest = Manifest(
         step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
     )
     return _commit(storage, name, manifest, deadline, fence)
 
 
-def store_files(storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None) -> list[FileEntry]:
+#: A digest taken earlier, if still valid: (local path, algorithm) -> digest or None (``ClosedFileHashes.known``).
+Known = Callable[[Path, str], "str | None"]
+
+
+def store_files(
+    storage: Storage, name: str, files: Mapping[str, Path], deadline: float | None, known: Known | None = None
+) -> list[FileEntry]:
     """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``.
 
     The stores (an fsync of each file, or its upload) run on helper threads while this one hashes:
-    a trainer's emergency save pays about the longer of the two, not their sum."""
+    a trainer's emergency save pays about the longer of the two, not their sum. A file ``known`` has
+    a digest of (hashed as its writer closed it, unchanged since) is not hashed again."""
     alg = digest.default_alg()
+
+    def hashed(p: Path) -> str:
+        return (known and known(p, alg)) or digest.chunked_file_digest(p, digest.CHUNK, alg=alg)
+
     with ThreadPoolExecutor(STORERS, thread_name_prefix="spotguard-store") as pool:
         stored = [pool.submit(storage.put_file, f"{name}/{f}", p, deadline=deadline) for f, p in files.items()]
         try:
-            entries = [
-                FileEntry(f, p.stat().st_size, digest.chunked_file_digest(p, digest.CHUNK, alg=alg), digest.CHUNK, alg)
-                for f, p in files.items()
-            ]
+            entries = [FileEntry(f, p.stat().st_size, hashed(p), digest.CHUNK, alg) for f, p in files.items()]
         finally:
             for fut in stored:
                 fut.result()  # the first store that failed raises

@@ -1,0 +1,104 @@
+"""The trainers' own saves are hashed file by file as they are written, not all again at the commit.
+
+In process, real Trainer and Accelerator: the digests of the files the trainer closed first come from
+the ``spotguard-onclose`` thread while it writes the next ones; the committed checkpoint verifies.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard import checkpoint
+from spotguard.checkpoint.files import onclose
+from spotguard.checkpoint.format import digest
+from spotguard.storage import open_storage
+
+pytestmark = pytest.mark.skipif(onclose._libc() is None, reason="needs Linux inotify")
+
+
+@pytest.fixture
+def hashed(monkeypatch) -> dict[str, list[str]]:
+    """File names hashed early (on the watcher's thread) and at the commit (any other thread)."""
+    seen: dict[str, list[str]] = {"early": [], "commit": []}
+    real = digest.chunked_file_digest
+
+    def counting(path, *args, **kw):
+        early = threading.current_thread().name.startswith("spotguard-onclose")
+        seen["early" if early else "commit"].append(Path(path).name)
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(digest, "chunked_file_digest", counting)
+    return seen
+
+
+def verified(storage_dir: Path) -> checkpoint.CheckpointInfo:
+    """The newest checkpoint, read back (verifying hashes every file again: look at ``hashed`` before)."""
+    storage = open_storage(str(storage_dir))
+    info = checkpoint.latest(storage)
+    assert info is not None
+    checkpoint.verify(storage, info)  # the early digests are those of the committed bytes
+    return info
+
+
+def test_hf_trainers_files_are_hashed_as_it_writes_them(tmp_path, hashed):
+    transformers = pytest.importorskip("transformers")
+    from spotguard.integrations.hf import SpotguardCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=2,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    cb = SpotguardCallback(str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
+    train = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 4
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train, callbacks=[cb]
+    )
+    assert cb.train(trainer) == 0
+    seen = {k: list(v) for k, v in hashed.items()}
+    info = verified(tmp_path / "ckpt")
+    assert info.step == 2 and info.manifest is not None
+    names = {Path(f.name).name for f in info.manifest.files}
+    # The weights and the optimizer come first and are the bulk: hashed while the Trainer writes on.
+    assert {"model.safetensors", "optimizer.pt"} <= set(seen["early"]) <= names, seen
+    assert not {"model.safetensors", "optimizer.pt"} & set(seen["commit"]), seen
+    assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-onclose")]
+
+
+def test_accelerator_guards_files_are_hashed_as_save_state_writes_them(tmp_path, hashed):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    from spotguard.integrations.accelerate import AcceleratorGuard
+
+    AcceleratorState._reset_state(True)  # a new run in this process
+    try:
+        acc = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.AdamW(model.parameters())
+        model, opt = acc.prepare(model, opt)
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        guard = AcceleratorGuard(acc, str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
+        with guard:
+            guard.save(1)
+    finally:
+        AcceleratorState._reset_state(True)
+    seen = {k: list(v) for k, v in hashed.items()}
+    info = verified(tmp_path / "ckpt")
+    assert info.manifest is not None
+    names = {Path(f.name).name for f in info.manifest.files}
+    assert {"model.safetensors", "optimizer.bin"} <= set(seen["early"]) <= names, seen
+    assert not {"model.safetensors", "optimizer.bin"} & set(seen["commit"]), seen
