@@ -98,7 +98,7 @@ class FolderCheckpoints:
         self._hashes = None
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)  # watched before the trainer's first file
-            self._hashes = ClosedFileHashes(folder)
+            self._hashes = ClosedFileHashes(folder, sync=self.storage.links_files)
 
     def commit(
         self,

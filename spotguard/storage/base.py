@@ -97,6 +97,9 @@ class Storage(abc.ABC):
 
     #: URL scheme handled ("file", "s3", "gs", "az").
     scheme: str = ""
+    #: ``put_file`` of a file on the storage's filesystem stores that very file (a hard link), so an
+    #: fsync of it ahead of time is the store's own (``checkpoint.files.onclose``).
+    links_files: bool = False
 
     def __init__(self, url: str) -> None:
         self.url = url

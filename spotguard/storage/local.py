@@ -86,6 +86,7 @@ def _failed(message: str, e: OSError) -> StorageError:
 
 class LocalStorage(Storage):
     scheme = "file"
+    links_files = True
 
     def __init__(self, url: str) -> None:
         super().__init__(url)

@@ -5,6 +5,7 @@ writes its folder file by file; spotguard then hashes every file for the manifes
 On an emergency that hashing sits on the deadline's clock after the trainer's own save. Here a thread
 hashes each file as soon as its writer closes it (Linux inotify's ``IN_CLOSE_WRITE``), so by the
 commit only the files closed last are left to hash: ``store_files`` asks ``known(path, alg)`` first.
+For a local storage, which stores the file itself (a hard link), each file is also synced then.
 
 A hash is only handed out for bytes nothing has touched since: any later write, truncation, rename
 or deletion of the file (``IN_MODIFY`` and friends, read from the queue before each answer), an
@@ -57,10 +58,12 @@ def _key(st: os.stat_result) -> tuple[int, int, int]:
 class ClosedFileHashes:
     """``with ClosedFileHashes(folder) as hashes:`` the trainer's save into ``folder``, then the commit with
     ``known=hashes.known``; leaving the block stops the threads. ``folder`` (which must exist) and the
-    folders created in it are watched."""
+    folders created in it are watched. ``sync``: also fsync each file once hashed (for a storage that
+    keeps the file itself, ``Storage.links_files``)."""
 
-    def __init__(self, folder: Path, alg: str | None = None) -> None:
+    def __init__(self, folder: Path, alg: str | None = None, sync: bool = False) -> None:
         self.alg = alg or digest.default_alg()
+        self.sync = sync
         self._lock = threading.Lock()
         self._hashes: dict[Path, Future[tuple[tuple[int, int, int], str] | None]] = {}
         self._dirs: dict[int, Path] = {}
@@ -143,6 +146,12 @@ class ClosedFileHashes:
         try:
             before = _key(path.stat())
             value = digest.chunked_file_digest(path, digest.CHUNK, alg=self.alg)
+            if self.sync:  # its bytes on the disk while the trainer writes on: the store's fsync finds them there
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             return (before, value) if _key(path.stat()) == before else None
         except OSError:  # gone or unreadable: the commit hashes (or reports) it
             return None

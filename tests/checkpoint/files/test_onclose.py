@@ -96,3 +96,22 @@ def test_without_inotify_every_file_is_hashed_at_the_commit(tmp_path, monkeypatc
         checkpoint.write_dir(storage, 1, folder, reason="manual", known=hashes.known)
     assert hashed_where == [("MainThread", "model.pt")]
     checkpoint.verify(storage, checkpoint.scan(storage)[0])
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_each_file_is_synced_once_hashed_only_when_asked(tmp_path, monkeypatch, sync):
+    synced: list[str] = []
+    real = onclose.os.fsync
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread().name.startswith("spotguard-onclose"):
+            synced.append(Path(f"/proc/self/fd/{fd}").resolve().name)
+        real(fd)
+
+    monkeypatch.setattr(onclose.os, "fsync", fsync)
+    folder = tmp_path / "trainer"
+    folder.mkdir()
+    with ClosedFileHashes(folder, sync=sync) as hashes:
+        torch.save({"w": torch.randn(64, 64)}, folder / "a.pt")
+        assert hashes.known(folder / "a.pt", hashes.alg) is not None
+    assert synced == (["a.pt"] if sync else [])
