@@ -106,6 +106,9 @@ class Engine(Protocol):
     def reserve(self, tracked: Tracked) -> None:
         """Start allocating the buffers of periodic snapshots in the background (the first step after a start)."""
 
+    def close(self) -> None:
+        """Stop what ``reserve`` left running (the guard is closing); saves already staged are not affected."""
+
     def resume(self, tracked: Tracked) -> Resumed | None:
         """Restore the newest checkpoint that verifies into ``tracked`` (None: there is none)."""
 

@@ -93,6 +93,9 @@ class SingleEngine(HoldsStaging):
         if tensor_bytes(objects) <= self.budget.resolve():
             self._staging.reserve(objects)
 
+    def close(self) -> None:
+        """Nothing waits here: the staging's allocation thread ends on its own."""
+
     # -- saving --------------------------------------------------------------------------------
     def _payload(self, tracked: Tracked, step: int, staged: bool, final: bool = False) -> tuple[dict[str, Any], bool]:
         """The state as one canonical structure: the same state serialises to the same bytes (the final

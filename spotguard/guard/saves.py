@@ -320,6 +320,7 @@ class Saves:
         the store). ``collective``: saves are sharded; they are
         never replaced, and a save in flight that was abandoned is given time to end on all ranks.
         """
+        self.engine.close()  # a reservation still waiting for peers gives up
         pending = self.pending
         if pending is not None and pending.cancelled:  # abandoned for an emergency save: never hold the exit
             if collective:

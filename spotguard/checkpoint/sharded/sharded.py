@@ -46,7 +46,7 @@ from spotguard.checkpoint.sharded.sharded_load import rank_file
 from spotguard.checkpoint.sharded.staged import Staged, collected
 from spotguard.checkpoint.state import data, loadable
 from spotguard.checkpoint.state.budget import Budget
-from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging
+from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging, canonical
 from spotguard.errors import LeaseLostError, StorageError, UnloadableStateError
 from spotguard.storage.base import Storage
 
@@ -87,6 +87,7 @@ class ShardedEngine(HoldsStaging):
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
         self._plan = sharded_plan.Cache()  # the DCP plan agreed last (``reserve``, ``stage``)
         self._reserving: threading.Thread | None = None  # ``reserve``'s plan and allocation, until ``stage``
+        self._closed = threading.Event()  # ``close``: a reservation still waiting for its peers gives up
 
     def reserve(self, tracked: Tracked) -> None:
         """Start allocating the staging of background saves off the loop's thread, for the items this rank's
@@ -99,25 +100,42 @@ class ShardedEngine(HoldsStaging):
         if g.store is None or self._reserving is not None:  # synchronous saves stage nothing
             return
         live = collected(tracked, self.groups, 0, final=True)  # seq 0: no save's (``stage`` counts from 1)
-        self._reserving = threading.Thread(target=self._reserve, args=(live,), name="spotguard-plan", daemon=True)
+        # The thread walks fresh containers: a tracked object's own dict may change while the loop trains.
+        objects = canonical(live.payload.get("objects"))
+        self._reserving = threading.Thread(
+            target=self._reserve, args=(live, objects), name="spotguard-plan", daemon=True
+        )
         self._reserving.start()
 
-    def _reserve(self, live: Staged) -> None:
+    def _reserve(self, live: Staged, objects: Any) -> None:
         g = self.groups
         ex = sharded_async.Exchange(
-            g.store, f"{g.uid}/0/", g.rank, g.world_size, threading.Event(), min(g.timeout_s, RESERVE_WAIT_S)
+            g.store, f"{g.uid}/0/", g.rank, g.world_size, self._closed, min(g.timeout_s, RESERVE_WAIT_S)
         )
         writer = SpotguardWriter(self.storage, step_dir(0), g.rank)
         try:
             planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan)
             ex.forget([f"plan/{r}" for r in range(1, g.world_size)] if g.rank == 0 else [f"gplan/{g.rank}"])  # read
-            if planned.error:
-                logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
-                return
-            self._staging.reserve({"objects": live.payload["objects"], "items": planned.items})
         except Exception as e:  # never the loop's: the first save plans and allocates as it would have
             self._plan.clear()
             logger.warning("cannot reserve the checkpoint staging (%s: %s)", type(e).__name__, e)
+            return
+        share = {"objects": objects, "items": planned.items}
+        if self._closed.is_set():
+            return
+        if planned.error:
+            logger.warning("cannot reserve the checkpoint staging: %s; the first save allocates it", planned.error)
+        elif self.budget.fits(share, self._ring.chunk * self._ring.slots):  # over: its saves stage nothing
+            try:  # the plan stands (every rank agreed on it): only the staging is not reserved
+                self._staging.reserve(share)
+            except Exception as e:
+                logger.warning("cannot reserve the checkpoint staging (%s: %s)", type(e).__name__, e)
+
+    def close(self) -> None:
+        """A reservation still waiting for its peers gives up (the guard is closing); wait for its thread."""
+        self._closed.set()
+        if self._reserving is not None:
+            self._reserving.join(10.0)
 
     def _reserved(self) -> float:
         """Wait for ``reserve``'s thread (its plan is the cache ``stage`` starts from); the seconds waited."""

@@ -35,15 +35,23 @@ def available_memory() -> int | None:
 
 
 def default_budget() -> int:
-    """Half the memory available now (unknown: no limit)."""
+    """Half the memory available now, shared by the node's ranks (``LOCAL_WORLD_SIZE``, as launchers
+    set it; unknown memory: no limit)."""
     free = available_memory()
-    return int(free * SHARE) if free else 1 << 62
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return int(free * SHARE) // ranks if free else 1 << 62
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a state dict structure (what a snapshot of it holds)."""
+    """Bytes of the tensors in a state dict structure (what a snapshot of it holds: of a DTensor, the
+    local shard)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        local = getattr(obj, "_local_tensor", None) if type(obj).__name__ == "DTensor" else None
+        t = obj if local is None else local
+        return t.numel() * t.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

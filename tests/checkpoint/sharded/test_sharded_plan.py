@@ -174,3 +174,95 @@ def test_a_rank_over_its_staging_budget_writes_its_share_now_while_the_other_sta
     with SpotguardReader(lambda name: open_verified(storage, info, name)) as reader:
         dcp.load(sd, storage_reader=reader, no_dist=True)
     assert all(torch.equal(sd["model"][k], v) for k, v in models[0].state_dict().items())
+
+
+class Grows:
+    """A tracked object whose ``state_dict()`` is its own live dict, which the loop adds to as it trains."""
+
+    def __init__(self) -> None:
+        self.d: dict = {f"k{i}": [i] for i in range(100_000)}
+
+    def state_dict(self) -> dict:
+        return self.d
+
+    def load_state_dict(self, state: dict) -> None:
+        self.d = dict(state)
+
+
+def two_engines(tmp_path, timeout=10.0, staging_budget=None):
+    store = dist.HashStore()
+    storage = LocalStorage(str(tmp_path))
+    engines, models = [], []
+    for r in range(2):
+        groups = SimpleNamespace(rank=r, world_size=2, store=store, uid="t", timeout_s=timeout, save_group=None)
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        engines.append(ShardedEngine(storage, groups, keep=3, on_commit=lambda c: None, staging_budget=staging_budget))
+    return store, engines, models
+
+
+def each(call):
+    threads = [threading.Thread(target=call, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def test_the_reservation_walks_no_dict_the_loop_is_changing(tmp_path, caplog):
+    """The thread walks a copy of the objects' containers taken on the loop's thread: the loop adding to a
+    tracked object's own dict meanwhile neither fails the reservation nor the first save."""
+    store, engines, models = two_engines(tmp_path)
+    grows = [Grows(), Grows()]
+    each(lambda r: engines[r].reserve(Tracked({"model": models[r], "counts": grows[r]}, {})))
+    i = 0
+    while any(e._reserving.is_alive() for e in engines) and i < 1_000_000:  # the loop trains on meanwhile
+        grows[0].d[f"n{i}"] = [i]
+        i += 1
+    for e in engines:
+        e._reserving.join()
+    assert "cannot reserve" not in caplog.text
+    works: list = [None, None]
+    each(
+        lambda r: works.__setitem__(r, engines[r].stage(Tracked({"model": models[r], "counts": grows[r]}, {}), 1, "p"))
+    )
+    assert run(works)[0] == {0: "ok", 1: "ok"}
+
+
+def test_a_failed_allocation_on_rank_0_keeps_the_plan_every_rank_agreed(tmp_path, monkeypatch):
+    """Only the staging is lost: the plan stays in rank 0's cache as in the others', so the first save's
+    "same plan" from the other ranks is the one rank 0 kept, and it commits."""
+    store, engines, models = two_engines(tmp_path)
+
+    def refused(state):
+        raise RuntimeError("pinned memory refused")
+
+    monkeypatch.setattr(engines[0]._staging, "reserve", refused)
+    each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
+    for e in engines:
+        e._reserving.join()
+    works: list = [None, None]
+    each(lambda r: works.__setitem__(r, engines[r].stage(Tracked({"model": models[r]}, {}), 1, "periodic")))
+    assert run(works)[0] == {0: "ok", 1: "ok"}
+
+
+def test_a_rank_over_its_staging_budget_reserves_nothing(tmp_path):
+    store, engines, models = two_engines(tmp_path, staging_budget=16)
+    each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
+    for e in engines:
+        e._reserving.join()
+        assert e._staging._reserving is None and e._staging._reserved == []
+
+
+def test_closing_the_engine_ends_a_reservation_still_waiting_for_its_peer(tmp_path, caplog):
+    """A guard closed before its first staged save: the reservation waiting for a late peer gives up at once
+    instead of holding a thread for the store's timeout (and allocating after the guard is gone)."""
+    store = dist.HashStore()
+    groups = SimpleNamespace(rank=0, world_size=2, store=store, uid="t", timeout_s=60.0, save_group=None)
+    engine = ShardedEngine(LocalStorage(str(tmp_path)), groups, keep=3, on_commit=lambda c: None)
+    engine.reserve(Tracked({"model": nn.Linear(8, 8)}, {}))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    engine.close()
+    assert time.monotonic() - t0 < 5 and not engine._reserving.is_alive()
+    assert engine._staging._reserving is None and engine._staging.nbytes == 0
