@@ -6,7 +6,9 @@ creation; an option left None that the job's environment may set is read from it
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from spotguard import _env
 from spotguard.checkpoint.format.manifest import Reshard
@@ -89,9 +91,18 @@ class GuardOptions(CommonOptions):
         super().__post_init__()
         if self.local_dir is None:  # set by `spotguard run --local-dir`
             self.local_dir = _env.text(_env.LOCAL_DIR)
+        if self.local_dir and "://" not in self.local_dir:  # checked now, not found out at every periodic save
+            try:
+                Path(self.local_dir).expanduser().mkdir(parents=True, exist_ok=True)
+                if not os.access(Path(self.local_dir).expanduser(), os.W_OK | os.X_OK):
+                    raise PermissionError("not writable")
+            except OSError as e:
+                raise ConfigError(f"local_dir {self.local_dir!r} (or ${_env.LOCAL_DIR}) cannot be used: {e}") from None
         if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
             self.metrics_file = _env.text(_env.METRICS_FILE)
-        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
+        if self.every_steps is not None and (
+            not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 1
+        ):
             raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
         if self.every_seconds == "auto":
             if self.mtbf_hours is None:

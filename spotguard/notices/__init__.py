@@ -99,6 +99,8 @@ def build(spec: str | Iterable[str | NoticeProvider] | None) -> list[NoticeProvi
             spec = auto_names()
         else:
             spec = [part.strip() for part in spec.split(",") if part.strip()]
+            if not spec:  # e.g. an unset variable in a launch script: a job deaf to SIGTERM too
+                raise ConfigError('providers is an empty string: name some ("auto", "aws,signal") or pass [] for none')
     providers: list[NoticeProvider] = []
     for item in spec:
         providers.append(item if isinstance(item, NoticeProvider) else create(item))

@@ -69,6 +69,8 @@ def parse_stop_events(value: str | Iterable[str]) -> frozenset[str]:
     unknown = [n for n in names if n.lower() not in by_lower]
     if unknown:
         raise ConfigError(f"unknown Azure event type(s) {unknown}; known: {', '.join(KINDS)}")
+    if not names:  # no event would ever stop training
+        raise ConfigError(f"no Azure event type named in {value!r}; known: {', '.join(KINDS)}")
     return frozenset(by_lower[n.lower()] for n in names)
 
 

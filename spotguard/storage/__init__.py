@@ -8,6 +8,7 @@ give the cloud backends, whose SDKs are imported only when used.
 from __future__ import annotations
 
 import importlib
+import re
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, MissingDependencyError
@@ -26,6 +27,10 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "abfs": ("spotguard.storage.azure:AzureStorage", "azure"),
     "abfss": ("spotguard.storage.azure:AzureStorage", "azure"),
 }
+
+
+#: A cloud URL with its "://" mistyped ("s3//b", "gs:/b", "s3:b"), which would otherwise be a local path.
+_MISTYPED = re.compile(r"(s3|gs|gcs|az|abfss?)(?::/?(?!/)|//)", re.IGNORECASE)
 
 
 def register(scheme: str, target: str, extra: str = "") -> None:
@@ -48,6 +53,9 @@ def open_storage(url: str | Storage, *, timeout: float | None = None) -> Storage
         scheme = urlparse(url).scheme if "://" in url else "file"
     except ValueError as e:  # e.g. an unbalanced "[" in the host part
         raise ConfigError(f"invalid storage URL {url!r}: {e}") from None
+    typo = _MISTYPED.match(url) if scheme == "file" else None
+    if typo:  # a local folder named "s3" on a machine whose disk goes with it: never what was meant
+        raise ConfigError(f"invalid storage URL {url!r}: did you mean {typo[1].lower()}://{url[typo.end() :]}?")
     try:
         target, extra = _BACKENDS[scheme]
     except KeyError:

@@ -162,6 +162,21 @@ def test_untrackable_objects_and_bad_options_are_rejected(tmp_path):
         spotguard.Guard(str(tmp_path), keep=0)
     with pytest.raises(ConfigError, match="unsupported storage URL"):
         spotguard.Guard("ftp://host/x")
+    with pytest.raises(ConfigError, match="every_steps"):
+        spotguard.Guard(str(tmp_path), every_steps=True)
+    with pytest.raises(ConfigError, match="providers is an empty string"):  # an unset variable in a script
+        spotguard.Guard(str(tmp_path), providers="")
+
+
+def test_a_local_tier_that_cannot_be_written_is_refused_when_the_guard_is_made(tmp_path, monkeypatch):
+    """Not found out at every periodic save (each failed, training went on, the job exited 1 at the end)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPOTGUARD_LOCAL_DIR", str(tmp_path / "file" / "tier"))
+    with pytest.raises(ConfigError, match=r"\$SPOTGUARD_LOCAL_DIR"):
+        spotguard.Guard(str(tmp_path / "durable"), providers=[])
+    monkeypatch.setenv("SPOTGUARD_LOCAL_DIR", str(tmp_path / "new" / "tier"))
+    assert spotguard.Guard(str(tmp_path / "durable"), providers=[]).local is not None
+    assert (tmp_path / "new" / "tier").is_dir()
 
 
 def test_storage_from_environment(tmp_path, monkeypatch):

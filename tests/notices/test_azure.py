@@ -64,6 +64,9 @@ def test_which_events_stop_is_configurable(mock_metadata, monkeypatch):
     monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", "Preempt,Reboots")
     with pytest.raises(spotguard.ConfigError, match="SPOTGUARD_AZURE_STOP_EVENTS.*Reboots"):
         notices.build("azure")
+    monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", " , ")  # no event would ever stop training
+    with pytest.raises(spotguard.ConfigError, match="SPOTGUARD_AZURE_STOP_EVENTS.*no Azure event type"):
+        notices.build("azure")
 
 
 def test_an_event_already_started_or_past_its_not_before_leaves_30s_not_zero(mock_metadata):

@@ -17,7 +17,7 @@ import pytest
 
 from spotguard import checkpoint
 from spotguard.errors import CheckpointExistsError, ConfigError
-from spotguard.storage import ObjectNotFoundError, Storage, open_storage
+from spotguard.storage import LocalStorage, ObjectNotFoundError, Storage, open_storage
 from spotguard.storage.azure import AzureOptions, AzureStorage
 from spotguard.storage.gcs import GCSOptions, GCSStorage
 from spotguard.storage.retry import RetryOptions
@@ -172,6 +172,23 @@ def test_the_storage_package_imports_no_cloud_sdk():
 def test_malformed_urls_are_config_errors(url: str):
     with pytest.raises(ConfigError, match="invalid storage URL"):
         open_storage(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "meant"),
+    [("s3//bucket/run", "s3://bucket/run"), ("gs:/b/run", "gs://b/run"), ("az:acct/c", "az://acct/c")],
+)
+def test_a_mistyped_cloud_url_is_refused_not_taken_for_a_local_folder(url: str, meant: str, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"did you mean {meant}"):
+        open_storage(url)
+    assert list(tmp_path.iterdir()) == []  # no ./s3/bucket/run folder on a disk that goes with the machine
+
+
+@pytest.mark.parametrize("path", ["s3/bucket", "gs_runs/x", "./s3//x", "run:1"])
+def test_local_paths_that_only_start_like_a_scheme_stay_local(path: str, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert isinstance(open_storage(path), LocalStorage)
 
 
 @pytest.mark.parametrize(
