@@ -127,8 +127,8 @@ def _default_endpoint(cloud: str | None) -> str:
 def register(sub: Any) -> None:
     """Add ``mock-metadata`` and ``simulate-preemption`` to the ``spotguard`` subcommands."""
     p = sub.add_parser("mock-metadata", help="serve a faithful mock of a cloud's metadata service on 127.0.0.1")
-    p.add_argument("--cloud", choices=CLOUDS, default="aws")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--cloud", choices=CLOUDS, default="aws", help="the metadata service to imitate (default aws)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=1338, help="0 picks a free port (default 1338)")
     p.add_argument("--notice-after", type=float, metavar="SECONDS", help="trigger the spot notice after this long")
     p.add_argument("--kind", help="notice kind for --notice-after (default: the cloud's spot notice)")
@@ -155,5 +155,7 @@ def register(sub: Any) -> None:
     p.add_argument("--pid", type=int, help="send a shutdown signal to this process instead")
     p.add_argument("--signal", default="SIGTERM", help="signal for --pid (default SIGTERM)")
     p.add_argument("--file", help="write this notice file instead (see $SPOTGUARD_NOTICE_FILE)")
-    p.add_argument("--deadline-in", type=float, default=120.0, help="deadline written to --file (seconds)")
+    p.add_argument(
+        "--deadline-in", type=float, default=120.0, help="deadline written to --file, in seconds (default 120)"
+    )
     p.set_defaults(func=cmd_simulate)

@@ -131,7 +131,10 @@ def register(sub: Any) -> None:
         metavar="K",
         help="K of the notices wait for the job's next evaluation (guard.evaluation(), a trainer's; default 0)",
     )
-    p.add_argument("--storage", help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND; empty")
+    p.add_argument(
+        "--storage",
+        help="the job's checkpoint URL: $SPOTGUARD_STORAGE and {storage} in COMMAND (default: the job's own)",
+    )
     p.add_argument(
         "--fresh-local",
         action="store_true",

@@ -163,7 +163,7 @@ def register(sub: Any) -> None:
         "(or advisory one with --advisory); exit 1 at --timeout.",
     )
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
-    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between polls of each provider (default 1)")
     add_json(p, "one JSON object per notice")
     add_seconds(p, "--timeout", "give up after this many seconds (exit 1)")
     p.add_argument(
