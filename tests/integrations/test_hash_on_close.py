@@ -1,6 +1,6 @@
 """The trainers' own saves are hashed file by file as they are written, not all again at the commit.
 
-In process, real Trainer and Accelerator: the digests of the files the trainer closed first come from
+In process, a real Trainer (``hf_train``, a checkpoint at step 2) and Accelerator: the digests of the files the trainer closed first come from
 the ``spotguard-onclose`` thread while it writes the next ones; the committed checkpoint verifies.
 """
 
@@ -10,12 +10,12 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from spotguard import checkpoint
 from spotguard.checkpoint.files import onclose
 from spotguard.checkpoint.format import digest
 from spotguard.storage import open_storage
+from tests.integrations.test_untracked import hf_train
 
 pytestmark = pytest.mark.skipif(onclose._libc() is None, reason="needs Linux inotify")
 
@@ -45,28 +45,7 @@ def verified(storage_dir: Path) -> checkpoint.CheckpointInfo:
 
 
 def test_hf_trainers_files_are_hashed_as_it_writes_them(tmp_path, hashed):
-    transformers = pytest.importorskip("transformers")
-    from spotguard.integrations.hf import SpotguardCallback
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        save_strategy="steps",
-        save_steps=2,
-        use_cpu=True,
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    cb = SpotguardCallback(str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
-    train = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 4
-    trainer = transformers.Trainer(
-        model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train, callbacks=[cb]
-    )
-    assert cb.train(trainer) == 0
+    assert hf_train(tmp_path / "ckpt", tmp_path / "out", callbacks=[], max_steps=2) == 0
     seen = {k: list(v) for k, v in hashed.items()}
     info = verified(tmp_path / "ckpt")
     assert info.step == 2 and info.manifest is not None
@@ -77,25 +56,12 @@ def test_hf_trainers_files_are_hashed_as_it_writes_them(tmp_path, hashed):
     assert not [t for t in threading.enumerate() if t.name.startswith("spotguard-onclose")]
 
 
-def test_accelerator_guards_files_are_hashed_as_save_state_writes_them(tmp_path, hashed):
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState
-
+def test_accelerator_guards_files_are_hashed_as_save_state_writes_them(tmp_path, hashed, accelerator):
     from spotguard.integrations.accelerate import AcceleratorGuard
 
-    AcceleratorState._reset_state(True)  # a new run in this process
-    try:
-        acc = accelerate.Accelerator(cpu=True)
-        model = torch.nn.Linear(64, 64)
-        opt = torch.optim.AdamW(model.parameters())
-        model, opt = acc.prepare(model, opt)
-        model(torch.randn(2, 64)).sum().backward()
-        opt.step()
-        guard = AcceleratorGuard(acc, str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
-        with guard:
-            guard.save(1)
-    finally:
-        AcceleratorState._reset_state(True)
+    acc, _ = accelerator(with_optimizer=True)
+    with AcceleratorGuard(acc, str(tmp_path / "ckpt"), providers=[], lease_ttl=None) as guard:
+        guard.save(1)
     seen = {k: list(v) for k, v in hashed.items()}
     info = verified(tmp_path / "ckpt")
     assert info.manifest is not None

@@ -25,26 +25,6 @@ def beat(tmp_path, monkeypatch) -> memoryview:
     return heartbeat.attach(str(path))
 
 
-@pytest.fixture
-def accelerator():
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState
-
-    def make(*, with_optimizer: bool):
-        AcceleratorState._reset_state(True)  # a new run in this process
-        acc = accelerate.Accelerator(cpu=True)
-        torch.manual_seed(0)
-        model = torch.nn.Linear(2, 2)
-        if not with_optimizer:
-            return acc, acc.prepare(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        acc.prepare(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1))
-        return acc, model
-
-    yield make
-    AcceleratorState._reset_state(True)
-
-
 def test_accelerator_guard_refuses_a_checkpoint_of_an_optimizer_no_longer_prepared(tmp_path, accelerator, beat):
     from spotguard.integrations.accelerate import AcceleratorGuard
 

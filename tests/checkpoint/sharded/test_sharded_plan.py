@@ -49,13 +49,6 @@ def test_the_staging_of_the_items_a_rank_writes_is_reserved_before_the_first_sav
         models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
         engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append))
 
-    def each(call):
-        threads = [threading.Thread(target=call, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-
     each(lambda r: engines[r].reserve(Tracked({"model": models[r]}, {})))
     for e in engines:
         e._reserving.join()
@@ -202,6 +195,7 @@ def two_engines(tmp_path, timeout=10.0, staging_budget=None):
 
 
 def each(call):
+    """``call(rank)`` for both ranks at once, each on a thread of its own (as each rank's loop)."""
     threads = [threading.Thread(target=call, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
