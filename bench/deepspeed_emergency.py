@@ -4,8 +4,8 @@ Two gloo ranks on CPU (``DS_ACCELERATOR=cpu``) train a stack of ``Linear(width, 
 AdamW under ZeRO-2 (weights in ``mp_rank_00_model_states.pt``, each rank's optimizer partition in a
 file of its own). Ours: a notice reaches rank 1 only; the clock runs from that moment (both ranks
 at the same step, the watcher has seen it) until ``guard.step()`` returns True on the slowest rank:
-the vote, ``engine.save_checkpoint`` into each rank's scratch folder, the per-rank state file,
-SHA-256 of every file, the store (hard links on the same disk, fsynced) and the manifest. Baselines,
+the vote, ``engine.save_checkpoint`` into each rank's scratch folder (each file hashed and synced as
+DeepSpeed closes it), the per-rank state file, the store (hard links on the same disk) and the manifest. Baselines,
 measured in the same run on the same disk: ``engine.save_checkpoint`` into a local folder alone (no
 fsync, no checksums: what a DeepSpeed job does today), and followed by an fsync of its files (the
 plain way to make it durable). Medians over ``--repeat`` rounds, each after a warm-up round.
