@@ -127,9 +127,11 @@ def test_verify_of_only_incomplete_checkpoints_exits_1(tmp_path, capsys):
     assert "step-00000003: incomplete" in out and "no complete checkpoint" in err and "nothing verified" in err
 
 
-def test_ls_of_a_path_that_does_not_exist_exits_1(tmp_path, capsys):
-    assert main(["ls", str(tmp_path / "typo")]) == 1
+@pytest.mark.parametrize("command", [["ls"], ["rm", "--incomplete"], ["rm", "--step", "3"]])
+def test_a_path_that_does_not_exist_exits_1(tmp_path, capsys, command):
+    assert main([*command, str(tmp_path / "typo")]) == 1  # rm --incomplete said "nothing incomplete", exit 0
     assert f"spotguard: {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.parametrize(

@@ -279,6 +279,8 @@ def test_rm_in_a_loop_beside_a_running_training_job_deletes_nothing_of_it(tmp_pa
     )
     tries = 0
     try:
+        while not root.exists() and job.poll() is None:  # before, rm says the path does not exist (exit 1)
+            time.sleep(0.01)
         while job.poll() is None:
             assert main(["rm", str(root), "--incomplete", *age]) == 0
             tries += 1

@@ -243,6 +243,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
             url=args.url,
         )
     storage = _open(args, args.url)
+    if _missing_folder(storage):  # a typo must not look like a clean run (as ls)
+        return fail(args, f"{storage.describe()} does not exist", url=storage.describe())
     if args.step is None:
         return rm_incomplete(args, storage)
     info = _find(storage, args.step)
