@@ -40,6 +40,12 @@ def _seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_every_steps(value: object) -> None:
+    """``every_steps``, of ``Guard`` and every loop integration alike: a positive int (not a bool) or None."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"every_steps must be a positive int or None, got {value!r}")
+
+
 @dataclass
 class CommonOptions:
     """What ``Guard`` and every trainer integration take alike, validated on creation; an option left

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from spotguard import _env
 from spotguard.checkpoint.format.manifest import Reshard
-from spotguard.coordination.options import CommonOptions
+from spotguard.coordination.options import CommonOptions, check_every_steps
 from spotguard.coordination.ranks import PollOn
 from spotguard.errors import ConfigError
 
@@ -100,10 +100,7 @@ class GuardOptions(CommonOptions):
                 raise ConfigError(f"local_dir {self.local_dir!r} (or ${_env.LOCAL_DIR}) cannot be used: {e}") from None
         if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
             self.metrics_file = _env.text(_env.METRICS_FILE)
-        if self.every_steps is not None and (
-            not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) or self.every_steps < 1
-        ):
-            raise ConfigError(f"every_steps must be a positive int or None, got {self.every_steps!r}")
+        check_every_steps(self.every_steps)
         if self.every_seconds == "auto":
             if self.mtbf_hours is None:
                 raise ConfigError('every_seconds="auto" needs mtbf_hours (mean hours between preemptions)')

@@ -19,6 +19,7 @@ from spotguard.checkpoint.format.manifest import Manifest
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..coordination.cadence import next_multiple
+from ..coordination.options import check_every_steps
 from ..errors import ConfigError
 from ..notices.base import Notice
 from ..storage import Storage
@@ -44,8 +45,7 @@ class LoopGuard(StopOutcome):
         save_on_exit: bool,
         options: dict[str, Any],
     ) -> None:
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ConfigError(f"every_steps must be a positive int or None, got {every_steps!r}")
+        check_every_steps(every_steps)
         self.checkpoints, self.notices = watch_parts(storage, options, type(self).__name__)
         self.every_steps = every_steps
         self.save_on_exit = save_on_exit

@@ -44,6 +44,7 @@ from spotguard.checkpoint.state import data, state
 from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
 
 from ..coordination.agreement import ADVISORY, STOP
+from ..coordination.options import check_every_steps
 from ..errors import PERMANENT, MissingDependencyError
 from ..storage import Storage
 from . import _lightning_loops as loops
@@ -86,6 +87,7 @@ class SpotguardCallback(StopOutcome, Callback):
     """
 
     def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Any) -> None:
+        check_every_steps(every_steps)
         self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")
         self.every_steps = every_steps
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).

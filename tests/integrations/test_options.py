@@ -76,3 +76,25 @@ def test_the_guard_and_the_integrations_resolve_the_common_options_alike(monkeyp
     assert watch.stop_on_advisory is True and watch.takeover is True and watch.deadline_policy == "use-window"
     assert not WatchOptions(stop_on_advisory=False, takeover=False).stop_on_advisory  # given: the environment yields
     assert {f.name for f in dataclasses.fields(WatchOptions)} - set(common) == {"work_dir"}
+
+
+def loop_every(storage, every_steps):
+    from spotguard.integrations._loop import LoopGuard
+
+    return LoopGuard(storage, every_steps, True, {"providers": [], "lease_ttl": None})
+
+
+EVERY = {
+    "guard": lambda storage, every_steps: Guard(storage, providers=[], every_steps=every_steps),
+    "loop": loop_every,
+    "lightning": lambda storage, every_steps: lightning(storage, providers=[], lease_ttl=None, every_steps=every_steps),
+}
+
+
+@pytest.mark.parametrize("make", EVERY.values(), ids=EVERY.keys())
+@pytest.mark.parametrize("every_steps", [0, -5, True, "10", 2.5])
+def test_every_steps_is_checked_alike_by_the_guard_and_the_loop_integrations(tmp_path, make, every_steps):
+    """One check: Lightning checked none (0 silently meant never, "10" failed at the first step), the
+    loop integrations took True for 1."""
+    with pytest.raises(ConfigError, match="every_steps must be a positive int or None"):
+        make(str(tmp_path), every_steps)

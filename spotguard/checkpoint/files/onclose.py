@@ -153,8 +153,8 @@ class ClosedFileHashes:
                 finally:
                     os.close(fd)
             return (before, value) if _key(path.stat()) == before else None
-        except OSError:  # gone or unreadable: the commit hashes (or reports) it
-            return None
+        except Exception:  # gone, cut short, unreadable: an early hash is only a head start; the commit
+            return None  # hashes the file itself (and reports what is wrong with it)
 
     def known(self, path: Path, alg: str) -> str | None:
         """The digest of ``path`` with ``alg`` when it was hashed after its last write; else None (also
