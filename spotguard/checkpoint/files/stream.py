@@ -17,6 +17,7 @@ Host memory held: the ring's buffers (``Ring.nbytes``), whatever the state's siz
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import pickle
@@ -201,7 +202,10 @@ def pinned_torch_save() -> Iterator[None]:
     setting, ``torch.utils.serialization.config.save.use_pinned_memory_for_d2h``; a no-op without CUDA
     or on a torch without it): a trainer's own save, which spotguard does not write, then copies at
     the bus's speed instead of through pageable memory. The setting is restored after."""
-    config = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "save", None)
+    try:  # imported by name: `import torch` leaves it out until the first torch.save (seen on torch 2.11)
+        config = importlib.import_module("torch.utils.serialization.config").save
+    except (ImportError, AttributeError):
+        config = None
     if config is None or not hasattr(config, "use_pinned_memory_for_d2h") or not torch.cuda.is_available():
         yield
         return

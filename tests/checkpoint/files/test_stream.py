@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,6 +114,22 @@ def test_pinned_torch_save_turns_torchs_setting_on_inside_the_block_only(monkeyp
     with stream.pinned_torch_save():
         assert config.save.use_pinned_memory_for_d2h is True
     assert config.save.use_pinned_memory_for_d2h == before
+
+
+def test_pinned_torch_save_works_before_anything_imported_torchs_serialization_config():
+    """`import torch` leaves torch.utils.serialization out until the first torch.save: the block must
+    import it itself, or a process's first trainer save goes through pageable memory (seen on an H200)."""
+    code = (
+        "import sys, torch\n"
+        "assert 'torch.utils.serialization.config' not in sys.modules\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "from spotguard.checkpoint.files import stream\n"
+        "with stream.pinned_torch_save():\n"
+        "    from torch.utils.serialization import config\n"
+        "    assert config.save.use_pinned_memory_for_d2h is True\n"
+        "assert config.save.use_pinned_memory_for_d2h is False\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_the_ring_copies_the_next_storages_chunks_while_one_is_written():
