@@ -130,6 +130,41 @@ def test_cuda_random_streams_are_restored_on_resume(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("room", [True, False], ids=["through-pinned-buffers", "memory-short-fallback"])
+def test_a_resume_copies_the_state_to_the_gpu_through_pinned_buffers_exactly(tmp_path, monkeypatch, room):
+    """Point 8 of issue 33: the verified tensors reach the GPU before load_state_dict, each where
+    load_state_dict alone would put it (AdamW's step stays on the CPU); short of device memory, the
+    mapped tensors are left to load_state_dict."""
+    from spotguard.checkpoint.state import upload
+
+    def trained():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 9))
+        model = model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(16, 512, device="cuda")).square().mean().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained()
+    spotguard.Guard(str(tmp_path), providers=[], save_on_exit=False).track(model=model, optimizer=opt).save(5)
+    if not room:
+        monkeypatch.setattr(upload, "HEADROOM", 1 << 50)
+    moved = []
+    real = upload.upload
+    monkeypatch.setattr(upload, "upload", lambda todo, path: moved.append(real(todo, path, chunk=1 << 20)) or moved[-1])
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 9)).cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    assert spotguard.Guard(str(tmp_path), providers=[]).track(model=fresh, optimizer=fresh_opt).resume() == 5
+    assert bool(moved) is room and (not room or moved[0] >= 3 * sum(p.numel() * 4 for p in model.parameters()))
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for pid, entry in fresh_opt.state_dict()["state"].items():
+        assert entry["step"].device.type == "cpu" and entry["exp_avg"].is_cuda
+        for k, v in entry.items():
+            assert torch.equal(v, opt.state_dict()["state"][pid][k])
+
+
 @pytest.mark.slow
 def test_resume_on_one_gpu_after_sigterm_continues_identically(tmp_path, reference_runs):
     """examples/train.py trains on the GPU (autocast, GradScaler) when there is one."""

@@ -24,7 +24,7 @@ from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention, stale_local
 from spotguard.checkpoint.format import reader
 from spotguard.checkpoint.format.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
-from spotguard.checkpoint.state import data, loadable, state
+from spotguard.checkpoint.state import data, loadable, state, upload
 from spotguard.checkpoint.state.budget import Budget, tensor_bytes
 from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging, canonical
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
@@ -282,7 +282,7 @@ class SingleEngine(HoldsStaging):
                 continue
             t0 = time.monotonic()
             try:
-                payload = self._load(storage, info)
+                payload = self._load(storage, info, tracked)
             except CheckpointCorruptError as e:
                 logger.warning("skipping %s: %s", where, e)
                 skipped.append(f"{where}: {e}")
@@ -299,15 +299,17 @@ class SingleEngine(HoldsStaging):
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
         return None
 
-    def _load(self, storage: Storage, info: CheckpointInfo) -> dict[str, Any]:
+    def _load(self, storage: Storage, info: CheckpointInfo, tracked: Tracked) -> dict[str, Any]:
         refuse_sharded(info)
         with reader.open_verified(storage, info, STATE_FILE) as path:
             try:
                 payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # weights_only refuses anything but tensors and plain containers
                 raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: cannot be loaded safely ({e})") from e
-        if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
-            raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
+            if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
+                raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
+            if isinstance(payload["objects"], dict):  # verified: GPU-bound tensors through pinned memory
+                upload.to_devices(tracked.objects, payload["objects"], path)
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:

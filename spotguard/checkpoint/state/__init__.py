@@ -3,6 +3,7 @@
 ``state`` collects the tracked objects' state dicts and every RNG stream; ``data`` and ``workers`` make a
 resumed data loader continue exactly (another worker count or batch size checked); ``loadable`` checks on
 the first save that the state will load with ``weights_only``; ``snapshot``, ``slabs`` and ``budget`` copy
-it into reused (pinned) buffers, allocated off the loop's thread, within a host-memory budget. Nothing
+it into reused (pinned) buffers, allocated off the loop's thread, within a host-memory budget; ``upload``
+moves a verified checkpoint's GPU-bound tensors there through pinned buffers on resume. Nothing
 here knows about storage or files: both engines and the trainer integrations use it.
 """

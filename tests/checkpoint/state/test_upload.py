@@ -1,0 +1,112 @@
+"""The resume's copy of a verified checkpoint's tensors to their devices, before ``load_state_dict``.
+
+Here the "device" is the CPU (``wanted`` accepts it), so the plan, the file offsets, the chunked ring and
+the fallbacks run without CUDA; tests/test_gpu.py runs the same path to a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import spotguard
+from spotguard.checkpoint.state import upload
+
+
+def _cpu(d: torch.device) -> bool:
+    return d.type == "cpu"
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.BatchNorm1d(33), torch.nn.Linear(33, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A payload as the single engine loads it: torch.load(mmap=True) of the saved state dicts."""
+    model, opt = trained()
+    path = tmp_path / "state.pt"
+    torch.save(
+        {"objects": {"model": model.state_dict(), "optimizer": opt.state_dict(), "note": {"t": torch.ones(3)}}}, path
+    )
+    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return model, opt, path, payload["objects"]
+
+
+def test_the_plan_is_what_load_state_dict_would_copy_to_the_device_and_nothing_else(saved):
+    model, opt, _, states = saved
+    plan = upload.moves({"model": model, "optimizer": opt, "note": object()}, states, wanted=_cpu)
+    planned = {(id(m.holder), m.key) for m in plan}
+    for key in model.state_dict():
+        assert (id(states["model"]), key) in planned
+    for entry in states["optimizer"]["state"].values():
+        assert (id(entry), "exp_avg") in planned and (id(entry), "exp_avg_sq") in planned
+        assert (id(entry), "step") not in planned  # torch keeps a non-capturable step where it is
+    assert not any(m.holder is states["note"] for m in plan)  # an object of no known kind: left to itself
+    assert upload.moves({"model": model, "optimizer": opt}, states) == []  # nothing lives on a GPU here
+
+
+def test_a_live_tensor_of_another_shape_is_left_for_load_state_dict_to_refuse(saved):
+    _, opt, _, states = saved
+    other = torch.nn.Sequential(torch.nn.Linear(64, 34), torch.nn.BatchNorm1d(34), torch.nn.Linear(34, 5))
+    plan = upload.moves({"model": other}, states, wanted=_cpu)
+    assert {m.key for m in plan} == {"1.num_batches_tracked", "2.bias"}  # the entries whose shape still matches
+
+
+@pytest.mark.parametrize("located", [True, False], ids=["pread-at-file-offsets", "copied-from-the-mapping"])
+def test_upload_copies_every_byte_in_chunks_on_several_threads(saved, monkeypatch, located):
+    model, opt, path, states = saved
+    plan = upload.moves({"model": model, "optimizer": opt}, states, wanted=_cpu)
+    originals = [m.tensor.clone() for m in plan]
+    offsets = upload.file_offsets(path, [m.tensor for m in plan])
+    assert len(offsets) == len(plan)  # every mapped tensor found in the file through /proc/self/maps
+    if not located:
+        monkeypatch.setattr(upload, "file_offsets", lambda path, tensors: {})
+    moved = upload.upload(plan, path, threads=3, chunk=1000)  # odd chunk: tensors end mid-buffer
+    assert moved == sum(t.numel() * t.element_size() for t in originals)
+    for m, before in zip(plan, originals, strict=True):
+        after = m.holder[m.key]
+        assert after is not m.tensor and torch.equal(after, before) and after.dtype == before.dtype
+        assert not (m.tensor.data_ptr() <= after.data_ptr() < m.tensor.data_ptr() + 1)  # a copy, not the map
+
+
+def test_a_resume_through_the_upload_is_exact_and_a_failed_upload_changes_nothing(tmp_path, monkeypatch, caplog):
+    """The Guard's resume with the CPU treated as the device: the same state as a plain resume; an upload
+    that fails half way leaves the payload as loaded, and load_state_dict copies it instead."""
+    model, opt = trained()
+    g = spotguard.Guard(str(tmp_path / "ck"), providers=[], save_on_exit=False)
+    g.track(model=model, optimizer=opt)
+    g.resume()
+    g.save(3)
+    g.close()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(upload, "_cuda", _cpu)
+    monkeypatch.setattr(upload, "_fits", lambda todo: True)
+    calls = []
+    real = upload.upload
+    monkeypatch.setattr(upload, "upload", lambda todo, path: calls.append(len(todo)) or real(todo, path, chunk=4096))
+    for failing in (False, True):
+        if failing:
+            monkeypatch.setattr(upload, "_pread_into", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 33), torch.nn.BatchNorm1d(33), torch.nn.Linear(33, 5))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        g2 = spotguard.Guard(str(tmp_path / "ck"), providers=[], save_on_exit=False)
+        g2.track(model=fresh, optimizer=fresh_opt)
+        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.state.upload"):
+            assert g2.resume() == 3
+        g2.close()
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+        for pid, entry in opt.state_dict()["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(v, fresh_opt.state_dict()["state"][pid][k])
+        assert ("disk gone" in caplog.text) is failing
+    assert calls and calls[0] > 0
