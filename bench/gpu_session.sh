@@ -16,8 +16,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/device.txt"
-# The GPU tests first (about 2 minutes on an H200 with -n 8), then the rows; each step's failure is logged, not fatal.
-timeout 240 python3 -m pytest tests/test_gpu.py -m gpu -n 8 -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log"
-timeout 90 python3 bench/checkpoint_stall.py --device cuda --size-mb 1024 --json "$OUT/stall.jsonl" 2>&1 | tail -20
-timeout 240 python3 bench/gpu_real_size.py --json "$OUT/real_size.json" 2>&1 | tee "$OUT/real_size.log" | tail -30
+# The real-size rows first (about 2.5 minutes at 9 GB), then the GPU tests (about 2 minutes with -n 8), the
+# stall rows, and the upload probe when it is there; each step's failure is logged, not fatal.
+timeout 220 python3 bench/gpu_real_size.py --json "$OUT/real_size.json" 2>&1 | tee "$OUT/real_size.log" | tail -30
+if [ -f bench/gpu_upload_probe.py ]; then
+  timeout 80 python3 bench/gpu_upload_probe.py 2>&1 | tee "$OUT/probe.log"
+fi
+timeout 180 python3 -m pytest tests/test_gpu.py -m gpu -n 8 -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log" | tail -40
+timeout 60 python3 bench/checkpoint_stall.py --device cuda --size-mb 1024 --json "$OUT/stall.jsonl" 2>&1 | tail -20
 ls -l "$OUT"
