@@ -76,10 +76,19 @@ class Machine:
     storage_read: bool = False  # the storage was read once the machine ended (latest_* is the truth)
     latest_time: float | None = None  # its manifest's commit time
     cpu_s: float = 0.0  # the job's CPU time (all its processes that were waited for)
+    resumes_at: int | None = None  # the storage's newest step when it started (None: unknown, no storage)
 
     @property
     def first_step(self) -> float | None:
         return self.timeline[0][0] if self.timeline else None
+
+    @property
+    def first_new_step(self) -> float | None:
+        """When the job first reported a step past its resume point: training on this machine began.
+        A job may report its resume step first (an evaluation due there): that is no training yet, and
+        a notice timed from it could stop the job before it trained a step."""
+        fresh = (t for t, step in self.timeline if self.resumes_at is None or step > self.resumes_at)
+        return next(fresh, None)
 
     @property
     def last_step(self) -> int:
@@ -212,7 +221,9 @@ class Fleet:
             env[LOCAL_DIR] = env["TMPDIR"] = str(local)
         command = [_fill(a, values) for a in o.command]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        m = Machine(index, time.time(), planned=planned)
+        prev = self.machines[-1] if self.machines else None
+        resumes_at = 0 if prev is None else (prev.latest_step or 0) if prev.storage_read else None
+        m = Machine(index, time.time(), planned=planned, resumes_at=resumes_at)
         logger.info("machine %d: starting %s", index, " ".join(command))
         try:
             proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=2 if o.stdout_to_stderr else None)
@@ -257,9 +268,9 @@ class Fleet:
                     job.wait_gone(now + 5.0, o.poll_s)
                     return
             if m.notice is None and m.planned is not None and not done:
-                since = m.start if m.planned.restart else m.first_step
+                since = m.start if m.planned.restart else m.first_new_step
                 if since is not None and now >= since + m.planned.after:
-                    where = landed(slots, bool(m.timeline))
+                    where = landed(slots, m.first_new_step is not None)
                     waiting = m.planned.during is not None and m.planned.during not in where.split("+")
                     if not waiting:
                         m.notice, m.deadline, m.landed = now, now + o.lead_s, where
