@@ -19,8 +19,8 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 # The real-size rows first (about 2.5 minutes at 9 GB), then the GPU tests (about 2 minutes with -n 8), the
 # stall rows, and the upload probe when it is there; each step's failure is logged, not fatal.
 timeout 220 python3 bench/gpu_real_size.py --json "$OUT/real_size.json" 2>&1 | tee "$OUT/real_size.log" | tail -30
-if [ -f bench/gpu_upload_probe.py ]; then
-  timeout 80 python3 bench/gpu_upload_probe.py 2>&1 | tee "$OUT/probe.log"
+if [ -f bench/_gpu_upload_probe.py ]; then
+  timeout 80 python3 bench/_gpu_upload_probe.py 2>&1 | tee "$OUT/probe.log"
 fi
 timeout 180 python3 -m pytest tests/test_gpu.py -m gpu -n 8 -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log" | tail -40
 timeout 60 python3 bench/checkpoint_stall.py --device cuda --size-mb 1024 --json "$OUT/stall.jsonl" 2>&1 | tail -20

@@ -2,7 +2,7 @@
 through pinned buffers on several threads, before ``load_state_dict``.
 
 Why: ``load_state_dict`` of a CUDA model from ``torch.load(mmap=True)`` copies tensor after tensor
-from pageable memory: 5.6 GB/s on an H200 (bench/gpu_upload_probe.py), 1.6 s of a 9 GB warm resume
+from pageable memory: 5.6 GB/s on an H200 (bench/_gpu_upload_probe.py), 1.6 s of a 9 GB warm resume
 that the checksum had already read in 0.2 s. Here each thread reads its share of the file with
 ``pread`` into one of two small pinned buffers and uploads it on its own stream while it reads the
 next: 26-33 GB/s on 8-12 threads of the same machine. ``load_state_dict`` then copies device to

@@ -1,4 +1,6 @@
-"""Probe (device session only): ways to move a warm checkpoint file's tensors to the GPU."""
+"""Probe for a device session (bench/gpu_session.sh; CUDA only, not a `make bench` script): ways to move a
+warm checkpoint file's tensors to the GPU, each timed once with its GB/s (what checkpoint/state/upload.py
+chose from: pinned buffers filled by pread on several threads)."""
 
 import ctypes
 import os
