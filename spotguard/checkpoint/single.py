@@ -308,13 +308,14 @@ class SingleEngine(HoldsStaging):
                 raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: cannot be loaded safely ({e})") from e
             if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
                 raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
-            if isinstance(payload["objects"], dict):  # verified: GPU-bound tensors through pinned memory
-                upload.to_devices(tracked.objects, payload["objects"], path)
+            objects = payload["objects"]
+            state.refuse_untracked(objects, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
+            data.check_loaders(tracked.objects, objects, payload.get("loaders", {}), info.name, self.rebatch)
+            if isinstance(objects, dict):  # verified and accepted: GPU-bound tensors through pinned memory
+                upload.to_devices(tracked.objects, objects, path)
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
-        state.refuse_untracked(payload["objects"], tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
-        data.check_loaders(tracked.objects, payload["objects"], payload.get("loaders", {}), info.name, self.rebatch)
         state.restore(tracked.objects, payload["objects"], where=info.name)
         generators = payload.get("generators", {})
         for name, obj in tracked.objects.items():

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 CHUNK = 4 << 20  # bytes per pinned buffer; two per thread
 THREADS = max(1, min(12, os.cpu_count() or 1))
 HEADROOM = 512 << 20  # device bytes left free beyond the upload
+ENDS = 64  # bytes at each end of a chunk read compared with the mapping
 
 
 class Move(NamedTuple):
@@ -59,15 +60,29 @@ def moves(
         saved = states.get(name)
         if not isinstance(saved, dict):
             continue
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.Module) and _plain(obj, torch.nn.Module, "_load_state_dict_pre_hooks"):
             live = obj.state_dict()
             for key, t in saved.items():
                 dest = live.get(key)
                 if _host(t) and isinstance(dest, torch.Tensor) and dest.shape == t.shape and wanted(dest.device):
                     out.append(Move(saved, key, t, dest.device))
-        elif isinstance(obj, torch.optim.Optimizer):
+        elif isinstance(obj, torch.optim.Optimizer) and _plain(
+            obj, torch.optim.Optimizer, "_optimizer_load_state_dict_pre_hooks"
+        ):
             out += _optimizer_moves(obj, saved, wanted)
     return out
+
+
+def _plain(obj: Any, base: type, hooks: str) -> bool:
+    """``obj`` saves and loads as ``base`` does (no override, no load pre-hook): only then is torch's
+    placement rule the one that applies (a ``ZeroRedundancyOptimizer`` loads its own shard, a module that
+    keeps the tensors it is given would keep device ones where the plain path gives it host ones)."""
+    cls = type(obj)
+    return (
+        cls.load_state_dict is base.load_state_dict  # type: ignore[attr-defined]
+        and cls.state_dict is base.state_dict  # type: ignore[attr-defined]
+        and not getattr(obj, hooks, None)
+    )
 
 
 def _optimizer_moves(opt: torch.optim.Optimizer, saved: dict, wanted: Callable[[torch.device], bool]) -> list[Move]:
@@ -104,11 +119,11 @@ def to_devices(objects: Mapping[str, Any], states: Mapping[str, Any], path: Path
     bytes moved (0: nothing to move, too little device memory, or no CUDA)."""
     if not torch.cuda.is_available():
         return 0
-    todo = moves(objects, states)
-    if not todo or not _fits(todo):
-        return 0
     t0 = time.perf_counter()
     try:
+        todo = moves(objects, states)
+        if not todo or not _fits(todo):
+            return 0
         moved = upload(todo, path)
         logger.debug("resume: %d MB to the GPU in %.2fs", moved >> 20, time.perf_counter() - t0)
         return moved
@@ -158,9 +173,9 @@ def upload(todo: list[Move], path: Path, threads: int = THREADS, chunk: int = CH
 
         def one(i: int) -> torch.Tensor:
             m = todo[i]
-            if not hasattr(local, "ring"):
-                local.ring = _Ring(m.device, chunk)
-            return local.ring.copy(m.tensor, fd, offsets.get(i))
+            rings = local.__dict__.setdefault("rings", {})  # this thread's, one per device
+            ring = rings.get(m.device) or rings.setdefault(m.device, _Ring(m.device, chunk))
+            return ring.copy(m.tensor, fd, offsets.get(i))
 
         with ThreadPoolExecutor(max(1, min(threads, len(todo))), thread_name_prefix="spotguard-upload") as pool:
             copies = list(pool.map(one, order))
@@ -184,27 +199,44 @@ class _Ring:
 
     def copy(self, src: torch.Tensor, fd: int, offset: int | None) -> torch.Tensor:
         dst = torch.empty_like(src, device=self.device)
+        if self.stream is not None:
+            # The block may have been freed by work still queued on the current stream (the allocator
+            # hands it out at once): the side stream's copies come after that work.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         out = dst.view(-1).view(torch.uint8)
         total = out.numel()
-        for start in range(0, total, self.chunk):
-            n = min(self.chunk, total - start)
-            buf, done = self.bufs[self.turn % 2], self.done[self.turn % 2]
-            self.turn += 1
-            if done is not None:
-                done.synchronize()  # its last upload has left the buffer
-            if offset is None:
-                ctypes.memmove(buf.data_ptr(), src.data_ptr() + start, n)
-            else:
-                _pread_into(fd, buf.data_ptr(), n, offset + start)
-            if self.stream is None or done is None:
-                out[start : start + n].copy_(buf[:n])
-                continue
-            with torch.cuda.stream(self.stream):
-                out[start : start + n].copy_(buf[:n], non_blocking=True)
-                done.record(self.stream)
-        if self.stream is not None:
-            self.stream.synchronize()  # the copy is whole before any other stream may use it
+        try:
+            for start in range(0, total, self.chunk):
+                n = min(self.chunk, total - start)
+                buf, done = self.bufs[self.turn % 2], self.done[self.turn % 2]
+                self.turn += 1
+                if done is not None:
+                    done.synchronize()  # its last upload has left the buffer
+                if offset is None:
+                    ctypes.memmove(buf.data_ptr(), src.data_ptr() + start, n)
+                else:
+                    _pread_into(fd, buf.data_ptr(), n, offset + start)
+                    _same_ends(buf.data_ptr(), src.data_ptr() + start, n)
+                if self.stream is None or done is None:
+                    out[start : start + n].copy_(buf[:n])
+                    continue
+                with torch.cuda.stream(self.stream):
+                    out[start : start + n].copy_(buf[:n], non_blocking=True)
+                    done.record(self.stream)
+        finally:
+            if self.stream is not None:
+                self.stream.synchronize()  # whole (or, on an error, no copy left in flight into a freed block)
         return dst
+
+
+def _same_ends(read: int, mapped: int, n: int) -> None:
+    """The first and last bytes ``pread`` gave are those of the mapping (pages the checksum read in):
+    a wrong file offset raises here rather than loading other bytes."""
+    k = min(ENDS, n)
+    if ctypes.string_at(read, k) != ctypes.string_at(mapped, k) or (
+        ctypes.string_at(read + n - k, k) != ctypes.string_at(mapped + n - k, k)
+    ):
+        raise OSError("the bytes read from the file differ from its mapping: wrong offset")
 
 
 def _pread_into(fd: int, address: int, n: int, offset: int) -> None:
@@ -222,12 +254,14 @@ def file_offsets(path: Path, tensors: list[torch.Tensor]) -> dict[int, int]:
     process's memory map (``/proc/self/maps``: the mapping of ``path``'s inode that holds the tensor's
     address). Tensors it cannot place are left out (they are copied from the mapping instead)."""
     try:
-        ino = os.stat(path).st_ino
+        # The inode only: on overlayfs (containers) the maps line names the lower layer's device, not
+        # stat's. The mapping must also hold the tensor's address, and every chunk read is checked.
+        ino = str(os.stat(path).st_ino)
         spans = []
         with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
             for line in f:
                 parts = line.split(maxsplit=5)
-                if len(parts) >= 6 and parts[4] == str(ino):
+                if len(parts) >= 6 and parts[4] == ino:
                     lo, hi = (int(x, 16) for x in parts[0].split("-"))
                     spans.append((lo, hi, int(parts[2], 16)))
     except (OSError, ValueError):

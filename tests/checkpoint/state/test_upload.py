@@ -110,3 +110,60 @@ def test_a_resume_through_the_upload_is_exact_and_a_failed_upload_changes_nothin
                 assert torch.equal(v, fresh_opt.state_dict()["state"][pid][k])
         assert ("disk gone" in caplog.text) is failing
     assert calls and calls[0] > 0
+
+
+def test_each_tensor_reaches_its_own_device_when_one_thread_serves_two(saved):
+    """A thread's buffers are per device: a tensor for another device is not put on the first one's."""
+    model, opt, path, states = saved
+    plan = [
+        m._replace(device=torch.device("meta" if i % 2 else "cpu"))
+        for i, m in enumerate(upload.moves({"model": model, "optimizer": opt}, states, wanted=_cpu))
+    ]
+    upload.upload(plan, path, threads=1, chunk=4096)
+    assert [m.holder[m.key].device for m in plan] == [m.device for m in plan]
+
+
+def test_objects_that_load_their_own_way_are_left_alone(saved):
+    """Torch's placement rule is only sure for torch's own load_state_dict without load hooks."""
+    model, opt, _, states = saved
+
+    class KeepsWhatItIsGiven(torch.nn.Sequential):
+        def load_state_dict(self, state_dict, strict=True, assign=False):  # type: ignore[override]
+            self.kept = state_dict
+
+    class OwnOptimizer(torch.optim.AdamW):
+        def load_state_dict(self, state_dict):  # type: ignore[override]
+            self.kept = state_dict
+
+    own = KeepsWhatItIsGiven(*model)
+    own_opt = OwnOptimizer(own.parameters(), lr=1e-2)
+    assert upload.moves({"model": own, "optimizer": own_opt}, states, wanted=_cpu) == []
+    hooked = torch.nn.Sequential(*model)
+    hooked._register_load_state_dict_pre_hook(lambda *a, **k: None)
+    assert upload.moves({"model": hooked}, states, wanted=_cpu) == []
+    assert upload.moves({"model": model, "optimizer": opt}, states, wanted=_cpu)  # the plain ones are planned
+
+
+def test_a_failure_while_planning_never_fails_the_resume(saved, monkeypatch, caplog):
+    _, _, path, states = saved
+
+    class Broken(torch.nn.Linear):
+        def state_dict(self, *a, **k):  # type: ignore[override]
+            raise RuntimeError("state_dict exploded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(upload, "_plain", lambda *a: True)
+    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.state.upload"):
+        assert upload.to_devices({"model": Broken(2, 2)}, states, path) == 0
+    assert "state_dict exploded" in caplog.text
+
+
+def test_bytes_read_at_a_wrong_offset_are_refused_not_loaded(saved, monkeypatch):
+    model, opt, path, states = saved
+    plan = upload.moves({"model": model, "optimizer": opt}, states, wanted=_cpu)
+    before = {id(m.holder): dict(m.holder) for m in plan}
+    real = upload.file_offsets
+    monkeypatch.setattr(upload, "file_offsets", lambda p, ts: {i: off + 64 for i, off in real(p, ts).items()})
+    with pytest.raises(OSError, match="wrong offset"):
+        upload.upload(plan, path, threads=2, chunk=4096)
+    assert all(m.holder[m.key] is before[id(m.holder)][m.key] for m in plan)  # nothing replaced
