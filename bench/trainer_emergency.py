@@ -141,6 +141,7 @@ def hf_round(tmp: Path, i: int, width: int, layers: int, timer: Timed) -> tuple[
     assert cb.train(trainer) == 75 and cb.emergency_error is None and cb._save_s is not None
     ours = cb._save_s  # the HF stop times its commit from the Trainer's own write (``began``), not in write()
     path.unlink()
+    args.output_dir = str(tmp / f"hf-plain-{i}")  # a folder of its own: never over the committed files
     alone = timed(lambda: trainer._save_checkpoint(trainer.model, trial=None))
     args.output_dir = str(tmp / f"hf-durable-{i}")
     durable = timed(lambda: trainer._save_checkpoint(trainer.model, trial=None), Path(args.output_dir))
