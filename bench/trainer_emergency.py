@@ -175,15 +175,8 @@ def lightning_round(tmp: Path, i: int, width: int, layers: int, timer: Timed) ->
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(16, width), torch.randn(16, width)), batch_size=2
     )
-    trainer = L.Trainer(
-        max_steps=50,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
+    quiet = {f"enable_{x}": False for x in ("checkpointing", "progress_bar", "model_summary")}
+    trainer = L.Trainer(max_steps=50, accelerator="cpu", logger=False, callbacks=[cb], **quiet)
     module = Module()
     before = len(timer.seconds)
     assert cb.fit(trainer, module, train_dataloaders=data) == 75 and len(timer.seconds) == before + 1
