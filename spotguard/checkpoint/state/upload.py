@@ -11,8 +11,8 @@ device (an optimizer keeps the uploaded tensor as it is).
 When: after the file's checksum matched and before anything tracked is touched; only tensors whose
 live counterpart is on a CUDA device (a module's same-named tensor; an optimizer's state for a
 parameter there, ``step`` excepted, as torch's own placement rule keeps it) move, so what ends where
-is what ``load_state_dict`` alone would give. Without enough free device memory, or on any error,
-the tensors not yet moved stay mapped and ``load_state_dict`` copies them as before.
+is what ``load_state_dict`` alone would give. All or nothing: without enough free device memory, or
+on any error, every tensor stays mapped and ``load_state_dict`` copies them as before.
 """
 
 from __future__ import annotations
@@ -127,9 +127,9 @@ def to_devices(objects: Mapping[str, Any], states: Mapping[str, Any], path: Path
         moved = upload(todo, path)
         logger.debug("resume: %d MB to the GPU in %.2fs", moved >> 20, time.perf_counter() - t0)
         return moved
-    except Exception as e:  # never fail a resume here: what did not move is copied by load_state_dict
+    except Exception as e:  # never fail a resume here: the payload is as loaded, load_state_dict copies it
         logger.warning(
-            "resume: copying the state to the GPU through pinned memory failed (%s); load_state_dict copies the rest", e
+            "resume: copying the state to the GPU through pinned memory failed (%s); load_state_dict copies it", e
         )
         return 0
 
