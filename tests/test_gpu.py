@@ -152,7 +152,9 @@ def test_a_resume_copies_the_state_to_the_gpu_through_pinned_buffers_exactly(tmp
         monkeypatch.setattr(upload, "HEADROOM", 1 << 50)
     moved = []
     real = upload.upload
-    monkeypatch.setattr(upload, "upload", lambda todo, path: moved.append(real(todo, path, chunk=1 << 20)) or moved[-1])
+    monkeypatch.setattr(
+        upload, "upload", lambda todo, path, **kw: moved.append(real(todo, path, chunk=1 << 20, **kw)) or moved[-1]
+    )
     fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 9)).cuda()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     assert spotguard.Guard(str(tmp_path), providers=[]).track(model=fresh, optimizer=fresh_opt).resume() == 5

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -300,19 +301,28 @@ class SingleEngine(HoldsStaging):
         return None
 
     def _load(self, storage: Storage, info: CheckpointInfo, tracked: Tracked) -> dict[str, Any]:
+        """The payload of ``info``, read while its checksum is checked (one pass over a cold file);
+        returned only once the checksum matched, and nothing tracked is touched before that."""
         refuse_sharded(info)
-        with reader.open_verified(storage, info, STATE_FILE) as path:
+        with reader.open_verifying(storage, info, STATE_FILE) as (path, check):
             try:
-                payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # weights_only refuses anything but tensors and plain containers
-                raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: cannot be loaded safely ({e})") from e
-            if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
-                raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
-            objects = payload["objects"]
-            state.refuse_untracked(objects, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
-            data.check_loaders(tracked.objects, objects, payload.get("loaders", {}), info.name, self.rebatch)
-            if isinstance(objects, dict):  # verified and accepted: GPU-bound tensors through pinned memory
-                upload.to_devices(tracked.objects, objects, path)
+                payload = self._read(path, info, tracked, check.wait_read)
+            finally:
+                check.result()  # a file unlike its manifest is reported as that, whatever reading it raised
+        return payload
+
+    def _read(self, path: Path, info: CheckpointInfo, tracked: Tracked, ready: Callable[[int], None]) -> dict[str, Any]:
+        try:  # the pickle and the zip's index: a few pages; the tensors stay mapped
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # weights_only refuses anything but tensors and plain containers
+            raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: cannot be loaded safely ({e})") from e
+        if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
+            raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
+        objects = payload["objects"]
+        state.refuse_untracked(objects, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
+        data.check_loaders(tracked.objects, objects, payload.get("loaders", {}), info.name, self.rebatch)
+        if isinstance(objects, dict):  # accepted: GPU-bound tensors through pinned memory, behind the check
+            upload.to_devices(tracked.objects, objects, path, ready)
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:

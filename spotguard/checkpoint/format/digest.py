@@ -145,7 +145,11 @@ def combine(alg: str, digests: list[bytes]) -> str:
 
 
 def chunked_file_digest(
-    path: str | Path, chunk_size: int = CHUNK, threads: int | None = None, alg: str = SHA256
+    path: str | Path,
+    chunk_size: int = CHUNK,
+    threads: int | None = None,
+    alg: str = SHA256,
+    progress: Callable[[int], None] | None = None,
 ) -> str:
     """``ChunkedDigest`` of a file, its chunks hashed on ``threads`` threads straight from a memory map.
 
@@ -157,6 +161,9 @@ def chunked_file_digest(
     loop; the pages stay in the page cache for ``torch.load(mmap=True)``. Older kernels only get
     each chunk announced (``MADV_WILLNEED``). A file cut short while it is read fails to populate:
     an ``OSError``, reported as a corrupt file (checkpoint files are write-once).
+
+    ``progress(end)``: called as the walk has read the file up to ``end`` (only where it populates;
+    an exception it raises stops the digest).
     """
     new = hasher_factory(alg)
 
@@ -186,6 +193,8 @@ def chunked_file_digest(
                         start = i * chunk_size
                         if populate:
                             populate = _read_in(mm, start, min(chunk_size, size - start))
+                            if populate and progress is not None:
+                                progress(min(size, start + chunk_size))
                         futures.append(pool.submit(hash_chunk, view[start : start + chunk_size]))
                     return combine(alg, [fut.result() for fut in futures])
             except OSError as e:
@@ -218,6 +227,8 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: str | Path, chunk_size: int, alg: str = SHA256) -> str:
+def file_digest(
+    path: str | Path, chunk_size: int, alg: str = SHA256, progress: Callable[[int], None] | None = None
+) -> str:
     """The digest a manifest entry records: chunked when ``chunk_size`` > 0, else whole-file SHA-256."""
-    return chunked_file_digest(path, chunk_size, alg=alg) if chunk_size else sha256_file(path)
+    return chunked_file_digest(path, chunk_size, alg=alg, progress=progress) if chunk_size else sha256_file(path)

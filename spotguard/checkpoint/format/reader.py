@@ -2,7 +2,8 @@
 
 A reader trusts nothing but a valid manifest: ``scan`` classifies every ``step-N/`` (complete,
 incomplete, corrupt, newer-format) without reading file contents; ``open_verified`` checks a file's size and
-checksum before handing out its local path, so a flipped byte is caught before anything loads it.
+checksum before handing out its local path, so a flipped byte is caught before anything loads it
+(``open_verifying``: while the caller reads it, for a resume that reads and checks in one pass).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from spotguard.checkpoint.format import bounds, digest
+from spotguard.checkpoint.format import bounds
 from spotguard.checkpoint.format.manifest import (
     MANIFEST,
     NEWER_FORMAT,
@@ -23,6 +24,7 @@ from spotguard.checkpoint.format.manifest import (
     dir_order,
     parse_step_dir,
 )
+from spotguard.checkpoint.format.verifying import Verifying
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -32,7 +34,6 @@ from spotguard.errors import (
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
-_ALG_NAMES = {digest.SHA256: "SHA-256", digest.BLAKE3: "BLAKE3", digest.XXH3: "XXH3-128"}
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:
@@ -161,6 +162,15 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
     Verifying reads the whole file (chunks hashed on several threads), which leaves it in the
     page cache for the caller's load.
     """
+    with open_verifying(storage, info, fname) as (path, check):
+        check.result()
+        yield path
+
+
+@contextmanager
+def open_verifying(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[tuple[Path, Verifying]]:
+    """A local path to one file of a checkpoint whose size matched the manifest, and the check of its
+    checksum, running: the caller reads while it runs and keeps nothing before ``check.result()``."""
     entry = next((f for f in require_manifest(info).files if f.name == fname), None)
     if entry is None:
         raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")
@@ -168,11 +178,11 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
         size = path.stat().st_size
         if size != entry.size:
             raise CheckpointCorruptError(f"{info.name}/{fname}: size {size} != {entry.size} in manifest")
-        if digest.file_digest(path, entry.chunk_size, entry.alg) != entry.checksum:
-            raise CheckpointCorruptError(
-                f"{info.name}/{fname}: {_ALG_NAMES[entry.alg]} checksum does not match the manifest"
-            )
-        yield path
+        check = Verifying(path, entry, f"{info.name}/{fname}")
+        try:
+            yield path, check
+        finally:
+            check.close()
 
 
 def verify(storage: Storage, info: CheckpointInfo) -> None:

@@ -35,6 +35,11 @@ CHUNK = 4 << 20  # bytes per pinned buffer; two per thread
 THREADS = max(1, min(12, os.cpu_count() or 1))
 HEADROOM = 512 << 20  # device bytes left free beyond the upload
 ENDS = 64  # bytes at each end of a chunk read compared with the mapping
+UNIT = 64 << 20  # bytes of a tensor one thread takes at a time
+
+
+def _now(end: int) -> None:
+    """A file read whole already: every byte may be read now."""
 
 
 class Move(NamedTuple):
@@ -114,9 +119,12 @@ def _host(t: Any) -> bool:
     )
 
 
-def to_devices(objects: Mapping[str, Any], states: Mapping[str, Any], path: Path) -> int:
+def to_devices(
+    objects: Mapping[str, Any], states: Mapping[str, Any], path: Path, ready: Callable[[int], None] = _now
+) -> int:
     """Move the payload's tensors bound for a CUDA device there (see the module's docstring); the
-    bytes moved (0: nothing to move, too little device memory, or no CUDA)."""
+    bytes moved (0: nothing to move, too little device memory, or no CUDA). ``ready(end)`` returns once
+    the file may be read up to ``end`` (the checksum's walk has read it in)."""
     if not torch.cuda.is_available():
         return 0
     t0 = time.perf_counter()
@@ -124,7 +132,7 @@ def to_devices(objects: Mapping[str, Any], states: Mapping[str, Any], path: Path
         todo = moves(objects, states)
         if not todo or not _fits(todo):
             return 0
-        moved = upload(todo, path)
+        moved = upload(todo, path, ready=ready)
         logger.debug("resume: %d MB to the GPU in %.2fs", moved >> 20, time.perf_counter() - t0)
         return moved
     except Exception as e:  # never fail a resume here: the payload is as loaded, load_state_dict copies it
@@ -157,32 +165,46 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def upload(todo: list[Move], path: Path, threads: int = THREADS, chunk: int = CHUNK) -> int:
+def upload(
+    todo: list[Move], path: Path, threads: int = THREADS, chunk: int = CHUNK, ready: Callable[[int], None] = _now
+) -> int:
     """Copy each ``Move``'s tensor to its device and put the copy in its holder; bytes moved.
 
-    Each thread takes whole tensors (largest first, so the threads finish together) and streams them
-    in ``chunk``-byte pieces: ``pread`` from the file where the tensor's mapping gives its offset, else
-    a copy from the mapping itself, into one of its two buffers (pinned for a CUDA device), uploaded on
-    the thread's stream while the other fills.
+    The tensors are cut into pieces of at most ``UNIT`` bytes, taken in file order by the threads (so
+    they read just behind ``ready``'s walk, and finish together), each streamed in ``chunk``-byte
+    pieces: ``pread`` from the file where the tensor's mapping gives its offset, else a copy from the
+    mapping itself, into one of the thread's two buffers (pinned for a CUDA device), uploaded on the
+    thread's stream while the other fills.
     """
     offsets = file_offsets(path, [m.tensor for m in todo])
-    order = sorted(range(len(todo)), key=lambda i: -_nbytes(todo[i].tensor))
+    size = os.stat(path).st_size
+    copies = [torch.empty_like(m.tensor, device=m.device) for m in todo]
+    after = {m.device: torch.cuda.current_stream(m.device) for m in todo if m.device.type == "cuda"}
+    units = [
+        (i, lo, min(lo + UNIT, _nbytes(m.tensor)))
+        for i, m in enumerate(todo)
+        for lo in range(0, _nbytes(m.tensor), UNIT)
+    ]
+    units.sort(key=lambda u: (offsets.get(u[0], size), u[1]))  # unplaced ones last: they wait for the whole walk
     local = threading.local()
     fd = os.open(path, os.O_RDONLY)
     try:
 
-        def one(i: int) -> torch.Tensor:
+        def one(unit: tuple[int, int, int]) -> None:
+            i, lo, hi = unit
             m = todo[i]
             rings = local.__dict__.setdefault("rings", {})  # this thread's, one per device
-            ring = rings.get(m.device) or rings.setdefault(m.device, _Ring(m.device, chunk))
-            return ring.copy(m.tensor, fd, offsets.get(i))
+            ring = rings.get(m.device) or rings.setdefault(m.device, _Ring(m.device, chunk, after.get(m.device)))
+            at = offsets.get(i)
+            if at is None:
+                ready(size)
+            ring.copy(m.tensor, copies[i], lo, hi, fd, at, ready)
 
-        with ThreadPoolExecutor(max(1, min(threads, len(todo))), thread_name_prefix="spotguard-upload") as pool:
-            copies = list(pool.map(one, order))
+        with ThreadPoolExecutor(max(1, min(threads, len(units))), thread_name_prefix="spotguard-upload") as pool:
+            list(pool.map(one, units))
     finally:
         os.close(fd)
-    for i, copy in zip(order, copies, strict=True):
-        m = todo[i]
+    for m, copy in zip(todo, copies, strict=True):
         m.holder[m.key] = copy
     return sum(_nbytes(m.tensor) for m in todo)
 
@@ -190,32 +212,41 @@ def upload(todo: list[Move], path: Path, threads: int = THREADS, chunk: int = CH
 class _Ring:
     """A thread's two buffers and its stream (CUDA) for copies to ``device``."""
 
-    def __init__(self, device: torch.device, chunk: int) -> None:
+    def __init__(self, device: torch.device, chunk: int, after: torch.cuda.Stream | None) -> None:
         self.cuda = device.type == "cuda"
         self.bufs = torch.empty(2 * chunk, dtype=torch.uint8, pin_memory=self.cuda).view(2, chunk)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.stream is not None and after is not None:
+            # The copies' blocks may have been freed by work still queued on the stream they were
+            # allocated on (the allocator hands them out at once): this stream's copies come after it.
+            self.stream.wait_stream(after)
         self.done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
         self.device, self.chunk, self.turn = device, chunk, 0
 
-    def copy(self, src: torch.Tensor, fd: int, offset: int | None) -> torch.Tensor:
-        dst = torch.empty_like(src, device=self.device)
-        if self.stream is not None:
-            # The block may have been freed by work still queued on the current stream (the allocator
-            # hands it out at once): the side stream's copies come after that work.
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def copy(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        lo: int,
+        hi: int,
+        fd: int,
+        at: int | None,
+        ready: Callable[[int], None],
+    ) -> None:
+        """Bytes ``lo:hi`` of ``src`` (mapped; at file offset ``at`` when known) into ``dst`` on the device."""
         out = dst.view(-1).view(torch.uint8)
-        total = out.numel()
         try:
-            for start in range(0, total, self.chunk):
-                n = min(self.chunk, total - start)
+            for start in range(lo, hi, self.chunk):
+                n = min(self.chunk, hi - start)
                 buf, done = self.bufs[self.turn % 2], self.done[self.turn % 2]
                 self.turn += 1
                 if done is not None:
                     done.synchronize()  # its last upload has left the buffer
-                if offset is None:
+                if at is None:
                     ctypes.memmove(buf.data_ptr(), src.data_ptr() + start, n)
                 else:
-                    _pread_into(fd, buf.data_ptr(), n, offset + start)
+                    ready(at + start + n)
+                    _pread_into(fd, buf.data_ptr(), n, at + start)
                     _same_ends(buf.data_ptr(), src.data_ptr() + start, n)
                 if self.stream is None or done is None:
                     out[start : start + n].copy_(buf[:n])
@@ -226,7 +257,6 @@ class _Ring:
         finally:
             if self.stream is not None:
                 self.stream.synchronize()  # whole (or, on an error, no copy left in flight into a freed block)
-        return dst
 
 
 def _same_ends(read: int, mapped: int, n: int) -> None:

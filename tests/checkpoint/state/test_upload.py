@@ -92,7 +92,9 @@ def test_a_resume_through_the_upload_is_exact_and_a_failed_upload_changes_nothin
     monkeypatch.setattr(upload, "_fits", lambda todo: True)
     calls = []
     real = upload.upload
-    monkeypatch.setattr(upload, "upload", lambda todo, path: calls.append(len(todo)) or real(todo, path, chunk=4096))
+    monkeypatch.setattr(
+        upload, "upload", lambda todo, path, **kw: calls.append(len(todo)) or real(todo, path, chunk=4096, **kw)
+    )
     for failing in (False, True):
         if failing:
             monkeypatch.setattr(upload, "_pread_into", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
