@@ -18,7 +18,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/device.txt"
-# The real-size rows first (about 2.5 minutes at 9 GB), the upload probe, the GPU tests (about 2 minutes with
+# The real-size rows first (about 2.5 minutes at 9 GB), the upload probe ("resume": where a cold resume's
+# time goes, not in the default run), the GPU tests (about 2 minutes with
 # -n 8), the stall rows; "aio" asks whether DeepSpeed's async I/O op (DeepNVMe) can build there. Each step's
 # failure is logged, not fatal.
 STEPS=" ${*:-real_size probe tests stall} "
@@ -27,6 +28,9 @@ if [[ "$STEPS" == *" real_size "* ]]; then
 fi
 if [[ "$STEPS" == *" probe "* ]]; then
   timeout 80 python3 bench/_gpu_upload_probe.py 2>&1 | tee "$OUT/probe.log"
+fi
+if [[ "$STEPS" == *" resume "* ]]; then
+  timeout 200 python3 bench/_gpu_resume_probe.py 2>&1 | tee "$OUT/resume_probe.log"
 fi
 if [[ "$STEPS" == *" tests "* ]]; then
   timeout 180 python3 -m pytest tests/test_gpu.py -m gpu -n 8 -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu.log" | tail -40
