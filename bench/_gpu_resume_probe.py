@@ -1,15 +1,14 @@
 """Where a cold resume's time goes on a GPU machine (run by bench/gpu_session.sh "resume"; not by make bench).
 
 A real-size state (as bench/gpu_real_size.py builds it) saved once; then, each from a dropped page cache
-unless named warm: the checksum's walk alone, plain reads of the file (one thread, four threads), the walk
-with readahead asked for ahead of it, the resume as it is, and torch.load(mmap) + load_state_dict. One line
-per figure; the device is named on the first.
+unless named warm: the resume (the first of the process, as in bench/gpu_real_size.py), torch.load(mmap) +
+load_state_dict, the checksum's walk alone and the resume with one or four chunks read in at once, plain
+reads of the file (one thread, four threads). One line per figure; the device is named on the first.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import gpu_real_size as rs  # noqa: E402
 
 import spotguard  # noqa: E402
 from spotguard import checkpoint  # noqa: E402
-from spotguard.checkpoint.format import digest, verifying  # noqa: E402
+from spotguard.checkpoint.format import digest  # noqa: E402
 from spotguard.storage import open_storage  # noqa: E402
 
 CHUNK = 16 << 20
@@ -55,20 +54,6 @@ def read_threads(path: Path, threads: int) -> None:
             t.join()
     finally:
         os.close(fd)
-
-
-def lookahead(ahead: int):
-    real = digest._read_in
-
-    def read_in(mm: mmap.mmap, start: int, length: int) -> bool:
-        nxt = start + length
-        end = min(len(mm), nxt + ahead)
-        if end > nxt:
-            begin = nxt - nxt % mmap.PAGESIZE
-            mm.madvise(mmap.MADV_WILLNEED, begin, end - begin)
-        return real(mm, start, length)
-
-    return read_in
 
 
 def main() -> int:
@@ -113,29 +98,29 @@ def main() -> int:
             rs.drop_cache(root)
             timed(label + ", cold", fn)
 
-        cold("walk (checksum alone)", walk)
+        def readers(n: int, fn):
+            def run() -> None:
+                digest.READERS, before = n, digest.READERS
+                try:
+                    fn()
+                finally:
+                    digest.READERS = before
+
+            return run
+
+        cold(f"resume (READERS={digest.READERS}), first of the process", resume)
+        cold("torch.load(mmap) + load_state_dict", baseline)
+        for n in (1, 4):
+            cold(f"walk (checksum alone), READERS={n}", readers(n, walk))
         cold("read, 1 thread, 16 MB", lambda: read_threads(state, 1))
         cold("read, 4 threads, 16 MB interleaved", lambda: read_threads(state, 4))
-        for ahead in (64 << 20, 256 << 20):
-            digest._read_in, real = lookahead(ahead), digest._read_in
-            cold(f"walk, WILLNEED {ahead >> 20} MB ahead", walk)
-            digest._read_in = real
-        cold("resume (as is)", resume)
-        digest._read_in, real = lookahead(256 << 20), digest._read_in
-        cold("resume, walk WILLNEED 256 MB ahead", resume)
-        digest._read_in = real
-        real_wait = verifying.Verifying.wait_read
-        verifying.Verifying.wait_read = lambda self, end: None  # type: ignore[method-assign]
-        cold("resume, upload not gated by the walk", resume)
-        verifying.Verifying.wait_read = real_wait  # type: ignore[method-assign]
-        cold("torch.load(mmap) + load_state_dict", baseline)
+        for n in (1, 4):
+            cold(f"resume, READERS={n}", readers(n, resume))
+        cold("torch.load(mmap) + load_state_dict, again", baseline)
         rs.read_in(root)
         timed("walk (checksum alone), warm", walk)
-        timed("resume (as is), warm", resume)
-        timed("resume (as is), warm again", resume)
-        verifying.Verifying.wait_read = lambda self, end: None  # type: ignore[method-assign]
-        timed("resume, upload not gated, warm", resume)
-        verifying.Verifying.wait_read = real_wait  # type: ignore[method-assign]
+        timed("resume, warm", resume)
+        timed("resume, warm again", resume)
         timed("torch.load(mmap) + load_state_dict, warm", baseline)
     return 0
 

@@ -327,6 +327,7 @@ class SingleEngine(HoldsStaging):
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
         state.restore(tracked.objects, payload["objects"], where=info.name)
+        state.unmap(tracked.objects, payload["objects"])  # nothing keeps the file mapped past the resume
         generators = payload.get("generators", {})
         for name, obj in tracked.objects.items():
             if data.is_stateful_loader(obj):

@@ -23,6 +23,7 @@ import errno
 import hashlib
 import mmap
 import os
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,8 @@ CHUNK = 16 << 20  # also fileio.BUFFER: DirectFile hashes each full buffer as on
 # Threads hashing one file: enough to keep up with an NVMe disk even for SHA-256 (old manifests).
 # One more than the cores: a thread may wait for a page the kernel is still reading in.
 HASHERS = max(2, min(8, os.cpu_count() or 1)) + 1
+# Chunks read in at once ahead of the hashers: a deeper queue on the disk than one stream of faults.
+READERS = 4
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.11 lacks the name
 ENV = _env.CHECKSUM
 SHA256, BLAKE3, XXH3 = "sha256", "blake3", "xxh3-128"
@@ -185,15 +188,28 @@ def chunked_file_digest(
             if hasattr(mm, "madvise"):
                 mm.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mm)
-            populate = hasattr(mm, "madvise")
+
+            def read_in(i: int) -> bool:
+                return _read_in(mm, i * chunk_size, min(chunk_size, size - i * chunk_size))
+
             try:
-                with ThreadPoolExecutor(min(threads, count), thread_name_prefix="spotguard-verify") as pool:
+                populate = hasattr(mm, "madvise") and read_in(0)  # the kernel can: then READERS chunks at once
+                with (
+                    ThreadPoolExecutor(min(threads, count), thread_name_prefix="spotguard-verify") as pool,
+                    ThreadPoolExecutor(READERS, thread_name_prefix="spotguard-read-in") as readers,
+                ):
                     futures: list[Future[bytes]] = []
+                    reads: deque[Future[bool]] = deque()  # chunks i.. being read in, in order
+                    queued = 1
                     for i in range(count):
                         start = i * chunk_size
                         if populate:
-                            populate = _read_in(mm, start, min(chunk_size, size - start))
-                            if populate and progress is not None:
+                            while queued < min(count, i + READERS):
+                                reads.append(readers.submit(read_in, queued))
+                                queued += 1
+                            if i:
+                                reads.popleft().result()
+                            if progress is not None:
                                 progress(min(size, start + chunk_size))
                         futures.append(pool.submit(hash_chunk, view[start : start + chunk_size]))
                     return combine(alg, [fut.result() for fut in futures])

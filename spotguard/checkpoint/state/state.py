@@ -108,6 +108,41 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
             raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
 
 
+def unmap(objects: Mapping[str, Any], states: Mapping[str, Any]) -> int:
+    """Copy what an optimizer kept of ``states`` by reference; the bytes copied.
+
+    Why: ``Optimizer.load_state_dict`` keeps a tensor already on the parameter's device and dtype as
+    it is (every state tensor of a CPU model, ``step`` of a GPU one), and each tensor of
+    ``torch.load(mmap=True)`` keeps the whole file mapped: the disk space of a checkpoint pruned
+    later, or of a downloaded copy, would stay taken until the process ends. (A CPU optimizer's
+    first step copies each page of its state anyway, one page fault at a time.)
+    """
+    loaded: set[int] = set()
+    for t in _tensors(states):
+        loaded.add(t.data_ptr())
+    copied = 0
+    for obj in objects.values():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        for entry in [*obj.state.values(), *obj.param_groups]:  # a group's lr may be a tensor
+            for key, t in list(entry.items()) if isinstance(entry, dict) else ():
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.data_ptr() in loaded:
+                    entry[key] = t.clone()
+                    copied += t.numel() * t.element_size()
+    return copied
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from _tensors(v)
+
+
 #: How a Guard tracks an object (``refuse_untracked``'s ``fix``).
 TRACK_FIX = "Track each with guard.track(name=obj) before resume()"
 
