@@ -117,9 +117,8 @@ def unmap(objects: Mapping[str, Any], states: Mapping[str, Any]) -> int:
     later, or of a downloaded copy, would stay taken until the process ends. (A CPU optimizer's
     first step copies each page of its state anyway, one page fault at a time.)
     """
-    loaded: set[int] = set()
-    for t in _tensors(states):
-        loaded.add(t.data_ptr())
+    loaded = {t.data_ptr() for t in _tensors(states) if t.numel()}
+    copies: dict[int, torch.Tensor] = {}  # one copy of a tensor kept in two places: still one tensor
     copied = 0
     for obj in objects.values():
         if not isinstance(obj, torch.optim.Optimizer):
@@ -127,8 +126,10 @@ def unmap(objects: Mapping[str, Any], states: Mapping[str, Any]) -> int:
         for entry in [*obj.state.values(), *obj.param_groups]:  # a group's lr may be a tensor
             for key, t in list(entry.items()) if isinstance(entry, dict) else ():
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.data_ptr() in loaded:
-                    entry[key] = t.clone()
-                    copied += t.numel() * t.element_size()
+                    if id(t) not in copies:
+                        copies[id(t)] = t.clone()
+                        copied += t.numel() * t.element_size()
+                    entry[key] = copies[id(t)]
     return copied
 
 

@@ -67,3 +67,14 @@ def test_unmap_copies_only_what_an_optimizer_kept_of_the_loaded_states():
     per_param = sum(t.numel() * t.element_size() for t in opt.state[model.weight].values())
     assert copied == per_param + sum(t.numel() * t.element_size() for t in opt.state[model.bias].values())
     assert state.unmap({"optimizer": fresh}, states) == 0  # nothing left to copy
+
+
+def test_a_tensor_an_optimizer_keeps_in_two_places_stays_one_tensor():
+    model, opt = _run(1e-3)
+    shared = torch.zeros(3)
+    states = {"optimizer": {"t": shared}}
+    opt.state[model.weight]["shared"] = shared
+    opt.state[model.bias]["shared"] = shared
+    assert state.unmap({"optimizer": opt}, states) == shared.numel() * shared.element_size()
+    a, b = opt.state[model.weight]["shared"], opt.state[model.bias]["shared"]
+    assert a is b and a is not shared
