@@ -176,6 +176,7 @@ def upload(
     mapping itself, into one of the thread's two buffers (pinned for a CUDA device), uploaded on the
     thread's stream while the other fills.
     """
+    todo, alias = _distinct(todo)
     offsets = file_offsets(path, [m.tensor for m in todo])
     size = os.stat(path).st_size
     copies = [torch.empty_like(m.tensor, device=m.device) for m in todo]
@@ -206,7 +207,26 @@ def upload(
         os.close(fd)
     for m, copy in zip(todo, copies, strict=True):
         m.holder[m.key] = copy
+    for m, i in alias:
+        m.holder[m.key] = copies[i]
     return sum(_nbytes(m.tensor) for m in todo)
+
+
+def _distinct(todo: list[Move]) -> tuple[list[Move], list[tuple[Move, int]]]:
+    """The moves of distinct tensors, and each repeat with the index of its first: a tensor saved under
+    two names (tied weights) is one storage in the file, and one copy on the device, as it was before."""
+    first: dict[tuple[Any, ...], int] = {}
+    out: list[Move] = []
+    alias: list[tuple[Move, int]] = []
+    for m in todo:
+        t = m.tensor
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), m.device)
+        if key in first:
+            alias.append((m, first[key]))
+        else:
+            first[key] = len(out)
+            out.append(m)
+    return out, alias
 
 
 class _Ring:

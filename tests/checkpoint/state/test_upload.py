@@ -169,3 +169,20 @@ def test_bytes_read_at_a_wrong_offset_are_refused_not_loaded(saved, monkeypatch)
     with pytest.raises(OSError, match="wrong offset"):
         upload.upload(plan, path, threads=2, chunk=4096)
     assert all(m.holder[m.key] is before[id(m.holder)][m.key] for m in plan)  # nothing replaced
+
+
+def test_tied_weights_are_read_and_copied_once(tmp_path):
+    """A tensor saved under two names is one storage in the file: one copy on the device, as in memory."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    path = tmp_path / "tied.pt"
+    torch.save({"model": model.state_dict()}, path)
+    states = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    plan = upload.moves({"model": model}, states, wanted=_cpu)
+    assert {m.key for m in plan} == {"emb.weight", "head.weight"}
+    moved = upload.upload(plan, path, threads=2, chunk=4096)
+    assert moved == emb.weight.numel() * emb.weight.element_size()  # read once
+    saved = states["model"]
+    assert saved["emb.weight"] is saved["head.weight"] and torch.equal(saved["emb.weight"], emb.weight)
