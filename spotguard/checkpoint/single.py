@@ -25,6 +25,7 @@ from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention, stale_local
 from spotguard.checkpoint.format import reader
 from spotguard.checkpoint.format.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
+from spotguard.checkpoint.format.verifying import Verifying
 from spotguard.checkpoint.state import data, loadable, state, upload
 from spotguard.checkpoint.state.budget import Budget, tensor_bytes
 from spotguard.checkpoint.state.snapshot import HoldsStaging, Staging, canonical
@@ -301,37 +302,36 @@ class SingleEngine(HoldsStaging):
         return None
 
     def _load(self, storage: Storage, info: CheckpointInfo, tracked: Tracked) -> dict[str, Any]:
-        """The payload of ``info``, read while its checksum is checked (one pass over a cold file);
-        returned only once the checksum matched, and nothing tracked is touched before that."""
+        """The payload of ``info``, read while its checksum is checked; returned once it matched."""
         refuse_sharded(info)
         with reader.open_verifying(storage, info, STATE_FILE) as (path, check):
             try:
-                payload = self._read(path, info, tracked, check.wait_read)
+                payload = self._read(path, info, tracked, check)
             finally:
                 check.result()  # a file unlike its manifest is reported as that, whatever reading it raised
         return payload
 
-    def _read(self, path: Path, info: CheckpointInfo, tracked: Tracked, ready: Callable[[int], None]) -> dict[str, Any]:
-        try:  # the pickle and the zip's index: a few pages; the tensors stay mapped
+    def _read(self, path: Path, info: CheckpointInfo, tracked: Tracked, check: Verifying) -> dict[str, Any]:
+        try:  # the pickle and the zip's index: a few pages, read before the walk queues the disk up
             payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # weights_only refuses anything but tensors and plain containers
             raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: cannot be loaded safely ({e})") from e
+        check.start()
         if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
             raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
         objects = payload["objects"]
         state.refuse_untracked(objects, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
         data.check_loaders(tracked.objects, objects, payload.get("loaders", {}), info.name, self.rebatch)
         if isinstance(objects, dict):  # accepted: GPU-bound tensors through pinned memory, behind the check
-            upload.to_devices(tracked.objects, objects, path, ready)
+            upload.to_devices(tracked.objects, objects, path, check.wait_read)
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
         state.restore(tracked.objects, payload["objects"], where=info.name)
         state.unmap(tracked.objects, payload["objects"])  # nothing keeps the file mapped past the resume
-        generators = payload.get("generators", {})
         for name, obj in tracked.objects.items():
             if data.is_stateful_loader(obj):
-                data.restore_generator(obj, generators.get(name))
+                data.restore_generator(obj, payload.get("generators", {}).get(name))
                 data.neutralize_next_iterator(obj)
         state.restore_rng(payload["rng"])  # last: nothing after this may draw
 

@@ -19,7 +19,9 @@ Algorithms (named per file in manifests of format ``spotguard/3``; see docs/chec
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import hashlib
 import mmap
 import os
@@ -27,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from spotguard import _env
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
@@ -221,17 +223,48 @@ def chunked_file_digest(
 
 def _read_in(mm: mmap.mmap, start: int, length: int) -> bool:
     """Read ``length`` bytes at ``start`` into the map now; False when the kernel cannot (before 5.14:
-    the chunk is only announced, and later ones are left to the faults of the hashing threads)."""
+    the chunk is only announced, and later ones are left to the faults of the hashing threads).
+
+    Through ``ctypes`` where it can: ``mmap.madvise`` holds the GIL while the kernel reads, and a cold
+    walk then starved every other thread of the process (a resume's ``torch.load`` waited for the
+    whole walk, its upload behind it: no overlap at all).
+    """
     begin = start - start % mmap.PAGESIZE
+    n = length + start - begin
+    address = _address(mm)
     try:
-        mm.madvise(MADV_POPULATE_READ, begin, length + start - begin)
+        if address is None:
+            mm.madvise(MADV_POPULATE_READ, begin, n)
+        elif _libc().madvise(address + begin, n, MADV_POPULATE_READ) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
         return True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
     if hasattr(mmap, "MADV_WILLNEED"):
-        mm.madvise(mmap.MADV_WILLNEED, begin, length + start - begin)
+        mm.madvise(mmap.MADV_WILLNEED, begin, n)
     return False
+
+
+def _address(mm: mmap.mmap) -> int | None:
+    """Where ``mm``'s bytes start in memory (None without NumPy); valid while ``mm`` is open."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    view = np.frombuffer(mm, dtype=np.uint8)  # a read-only map: ctypes' from_buffer wants a writable one
+    address = int(view.ctypes.data)
+    del view  # a buffer export left behind would keep the map from closing
+    return address
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call lets go of the GIL
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 def sha256_file(path: str | Path) -> str:

@@ -170,7 +170,8 @@ def open_verified(storage: Storage, info: CheckpointInfo, fname: str) -> Iterato
 @contextmanager
 def open_verifying(storage: Storage, info: CheckpointInfo, fname: str) -> Iterator[tuple[Path, Verifying]]:
     """A local path to one file of a checkpoint whose size matched the manifest, and the check of its
-    checksum, running: the caller reads while it runs and keeps nothing before ``check.result()``."""
+    checksum (running from ``check.start()``): the caller reads while it runs and keeps nothing before
+    ``check.result()``."""
     entry = next((f for f in require_manifest(info).files if f.name == fname), None)
     if entry is None:
         raise CheckpointCorruptError(f"{info.name}: manifest does not list {fname}")

@@ -23,7 +23,11 @@ class _Cancelled(Exception):
 
 
 class Verifying:
-    """The check of ``path`` against its manifest ``entry``, started at once; ``where`` names it in errors."""
+    """The check of ``path`` against its manifest ``entry``; ``where`` names it in errors.
+
+    It starts at ``start()`` (or the first wait): a caller that reads a few scattered pages first (a
+    zip's index) does so before the walk fills the disk's queue, not behind it.
+    """
 
     def __init__(self, path: Path, entry: FileEntry, where: str) -> None:
         self._path, self._entry, self._where = path, entry, where
@@ -32,7 +36,11 @@ class Verifying:
         self._done = self._cancel = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="spotguard-verify-walk", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread.ident is None and not self._cancel:
+                self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -66,18 +74,21 @@ class Verifying:
         A reader that waits here reads after the check rather than beside it: one sequential stream
         from the disk, not two competing ones.
         """
+        self.start()
         with self._cond:
             self._cond.wait_for(lambda: self._done or self._read >= end)
 
     def result(self) -> None:
         """Wait for the check; raise ``CheckpointCorruptError`` when the file does not match its manifest
         (``CheckpointFormatError`` when its algorithm cannot be computed here)."""
+        self.start()
         self._thread.join()
         if self._error is not None:
             raise self._error
 
     def close(self) -> None:
-        """Stop a check still running (within one chunk) and wait for its thread."""
+        """Stop a check still running (within one chunk) and wait for its thread (if it ever started)."""
         with self._cond:
             self._cancel = True
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()

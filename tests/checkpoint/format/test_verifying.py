@@ -4,6 +4,7 @@ before the checksum matched (with the GPU upload path running, the CPU standing 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import threading
@@ -185,3 +186,43 @@ def test_a_flipped_byte_read_ahead_of_the_check_loads_nothing_and_the_older_chec
     )
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, older[k]), k
+
+
+def test_the_zip_index_is_read_before_the_walk_fills_the_disk_queue(tmp_path, monkeypatch):
+    """torch.load reads scattered pages (the pickle, each record's header): behind a walk with reads in
+    flight each waited its turn, so the load, and the upload after it, started only as the walk ended."""
+    model, opt = _model()
+    g = spotguard.Guard(str(tmp_path / "ck"), providers=[], save_on_exit=False)
+    g.track(model=model, optimizer=opt)
+    g.save(5)
+    g.close()
+
+    order: list[str] = []
+    real_load, real_start = torch.load, Verifying.start
+    monkeypatch.setattr(torch, "load", lambda *a, **k: order.append("load") or real_load(*a, **k))
+    monkeypatch.setattr(Verifying, "start", lambda self: order.append("walk") or real_start(self))
+    fresh, fresh_opt = _model()
+    g2 = spotguard.Guard(str(tmp_path / "ck"), providers=[], save_on_exit=False)
+    g2.track(model=fresh, optimizer=fresh_opt)
+    assert g2.resume() == 5
+    g2.close()
+    assert order[:2] == ["load", "walk"]
+
+
+def test_the_walk_reads_without_holding_the_gil(tmp_path, monkeypatch):
+    """The kernel's read of each chunk goes through a call that lets other threads run (mmap.madvise
+    holds the GIL: a cold walk starved the resume's load and upload)."""
+    data = os.urandom(4 * CHUNK)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    calls: list[int] = []
+    libc = digest._libc()
+
+    class Counting:
+        def madvise(self, address, n, advice):
+            calls.append(n)
+            return libc.madvise(address, n, advice)
+
+    monkeypatch.setattr(digest, "_libc", lambda: Counting())
+    assert digest.chunked_file_digest(path, CHUNK, alg=digest.SHA256) == chunked_digest(data, CHUNK, digest.SHA256)
+    assert sum(calls) == len(data) and not isinstance(libc, ctypes.PyDLL)  # a CDLL call releases the GIL
