@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from . import xdist_order
+from . import torch_ext, xdist_order
 from .helpers import DDP_ARGS, block_cloud_metadata, ddp_example_cmd, read_losses, run, run_example
 
 # Never let cloud detection (providers="auto", here or in child processes) reach a real metadata
@@ -23,6 +23,22 @@ block_cloud_metadata()
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) times every test
         config.pluginmanager.register(xdist_order.Durations(), "spotguard-test-seconds")
+        torch_ext.prepare()  # before the workers start: they and their jobs inherit the folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        torch_ext.stop()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    torch_ext.build_if_used(ids)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # a run without xdist
+        torch_ext.build_if_used([item.nodeid for item in session.items])
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

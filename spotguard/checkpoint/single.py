@@ -307,8 +307,10 @@ class SingleEngine(HoldsStaging):
         with reader.open_verifying(storage, info, STATE_FILE) as (path, check):
             try:
                 payload = self._read(path, info, tracked, check)
-            finally:
+            except Exception:
                 check.result()  # a file unlike its manifest is reported as that, whatever reading it raised
+                raise
+            check.result()
         return payload
 
     def _read(self, path: Path, info: CheckpointInfo, tracked: Tracked, check: Verifying) -> dict[str, Any]:
@@ -319,16 +321,14 @@ class SingleEngine(HoldsStaging):
         check.start()
         if not isinstance(payload, dict) or payload.get("step") != info.step or "objects" not in payload:
             raise CheckpointCorruptError(f"{info.name}/{STATE_FILE}: unexpected content")
-        objects = payload["objects"]
-        state.refuse_untracked(objects, tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
-        data.check_loaders(tracked.objects, objects, payload.get("loaders", {}), info.name, self.rebatch)
-        if isinstance(objects, dict):  # accepted: GPU-bound tensors through pinned memory, behind the check
-            upload.to_devices(tracked.objects, objects, path, check.wait_read)
+        state.refuse_untracked(payload["objects"], tracked.objects, info.name, tracked.untracked, state.TRACK_FIX)
+        data.check_loaders(tracked.objects, payload["objects"], payload.get("loaders", {}), info.name, self.rebatch)
+        if isinstance(payload["objects"], dict):  # accepted: GPU-bound tensors through pinned memory, behind the check
+            upload.to_devices(tracked.objects, payload["objects"], path, check.wait_read)
         return payload
 
     def _restore(self, tracked: Tracked, info: CheckpointInfo, payload: dict[str, Any]) -> None:
-        state.restore(tracked.objects, payload["objects"], where=info.name)
-        state.unmap(tracked.objects, payload["objects"])  # nothing keeps the file mapped past the resume
+        state.restore(tracked.objects, state.unmapped(tracked.objects, payload["objects"]), where=info.name)
         for name, obj in tracked.objects.items():
             if data.is_stateful_loader(obj):
                 data.restore_generator(obj, payload.get("generators", {}).get(name))

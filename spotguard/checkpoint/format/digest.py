@@ -168,7 +168,7 @@ def chunked_file_digest(
     an ``OSError``, reported as a corrupt file (checkpoint files are write-once).
 
     ``progress(end)``: called as the walk has read the file up to ``end`` (only where it populates;
-    an exception it raises stops the digest).
+    an exception it raises stops the digest within a chunk: the chunks queued are dropped).
     """
     new = hasher_factory(alg)
 
@@ -201,19 +201,29 @@ def chunked_file_digest(
                     ThreadPoolExecutor(READERS, thread_name_prefix="spotguard-read-in") as readers,
                 ):
                     futures: list[Future[bytes]] = []
+                    chunks: list[memoryview] = []
                     reads: deque[Future[bool]] = deque()  # chunks i.. being read in, in order
                     queued = 1
-                    for i in range(count):
-                        start = i * chunk_size
-                        if populate:
-                            while queued < min(count, i + READERS):
-                                reads.append(readers.submit(read_in, queued))
-                                queued += 1
-                            if i:
-                                reads.popleft().result()
-                            if progress is not None:
-                                progress(min(size, start + chunk_size))
-                        futures.append(pool.submit(hash_chunk, view[start : start + chunk_size]))
+                    try:
+                        for i in range(count):
+                            start = i * chunk_size
+                            if populate:
+                                while queued < min(count, i + READERS):
+                                    reads.append(readers.submit(read_in, queued))
+                                    queued += 1
+                                if i:
+                                    reads.popleft().result()
+                                if progress is not None:
+                                    progress(min(size, start + chunk_size))
+                            chunks.append(view[start : start + chunk_size])
+                            futures.append(pool.submit(hash_chunk, chunks[-1]))
+                    except BaseException:  # failed or stopped: what is queued is dropped, not waited for
+                        for read in reads:
+                            read.cancel()
+                        for fut, chunk in zip(futures, chunks, strict=True):
+                            if fut.cancel():
+                                chunk.release()  # the map closes only once no view of it is left
+                        raise
                     return combine(alg, [fut.result() for fut in futures])
             except OSError as e:
                 raise CheckpointCorruptError(f"{path}: cannot read it whole ({e}): cut short?") from e

@@ -6,6 +6,7 @@ tensors, lists and ints, never as NumPy arrays or arbitrary objects.
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import random
@@ -108,40 +109,40 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
             raise CheckpointMismatchError(f"{where}: cannot load state of {name!r}: {e}") from e
 
 
-def unmap(objects: Mapping[str, Any], states: Mapping[str, Any]) -> int:
-    """Copy what an optimizer kept of ``states`` by reference; the bytes copied.
+def unmapped(objects: Mapping[str, Any], states: Mapping[str, Any]) -> dict[str, Any]:
+    """``states`` with a copy of each CPU tensor of an object that is not a module.
 
-    Why: ``Optimizer.load_state_dict`` keeps a tensor already on the parameter's device and dtype as
-    it is (every state tensor of a CPU model, ``step`` of a GPU one), and each tensor of
-    ``torch.load(mmap=True)`` keeps the whole file mapped: the disk space of a checkpoint pruned
-    later, or of a downloaded copy, would stay taken until the process ends. (A CPU optimizer's
-    first step copies each page of its state anyway, one page fault at a time.)
+    Why: each tensor of ``torch.load(mmap=True)`` keeps the whole file mapped, and what an object
+    keeps of its state dict it keeps by reference: an optimizer's tensors already on its parameter's
+    device (every state tensor of a CPU model, ``step`` of a GPU one), LBFGS's history lists, a
+    scheduler's tensor learning rates. The disk space of a checkpoint pruned later, or of a
+    downloaded copy, then stayed taken until the process ended. A module's ``load_state_dict``
+    copies into its own tensors: its state is left as it is. (A CPU optimizer's first step copies
+    each page of its state anyway, one page fault at a time.)
     """
-    loaded = {t.data_ptr() for t in _tensors(states) if t.numel()}
-    copies: dict[int, torch.Tensor] = {}  # one copy of a tensor kept in two places: still one tensor
-    copied = 0
-    for obj in objects.values():
-        if not isinstance(obj, torch.optim.Optimizer):
-            continue
-        for entry in [*obj.state.values(), *obj.param_groups]:  # a group's lr may be a tensor
-            for key, t in list(entry.items()) if isinstance(entry, dict) else ():
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.data_ptr() in loaded:
-                    if id(t) not in copies:
-                        copies[id(t)] = t.clone()
-                        copied += t.numel() * t.element_size()
-                    entry[key] = copies[id(t)]
-    return copied
+    memo: dict[int, torch.Tensor] = {}  # a tensor in two places stays one tensor
+    return {
+        name: s if isinstance(objects.get(name), torch.nn.Module) else _copied(s, memo) for name, s in states.items()
+    }
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+def _copied(tree: Any, memo: dict[int, torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            yield from _tensors(v)
+        if tree.device.type != "cpu" or not tree.numel():
+            return tree
+        if id(tree) not in memo:
+            memo[id(tree)] = tree.clone()
+        return memo[id(tree)]
+    if isinstance(tree, dict):
+        out = copy.copy(tree)  # its own type (an OrderedDict stays one)
+        for k, v in tree.items():
+            out[k] = _copied(v, memo)
+        return out
+    if isinstance(tree, list):
+        return [_copied(v, memo) for v in tree]
+    if type(tree) is tuple:
+        return tuple(_copied(v, memo) for v in tree)
+    return tree
 
 
 #: How a Guard tracks an object (``refuse_untracked``'s ``fix``).

@@ -187,19 +187,25 @@ def upload(
         for lo in range(0, _nbytes(m.tensor), UNIT)
     ]
     units.sort(key=lambda u: (offsets.get(u[0], size), u[1]))  # unplaced ones last: they wait for the whole walk
-    local = threading.local()
+    local, failed = threading.local(), threading.Event()
     fd = os.open(path, os.O_RDONLY)
     try:
 
         def one(unit: tuple[int, int, int]) -> None:
+            if failed.is_set():  # all or nothing: once a piece failed, the rest is not worth reading
+                return
             i, lo, hi = unit
             m = todo[i]
-            rings = local.__dict__.setdefault("rings", {})  # this thread's, one per device
-            ring = rings.get(m.device) or rings.setdefault(m.device, _Ring(m.device, chunk, after.get(m.device)))
-            at = offsets.get(i)
-            if at is None:
-                ready(size)
-            ring.copy(m.tensor, copies[i], lo, hi, fd, at, ready)
+            try:
+                rings = local.__dict__.setdefault("rings", {})  # this thread's, one per device
+                ring = rings.get(m.device) or rings.setdefault(m.device, _Ring(m.device, chunk, after.get(m.device)))
+                at = offsets.get(i)
+                if at is None:
+                    ready(size)
+                ring.copy(m.tensor, copies[i], lo, hi, fd, at, ready)
+            except BaseException:
+                failed.set()
+                raise
 
         with ThreadPoolExecutor(max(1, min(threads, len(units))), thread_name_prefix="spotguard-upload") as pool:
             list(pool.map(one, units))

@@ -186,3 +186,18 @@ def test_tied_weights_are_read_and_copied_once(tmp_path):
     assert moved == emb.weight.numel() * emb.weight.element_size()  # read once
     saved = states["model"]
     assert saved["emb.weight"] is saved["head.weight"] and torch.equal(saved["emb.weight"], emb.weight)
+
+
+def test_once_a_piece_fails_the_rest_is_not_read(saved, monkeypatch):
+    model, opt, path, states = saved
+    plan = upload.moves({"model": model, "optimizer": opt}, states, wanted=_cpu)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(upload, "_pread_into", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        upload.upload(plan, path, threads=1, chunk=4096)
+    assert len(calls) == 1  # not one read per remaining piece, each failing in turn
