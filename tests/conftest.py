@@ -27,18 +27,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):
-        torch_ext.stop()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
-    torch_ext.build_if_used(ids)
+    torch_ext.stop()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # a run without xdist
-        torch_ext.build_if_used([item.nodeid for item in session.items])
+    torch_ext.build_if_used(session.items)  # a worker's (or a run without xdist's) tests
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

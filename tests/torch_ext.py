@@ -7,20 +7,26 @@ on 2 busy cores), each later one checks it under the same lock. A job killed whi
 forever: in one CI run of 2026-11-28 a test sat 240 s before its first step. Two checkouts sharing
 the default folder (``~/.cache``) also rebuilt the op in turn, each for its own torch.
 
-So the controller points the folder at this checkout's venv, removes a lock an earlier session left,
-and, once the collected tests include DeepSpeed ones, builds the op in a process of its own; the
-jobs then only check it. That process is stopped (the lock released) and reaped at the session's end.
+So the controller points the folder at this checkout's venv and removes a lock an earlier session
+left (one older than a build takes); the first test process whose tests run DeepSpeed jobs (slow tests
+with DeepSpeed in their name) builds the op in a process of its own, and the jobs then only check it.
+That process is stopped (the lock released) and reaped at the end of the test process that started it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import IO
+
+import pytest
 
 FOLDER = Path(sys.prefix) / "torch_extensions"
 _BUILD = """
@@ -33,22 +39,35 @@ builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
 if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
     builder.load(verbose=False)
 """
+STALE_S = 600  # a lock older than this is left by a killed process: a build takes minutes at most
 _proc: list[subprocess.Popen[bytes]] = []
+_held: list[IO[str]] = []  # the flock that makes one test process of a session the builder
 
 
 def prepare() -> None:
     """Before the workers start: this checkout's folder, without a lock an earlier session left."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(FOLDER))
     for lock in Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):
-        lock.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if time.time() - lock.stat().st_mtime > STALE_S:
+                lock.unlink()
 
 
-def build_if_used(test_ids: list[str]) -> None:
-    """Start the build when a collected test runs DeepSpeed (once a session)."""
-    if _proc or not any("deepspeed" in t.lower() for t in test_ids):
+def build_if_used(items: list[pytest.Item]) -> None:
+    """Start the build when this process runs DeepSpeed jobs and no other test process builds it."""
+    if _proc or not any(i.get_closest_marker("slow") and "deepspeed" in i.nodeid.lower() for i in items):
         return
     if importlib.util.find_spec("deepspeed") is None:
         return
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR", FOLDER))
+    folder.mkdir(parents=True, exist_ok=True)
+    held = open(folder / ".spotguard-tests-build", "w")  # noqa: SIM115 - held until stop()
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held.close()  # another test process builds it
+        return
+    _held.append(held)
     _proc.append(
         subprocess.Popen(
             [sys.executable, "-c", _BUILD],
@@ -72,3 +91,6 @@ def stop() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     _proc.clear()
+    for held in _held:
+        held.close()
+    _held.clear()
