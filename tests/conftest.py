@@ -31,7 +31,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    torch_ext.build_if_used(session.items)  # a worker's (or a run without xdist's) tests
+    torch_ext.build_if_used(session.config, session.items)  # in a worker, or a run without xdist
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

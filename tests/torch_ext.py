@@ -8,7 +8,7 @@ forever: in one CI run of 2026-11-28 a test sat 240 s before its first step. Two
 the default folder (``~/.cache``) also rebuilt the op in turn, each for its own torch.
 
 So the controller points the folder at this checkout's venv and removes a lock an earlier session
-left (one older than a build takes); the first test process whose tests run DeepSpeed jobs (slow tests
+left (one no process has open: torch's builder keeps its lock open while it holds it); the first test process whose tests run DeepSpeed jobs (slow tests
 with DeepSpeed in their name) builds the op in a process of its own, and the jobs then only check it.
 That process is stopped (the lock released) and reaped at the end of the test process that started it.
 """
@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO
 
@@ -39,7 +38,6 @@ builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
 if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
     builder.load(verbose=False)
 """
-STALE_S = 600  # a lock older than this is left by a killed process: a build takes minutes at most
 _proc: list[subprocess.Popen[bytes]] = []
 _held: list[IO[str]] = []  # the flock that makes one test process of a session the builder
 
@@ -47,21 +45,37 @@ _held: list[IO[str]] = []  # the flock that makes one test process of a session 
 def prepare() -> None:
     """Before the workers start: this checkout's folder, without a lock an earlier session left."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(FOLDER))
+    held = _open_files()
     for lock in Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):
         with contextlib.suppress(OSError):
-            if time.time() - lock.stat().st_mtime > STALE_S:
+            if lock.resolve() not in held:  # torch's builder keeps its lock open while it holds it
                 lock.unlink()
 
 
-def build_if_used(items: list[pytest.Item]) -> None:
-    """Start the build when this process runs DeepSpeed jobs and no other test process builds it."""
-    if _proc or not any(i.get_closest_marker("slow") and "deepspeed" in i.nodeid.lower() for i in items):
+def _open_files() -> set[Path]:
+    """Every file some process here has open (what /proc lets this user see)."""
+    out: set[Path] = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            out.add(Path(os.readlink(fd)))
+    return out
+
+
+def build_if_used(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the build when this process's tests run DeepSpeed jobs and no other test process builds it
+    (each xdist worker collects every test: the first to get here builds)."""
+    if _proc or config.option.collectonly:
+        return
+    if not any(i.get_closest_marker("slow") and "deepspeed" in i.nodeid.lower() for i in items):
         return
     if importlib.util.find_spec("deepspeed") is None:
         return
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR", FOLDER))
-    folder.mkdir(parents=True, exist_ok=True)
-    held = open(folder / ".spotguard-tests-build", "w")  # noqa: SIM115 - held until stop()
+    try:
+        folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR", FOLDER))
+        folder.mkdir(parents=True, exist_ok=True)
+        held = open(folder / ".spotguard-tests-build", "w")  # noqa: SIM115 - held until stop()
+    except OSError:
+        return  # a folder it cannot write: the jobs build it, as without this module
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -83,12 +97,10 @@ def stop() -> None:
     for proc in _proc:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):  # its group (the compilers) while its pid is still its own
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     _proc.clear()
     for held in _held:

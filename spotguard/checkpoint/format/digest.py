@@ -202,6 +202,7 @@ def chunked_file_digest(
                 ):
                     futures: list[Future[bytes]] = []
                     chunks: list[memoryview] = []
+                    cut: memoryview | None = None
                     reads: deque[Future[bool]] = deque()  # chunks i.. being read in, in order
                     queued = 1
                     try:
@@ -215,14 +216,18 @@ def chunked_file_digest(
                                     reads.popleft().result()
                                 if progress is not None:
                                     progress(min(size, start + chunk_size))
-                            chunks.append(view[start : start + chunk_size])
-                            futures.append(pool.submit(hash_chunk, chunks[-1]))
+                            cut = view[start : start + chunk_size]
+                            futures.append(pool.submit(hash_chunk, cut))
+                            chunks.append(cut)
+                            cut = None
                     except BaseException:  # failed or stopped: what is queued is dropped, not waited for
                         for read in reads:
                             read.cancel()
                         for fut, chunk in zip(futures, chunks, strict=True):
-                            if fut.cancel():
-                                chunk.release()  # the map closes only once no view of it is left
+                            if fut.cancel():  # the map closes only once no view of it is left
+                                chunk.release()
+                        if cut is not None:  # cut, but no task took it
+                            cut.release()
                         raise
                     return combine(alg, [fut.result() for fut in futures])
             except OSError as e:

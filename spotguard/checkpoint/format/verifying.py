@@ -82,7 +82,8 @@ class Verifying:
         """Wait for the check; raise ``CheckpointCorruptError`` when the file does not match its manifest
         (``CheckpointFormatError`` when its algorithm cannot be computed here)."""
         self.start()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
 
@@ -90,5 +91,8 @@ class Verifying:
         """Stop a check still running (within one chunk) and wait for its thread (if it ever started)."""
         with self._cond:
             self._cancel = True
+            if self._thread.ident is None:  # never started: a wait after this one ends, without a verdict
+                self._done, self._error = True, self._error or RuntimeError(f"{self._where}: closed unchecked")
+                self._cond.notify_all()
         if self._thread.ident is not None:
             self._thread.join()

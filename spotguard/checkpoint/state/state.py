@@ -110,38 +110,62 @@ def restore(objects: Mapping[str, Any], states: Mapping[str, Any], where: str = 
 
 
 def unmapped(objects: Mapping[str, Any], states: Mapping[str, Any]) -> dict[str, Any]:
-    """``states`` with a copy of each CPU tensor of an object that is not a module.
+    """``states`` with a copy of each CPU tensor that a tracked object's ``load_state_dict`` may keep.
 
     Why: each tensor of ``torch.load(mmap=True)`` keeps the whole file mapped, and what an object
     keeps of its state dict it keeps by reference: an optimizer's tensors already on its parameter's
     device (every state tensor of a CPU model, ``step`` of a GPU one), LBFGS's history lists, a
     scheduler's tensor learning rates. The disk space of a checkpoint pruned later, or of a
-    downloaded copy, then stayed taken until the process ended. A module's ``load_state_dict``
-    copies into its own tensors: its state is left as it is. (A CPU optimizer's first step copies
-    each page of its state anyway, one page fault at a time.)
+    downloaded copy, then stayed taken until the process ended. Not copied: what a module or
+    spotguard's own adapters load (they copy into their own tensors; a module that keeps what it is
+    given, as torchmetrics' ``Metric`` does, keeps the file mapped), and an optimizer's state for a
+    parameter on a GPU (``load_state_dict`` moves it there; a copy would only cost host memory).
     """
     memo: dict[int, torch.Tensor] = {}  # a tensor in two places stays one tensor
-    return {
-        name: s if isinstance(objects.get(name), torch.nn.Module) else _copied(s, memo) for name, s in states.items()
-    }
+    out = dict(states)
+    for name, obj in objects.items():
+        if name in states and not isinstance(obj, torch.nn.Module) and type(obj).__module__ != "spotguard.value":
+            out[name] = _copied(states[name], memo, _moved(obj, states[name]))
+    return out
 
 
-def _copied(tree: Any, memo: dict[int, torch.Tensor]) -> Any:
+def _moved(obj: Any, saved: Any) -> set[int]:
+    """The tensors of ``saved`` an optimizer's ``load_state_dict`` moves off the CPU (torch's rule: all
+    of a parameter's state there but ``step``)."""
+    if not isinstance(obj, torch.optim.Optimizer) or not isinstance(saved, dict):
+        return set()
+    groups, entries = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(entries, dict):
+        return set()
+    out: set[int] = set()
+    for old, new in zip(groups, obj.param_groups, strict=False):  # a mismatch is load_state_dict's to report
+        for pid, param in zip(old.get("params", []) if isinstance(old, dict) else [], new["params"], strict=False):
+            entry = entries.get(pid)
+            if isinstance(entry, dict) and param.device.type != "cpu":
+                out |= {id(t) for k, t in entry.items() if k != "step" and isinstance(t, torch.Tensor)}
+    return out
+
+
+def _copied(tree: Any, memo: dict[int, torch.Tensor], skip: set[int]) -> Any:
     if isinstance(tree, torch.Tensor):
-        if tree.device.type != "cpu" or not tree.numel():
+        if id(tree) in skip or tree.device.type != "cpu" or not tree.numel():
             return tree
         if id(tree) not in memo:
-            memo[id(tree)] = tree.clone()
+            with torch.no_grad():
+                copy_ = tree.detach().clone()
+            if isinstance(tree, torch.nn.Parameter):
+                copy_ = torch.nn.Parameter(copy_, requires_grad=tree.requires_grad)
+            memo[id(tree)] = copy_.requires_grad_(tree.requires_grad)
         return memo[id(tree)]
     if isinstance(tree, dict):
         out = copy.copy(tree)  # its own type (an OrderedDict stays one)
         for k, v in tree.items():
-            out[k] = _copied(v, memo)
+            out[k] = _copied(v, memo, skip)
         return out
     if isinstance(tree, list):
-        return [_copied(v, memo) for v in tree]
+        return [_copied(v, memo, skip) for v in tree]
     if type(tree) is tuple:
-        return tuple(_copied(v, memo) for v in tree)
+        return tuple(_copied(v, memo, skip) for v in tree)
     return tree
 
 

@@ -130,7 +130,7 @@ def to_devices(
     t0 = time.perf_counter()
     try:
         todo = moves(objects, states)
-        if not todo or not _fits(todo):
+        if not todo or not _fits(_distinct(todo)[0]):  # a tied weight takes its room once
             return 0
         moved = upload(todo, path, ready=ready)
         logger.debug("resume: %d MB to the GPU in %.2fs", moved >> 20, time.perf_counter() - t0)
