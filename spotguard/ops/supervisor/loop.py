@@ -22,6 +22,7 @@ from spotguard._env import STORAGE as STORAGE_ENV
 from spotguard.errors import SpotguardError, StorageError
 from spotguard.events import Events, Record
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_LEASE_HELD, EXIT_PREEMPTED
+from spotguard.ops.supervisor import buildlocks
 from spotguard.storage import Storage, open_storage
 
 from .child import Outcome, run_once
@@ -201,6 +202,7 @@ class Supervisor:
                 if self.stops.stopping.wait(delay):
                     logger.warning("stop signal during the backoff: not restarting")
                     return self.stops.stop_code()
+                buildlocks.clear_stale()  # a lock the killed attempt held would hang the next one
         finally:
             self.beat = None
             self.stops.restore()
