@@ -8,9 +8,10 @@ forever: in one CI run of 2026-11-28 a test sat 240 s before its first step. Two
 the default folder (``~/.cache``) also rebuilt the op in turn, each for its own torch.
 
 So the controller points the folder at this checkout's venv and removes a lock an earlier session
-left (one no process has open: torch's builder keeps its lock open while it holds it); the first test process whose tests run DeepSpeed jobs (slow tests
-with DeepSpeed in their name) builds the op in a process of its own, and the jobs then only check it.
-That process is stopped (the lock released) and reaped at the end of the test process that started it.
+left (``spotguard run``'s own clean-up before a restart); the first test process whose tests run
+DeepSpeed jobs (slow tests with DeepSpeed in their name) builds the op in a process of its own, and
+the jobs then only check it. That process is stopped (the lock released) and reaped at the end of
+the test process that started it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+
+from spotguard.ops.supervisor import buildlocks
 
 FOLDER = Path(sys.prefix) / "torch_extensions"
 _BUILD = """
@@ -45,20 +48,7 @@ _held: list[IO[str]] = []  # the flock that makes one test process of a session 
 def prepare() -> None:
     """Before the workers start: this checkout's folder, without a lock an earlier session left."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(FOLDER))
-    held = _open_files()
-    for lock in Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("*/lock"):
-        with contextlib.suppress(OSError):
-            if lock.resolve() not in held:  # torch's builder keeps its lock open while it holds it
-                lock.unlink()
-
-
-def _open_files() -> set[Path]:
-    """Every file some process here has open (what /proc lets this user see)."""
-    out: set[Path] = set()
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
-        with contextlib.suppress(OSError):
-            out.add(Path(os.readlink(fd)))
-    return out
+    buildlocks.clear_stale(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
 
 def build_if_used(config: pytest.Config, items: list[pytest.Item]) -> None:
