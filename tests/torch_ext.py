@@ -28,8 +28,6 @@ from typing import IO
 
 import pytest
 
-from spotguard.ops.supervisor import buildlocks
-
 FOLDER = Path(sys.prefix) / "torch_extensions"
 _BUILD = """
 import os, signal, sys
@@ -47,6 +45,8 @@ _held: list[IO[str]] = []  # the flock that makes one test process of a session 
 
 def prepare() -> None:
     """Before the workers start: this checkout's folder, without a lock an earlier session left."""
+    from spotguard.ops.supervisor import buildlocks  # here: the workers' imports stay the tests' own
+
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(FOLDER))
     buildlocks.clear_stale(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
 
