@@ -5,8 +5,7 @@ Credentials are application default credentials; ``STORAGE_EMULATOR_HOST`` selec
 as parts in parallel, then one ``compose``, and come down as ranged reads in parallel (the library's
 ``transfer_manager``, on threads); medium ones go up through resumable uploads in ``chunk_size``
 chunks; small ones through one multipart request. Every upload carries a CRC32C that GCS checks, the
-composed object's CRC32C must equal the file's, and ``local_copy`` checks it again as the download
-lands. The manifest is written with ``if_generation_match=0``: write-once, so two writers can never
+composed object's CRC32C must equal the file's, and ``local_copy`` checks the download against it. The manifest is written with ``if_generation_match=0``: write-once, so two writers can never
 both commit a step.
 
 Random streams: the library's own retries (api-core and resumable-media) draw jitter from the
@@ -291,9 +290,10 @@ class GCSStorage(CloudStorage):
         )
 
     def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
-        """From ``composite_threshold`` up, ranged reads in parallel, their CRC32Cs combined and checked
-        by the library as they land (nothing left for ``_verify`` to check: one pass over the bytes);
-        smaller objects in one stream, checked against the CRC32C GCS holds."""
+        """From ``composite_threshold`` up, ranged reads in parallel, each range's CRC32C computed as it
+        lands and their combination checked by the library once all have (nothing left for ``_verify``:
+        one pass over the bytes); smaller objects in one stream, checked against the CRC32C GCS holds.
+        A failed range fails the download once every other range has ended; it is then retried whole."""
         blob = self.bucket.get_blob(full, retry=None, timeout=self.options.timeout)
         if blob is None:
             raise gexc.NotFound(f"No such object: {self.bucket_name}/{full}")
@@ -308,7 +308,7 @@ class GCSStorage(CloudStorage):
                 download_kwargs=kwargs,
                 worker_type=transfer_manager.THREAD,  # a process pool would pickle the client and its credentials
                 max_workers=o.concurrency,
-                crc32c_checksum=True,
+                crc32c_checksum=bool(blob.crc32c),  # none stored (some emulators): the manifest's checksum alone
             )
             want = None
         else:

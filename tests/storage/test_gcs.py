@@ -316,3 +316,17 @@ def test_a_sliced_download_of_a_corrupted_object_is_refused_after_one_more_try(g
         with st.local_copy("step-00000001/state.pt"):
             pass
     assert caplog.text.count("downloading it again") == 1
+
+
+def test_every_range_of_a_sliced_download_asks_for_the_generation_it_started_from(fake_gcs_proxied):
+    """fake-gcs-server behind the proxy, which sees the requests. GCS refuses a read whose
+    ``ifGenerationMatch`` is not the object's: an object replaced mid-download fails it instead of
+    mixing two versions' ranges (neither emulator enforces it on reads, so the requests are checked)."""
+    url, proxy = fake_gcs_proxied
+    st = GCSStorage(url, SLICED)
+    st.put_bytes("step-00000001/state.pt", os.urandom(5 * MiB))
+    generation = st.bucket.get_blob("run/step-00000001/state.pt").generation
+    with st.local_copy("step-00000001/state.pt"):
+        pass
+    reads = [r for r in proxy.log if r.startswith("GET") and "alt=media" in r]
+    assert len(reads) == 3 and all(f"ifGenerationMatch={generation}" in r for r in reads), reads
