@@ -58,6 +58,7 @@ from .azure_client import CHECKSUM_CODES, CONNECTION_STRING, Account, RetryPolic
 from .base import ObjectNotFoundError
 from .cloud import CloudStorage, _Conflict, urgent_timeout
 from .options import TransferOptions
+from .rangecrc import RangeCrcFile
 
 __all__ = ["META_CRC", "AzureOptions", "AzureStorage", "parse_url"]
 
@@ -299,11 +300,12 @@ class AzureStorage(CloudStorage):
     def _read(self, full: str, client: Any = None) -> bytes:
         return bytes((client or self.container).get_blob_client(full).download_blob().readall())
 
-    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None, Any]:
         """Concurrent ranged GETs of one version (ETag), checked against the CRC32 in the blob's metadata."""
         blob = self.container.get_blob_client(full)
         props = blob.get_blob_properties()
-        with open(path, "wb") as f:
+        with open(path, "wb") as raw:
+            f = RangeCrcFile(raw)  # the CRC32 kept as the ranges land: no second read for it
             # Pinned to the ETag: a blob replaced mid-download fails instead of mixing versions.
             blob.download_blob(
                 max_concurrency=self.options.concurrency,
@@ -311,7 +313,7 @@ class AzureStorage(CloudStorage):
                 match_condition=MatchConditions.IfNotModified,
                 progress_hook=self._hook(),
             ).readinto(f)
-        return props.size, (props.metadata or {}).get(META_CRC)
+        return props.size, (props.metadata or {}).get(META_CRC), f.crc(props.size)
 
     def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
         blobs = self.container.list_blobs(name_starts_with=full_prefix, results_per_page=self.options.page_size)

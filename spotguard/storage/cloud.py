@@ -116,9 +116,10 @@ class CloudStorage(Storage):
         """A small object's bytes."""
 
     @abc.abstractmethod
-    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None, Any]:
         """Download ``full`` into ``path``; return the size and base64 checksum the server holds (None:
-        unknown, or already checked as the download landed)."""
+        unknown, or already checked as the download landed), and the file's checksum if the download
+        kept it (None: ``_verify`` reads the file for it)."""
 
     @abc.abstractmethod
     def _list(self, full_prefix: str) -> Iterable[tuple[str, int]]:
@@ -304,14 +305,15 @@ class CloudStorage(Storage):
                     logger.warning("%s; downloading it again", e)
             yield path
 
-    def _verify(self, full: str, path: Path, size: int | None, want: str | None) -> None:
+    def _verify(self, full: str, path: Path, size: int | None, want: str | None, kept: Any = None) -> None:
+        """``kept``: the checksum the download kept as it landed (``RangeCrcFile``); None: the file is read for it."""
         got_size = path.stat().st_size
         if size is not None and got_size != size:
             raise _ChecksumMismatch(f"downloaded {got_size} bytes, the object has {size}")
         if not want:
             logger.debug("%s: no %s left to check (none stored, or checked as it came)", full, self.checksum_name)
             return
-        got = crc_b64(file_crc(path, self.checksum_update))
+        got = crc_b64(file_crc(path, self.checksum_update) if kept is None else kept)
         if got != want:
             raise _ChecksumMismatch(
                 f"{self.checksum_name} of the downloaded object is {got}, {self.holder} holds {want}"

@@ -289,7 +289,7 @@ class GCSStorage(CloudStorage):
             )
         )
 
-    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None, Any]:
         """From ``composite_threshold`` up, ranged reads in parallel, each range's CRC32C computed as it
         lands and their combination checked by the library once all have (nothing left for ``_verify``:
         one pass over the bytes); smaller objects in one stream, checked against the CRC32C GCS holds.
@@ -316,7 +316,7 @@ class GCSStorage(CloudStorage):
             want = blob.crc32c
         if self.progress:
             self.progress(path.stat().st_size)
-        return blob.size, want
+        return blob.size, want, None
 
     def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
         blobs = self.bucket.list_blobs(

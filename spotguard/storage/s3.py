@@ -36,6 +36,7 @@ from ._common import split_url
 from .base import STEP_DIR, Leftover
 from .cloud import CloudStorage, _ChecksumMismatch, _Conflict, urgent_timeout
 from .options import TransferOptions
+from .rangecrc import RangeCrcFile
 
 MiB = 1 << 20
 META_CRC = "spotguard-crc32"
@@ -192,13 +193,14 @@ class S3Storage(CloudStorage):
     def _read(self, full: str, client: Any = None) -> bytes:
         return (client or self.client).get_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")["Body"].read()  # type: ignore[no-any-return]
 
-    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None]:
+    def _fetch(self, full: str, path: Path) -> tuple[int | None, str | None, Any]:
         """Concurrent ranged GETs, checked against the CRC32 S3 holds for the object."""
         head = self.client.head_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
         if "ContentLength" not in head:  # a reply cut inside its headers: a network fault, retried
             raise bex.ResponseStreamingError(error="incomplete HEAD response")
         # download_fileobj, not download_file: the latter names its temp file with the global random.
-        with open(path, "wb") as f:
+        with open(path, "wb") as raw:
+            f = RangeCrcFile(raw)  # the CRC32 kept as the ranges land: no second read for it
             try:
                 self.client.download_fileobj(
                     self.bucket,
@@ -213,8 +215,8 @@ class S3Storage(CloudStorage):
         # A multipart upload's CRC32 is of its parts' checksums (COMPOSITE; moto leaves the type out), unless
         # it was sent for the whole object (FULL_OBJECT): only that one is the file's.
         kind = head.get("ChecksumType") or ("COMPOSITE" if "-" in head.get("ETag", "") else "FULL_OBJECT")
-        want = head.get("ChecksumCRC32") if kind == "FULL_OBJECT" else None
-        return head["ContentLength"], want or head.get("Metadata", {}).get(META_CRC)
+        want = (head.get("ChecksumCRC32") if kind == "FULL_OBJECT" else None) or head.get("Metadata", {}).get(META_CRC)
+        return head["ContentLength"], want, f.crc(head["ContentLength"])
 
     def _config(self, size: int) -> TransferConfig:
         """About one part per worker, between ``part_size`` and 8x it: every stream busy, few requests."""
