@@ -4,13 +4,15 @@ Why: a download's check against the CRC32 S3 holds read the whole file again onc
 on our 2-core CI machine 0.78 s per GiB, a third of a resume from a fast bucket. boto3's transfer
 manager writes each range in order, from one I/O thread, but ranges interleave; so this file object
 keeps one running CRC per contiguous run of writes and, at the end, combines them in offset order
-with ``awscrt``'s ``combine_crc32`` (no second read). A range retried from its start replaces its
-run. Anything else (a write inside a run, a gap, no ``awscrt``) gives no CRC: the caller then reads
-the file again, as before.
+with ``awscrt``'s ``combine_crc32`` (no second read). A range retried from its start (boto3 reads
+it again from there) drops what its first try wrote. Anything no run explains (a write inside or
+across another run, a gap: e.g. a range retried after the next range had already continued its run,
+or no ``awscrt`` 0.31+) gives no CRC: the caller then reads the file again, as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import zlib
 from typing import Any, BinaryIO
@@ -33,6 +35,7 @@ class RangeCrcFile:
         # Each contiguous run of writes, by its start: the (end, CRC32 from its start) after each write.
         self._runs: dict[int, list[tuple[int, int]]] = {}
         self._bounds: dict[int, int] = {}  # every offset a write ended at (or a run starts at) -> its run
+        self._starts: list[int] = []  # the runs' starts, sorted
         self._broken = False  # a write no run explains: no CRC
         self._lock = threading.Lock()
 
@@ -55,27 +58,26 @@ class RangeCrcFile:
         return n
 
     def _track(self, at: int, data: Any) -> None:
+        end = at + len(memoryview(data).cast("B"))
         start = self._bounds.get(at)
-        if start is None:  # a new range
-            if any(s < at < marks[-1][0] for s, marks in self._runs.items()):
+        if start is None:  # a new range: it must not start inside a run
+            i = bisect.bisect_right(self._starts, at)
+            if i and self._runs[self._starts[i - 1]][-1][0] > at:
                 self._broken = True
                 return
             start, self._runs[at], self._bounds[at] = at, [(at, 0)], at
+            bisect.insort(self._starts, at)
         marks = self._runs[start]
         while marks[-1][0] > at:  # a range read again from a mark (the transfer's retry): what followed goes
             gone = marks.pop()[0]
             if self._bounds.get(gone) == start:
                 del self._bounds[gone]
-        if marks[-1][0] != at:
-            self._broken = True
+        after = bisect.bisect_right(self._starts, at)
+        if marks[-1][0] != at or (after < len(self._starts) and self._starts[after] < end):
+            self._broken = True  # a hole before it, or it runs over the next run's start
             return
-        end = at + len(memoryview(data).cast("B"))
-        if end in self._bounds:  # it reaches another run's start: that run follows it; its own CRC stays
-            if self._bounds[end] != end:
-                self._broken = True
-                return
         marks.append((end, zlib.crc32(data, marks[-1][1])))
-        self._bounds.setdefault(end, start)
+        self._bounds.setdefault(end, start)  # reaching another run's start: that one follows; its CRC stays
 
     def crc(self, size: int) -> int | None:
         """The CRC32 of bytes ``0..size``, when the writes covered exactly them and ``awscrt`` can combine; else None."""

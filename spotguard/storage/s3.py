@@ -227,6 +227,8 @@ class S3Storage(CloudStorage):
             multipart_chunksize=part,
             max_concurrency=o.concurrency,
             use_threads=True,
+            # classic: with awscrt installed (the aws extra) "auto" picks the CRT transfer client on some
+            # instance types, which writes through no file object (RangeCrcFile) and has its own retries.
             preferred_transfer_client="classic",
         )
 

@@ -80,6 +80,11 @@ def test_what_no_run_explains_gives_no_crc(monkeypatch):
     _write(inside, 500, data[500:1000])  # inside a run: not a retry of a range's start
     _write(inside, 2000, data[2000:])
     assert inside.crc(3000) is None
+    across = RangeCrcFile(raw := io.BytesIO())  # a write over another run's start (a server past its range)
+    _write(across, 2, b"CC")
+    _write(across, 0, b"AAX")
+    _write(across, 0, b"AA")
+    assert raw.getvalue() == b"AAXC" and across.crc(4) is None
     gap = RangeCrcFile(io.BytesIO())
     _write(gap, 0, data[:1000])
     _write(gap, 2000, data[2000:])
