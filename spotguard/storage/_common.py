@@ -126,6 +126,11 @@ class Crc32File:
         return crc_b64(self.crc)
 
 
+def parallel_part(size: int, part: int, workers: int) -> int:
+    """A parallel transfer's part: about one per worker, between ``part`` and 8x it (few requests, all busy)."""
+    return min(max(part, -(-size // workers)), 8 * part)
+
+
 def crc_b64(crc: int) -> str:
     """The wire form S3 and GCS use for a CRC: 4 big-endian bytes, base64."""
     return base64.b64encode(crc.to_bytes(4, "big")).decode()

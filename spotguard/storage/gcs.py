@@ -5,8 +5,9 @@ Credentials are application default credentials; ``STORAGE_EMULATOR_HOST`` selec
 as parts in parallel, then one ``compose``, and come down as ranged reads in parallel (the library's
 ``transfer_manager``, on threads); medium ones go up through resumable uploads in ``chunk_size``
 chunks; small ones through one multipart request. Every upload carries a CRC32C that GCS checks, the
-composed object's CRC32C must equal the file's, and ``local_copy`` checks the download against it. The manifest is written with ``if_generation_match=0``: write-once, so two writers can never
-both commit a step.
+composed object's CRC32C must equal the file's, and ``local_copy`` checks the download against it.
+The manifest is written with ``if_generation_match=0``: write-once, so two writers can never both
+commit a step.
 
 Random streams: the library's own retries (api-core and resumable-media) draw jitter from the
 global ``random``, so they are switched off (``retry=None``) and tenacity with a private RNG
@@ -37,7 +38,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from ..errors import ConfigError, StorageError
 from . import gcs_compose, gcs_errors, retry
-from ._common import crc_b64, split_url
+from ._common import crc_b64, parallel_part, split_url
 from .base import GCS_PART_NAME, STEP_DIR, Leftover, check_key
 from .cloud import CloudStorage, _Conflict
 from .options import TransferOptions
@@ -61,11 +62,6 @@ def _crc32c(data: bytes, crc: int) -> int:
     for i in range(0, len(view), 8 * MiB):
         crc = int(google_crc32c.extend(crc, bytes(view[i : i + 8 * MiB])))
     return crc
-
-
-def _slice(size: int, chunk: int, workers: int) -> int:
-    """A sliced download's range: about one per worker, between ``chunk`` and 8x it (few requests, all busy)."""
-    return min(max(chunk, -(-size // workers)), 8 * chunk)
 
 
 _patch_lock = threading.Lock()
@@ -304,7 +300,7 @@ class GCSStorage(CloudStorage):
             transfer_manager.download_chunks_concurrently(
                 blob,
                 str(path),
-                chunk_size=_slice(blob.size, o.chunk_size, o.concurrency),
+                chunk_size=parallel_part(blob.size, o.chunk_size, o.concurrency),
                 download_kwargs=kwargs,
                 worker_type=transfer_manager.THREAD,  # a process pool would pickle the client and its credentials
                 max_workers=o.concurrency,

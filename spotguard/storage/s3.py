@@ -32,7 +32,7 @@ from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import ConfigError, StorageError
 from . import s3_errors
-from ._common import split_url
+from ._common import parallel_part, split_url
 from .base import STEP_DIR, Leftover
 from .cloud import CloudStorage, _ChecksumMismatch, _Conflict, urgent_timeout
 from .options import TransferOptions
@@ -221,10 +221,9 @@ class S3Storage(CloudStorage):
     def _config(self, size: int) -> TransferConfig:
         """About one part per worker, between ``part_size`` and 8x it: every stream busy, few requests."""
         o = self.options
-        part = min(max(o.part_size, -(-size // o.concurrency)), 8 * o.part_size)
         return TransferConfig(
             multipart_threshold=o.multipart_threshold,
-            multipart_chunksize=part,
+            multipart_chunksize=parallel_part(size, o.part_size, o.concurrency),
             max_concurrency=o.concurrency,
             use_threads=True,
             # classic: with awscrt installed (the aws extra) "auto" picks the CRT transfer client on some

@@ -29,7 +29,8 @@ def folder() -> Path:
 
 def clear_stale(root: Path | None = None) -> list[Path]:
     """Remove the build locks under ``root`` (default ``folder()``) no process holds; the ones removed."""
-    locks = [*(root or folder()).glob("*/lock"), *(root or folder()).glob("*/*/lock")]
+    root = root or folder()
+    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]
     if not locks or not PROC.is_dir():
         return []
     held = _open_files()
