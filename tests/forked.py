@@ -26,6 +26,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,11 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests.forkexec import SOCKET_ENV
+
+#: ``[sys.executable, FORKEXEC, SCRIPT, *args]`` runs ``SCRIPT`` forked from a ``behind`` server.
+FORKEXEC = Path(__file__).with_name("forkexec.py")
 
 #: Imported by the server before it forks: what the workers and examples import (torch first), and
 #: torch._dynamo with sympy, which an optimizer's constructor imports (1-2.5 CPU-s a run on this machine).
@@ -82,13 +88,17 @@ class Forked:
 class ForkServer:
     """``python -m tests.forked PRELOAD...``: forks the runs it is sent (several may run at once)."""
 
-    def __init__(self, *preload: str | Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *preload: str | Path, env: dict[str, str] | None = None, listen: bool = False) -> None:
+        """``listen``: also fork the runs ``forkexec`` clients ask for, at ``self.env``'s socket."""
         from tests.helpers import REPO, WAIT_S, subprocess_env
 
         self._log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log")  # noqa: SIM115
+        self._dir = tempfile.TemporaryDirectory(prefix="forkserver-")
+        #: What a launcher's environment needs for its ``forkexec`` jobs to reach this server.
+        self.env = {SOCKET_ENV: os.path.join(self._dir.name, "socket")} if listen else {}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forked", *(str(p) for p in preload or PRELOAD)],
-            env=env or subprocess_env(),
+            env={**(env or subprocess_env()), **self.env},
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -98,6 +108,7 @@ class ForkServer:
         )
         self._codes: dict[int, int] = {}
         self._pids: list[int] = []
+        self._served: list[int] = []
         self._ready = False
         self._lock = threading.Lock()
         self._started = threading.Condition()
@@ -114,6 +125,8 @@ class ForkServer:
             with self._started:
                 if "code" in msg:
                     self._codes[msg["pid"]] = msg["code"]
+                elif "served" in msg:  # a forkexec client's run
+                    self._served.append(msg["served"])
                 elif "pid" in msg:
                     self._pids.append(msg["pid"])
                 else:
@@ -141,7 +154,7 @@ class ForkServer:
             return Forked(self, self._pids[known], list(cmd))
 
     def close(self) -> None:
-        for pid in self._pids:  # a run still alive (its test failed): its session goes first
+        for pid in [*self._pids, *self._served]:  # a run still alive (its test failed): its session goes first
             if pid not in self._codes:
                 with contextlib.suppress(OSError):
                     os.killpg(pid, signal.SIGKILL)
@@ -155,6 +168,7 @@ class ForkServer:
             self._proc.wait()
         self._reader.join(5)
         self._log.close()
+        self._dir.cleanup()
 
 
 class _Lazy:
@@ -235,15 +249,43 @@ def run_forked(
         return [run([sys.executable, *map(str, r)], env=env, cwd=cwd) for r in runs]
 
 
+@contextlib.contextmanager
+def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterator[ForkServer]:
+    """A server for jobs a launcher under test starts (rehearse, the supervisor, torchrun): while inside,
+    a launcher run with ``server.env`` in its environment that starts ``[sys.executable, FORKEXEC,
+    SCRIPT, ...]`` gets each job forked from this server, which imported ``preload`` and the scripts'
+    imports once. The launcher's own start, signals and exit handling are what they would be."""
+    server = ForkServer(*(preload or PRELOAD), *scripts, listen=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def via(script: str | Path, *args: str) -> list[str]:
+    """The command that runs ``script`` through a ``behind`` server (plainly where none is named)."""
+    return [sys.executable, str(FORKEXEC), str(script), *map(str, args)]
+
+
 # -- the server ---------------------------------------------------------------------------------------
-def _child(job: dict) -> None:
-    """In the forked child: become ``python SCRIPT ARGS`` in a session of its own; never returns."""
+def _child(job: dict, fds: list[int] | None = None) -> None:
+    """In the forked child: become ``python SCRIPT ARGS`` in a session of its own; never returns.
+    ``fds``: the standard streams a ``forkexec`` client sent (else ``/dev/null`` and the job's files)."""
     os.setsid()
-    os.close(_PROTOCOL[0].fileno())  # the test sees the server's pipe end when the server ends, not a child
-    for fd, path in ((0, os.devnull), (1, job["out"]), (2, job["err"])):
-        f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(f, fd)
-        os.close(f)
+    # The test sees the server's pipe end when the server ends, not a child; the listener, the clients'
+    # connections and pidfds are the server's. Closed through their objects: a number closed under an
+    # object would be closed again, whatever it then is, when the object goes.
+    for held in [_PROTOCOL[0], *_SERVER_HELD]:
+        held.close() if hasattr(held, "close") else os.close(held)
+    if fds is not None:
+        for fd, f in enumerate(fds):
+            os.dup2(f, fd)
+            os.close(f)
+    else:
+        for fd, path in ((0, os.devnull), (1, job["out"]), (2, job["err"])):
+            f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(f, fd)
+            os.close(f)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(job["env"])
@@ -282,6 +324,21 @@ def _say(msg: dict) -> None:
     _PROTOCOL[0].flush()
 
 
+_SERVER_HELD: list = []  # what a forked child closes first: sockets, and pidfds (numbers)
+
+
+def _listen() -> socket.socket | None:
+    """The socket ``forkexec`` clients connect to, when the test named one (``behind``)."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path:
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    _SERVER_HELD.append(listener)
+    return listener
+
+
 def serve(preload: list[str]) -> int:
     _PROTOCOL.append(os.fdopen(os.dup(1), "w"))
     os.dup2(2, 1)  # what a preloaded script prints stays out of the protocol
@@ -292,29 +349,67 @@ def serve(preload: list[str]) -> int:
             sys.path.pop(0)
         else:
             importlib.import_module(name)
+    listener = _listen()
     _say({"ready": True})
     running: set[int] = set()
+    clients: dict[int, socket.socket] = {}  # a forkexec client's run -> its connection
+    watched: dict[int, int] = {}  # a client's pidfd -> its run, killed if the client dies first
     stdin_open = True
+
+    def fork(job: dict, fds: list[int] | None = None) -> int:
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(job, fds)  # exits
+        running.add(pid)
+        return pid
+
     while stdin_open or running:
-        if stdin_open and select.select([sys.stdin], [], [], 0.01)[0]:
-            line = sys.stdin.readline()
-            if not line:
-                stdin_open = False
-            else:
-                job = json.loads(line)
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(job)  # exits
-                running.add(pid)
-                _say({"pid": pid})
-        elif not stdin_open:
-            time.sleep(0.01)
+        inputs = [*watched, *([sys.stdin] if stdin_open else []), *([listener] if listener and stdin_open else [])]
+        for ready in select.select(inputs, [], [], 0.01)[0]:
+            if ready is sys.stdin:
+                line = sys.stdin.readline()
+                if not line:
+                    stdin_open = False
+                else:
+                    _say({"pid": fork(json.loads(line))})
+            elif ready is listener:
+                conn, _ = listener.accept()
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                job = json.loads(msg)
+                try:
+                    pidfd = os.pidfd_open(job["client"])
+                except ProcessLookupError:  # gone already: nothing to run for it
+                    conn.close()
+                    continue
+                _SERVER_HELD.extend((conn, pidfd))
+                pid = fork(job, fds)
+                for fd in fds:
+                    os.close(fd)
+                clients[pid], watched[pidfd] = conn, pid
+                conn.send(json.dumps({"pid": pid}).encode())
+                _say({"served": pid})
+            else:  # a client ended while its run goes on: its launcher killed it, so the run goes too
+                pid = watched.pop(ready)
+                os.close(ready)
+                _SERVER_HELD.remove(ready)
+                if pid in running:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
         for pid in list(running):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 running.discard(pid)
-                _say({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                code = os.waitstatus_to_exitcode(status)
+                _say({"pid": pid, "code": code})
+                conn = clients.pop(pid, None)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.send(json.dumps({"code": code}).encode())
+                    _SERVER_HELD.remove(conn)
+                    conn.close()
+    for pidfd in watched:
+        os.close(pidfd)
     return 0
 
 

@@ -10,12 +10,13 @@ checkpoint storage: each has its own temp folder (``TMPDIR``) and trainer output
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
 
+from ..forked import FORKEXEC, ForkServer, behind
 from ..helpers import REPO, assert_same_run, free_port, last_step, read_losses, run, stop_when, subprocess_env
 
 SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step N + 2
@@ -66,6 +68,22 @@ def accelerate_args(nnodes: int, nproc: int, port: int, node: int, *mode: str) -
         "--monitor_interval",
         "0.2",
     ]
+
+
+_RANKS: list[ForkServer] = []  # the server the ranks of the jobs fork from (``forked_ranks``)
+
+
+@contextlib.contextmanager
+def forked_ranks(*scripts: str) -> Iterator[None]:
+    """While inside, every rank the launchers start (torchrun's, ``accelerate launch``'s) is forked from
+    one server that imported the examples ``scripts``' imports (torch, the trainer library: 3-5 CPU
+    seconds a rank), not a Python process of its own; the launchers themselves start as they do."""
+    with behind(*(REPO / "examples" / s for s in scripts)) as server:
+        _RANKS.append(server)
+        try:
+            yield
+        finally:
+            _RANKS.remove(server)
 
 
 class Job:
@@ -116,6 +134,7 @@ class Job:
             )
             cmd = [
                 *launch,
+                *([str(FORKEXEC)] if _RANKS else []),
                 str(REPO / "examples" / self.script),
                 "--storage",
                 str(self.run_dir / "ckpt"),
@@ -126,7 +145,11 @@ class Job:
                 *self.local_args(local),
                 *extra,
             ]
-            env = subprocess_env(TMPDIR=str(local / "tmp"), SPOTGUARD_NOTICE_FILE=str(self.notices / "notice-{rank}"))
+            env = subprocess_env(
+                TMPDIR=str(local / "tmp"),
+                SPOTGUARD_NOTICE_FILE=str(self.notices / "notice-{rank}"),
+                **(_RANKS[-1].env if _RANKS else {}),
+            )
             out.append((cmd, env))
         return out
 

@@ -24,6 +24,12 @@ ARGS += ("--eval-steps", "16", "--eval-augment")
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return groups.reference(SCRIPT, tmp_path_factory.mktemp("accelerate-ddp-reference"), ARGS, launcher="accelerate")

@@ -46,6 +46,12 @@ if accelerator.is_main_process:
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted FSDP run, once Accelerate was seen to run FSDP at all (skip otherwise)."""

@@ -37,6 +37,12 @@ ARGS = ("--steps", str(STEPS), "--every-steps", str(EVERY), "--interval", "0.2",
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 def job(run_dir: Path, stage: int, nodes: int, nproc: int) -> groups.Job:
     """The example's job; each node fetches a resume's copy into a folder of its own (``--work-dir``)."""
     args = (*ARGS, "--zero-stage", str(stage))

@@ -28,6 +28,12 @@ def output_dir(node) -> tuple[str, ...]:
     return ("--output-dir", str(node / "hf-output"))  # the Trainer's own folder: local to each node
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return groups.reference(SCRIPT, tmp_path_factory.mktemp("hf-ddp-reference"), ARGS, local_args=output_dir)

@@ -29,6 +29,12 @@ ARGS += ("--providers", "signal,file")
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 def output_dir(node) -> tuple[str, ...]:
     return ("--output-dir", str(node / "hf-output"))
 

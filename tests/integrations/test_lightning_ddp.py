@@ -33,6 +33,12 @@ VALIDATING = (*ARGS, "--eval-steps", "10")
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return groups.reference(SCRIPT, tmp_path_factory.mktemp("lightning-ddp-reference"), ARGS)

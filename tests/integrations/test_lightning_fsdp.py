@@ -28,6 +28,12 @@ ARGS += ("--strategy", "fsdp")
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    with groups.forked_ranks(SCRIPT):
+        yield
+
+
 def test_lightning_fsdp_stops_every_rank_for_one_ranks_notice_and_resumes_exactly(tmp_path):
     reference = groups.reference(SCRIPT, tmp_path / "reference", ARGS)
     stop, names = groups.stop_one_rank_then_finish(groups.Job(SCRIPT, tmp_path / "run", ARGS), STEPS, reference, _rng)

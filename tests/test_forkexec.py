@@ -1,0 +1,119 @@
+"""tests/forkexec.py through a ``tests.forked.behind`` server: a launcher sees the forked run as it would
+see ``python SCRIPT``: its arguments, environment, folder and streams, its exit code or signal, the
+signals sent to it; and a killed stand-in takes its run with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.forked import behind, via
+from tests.helpers import subprocess_env, wait_until
+
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    print("argv", sys.argv[1:], "cwd", os.getcwd(), "X", os.environ.get("X"), "in", sys.stdin.read(), flush=True)
+    print("err", os.getpid(), file=sys.stderr, flush=True)
+    mode, arg = sys.argv[1], sys.argv[2]
+    if mode == "code":
+        sys.exit(int(arg))
+    if mode == "term":
+        signal.signal(signal.SIGTERM, lambda *_: (print("got TERM", flush=True), sys.exit(7)))
+    open(arg, "w").write(str(os.getpid()))
+    time.sleep(60)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with behind(preload=("json",)) as s:
+        yield s
+
+
+def _job(tmp_path: Path) -> Path:
+    (tmp_path / "job.py").write_text(JOB)
+    return tmp_path / "job.py"
+
+
+def _gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split()[2] == "Z"
+
+
+def test_a_forked_run_gets_the_launchers_arguments_environment_folder_and_streams(server, tmp_path):
+    env = subprocess_env(X="42", **server.env)
+    done = subprocess.run(
+        via(_job(tmp_path), "code", "3"), env=env, cwd=tmp_path, input="hi", capture_output=True, text=True
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == f"argv ['code', '3'] cwd {tmp_path} X 42 in hi\n"
+    pid = int(done.stderr.split()[1])
+    assert pid != os.getpid() and "err" in done.stderr
+
+
+def test_a_signal_to_the_stand_in_reaches_the_run_and_its_exit_comes_back(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen(
+        via(_job(tmp_path), "term", pid_file),
+        env=subprocess_env(**server.env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 7 and out.endswith("got TERM\n"), out
+
+
+def test_a_run_killed_by_a_signal_kills_its_stand_in_by_the_same(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen(
+        via(_job(tmp_path), "sleep", pid_file),
+        env=subprocess_env(**server.env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_killed_stand_in_takes_its_run_with_it(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen(
+        via(_job(tmp_path), "sleep", pid_file),
+        env=subprocess_env(**server.env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
+    run = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(run):
+        assert time.monotonic() < deadline, "the run outlived its stand-in"
+        time.sleep(0.01)
+
+
+def test_without_a_server_the_stand_in_is_the_script(tmp_path):
+    proc = subprocess.Popen(
+        via(_job(tmp_path), "code", "4"),
+        env=subprocess_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4 and "X None" in out, err
+    assert int(err.split()[1]) == proc.pid  # exec'd: the stand-in's own process ran it
