@@ -175,7 +175,8 @@ class _Lazy:
     """A server started at its first run (a module whose runs are all deselected or skipped starts none)."""
 
     def __init__(self, preload: tuple[str | Path, ...]) -> None:
-        self.preload, self.server, self._lock = preload, None, threading.Lock()
+        self.preload, self._lock = preload, threading.Lock()
+        self.server: ForkServer | None = None
 
     def get(self) -> ForkServer:
         with self._lock:
@@ -254,11 +255,19 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
     """A server for jobs a launcher under test starts (rehearse, the supervisor, torchrun): while inside,
     a launcher run with ``server.env`` in its environment that starts ``[sys.executable, FORKEXEC,
     SCRIPT, ...]`` gets each job forked from this server, which imported ``preload`` and the scripts'
-    imports once. The launcher's own start, signals and exit handling are what they would be."""
+    imports once. The launcher's own start, signals and exit handling are what they would be. The
+    scripts' own runs (``tests.helpers.run``) fork from it too, as under ``installed``."""
     server = ForkServer(*(preload or PRELOAD), *scripts, listen=True)
+    lazy = _Lazy(())
+    lazy.server = server
+    keys = [str(Path(s).resolve()) for s in scripts]
+    for key in keys:
+        _installed[key] = lazy
     try:
         yield server
     finally:
+        for key in keys:
+            _installed.pop(key, None)
         server.close()
 
 

@@ -11,6 +11,7 @@ no restart, unless ``rebatch="accept"``; Lightning alone trains on without a wor
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -18,7 +19,8 @@ import pytest
 
 from spotguard import EXIT_CONFIG
 
-from ..helpers import after_step, read_losses, run, subprocess_env
+from ..forked import FORKEXEC, behind
+from ..helpers import REPO, after_step, read_losses, run, subprocess_env
 from . import runs
 
 pytest.importorskip("torchdata")
@@ -31,10 +33,26 @@ SCRIPTS = {"accelerate_train.py": "accelerate", "lightning_train.py": "lightning
 _rng = random.Random()
 
 
+@pytest.fixture(scope="module")
+def servers():
+    """``servers(script)``: the server the example's runs, and its jobs under ``spotguard run``, fork
+    from (tests/forked.py ``behind``), one per example, started at its first run."""
+    with contextlib.ExitStack() as stack:
+        started = {}
+
+        def server(script: str):
+            if script not in started:
+                started[script] = stack.enter_context(behind(REPO / "examples" / script))
+            return started[script]
+
+        yield server
+
+
 @pytest.fixture(scope="module", params=sorted(SCRIPTS))
-def example(request, tmp_path_factory):
+def example(request, tmp_path_factory, servers):
     """(script, its uninterrupted reference run)."""
     pytest.importorskip(SCRIPTS[request.param])
+    servers(request.param)
     return request.param, runs.reference_run(request.param, tmp_path_factory.mktemp("reference"), *ARGS)
 
 
@@ -60,17 +78,20 @@ def test_resumed_with_more_workers_continues_at_the_same_sample(tmp_path, exampl
         assert logged[step] == want[step], (step, stopped)
 
 
-def supervised(script: str, run_dir, *args: str):
-    """The example under ``spotguard run`` (which restarts a crash, never a configuration error)."""
+def supervised(server, script: str, run_dir, *args: str):
+    """The example under ``spotguard run`` (which restarts a crash, never a configuration error); its
+    job forked from ``server``."""
     cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(run_dir / "ckpt"), "--backoff", "0.05"]
-    return run([*cmd, "--", *runs.command(script, run_dir, *args)], env=subprocess_env(), cwd=run_dir)
+    python, *job = runs.command(script, run_dir, *args)
+    return run([*cmd, "--", python, str(FORKEXEC), *job], env=subprocess_env(**server.env), cwd=run_dir)
 
 
 @pytest.mark.parametrize("script", ["accelerate_train.py", "hf_trainer.py", "lightning_train.py"])
-def test_resumed_with_another_batch_size_is_refused_unless_accepted(tmp_path, script):
+def test_resumed_with_another_batch_size_is_refused_unless_accepted(tmp_path, script, servers):
     pytest.importorskip({**SCRIPTS, "hf_trainer.py": "transformers"}[script])
+    server = servers(script)
     stopped = stopped_early(script, tmp_path)
-    refused = supervised(script, tmp_path, *ARGS, "--batch-size", "16")
+    refused = supervised(server, script, tmp_path, *ARGS, "--batch-size", "16")
     assert refused.returncode == EXIT_CONFIG, refused.stderr[-4000:]
     assert "was saved with batch_size=8 and has batch_size=16 now" in refused.stderr
     assert "rebatch='accept'" in refused.stderr
