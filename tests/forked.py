@@ -263,12 +263,28 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
     keys = [str(Path(s).resolve()) for s in scripts]
     for key in keys:
         _installed[key] = lazy
+    _behind.update(dict.fromkeys(keys, server))
     try:
         yield server
     finally:
         for key in keys:
             _installed.pop(key, None)
+            _behind.pop(key, None)
         server.close()
+
+
+_behind: dict[str, ForkServer] = {}  # a script -> the ``behind`` server that imported it
+
+
+def behind_env() -> dict[str, str]:
+    """What ``tests.helpers.subprocess_env`` adds while a ``behind`` server runs: its socket's name."""
+    return dict(list(_behind.values())[-1].env) if _behind else {}
+
+
+def launched(script: str | Path) -> list[str]:
+    """How a launcher (torchrun) is to start ``script``: through ``FORKEXEC`` while a ``behind`` server
+    that imported it runs, else as it is."""
+    return [str(FORKEXEC), str(script)] if str(Path(script).resolve()) in _behind else [str(script)]
 
 
 def via(script: str | Path, *args: str) -> list[str]:

@@ -35,10 +35,14 @@ _CLOSED: socket.socket | None = None
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment for child processes: this checkout first on the path, no stray notice config."""
+    """The environment for child processes: this checkout first on the path, no stray notice config; the
+    socket of a ``tests.forked.behind`` server while one runs (its scripts' jobs fork from it)."""
+    from tests.forked import behind_env
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") or k in KEEP_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(behind_env())
     env.update(extra)
     return env
 
@@ -87,7 +91,10 @@ def example_cmd(storage: str | Path, *args: str) -> list[str]:
 
 
 def torchrun(nproc: int, script: str | Path, *args: str) -> list[str]:
-    """``nproc`` ranks of ``script`` on this machine (gloo, a free port on 127.0.0.1)."""
+    """``nproc`` ranks of ``script`` on this machine (gloo, a free port on 127.0.0.1); forked from a
+    ``tests.forked.behind`` server that imported ``script``, while one runs."""
+    from tests.forked import launched
+
     return [
         sys.executable,
         "-m",
@@ -98,7 +105,7 @@ def torchrun(nproc: int, script: str | Path, *args: str) -> list[str]:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        str(script),
+        *launched(script),
         *args,
     ]
 

@@ -23,6 +23,7 @@ import torch
 
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
+from tests.forked import behind
 from tests.helpers import WORKERS, after_step, assert_same, read_losses, run, signal_to, stop_when, torchrun
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,13 @@ RANKS, EPOCHS, STEPS_PER_EPOCH, EVAL_EVERY = 2, 6, 3, 5  # 200 samples, 8 per ba
 STEPS = EPOCHS * STEPS_PER_EPOCH
 _seed = int(os.environ.get("THIRDPARTY_DDP_SEED") or random.randrange(1 << 32))
 _rng = random.Random(_seed)  # the test's own randomness; the seed is printed with every stop
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    """torchrun's ranks forked from one server that imported the script (tests/forked.py ``behind``)."""
+    with behind(SCRIPT):
+        yield
 
 
 def job(storage: Path, out: Path, destroy: str) -> list[str]:

@@ -24,7 +24,7 @@ from spotguard import EXIT_PREEMPTED
 from spotguard.checkpoint import scan
 from spotguard.storage import open_storage
 
-from ..forked import FORKEXEC, ForkServer, behind
+from ..forked import behind, launched
 from ..helpers import REPO, assert_same_run, free_port, last_step, read_losses, run, stop_when, subprocess_env
 
 SLOW = ("--step-sleep", "0.05")  # a notice sent after step N lands before step N + 2
@@ -70,20 +70,13 @@ def accelerate_args(nnodes: int, nproc: int, port: int, node: int, *mode: str) -
     ]
 
 
-_RANKS: list[ForkServer] = []  # the server the ranks of the jobs fork from (``forked_ranks``)
-
-
 @contextlib.contextmanager
 def forked_ranks(*scripts: str) -> Iterator[None]:
     """While inside, every rank the launchers start (torchrun's, ``accelerate launch``'s) is forked from
     one server that imported the examples ``scripts``' imports (torch, the trainer library: 3-5 CPU
     seconds a rank), not a Python process of its own; the launchers themselves start as they do."""
-    with behind(*(REPO / "examples" / s for s in scripts)) as server:
-        _RANKS.append(server)
-        try:
-            yield
-        finally:
-            _RANKS.remove(server)
+    with behind(*(REPO / "examples" / s for s in scripts)):
+        yield
 
 
 class Job:
@@ -134,8 +127,7 @@ class Job:
             )
             cmd = [
                 *launch,
-                *([str(FORKEXEC)] if _RANKS else []),
-                str(REPO / "examples" / self.script),
+                *launched(REPO / "examples" / self.script),
                 "--storage",
                 str(self.run_dir / "ckpt"),
                 "--losses",
@@ -145,11 +137,7 @@ class Job:
                 *self.local_args(local),
                 *extra,
             ]
-            env = subprocess_env(
-                TMPDIR=str(local / "tmp"),
-                SPOTGUARD_NOTICE_FILE=str(self.notices / "notice-{rank}"),
-                **(_RANKS[-1].env if _RANKS else {}),
-            )
+            env = subprocess_env(TMPDIR=str(local / "tmp"), SPOTGUARD_NOTICE_FILE=str(self.notices / "notice-{rank}"))
             out.append((cmd, env))
         return out
 

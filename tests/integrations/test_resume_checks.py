@@ -19,7 +19,7 @@ import pytest
 
 from spotguard import EXIT_CONFIG
 
-from ..forked import FORKEXEC, behind
+from ..forked import behind, launched
 from ..helpers import REPO, after_step, read_losses, run, subprocess_env
 from . import runs
 
@@ -78,20 +78,20 @@ def test_resumed_with_more_workers_continues_at_the_same_sample(tmp_path, exampl
         assert logged[step] == want[step], (step, stopped)
 
 
-def supervised(server, script: str, run_dir, *args: str):
+def supervised(script: str, run_dir, *args: str):
     """The example under ``spotguard run`` (which restarts a crash, never a configuration error); its
-    job forked from ``server``."""
+    job forked from the example's server."""
     cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(run_dir / "ckpt"), "--backoff", "0.05"]
-    python, *job = runs.command(script, run_dir, *args)
-    return run([*cmd, "--", python, str(FORKEXEC), *job], env=subprocess_env(**server.env), cwd=run_dir)
+    python, path, *args = runs.command(script, run_dir, *args)
+    return run([*cmd, "--", python, *launched(path), *args], env=subprocess_env(), cwd=run_dir)
 
 
 @pytest.mark.parametrize("script", ["accelerate_train.py", "hf_trainer.py", "lightning_train.py"])
 def test_resumed_with_another_batch_size_is_refused_unless_accepted(tmp_path, script, servers):
     pytest.importorskip({**SCRIPTS, "hf_trainer.py": "transformers"}[script])
-    server = servers(script)
+    servers(script)
     stopped = stopped_early(script, tmp_path)
-    refused = supervised(server, script, tmp_path, *ARGS, "--batch-size", "16")
+    refused = supervised(script, tmp_path, *ARGS, "--batch-size", "16")
     assert refused.returncode == EXIT_CONFIG, refused.stderr[-4000:]
     assert "was saved with batch_size=8 and has batch_size=16 now" in refused.stderr
     assert "rebatch='accept'" in refused.stderr
