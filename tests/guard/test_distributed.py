@@ -24,7 +24,7 @@ from spotguard import CheckpointMismatchError, Guard
 from spotguard.checkpoint import latest, scan
 from spotguard.checkpoint.sharded.dcp import load_metadata
 from spotguard.storage import open_storage
-from tests.forked import PRELOAD, installed
+from tests.forked import PRELOAD, behind
 from tests.helpers import (
     DDP_ARGS,
     EXAMPLE_DDP,
@@ -44,7 +44,7 @@ from tests.helpers import (
 
 _rng = random.Random()  # the test's own randomness
 
-#: Scripts whose runs here are not launched by torchrun: forked from one server (tests/forked.py).
+#: Scripts whose runs here, and whose ranks under torchrun, fork from one server (tests/forked.py).
 FORKED = (
     EXAMPLE_DDP,
     *(WORKERS / f"dist_{name}.py" for name in ("reshard", "one_rank_fails", "fsdp2", "async_save", "destroy_inflight")),
@@ -60,7 +60,7 @@ HEAVY = (
 
 @pytest.fixture(scope="module", autouse=True)
 def _forked():
-    with installed(*FORKED, preload=(*PRELOAD, *HEAVY)):
+    with behind(*FORKED, preload=(*PRELOAD, *HEAVY)):  # torchrun's ranks of them too
         yield
 
 
