@@ -23,6 +23,7 @@ from spotguard.checkpoint import latest
 from spotguard.ops.cli import main as spotguard_main
 from spotguard.ops.mockmeta import endpoint_env
 from spotguard.storage import open_storage
+from tests.forked import behind, launched
 from tests.helpers import (
     DDP_ARGS,
     EXAMPLE_DDP,
@@ -40,6 +41,13 @@ pytestmark = pytest.mark.slow
 
 ARGS = (*DDP_ARGS, "--quiet", "--interval", "0.2", "--providers", "aws")
 _rng = random.Random()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    """The nodes' ranks forked from one server that imported the example (tests/forked.py ``behind``)."""
+    with behind(EXAMPLE_DDP):
+        yield
 
 
 def node_cmd(port: int, job: str, *args: str) -> list[str]:
@@ -60,7 +68,7 @@ def node_cmd(port: int, job: str, *args: str) -> list[str]:
         job,
         "--local-addr",
         "127.0.0.1",
-        str(EXAMPLE_DDP),
+        *launched(EXAMPLE_DDP),
         *args,
     ]
 
