@@ -1,10 +1,14 @@
 """Argument kinds that recur across the subcommands, declared once so that they parse alike everywhere:
 a ``--json`` flag (what ``_output.report`` reads), a storage URL positional, an option in seconds, and
-the training command given after ``--``."""
+the training command given after ``--``, and an options dataclass filled from them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: The help of a storage URL positional where nothing more needs saying.
 URL = "storage URL (path, file://, s3://, gs://, az://)"
@@ -30,3 +34,19 @@ def add_seconds(
 def command(args: argparse.Namespace) -> list[str]:
     """``args.cmd`` (an ``argparse.REMAINDER``) without the ``--`` that argparse keeps in front of it."""
     return args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
+
+
+def options_from(cls: type[T], args: argparse.Namespace, **renamed: str) -> T:
+    """``cls``, an options dataclass, from ``args``: ``command`` from the remainder, every other field
+    from the argument of its name or of the name ``renamed`` gives it (``lead_s="lead"``); a field no
+    argument sets keeps its default. One mapping, so a new option cannot be parsed and then dropped."""
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    wrong = {k: v for k, v in renamed.items() if k not in fields or not hasattr(args, v)}
+    if wrong:
+        raise TypeError(f"options_from({cls.__name__}): no such field or argument: {wrong}")
+    values: dict[str, Any] = {"command": command(args)}
+    for field in fields - {"command"}:
+        name = renamed.get(field, field)
+        if hasattr(args, name):
+            values[field] = getattr(args, name)
+    return cls(**values)

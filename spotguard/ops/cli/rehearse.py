@@ -13,7 +13,7 @@ from typing import Any
 
 from spotguard.errors import StorageError
 
-from ._args import add_json, add_seconds, command
+from ._args import add_json, add_seconds, options_from
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -22,21 +22,15 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     # A SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C: the fleet kills the job it runs and
     # stops the mock server on its way out, instead of leaving them behind.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    options = rehearsal.RehearsalOptions(
-        command(args),
-        preemptions=args.preemptions,
-        mtbf_s=args.mtbf,
-        seed=args.seed,
-        source=args.notices,
-        lead_s=args.lead,
-        replacement_s=args.replacement_delay,
-        after_restart=args.after_restart,
-        during_save=args.during_save,
-        during_eval=args.during_eval,
-        storage=args.storage,
-        fresh_local=args.fresh_local,
-        timeout_s=args.timeout,
-        stdout_to_stderr=args.json,
+    options = options_from(
+        rehearsal.RehearsalOptions,
+        args,
+        mtbf_s="mtbf",
+        source="notices",
+        lead_s="lead",
+        replacement_s="replacement_delay",
+        timeout_s="timeout",
+        stdout_to_stderr="json",
     )
     reference = rehearsal.reference_url(args.storage, args.reference_storage) if args.reference else None
     result = rehearsal.rehearse(options, args.work_dir, reference)

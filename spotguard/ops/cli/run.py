@@ -12,27 +12,13 @@ from spotguard import redact
 from spotguard.errors import SpotguardError
 from spotguard.notices.base import Notice
 
-from ._args import add_json, add_seconds, command
+from ._args import add_json, add_seconds, options_from
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from spotguard.ops.supervisor import Supervisor, SupervisorOptions
 
-    options = SupervisorOptions(
-        command(args),
-        storage=args.storage,
-        local_dir=args.local_dir,
-        prefetch=args.prefetch,
-        max_restarts=args.max_restarts,
-        hang_timeout=args.hang_timeout,
-        startup_timeout=args.startup_timeout,
-        backoff=args.backoff,
-        backoff_max=args.backoff_max,
-        grace=args.grace,
-        forward_as=args.forward_as,
-        stdout_to_stderr=args.json,
-        takeover=args.takeover,
-    )
+    options = options_from(SupervisorOptions, args, stdout_to_stderr="json")
     supervisor = Supervisor(options)
     supervisor.stops.hold_after_stop = True  # this process exits with the run's code: a late repeat must not kill it
     exporter = None
