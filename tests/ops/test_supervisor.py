@@ -19,6 +19,7 @@ import pytest
 from spotguard import EXIT_PREEMPTED
 from spotguard.errors import ConfigError
 from spotguard.ops.supervisor import SupervisorOptions
+from tests.forked import behind, launched
 from tests.helpers import (
     EXAMPLE,
     EXAMPLE_ARGS,
@@ -54,9 +55,16 @@ def run_cmd(storage: Path, *supervisor_args: str, child: list[str]) -> list[str]
     ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forked():
+    """The example's jobs under `spotguard run` fork from one server that imported it (tests/forked.py)."""
+    with behind(EXAMPLE):
+        yield
+
+
 def example(*args: str) -> list[str]:
     """The example without --storage: it must get the location from `spotguard run`."""
-    return [sys.executable, str(EXAMPLE), "--quiet", *args]
+    return [sys.executable, *launched(EXAMPLE), "--quiet", *args]
 
 
 def supervise(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
