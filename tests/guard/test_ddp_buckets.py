@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from spotguard.checkpoint import delete, latest, scan
 from spotguard.guard import buckets
 from spotguard.storage import open_storage
-from tests.helpers import ddp_example_cmd, read_losses, run
+from tests.forked import behind
+from tests.helpers import EXAMPLE_DDP, ddp_example_cmd, read_losses, run
 
 RANKS, STEPS, EVERY = 4, 24, 8
 
@@ -28,7 +29,15 @@ def test_one_rank_keeps_ddps_own_buckets():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def forked_ranks():
+    """torchrun's four ranks fork from one server that imported the example (tests/forked.py)."""
+    with behind(EXAMPLE_DDP):
+        yield
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("forked_ranks")
 def test_four_ranks_resumed_from_a_periodic_checkpoint_train_bit_for_bit_like_the_uninterrupted_run(tmp_path):
     storage = tmp_path / "ckpt"
     args = ("--steps", str(STEPS), "--every-steps", str(EVERY), "--providers", "signal", "--keep", "5")
