@@ -98,7 +98,8 @@ class ForkServer:
         self.env = {SOCKET_ENV: os.path.join(self._dir.name, "socket")} if listen else {}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forked", *(str(p) for p in preload or PRELOAD)],
-            env={**(env or subprocess_env()), **self.env},
+            # Its own socket, or none: a server started while a ``behind`` one runs must not take that one's.
+            env={**{k: v for k, v in (env or subprocess_env()).items() if k != SOCKET_ENV}, **self.env},
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -109,13 +110,13 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._pids: list[int] = []
         self._served: list[int] = []
-        self._ready = False
+        self._ready = self._ended = False
         self._lock = threading.Lock()
         self._started = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         with self._started:  # the imports done
-            self._started.wait_for(lambda: self._ready or not self.alive(), WAIT_S)
+            self._started.wait_for(lambda: self._ready or self._ended, WAIT_S)
         assert self._ready and self.alive(), f"the fork server did not start: {self.log()}"
 
     def _read(self) -> None:
@@ -132,7 +133,8 @@ class ForkServer:
                 else:
                     self._ready = True
                 self._started.notify_all()
-        with self._started:
+        with self._started:  # the server's end (its pipe's, which can come before its exit status)
+            self._ended = True
             self._started.notify_all()
 
     def alive(self) -> bool:
@@ -149,7 +151,7 @@ class ForkServer:
             assert self._proc.stdin is not None
             self._proc.stdin.write(json.dumps(job) + "\n")
             self._proc.stdin.flush()
-            self._started.wait_for(lambda: len(self._pids) > known or not self.alive(), 60)
+            self._started.wait_for(lambda: len(self._pids) > known or self._ended, 60)
             assert len(self._pids) > known, f"the fork server did not start {cmd}: {self.log()}"
             return Forked(self, self._pids[known], list(cmd))
 
@@ -264,9 +266,11 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
     for key in keys:
         _installed[key] = lazy
     _behind.update(dict.fromkeys(keys, server))
+    _listening.append(server)
     try:
         yield server
     finally:
+        _listening.remove(server)
         for key in keys:
             _installed.pop(key, None)
             _behind.pop(key, None)
@@ -274,11 +278,12 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
 
 
 _behind: dict[str, ForkServer] = {}  # a script -> the ``behind`` server that imported it
+_listening: list[ForkServer] = []  # the ``behind`` servers running, newest last
 
 
 def behind_env() -> dict[str, str]:
     """What ``tests.helpers.subprocess_env`` adds while a ``behind`` server runs: its socket's name."""
-    return dict(list(_behind.values())[-1].env) if _behind else {}
+    return dict(_listening[-1].env) if _listening else {}
 
 
 def launched(script: str | Path) -> list[str]:

@@ -7,14 +7,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.forked import behind, via
-from tests.helpers import subprocess_env, wait_until
+from tests.forked import Served, behind, via
+from tests.forkexec import SOCKET_ENV
+from tests.helpers import run, subprocess_env, wait_until
 
 JOB = textwrap.dedent(
     """
@@ -108,7 +110,7 @@ def test_a_killed_stand_in_takes_its_run_with_it(server, tmp_path):
 def test_without_a_server_the_stand_in_is_the_script(tmp_path):
     proc = subprocess.Popen(
         via(_job(tmp_path), "code", "4"),
-        env=subprocess_env(),
+        env=subprocess_env(**{SOCKET_ENV: ""}),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -117,3 +119,13 @@ def test_without_a_server_the_stand_in_is_the_script(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 4 and "X None" in out, err
     assert int(err.split()[1]) == proc.pid  # exec'd: the stand-in's own process ran it
+
+
+def test_a_server_started_while_one_listens_runs_its_own_runs(server, tmp_path):
+    job, served = _job(tmp_path), Served(("json",))
+    try:
+        with served.scripts(job):  # its environment names the listening server's socket: not to be taken
+            done = run([sys.executable, str(job), "code", "5"], cwd=tmp_path, timeout=60)
+    finally:
+        served.close()
+    assert done.returncode == 5 and done.stdout.startswith("argv ['code', '5']"), done.stderr
