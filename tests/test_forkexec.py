@@ -61,46 +61,38 @@ def test_a_forked_run_gets_the_launchers_arguments_environment_folder_and_stream
     assert pid != os.getpid() and "err" in done.stderr
 
 
-def test_a_signal_to_the_stand_in_reaches_the_run_and_its_exit_comes_back(server, tmp_path):
+def _started(server, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
+    """The stand-in of a run in ``mode`` ("term", "sleep"), once the run wrote its pid; both pids."""
     pid_file = tmp_path / "pid"
     proc = subprocess.Popen(
-        via(_job(tmp_path), "term", pid_file),
+        via(_job(tmp_path), mode, pid_file),
         env=subprocess_env(**server.env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
     )
     wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
+    return proc, int(pid_file.read_text())
+
+
+def test_a_signal_to_the_stand_in_reaches_the_run_and_its_exit_comes_back(server, tmp_path):
+    proc, _ = _started(server, tmp_path, "term")
     proc.terminate()
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 7 and out.endswith("got TERM\n"), out
 
 
 def test_a_run_killed_by_a_signal_kills_its_stand_in_by_the_same(server, tmp_path):
-    pid_file = tmp_path / "pid"
-    proc = subprocess.Popen(
-        via(_job(tmp_path), "sleep", pid_file),
-        env=subprocess_env(**server.env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
-    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    assert proc.wait(30) == -signal.SIGKILL
+    proc, run = _started(server, tmp_path, "sleep")
+    os.kill(run, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_a_killed_stand_in_takes_its_run_with_it(server, tmp_path):
-    pid_file = tmp_path / "pid"
-    proc = subprocess.Popen(
-        via(_job(tmp_path), "sleep", pid_file),
-        env=subprocess_env(**server.env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
-    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the run's start")
-    run = int(pid_file.read_text())
+    proc, run = _started(server, tmp_path, "sleep")
     proc.kill()
-    proc.wait()
+    proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
     while not _gone(run):
         assert time.monotonic() < deadline, "the run outlived its stand-in"

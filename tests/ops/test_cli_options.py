@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from spotguard.ops.cli import build_parser
+from spotguard.ops.cli import build_parser, rehearse, run
 from spotguard.ops.cli._args import options_from
-from spotguard.ops.rehearsal import RehearsalOptions
 from spotguard.ops.supervisor import SupervisorOptions
 
 
@@ -22,7 +21,7 @@ def test_spotguard_run_fills_every_option_it_parses():
             *("--takeover", "--", "python", "train.py", "--steps", "5"),
         ]
     )
-    o = options_from(SupervisorOptions, args, stdout_to_stderr="json")
+    o = run.options(args)
     assert o.command == ["python", "train.py", "--steps", "5"]
     assert (o.storage, o.local_dir, o.max_restarts, o.hang_timeout) == ("s3://b/p", "/l", 7, 9.0)
     assert (o.startup_timeout, o.backoff, o.backoff_max, o.grace) == (11.0, 0.5, 4.0, 3.0)
@@ -38,16 +37,7 @@ def test_spotguard_rehearse_fills_its_renamed_options():
             *("--", "python", "train.py"),
         ]
     )
-    o = options_from(
-        RehearsalOptions,
-        args,
-        mtbf_s="mtbf",
-        source="notices",
-        lead_s="lead",
-        replacement_s="replacement_delay",
-        timeout_s="timeout",
-        stdout_to_stderr="json",
-    )
+    o = rehearse.options(args)
     assert o.command == ["python", "train.py"] and (o.preemptions, o.seed, o.storage) == (3, 4, "/s")
     assert (o.mtbf_s, o.source, o.lead_s, o.replacement_s, o.timeout_s) == (2.5, "azure", 40.0, 0.3, 99.0)
     assert o.fresh_local is True and o.stdout_to_stderr is True

@@ -9,11 +9,32 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import StorageError
 
 from ._args import add_json, add_seconds, options_from
+
+if TYPE_CHECKING:
+    from spotguard.ops.rehearsal import RehearsalOptions
+
+
+#: The options' fields whose arguments have other names (``--mtbf`` fills ``mtbf_s``).
+RENAMED = {
+    "mtbf_s": "mtbf",
+    "source": "notices",
+    "lead_s": "lead",
+    "replacement_s": "replacement_delay",
+    "timeout_s": "timeout",
+    "stdout_to_stderr": "json",
+}
+
+
+def options(args: argparse.Namespace) -> RehearsalOptions:
+    """The rehearsal's options from its parsed arguments."""
+    from spotguard.ops.rehearsal import RehearsalOptions
+
+    return options_from(RehearsalOptions, args, **RENAMED)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -22,18 +43,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     # A SIGTERM (a CI job's timeout, `kill`) unwinds like Ctrl-C: the fleet kills the job it runs and
     # stops the mock server on its way out, instead of leaving them behind.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    options = options_from(
-        rehearsal.RehearsalOptions,
-        args,
-        mtbf_s="mtbf",
-        source="notices",
-        lead_s="lead",
-        replacement_s="replacement_delay",
-        timeout_s="timeout",
-        stdout_to_stderr="json",
-    )
     reference = rehearsal.reference_url(args.storage, args.reference_storage) if args.reference else None
-    result = rehearsal.rehearse(options, args.work_dir, reference)
+    result = rehearsal.rehearse(options(args), args.work_dir, reference)
     doc = result.to_dict()
     if args.plot:
         from spotguard.ops.rehearsal.plot import plot_rehearsal

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard import redact
 from spotguard.errors import SpotguardError
@@ -14,12 +14,21 @@ from spotguard.notices.base import Notice
 
 from ._args import add_json, add_seconds, options_from
 
+if TYPE_CHECKING:
+    from spotguard.ops.supervisor import SupervisorOptions
+
+
+def options(args: argparse.Namespace) -> SupervisorOptions:
+    """The supervisor's options from its parsed arguments (``--json`` also sends the job's output to stderr)."""
+    from spotguard.ops.supervisor import SupervisorOptions
+
+    return options_from(SupervisorOptions, args, stdout_to_stderr="json")
+
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from spotguard.ops.supervisor import Supervisor, SupervisorOptions
+    from spotguard.ops.supervisor import Supervisor
 
-    options = options_from(SupervisorOptions, args, stdout_to_stderr="json")
-    supervisor = Supervisor(options)
+    supervisor = Supervisor(options(args))
     supervisor.stops.hold_after_stop = True  # this process exits with the run's code: a late repeat must not kill it
     exporter = None
     if args.metrics_port is not None or args.metrics_file:
