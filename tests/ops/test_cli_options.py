@@ -16,7 +16,7 @@ from spotguard.ops.supervisor import SupervisorOptions
 def test_spotguard_run_fills_every_option_it_parses():
     args = build_parser().parse_args(
         [
-            *("run", "--storage", "s3://b/p", "--local-dir", "/l", "--max-restarts", "7", "--hang-timeout", "9"),
+            *("run", "-v", "--storage", "s3://b/p", "--local-dir", "/l", "--max-restarts", "7", "--hang-timeout", "9"),
             *("--startup-timeout", "11", "--backoff", "0.5", "--backoff-max", "4", "--grace", "3", "--json"),
             *("--takeover", "--", "python", "train.py", "--steps", "5"),
         ]
@@ -32,7 +32,7 @@ def test_spotguard_run_fills_every_option_it_parses():
 def test_spotguard_rehearse_fills_its_renamed_options():
     args = build_parser().parse_args(
         [
-            *("rehearse", "-n", "3", "--mtbf", "2.5", "--seed", "4", "--notices", "azure", "--lead", "40"),
+            *("rehearse", "-vv", "-n", "3", "--mtbf", "2.5", "--seed", "4", "--notices", "azure", "--lead", "40"),
             *("--replacement-delay", "0.3", "--timeout", "99", "--storage", "/s", "--fresh-local", "--json"),
             *("--", "python", "train.py"),
         ]
@@ -51,6 +51,8 @@ def test_a_rename_naming_no_field_or_no_argument_is_a_programming_error():
 
     args = argparse.Namespace(cmd=["--", "x"], lead=2.0)
     assert options_from(Options, args, lead_s="lead") == Options(["x"], 2.0)
+    with pytest.raises(TypeError, match="used nowhere: {'lead'}"):  # a field renamed, its option not
+        options_from(Options, args)
     with pytest.raises(TypeError, match="lead_ss"):
         options_from(Options, args, lead_ss="lead")
     with pytest.raises(TypeError, match="leed"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -36,17 +37,21 @@ def command(args: argparse.Namespace) -> list[str]:
     return args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
 
 
-def options_from(cls: type[T], args: argparse.Namespace, **renamed: str) -> T:
+#: What every subcommand's namespace holds besides its options: the parser's own (``cli/__init__.py``).
+PARSER_OWN = frozenset({"command", "func", "verbose", "verbose_after", "cmd"})
+
+
+def options_from(cls: type[T], args: argparse.Namespace, *, elsewhere: Iterable[str] = (), **renamed: str) -> T:
     """``cls``, an options dataclass, from ``args``: ``command`` from the remainder, every other field
     from the argument of its name or of the name ``renamed`` gives it (``lead_s="lead"``); a field no
-    argument sets keeps its default. One mapping, so a new option cannot be parsed and then dropped."""
+    argument sets keeps its default. Every argument must fill a field or be named in ``elsewhere`` (the
+    subcommand uses it itself), so an option cannot be parsed and then dropped: a TypeError otherwise."""
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     wrong = {k: v for k, v in renamed.items() if k not in fields or not hasattr(args, v)}
-    if wrong:
-        raise TypeError(f"options_from({cls.__name__}): no such field or argument: {wrong}")
-    values: dict[str, Any] = {"command": command(args)}
-    for field in fields - {"command"}:
-        name = renamed.get(field, field)
-        if hasattr(args, name):
-            values[field] = getattr(args, name)
+    names = {field: renamed.get(field, field) for field in fields - {"command"}}
+    dropped = set(vars(args)) - set(names.values()) - PARSER_OWN - set(elsewhere)
+    if wrong or dropped:
+        raise TypeError(f"options_from({cls.__name__}): no such field or argument: {wrong}; used nowhere: {dropped}")
+    values: dict[str, Any] = {field: getattr(args, name) for field, name in names.items() if hasattr(args, name)}
+    values["command"] = command(args)
     return cls(**values)

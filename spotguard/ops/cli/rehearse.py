@@ -30,11 +30,15 @@ RENAMED = {
 }
 
 
+#: Its arguments for the reference run, the report and the work folder, not the rehearsal's options.
+ELSEWHERE = ("reference", "reference_storage", "report", "plot", "work_dir")
+
+
 def options(args: argparse.Namespace) -> RehearsalOptions:
     """The rehearsal's options from its parsed arguments."""
     from spotguard.ops.rehearsal import RehearsalOptions
 
-    return options_from(RehearsalOptions, args, **RENAMED)
+    return options_from(RehearsalOptions, args, elsewhere=ELSEWHERE, **RENAMED)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:

@@ -18,11 +18,15 @@ if TYPE_CHECKING:
     from spotguard.ops.supervisor import SupervisorOptions
 
 
+#: ``spotguard run``'s arguments for its metrics exporter, not the supervisor's options.
+METRICS = ("metrics_port", "metrics_host", "metrics_file")
+
+
 def options(args: argparse.Namespace) -> SupervisorOptions:
     """The supervisor's options from its parsed arguments (``--json`` also sends the job's output to stderr)."""
     from spotguard.ops.supervisor import SupervisorOptions
 
-    return options_from(SupervisorOptions, args, stdout_to_stderr="json")
+    return options_from(SupervisorOptions, args, elsewhere=METRICS, stdout_to_stderr="json")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
