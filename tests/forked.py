@@ -35,10 +35,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.forkexec import SOCKET_ENV
-
-#: ``[sys.executable, FORKEXEC, SCRIPT, *args]`` runs ``SCRIPT`` forked from a ``behind`` server.
+#: ``[sys.executable, FORKEXEC, "--socket=PATH", SCRIPT, *args]`` runs ``SCRIPT`` forked from a ``behind``
+#: server (``launched`` and ``via`` write it).
 FORKEXEC = Path(__file__).with_name("forkexec.py")
+SOCKET_ENV = "TESTS_FORKSERVER_SOCKET"  # where a listening server (``behind``) is told to listen
 
 #: Imported by the server before it forks: what the workers and examples import (torch first), and
 #: torch._dynamo with sympy, which an optimizer's constructor imports (1-2.5 CPU-s a run on this machine).
@@ -89,17 +89,17 @@ class ForkServer:
     """``python -m tests.forked PRELOAD...``: forks the runs it is sent (several may run at once)."""
 
     def __init__(self, *preload: str | Path, env: dict[str, str] | None = None, listen: bool = False) -> None:
-        """``listen``: also fork the runs ``forkexec`` clients ask for, at ``self.env``'s socket."""
+        """``listen``: also fork the runs ``forkexec`` clients ask for, at ``self.socket``."""
         from tests.helpers import REPO, WAIT_S, subprocess_env
 
         self._log = tempfile.NamedTemporaryFile(prefix="forkserver-", suffix=".log")  # noqa: SIM115
         self._dir = tempfile.TemporaryDirectory(prefix="forkserver-")
-        #: What a launcher's environment needs for its ``forkexec`` jobs to reach this server.
-        self.env = {SOCKET_ENV: os.path.join(self._dir.name, "socket")} if listen else {}
+        #: Where ``forkexec`` clients reach this server (``listen``), else None.
+        self.socket = os.path.join(self._dir.name, "socket") if listen else None
+        own = {SOCKET_ENV: self.socket} if self.socket else {}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forked", *(str(p) for p in preload or PRELOAD)],
-            # Its own socket, or none: a server started while a ``behind`` one runs must not take that one's.
-            env={**{k: v for k, v in (env or subprocess_env()).items() if k != SOCKET_ENV}, **self.env},
+            env={**{k: v for k, v in (env or subprocess_env()).items() if k != SOCKET_ENV}, **own},
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -255,22 +255,20 @@ def run_forked(
 @contextlib.contextmanager
 def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterator[ForkServer]:
     """A server for jobs a launcher under test starts (rehearse, the supervisor, torchrun): while inside,
-    a launcher run with ``server.env`` in its environment that starts ``[sys.executable, FORKEXEC,
-    SCRIPT, ...]`` gets each job forked from this server, which imported ``preload`` and the scripts'
-    imports once. The launcher's own start, signals and exit handling are what they would be. The
-    scripts' own runs (``tests.helpers.run``) fork from it too, as under ``installed``."""
+    a launcher that starts ``[sys.executable, *launched(SCRIPT), ...]`` gets each job forked from this
+    server, which imported ``preload`` and the scripts' imports once. The launcher's own start, signals
+    and exit handling are what they would be. The scripts' own runs (``tests.helpers.run``) fork from it
+    too, as under ``installed``."""
     server = ForkServer(*(preload or PRELOAD), *scripts, listen=True)
     lazy = _Lazy(())
     lazy.server = server
     keys = [str(Path(s).resolve()) for s in scripts]
     for key in keys:
         _installed[key] = lazy
-    _behind.update(dict.fromkeys(keys, server))
-    _listening.append(server)
+        _behind[key] = server
     try:
         yield server
     finally:
-        _listening.remove(server)
         for key in keys:
             _installed.pop(key, None)
             _behind.pop(key, None)
@@ -278,23 +276,19 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
 
 
 _behind: dict[str, ForkServer] = {}  # a script -> the ``behind`` server that imported it
-_listening: list[ForkServer] = []  # the ``behind`` servers running, newest last
-
-
-def behind_env() -> dict[str, str]:
-    """What ``tests.helpers.subprocess_env`` adds while a ``behind`` server runs: its socket's name."""
-    return dict(_listening[-1].env) if _listening else {}
 
 
 def launched(script: str | Path) -> list[str]:
-    """How a launcher (torchrun) is to start ``script``: through ``FORKEXEC`` while a ``behind`` server
-    that imported it runs, else as it is."""
-    return [str(FORKEXEC), str(script)] if str(Path(script).resolve()) in _behind else [str(script)]
+    """How a launcher (torchrun) is to start ``script``: through ``FORKEXEC`` from the ``behind`` server
+    that imported it, while one runs, else as it is."""
+    server = _behind.get(str(Path(script).resolve()))
+    return [str(FORKEXEC), f"--socket={server.socket}", str(script)] if server else [str(script)]
 
 
-def via(script: str | Path, *args: str) -> list[str]:
-    """The command that runs ``script`` through a ``behind`` server (plainly where none is named)."""
-    return [sys.executable, str(FORKEXEC), str(script), *map(str, args)]
+def via(script: str | Path, *args: str | Path, server: ForkServer | None = None) -> list[str]:
+    """``[python, FORKEXEC, ...]``: ``script`` forked from ``server`` (``behind``), or plainly without one."""
+    named = [f"--socket={server.socket}"] if server else []
+    return [sys.executable, str(FORKEXEC), *named, str(script), *map(str, args)]
 
 
 # -- the server ---------------------------------------------------------------------------------------
@@ -319,6 +313,9 @@ def _child(job: dict, fds: list[int] | None = None) -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(job["env"])
+    tempfile.tempdir = None  # $TMPDIR is read again, from the run's environment
+    for sig in job.get("ignored", ()):  # what its launcher ignores, the run ignores, as across an exec
+        signal.signal(sig, signal.SIG_IGN)
     os.chdir(job["cwd"])
     script = os.path.abspath(job["argv"][0])
     sys.argv = [script, *job["argv"][1:]]
@@ -336,6 +333,16 @@ def _child(job: dict, fds: list[int] | None = None) -> None:
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # Python ends such a process by SIGINT, after its exit handlers
+        import atexit
+        import traceback
+
+        traceback.print_exc()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         import traceback
 
@@ -367,6 +374,28 @@ def _listen() -> socket.socket | None:
     listener.listen(64)
     _SERVER_HELD.append(listener)
     return listener
+
+
+def _accepted(listener: socket.socket) -> tuple[socket.socket, dict, list[int], int] | None:
+    """A ``forkexec`` client's job, its standard streams and a pidfd of the client; None, with all of
+    it closed, when the client went away before its request was whole."""
+    conn, _ = listener.accept()
+    fds: list[int] = []
+    try:
+        conn.settimeout(5)  # a client stopped between its connect and its send must not stall the others
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        job = json.loads(msg)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} streams")
+        pidfd = os.pidfd_open(job["client"])
+        conn.settimeout(None)
+        return conn, job, fds, pidfd
+    except (OSError, ValueError, KeyError) as e:
+        print(f"forkserver: a client's request dropped: {e!r}", file=sys.stderr)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
 
 
 def serve(preload: list[str]) -> int:
@@ -404,21 +433,18 @@ def serve(preload: list[str]) -> int:
                 else:
                     _say({"pid": fork(json.loads(line))})
             elif ready is listener:
-                conn, _ = listener.accept()
-                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                job = json.loads(msg)
-                try:
-                    pidfd = os.pidfd_open(job["client"])
-                except ProcessLookupError:  # gone already: nothing to run for it
-                    conn.close()
+                accepted = _accepted(listener)
+                if accepted is None:
                     continue
+                conn, job, fds, pidfd = accepted
                 _SERVER_HELD.extend((conn, pidfd))
                 pid = fork(job, fds)
                 for fd in fds:
                     os.close(fd)
                 clients[pid], watched[pidfd] = conn, pid
-                conn.send(json.dumps({"pid": pid}).encode())
                 _say({"served": pid})
+                with contextlib.suppress(OSError):  # a client gone already: its pidfd is readable, its run killed
+                    conn.send(json.dumps({"pid": pid}).encode())
             else:  # a client ended while its run goes on: its launcher killed it, so the run goes too
                 pid = watched.pop(ready)
                 os.close(ready)

@@ -35,14 +35,10 @@ _CLOSED: socket.socket | None = None
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment for child processes: this checkout first on the path, no stray notice config; the
-    socket of a ``tests.forked.behind`` server while one runs (its scripts' jobs fork from it)."""
-    from tests.forked import behind_env
-
+    """The environment for child processes: this checkout first on the path, no stray notice config."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") or k in KEEP_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(behind_env())
     env.update(extra)
     return env
 

@@ -4,6 +4,7 @@ signals sent to it; and a killed stand-in takes its run with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked import Served, behind, via
-from tests.forkexec import SOCKET_ENV
+from tests.forked import SOCKET_ENV, Served, behind, via
 from tests.helpers import run, subprocess_env, wait_until
 
 JOB = textwrap.dedent(
@@ -51,9 +51,13 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_forked_run_gets_the_launchers_arguments_environment_folder_and_streams(server, tmp_path):
-    env = subprocess_env(X="42", **server.env)
     done = subprocess.run(
-        via(_job(tmp_path), "code", "3"), env=env, cwd=tmp_path, input="hi", capture_output=True, text=True
+        via(_job(tmp_path), "code", "3", server=server),
+        env=subprocess_env(X="42"),
+        cwd=tmp_path,
+        input="hi",
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 3, done.stderr
     assert done.stdout == f"argv ['code', '3'] cwd {tmp_path} X 42 in hi\n"
@@ -65,8 +69,8 @@ def _started(server, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], 
     """The stand-in of a run in ``mode`` ("term", "sleep"), once the run wrote its pid; both pids."""
     pid_file = tmp_path / "pid"
     proc = subprocess.Popen(
-        via(_job(tmp_path), mode, pid_file),
-        env=subprocess_env(**server.env),
+        via(_job(tmp_path), mode, pid_file, server=server),
+        env=subprocess_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
@@ -102,7 +106,7 @@ def test_a_killed_stand_in_takes_its_run_with_it(server, tmp_path):
 def test_without_a_server_the_stand_in_is_the_script(tmp_path):
     proc = subprocess.Popen(
         via(_job(tmp_path), "code", "4"),
-        env=subprocess_env(**{SOCKET_ENV: ""}),
+        env=subprocess_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -113,7 +117,8 @@ def test_without_a_server_the_stand_in_is_the_script(tmp_path):
     assert int(err.split()[1]) == proc.pid  # exec'd: the stand-in's own process ran it
 
 
-def test_a_server_started_while_one_listens_runs_its_own_runs(server, tmp_path):
+def test_a_server_started_where_the_socket_variable_is_set_runs_its_own_runs(server, tmp_path, monkeypatch):
+    monkeypatch.setenv(SOCKET_ENV, str(server.socket))  # as in a listening server's own children
     job, served = _job(tmp_path), Served(("json",))
     try:
         with served.scripts(job):  # its environment names the listening server's socket: not to be taken
@@ -121,3 +126,45 @@ def test_a_server_started_while_one_listens_runs_its_own_runs(server, tmp_path):
     finally:
         served.close()
     assert done.returncode == 5 and done.stdout.startswith("argv ['code', '5']"), done.stderr
+
+
+def test_signals_the_launcher_ignores_the_run_ignores_and_an_interrupt_ends_it_by_sigint(server, tmp_path):
+    """As across an exec: SIGINT ignored by the launcher (a background job) is ignored by the run, and a
+    run that dies of an uncaught KeyboardInterrupt ends by SIGINT (-2), as a real Python does."""
+    job = tmp_path / "int.py"
+    job.write_text(
+        "import os, signal, sys\n"
+        "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise KeyboardInterrupt\n"
+    )
+    ignoring = subprocess.run(
+        via(job, "quiet", server=server),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert (ignoring.returncode, ignoring.stdout) == (0, "True\n"), ignoring.stderr
+    interrupted = subprocess.run(via(job, "raise", server=server), env=subprocess_env(), capture_output=True, text=True)
+    assert interrupted.returncode == -signal.SIGINT and "KeyboardInterrupt" in interrupted.stderr, interrupted.stderr
+    plain = subprocess.run([sys.executable, str(job), "raise"], capture_output=True, text=True)
+    assert plain.returncode == interrupted.returncode  # what a launcher sees of a real Python
+
+
+def test_a_client_gone_before_its_request_is_whole_leaves_the_server_serving(server, tmp_path):
+    import socket
+
+    for send in (False, True):  # gone before sending, and gone after sending (its pid no longer there)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(str(server.socket))
+            if send:
+                gone = subprocess.run(
+                    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+                )
+                job = {"argv": ["x"], "env": {}, "cwd": "/", "client": int(gone.stdout)}
+                socket.send_fds(conn, [json.dumps(job).encode()], [0, 1, 2])
+    done = subprocess.run(
+        via(_job(tmp_path), "code", "6", server=server), env=subprocess_env(), input="", capture_output=True, text=True
+    )
+    assert done.returncode == 6, done.stderr
