@@ -79,6 +79,7 @@ class SingleEngine(HoldsStaging):
         self._staged_final = staged_final
         self._staging = Staging()
         self._lock = threading.Lock()  # the loop's thread and the background writer may both prune
+        self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []  # killed saves above the resume point
         self._checked = False  # the state was found loadable (``loadable.check``, at the first save)
 
     @property
@@ -166,7 +167,7 @@ class SingleEngine(HoldsStaging):
         if manifest is not None:
             took = time.monotonic() - t0
             if reason != "emergency":  # the deadline's clock runs: the next save prunes
-                self._prune(self.storage)
+                self._prune(self.storage, step)
             self._on_commit(Commit(manifest, "durable", took, synchronous=True))
         return manifest
 
@@ -194,7 +195,7 @@ class SingleEngine(HoldsStaging):
         if manifest is None:
             return
         first = self.local or self.storage
-        self._prune(first)
+        self._prune(first, step)
         if self.local is not None:
             self._on_commit(Commit(manifest, "local", took, work_s=work_s))
             t1 = time.monotonic()
@@ -204,7 +205,7 @@ class SingleEngine(HoldsStaging):
             except CheckpointExistsError:
                 pass
             took = time.monotonic() - t1
-            self._prune(self.storage)
+            self._prune(self.storage, step)
             self._on_commit(Commit(manifest, "durable", took, uploaded=True))
         else:
             self._on_commit(Commit(manifest, "durable", took, work_s=work_s))
@@ -255,10 +256,17 @@ class SingleEngine(HoldsStaging):
         )
         return manifest
 
-    def _prune(self, storage: Storage) -> None:
+    def _prune(self, storage: Storage, step: int) -> None:
+        """After a commit of ``step`` to ``storage``: old checkpoints beyond ``keep``, and saves killed above
+        the resume point that this run has now passed (their step re-saved, or skipped)."""
         with self._lock:
             try:
                 retention.prune(storage, self.keep)
+                for tier, infos in self._ahead:
+                    if tier is storage and infos:  # scanned again: a step saved again since is complete, and stays
+                        now = {i.name: i for i in reader.scan(tier)}
+                        retention.drop_killed_saves(tier, [now[i.name] for i in infos if i.name in now], step)
+                        infos[:] = [i for i in infos if i.step >= step]
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
@@ -294,7 +302,12 @@ class SingleEngine(HoldsStaging):
             logger.info(
                 "resumed from step %d (%s, %s old) in %s", info.step, m.reason, human_duration(m.age_seconds()), where
             )
-            _drop_killed_saves(tiers, info.step)
+            for tier, infos in tiers:  # saves killed below the resume point: the run goes on past them
+                retention.drop_killed_saves(tier, infos, info.step)
+            # Those above it go once this run commits past them: a save it skips would not replace them.
+            self._ahead = [
+                (tier, [i for i in infos if i.status == "incomplete" and i.step > info.step]) for tier, infos in tiers
+            ]
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
         if skipped:
             raise reader.none_loads(self.storage, skipped)
@@ -342,19 +355,3 @@ def _committed_at(info: CheckpointInfo) -> float:
         return dt.datetime.fromisoformat(info.manifest.time).timestamp() if info.manifest else 0.0
     except ValueError:
         return 0.0
-
-
-def _drop_killed_saves(tiers: list[tuple[Storage, list[CheckpointInfo]]], resumed: int) -> None:
-    """Delete incomplete ``step-N/`` older than the resume point: saves killed mid-write.
-
-    Safe only here, before this run writes anything: the writer that left them is gone, and
-    the run goes on past ``resumed``, so they would never be replaced. Corrupt ones are kept.
-    """
-    for storage, infos in tiers:
-        for info in infos:
-            if info.status == "incomplete" and info.step < resumed:
-                try:
-                    retention.delete(storage, info.name)
-                    logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
-                except OSError as e:  # StorageError included: cleanup must never fail a resume
-                    logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
