@@ -204,16 +204,24 @@ def installed(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Ite
     of these scripts from one server (started at the first), which imported ``preload`` (module names,
     or scripts whose top level is run: their imports) and the scripts' own imports."""
     lazy = _Lazy((*(preload or PRELOAD), *scripts))
+    try:
+        with _registered(scripts, lazy):
+            yield
+    finally:
+        if lazy.server is not None:
+            lazy.server.close()
+
+
+@contextlib.contextmanager
+def _registered(scripts: tuple[str | Path, ...], lazy: _Lazy) -> Iterator[None]:
+    """While inside, the runs of ``scripts`` fork from ``lazy``'s server (``server_for``)."""
     keys = [str(Path(s).resolve()) for s in scripts]
-    for key in keys:
-        _installed[key] = lazy
+    _installed.update(dict.fromkeys(keys, lazy))
     try:
         yield
     finally:
         for key in keys:
             _installed.pop(key, None)
-        if lazy.server is not None:
-            lazy.server.close()
 
 
 class Served:
@@ -225,16 +233,8 @@ class Served:
     def __init__(self, preload: tuple[str | Path, ...] = ()) -> None:
         self._lazy = _Lazy(preload or PRELOAD)
 
-    @contextlib.contextmanager
-    def scripts(self, *scripts: str | Path) -> Iterator[None]:
-        keys = [str(Path(s).resolve()) for s in scripts]
-        for key in keys:
-            _installed[key] = self._lazy
-        try:
-            yield
-        finally:
-            for key in keys:
-                _installed.pop(key, None)
+    def scripts(self, *scripts: str | Path) -> contextlib.AbstractContextManager[None]:
+        return _registered(scripts, self._lazy)
 
     def close(self) -> None:
         if self._lazy.server is not None:
@@ -259,30 +259,21 @@ def behind(*scripts: str | Path, preload: tuple[str | Path, ...] = ()) -> Iterat
     server, which imported ``preload`` and the scripts' imports once. The launcher's own start, signals
     and exit handling are what they would be. The scripts' own runs (``tests.helpers.run``) fork from it
     too, as under ``installed``."""
-    server = ForkServer(*(preload or PRELOAD), *scripts, listen=True)
     lazy = _Lazy(())
-    lazy.server = server
-    keys = [str(Path(s).resolve()) for s in scripts]
-    for key in keys:
-        _installed[key] = lazy
-        _behind[key] = server
+    lazy.server = server = ForkServer(*(preload or PRELOAD), *scripts, listen=True)
     try:
-        yield server
+        with _registered(scripts, lazy):
+            yield server
     finally:
-        for key in keys:
-            _installed.pop(key, None)
-            _behind.pop(key, None)
         server.close()
-
-
-_behind: dict[str, ForkServer] = {}  # a script -> the ``behind`` server that imported it
 
 
 def launched(script: str | Path) -> list[str]:
     """How a launcher (torchrun) is to start ``script``: through ``FORKEXEC`` from the ``behind`` server
     that imported it, while one runs, else as it is."""
-    server = _behind.get(str(Path(script).resolve()))
-    return [str(FORKEXEC), f"--socket={server.socket}", str(script)] if server else [str(script)]
+    lazy = _installed.get(str(Path(script).resolve()))
+    server = lazy.server if lazy else None
+    return [str(FORKEXEC), f"--socket={server.socket}", str(script)] if server and server.socket else [str(script)]
 
 
 def via(script: str | Path, *args: str | Path, server: ForkServer | None = None) -> list[str]:

@@ -261,11 +261,12 @@ class SingleEngine(HoldsStaging):
         the resume point that this run has now passed (their step re-saved, or skipped)."""
         with self._lock:
             try:
-                retention.prune(storage, self.keep)
+                now = reader.scan(storage)  # one scan for both: a step saved again since is complete, and stays
+                retention.prune(storage, self.keep, now)
                 for tier, infos in self._ahead:
-                    if tier is storage and infos:  # scanned again: a step saved again since is complete, and stays
-                        now = {i.name: i for i in reader.scan(tier)}
-                        retention.drop_killed_saves(tier, [now[i.name] for i in infos if i.name in now], step)
+                    if tier is storage and infos:
+                        names = {i.name for i in infos}
+                        retention.drop_killed_saves(tier, [i for i in now if i.name in names], step)
                         infos[:] = [i for i in infos if i.step >= step]
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)

@@ -61,19 +61,16 @@ def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None
     return [i.step for i in doomed]
 
 
-def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], below: int) -> set[str]:
+def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], below: int) -> None:
     """Delete the incomplete ``step-N/`` of ``infos`` below step ``below``: saves killed mid-write, that
     nothing will replace. The caller vouches that no writer is at them: ``infos`` was scanned at a resume,
     before this run wrote anything, and the run goes on past ``below`` or has committed ``below``
-    since. Corrupt ones are kept. Returns the names deleted; a failure is logged, never raised.
+    since. Corrupt ones are kept. A failure is logged, never raised.
     """
-    gone = set()
     for info in infos:
         if info.status == "incomplete" and info.step < below:
             try:
                 delete(storage, info.name)
-                gone.add(info.name)
                 logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
             except OSError as e:  # StorageError included: housekeeping must never fail a resume or a save
                 logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
-    return gone
