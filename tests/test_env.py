@@ -48,6 +48,29 @@ def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, va
         build()
 
 
+def test_a_provider_made_without_the_argument_reads_the_environment_and_an_argument_wins(monkeypatch):
+    """Not only providers built by name: one a user's code makes (``providers=[AwsProvider()]``) in a job
+    that the terraform unit or ``spotguard rehearse`` started must see the same opt-ins."""
+    from spotguard.notices.aws import AwsProvider
+    from spotguard.notices.azure import AzureProvider
+    from spotguard.notices.gcp import GcpProvider
+
+    monkeypatch.setenv("SPOTGUARD_AWS_ALLOW_IMDSV1", "1")
+    monkeypatch.setenv("SPOTGUARD_GCP_DEADLINE", "90")
+    monkeypatch.setenv("SPOTGUARD_AZURE_ACK", "0")
+    monkeypatch.setenv("SPOTGUARD_AZURE_STOP_EVENTS", "Preempt")
+    url = "http://127.0.0.1:9"
+    assert AwsProvider(url).allow_imdsv1 is True and AwsProvider(url, allow_imdsv1=False).allow_imdsv1 is False
+    assert GcpProvider(url).deadline_seconds == 90 and GcpProvider(url, deadline_seconds=5).deadline_seconds == 5
+    azure, given = AzureProvider(url), AzureProvider(url, ack=True, stop_events=["Terminate"])
+    assert (azure.ack, azure.stop_events, given.ack, given.stop_events) == (False, {"Preempt"}, True, {"Terminate"})
+    for name in ("SPOTGUARD_AWS_ALLOW_IMDSV1", "SPOTGUARD_GCP_DEADLINE", "SPOTGUARD_AZURE_ACK"):
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("SPOTGUARD_AZURE_STOP_EVENTS")
+    assert AwsProvider(url).allow_imdsv1 is False and GcpProvider(url).deadline_seconds == 30
+    assert AzureProvider(url).ack is True and AzureProvider(url).stop_events == {"Preempt", "Terminate", "Reboot", "Redeploy"}
+
+
 def test_every_spotguard_variable_is_named_in_one_module():
     """spotguard/_env.py names every ``SPOTGUARD_*`` variable and reads them (a bad value is a
     ``ConfigError`` naming it): a name spelled out elsewhere in the package is a read that bypasses it."""

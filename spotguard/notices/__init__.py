@@ -2,9 +2,9 @@
 
 ``build("auto")`` gives signals, the flag file when ``SPOTGUARD_NOTICE_FILE`` is set, Ray's drain
 inside a Ray Train worker, and the cloud providers found by ``detect_clouds()``. Providers are registered by name so that
-``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere; the cloud
-providers built by name read their opt-ins from the environment (``from_env``), the one channel
-that reaches a job started by systemd or ``spotguard run``.
+``providers=["signal", "aws"]`` and ``--providers signal,aws`` mean the same everywhere; an option of a
+cloud provider left None is read from the environment (``$SPOTGUARD_AWS_ALLOW_IMDSV1`` ...), the one
+channel that reaches a job started by systemd or ``spotguard run``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ __all__ = [
 _REGISTRY: dict[str, str | Callable[[], NoticeProvider]] = {
     "signal": "spotguard.notices.signals:SignalProvider",
     "file": "spotguard.notices.file:FileProvider",
-    "aws": "spotguard.notices.aws:AwsProvider.from_env",
-    "gcp": "spotguard.notices.gcp:GcpProvider.from_env",
-    "azure": "spotguard.notices.azure:AzureProvider.from_env",
+    "aws": "spotguard.notices.aws:AwsProvider",
+    "gcp": "spotguard.notices.gcp:GcpProvider",
+    "azure": "spotguard.notices.azure:AzureProvider",
     "ray": "spotguard.notices.ray:RayProvider",
 }
 

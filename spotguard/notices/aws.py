@@ -67,31 +67,28 @@ def parse_maintenance_time(value: str) -> dt.datetime:
 class AwsProvider(MetadataProvider):
     """Watches the EC2 metadata service.
 
-    ``allow_imdsv1``: fall back to token-less requests when the token endpoint refuses (off by
-    default: IMDSv1 is the SSRF-prone variant). ``maintenance_horizon``: an active scheduled
+    ``allow_imdsv1``: fall back to token-less requests when the token endpoint refuses (default
+    ``$SPOTGUARD_AWS_ALLOW_IMDSV1``, else off: IMDSv1 is the SSRF-prone variant). ``maintenance_horizon``: an active scheduled
     maintenance event becomes a notice only this many seconds before its ``NotBefore``, so an
     event announced days ahead does not stop training today.
     """
 
     name = "aws"
 
-    @classmethod
-    def from_env(cls) -> AwsProvider:
-        """Built by name (``providers="auto"``, ``--providers aws``): ``$SPOTGUARD_AWS_ALLOW_IMDSV1=1`` opts in."""
-        return cls(allow_imdsv1=_env.flag(_env.AWS_ALLOW_IMDSV1, default=False))
-
     def __init__(
         self,
         endpoint_url: str | None = None,
         *,
         timeout: float = 1.0,
-        allow_imdsv1: bool = False,
+        allow_imdsv1: bool | None = None,
         token_ttl: int = TOKEN_TTL,
         maintenance_horizon: float = 600.0,
     ) -> None:
         if not 1 <= token_ttl <= TOKEN_TTL:
             raise ConfigError(f"token_ttl must be within 1..{TOKEN_TTL}, got {token_ttl}")
         super().__init__(endpoint_url or endpoint(), timeout, logger)
+        if allow_imdsv1 is None:  # not given: the job's environment decides (the one channel to a unit's job)
+            allow_imdsv1 = _env.flag(_env.AWS_ALLOW_IMDSV1, default=False)
         self.allow_imdsv1 = allow_imdsv1
         self.token_ttl = token_ttl
         self.maintenance_horizon = maintenance_horizon

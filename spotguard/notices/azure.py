@@ -86,31 +86,26 @@ def parse_rfc1123(value: str) -> dt.datetime:
 
 
 class AzureProvider(MetadataProvider):
-    """Watches Azure Scheduled Events. ``ack=False`` opts out of approving events after a checkpoint;
-    ``stop_events`` names the event types that stop training (default: all but ``Freeze``)."""
+    """Watches Azure Scheduled Events. ``stop_events`` names the event types that stop training (default
+    ``$SPOTGUARD_AZURE_STOP_EVENTS``, else all but ``Freeze``); ``ack=False`` (default ``$SPOTGUARD_AZURE_ACK``,
+    else on) opts out of approving events after a checkpoint."""
 
     name = "azure"
-
-    @classmethod
-    def from_env(cls) -> AzureProvider:
-        """Built by name (``providers="auto"``, ``--providers azure``): ``$SPOTGUARD_AZURE_ACK=0`` opts
-        out of approvals, ``$SPOTGUARD_AZURE_STOP_EVENTS=Preempt,Terminate`` picks the stop events."""
-        return cls(
-            ack=_env.flag(_env.AZURE_ACK, default=True),
-            stop_events=_env.choices(_env.AZURE_STOP_EVENTS, frozenset(DEFAULT_STOP_EVENTS), parse_stop_events),
-        )
 
     def __init__(
         self,
         endpoint_url: str | None = None,
         *,
-        timeout: float = 1.0,
-        ack: bool = True,
+        stop_events: Iterable[str] | None = None,
+        ack: bool | None = None,
         vm_name: str | None = None,
-        stop_events: Iterable[str] = DEFAULT_STOP_EVENTS,
+        timeout: float = 1.0,
     ) -> None:
         super().__init__(endpoint_url or endpoint(), timeout, logger)
-        self.ack = ack
+        # Not given: the job's environment decides (the one channel that reaches a unit's job).
+        self.ack = _env.flag(_env.AZURE_ACK, default=True) if ack is None else ack
+        if stop_events is None:
+            stop_events = _env.choices(_env.AZURE_STOP_EVENTS, frozenset(DEFAULT_STOP_EVENTS), parse_stop_events)
         self.stop_events = parse_stop_events(stop_events)
         self.vm_name = vm_name
         self.incarnation: int | None = None

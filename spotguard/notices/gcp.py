@@ -54,18 +54,13 @@ class GcpProvider(MetadataProvider):
     """Watches ``instance/preempted`` (its ``poll()``) and ``instance/maintenance-event`` (the
     ``maintenance`` channel's ``poll()``), each with hanging GETs on a connection of its own.
 
-    ``deadline_seconds``: the time a preempted VM has after the flag flips (30 s for Spot and
-    preemptible VMs). ``hang``: how long one hanging GET may wait (the server's ``timeout_sec``).
+    ``deadline_seconds``: the time a preempted VM has after the flag flips (default
+    ``$SPOTGUARD_GCP_DEADLINE``, else 30 s, as for Spot and preemptible VMs). ``hang``: how long one hanging GET may wait (the server's ``timeout_sec``).
     """
 
     name = "gcp"
     blocking = True
     fast_retry = 3.0  # 503s while `preempted` flips: every second of backoff would come off the 30 s
-
-    @classmethod
-    def from_env(cls) -> GcpProvider:
-        """Built by name (``providers="auto"``, ``--providers gcp``): ``$SPOTGUARD_GCP_DEADLINE`` seconds."""
-        return cls(deadline_seconds=_env.seconds(_env.GCP_DEADLINE, default=PREEMPT_WARNING))
 
     def __init__(
         self,
@@ -73,13 +68,15 @@ class GcpProvider(MetadataProvider):
         *,
         timeout: float = 1.0,
         hang: int = 5,
-        deadline_seconds: float = PREEMPT_WARNING,
+        deadline_seconds: float | None = None,
     ) -> None:
         if hang < 1:
             raise ConfigError(f"hang must be at least 1 second, got {hang}")
         url = endpoint_url or endpoint()
         super().__init__(url, timeout, logger)
         self.timeout = timeout
+        if deadline_seconds is None:  # not given: the job's environment decides (`spotguard rehearse` sets it)
+            deadline_seconds = _env.seconds(_env.GCP_DEADLINE, default=PREEMPT_WARNING)
         self.deadline_seconds = deadline_seconds
         self._wake = threading.Event()  # set by wakeup(): both channels' waits end
         self._preempted = HangingGet(self.client, PREEMPTED, hang, self._wake, self._warn)
