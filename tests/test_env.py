@@ -68,7 +68,12 @@ def test_a_provider_made_without_the_argument_reads_the_environment_and_an_argum
         monkeypatch.delenv(name)
     monkeypatch.delenv("SPOTGUARD_AZURE_STOP_EVENTS")
     assert AwsProvider(url).allow_imdsv1 is False and GcpProvider(url).deadline_seconds == 30
-    assert AzureProvider(url).ack is True and AzureProvider(url).stop_events == {"Preempt", "Terminate", "Reboot", "Redeploy"}
+    assert AzureProvider(url).ack is True and AzureProvider(url).stop_events == {
+        "Preempt",
+        "Terminate",
+        "Reboot",
+        "Redeploy",
+    }
 
 
 def test_every_spotguard_variable_is_named_in_one_module():

@@ -50,11 +50,11 @@ class WatchOptions(CommonOptions):
 
 
 def watch_parts(
-    storage: str | Storage | None, options: dict[str, Any], owner: str | None = None
+    storage: str | Storage | None, options: dict[str, Any] | WatchOptions, owner: str | None = None
 ) -> tuple[FolderCheckpoints, NoticeWatch]:
     """The checkpoint folder and the notice watch of an integration (``owner``), from its keyword
     ``options`` (``WatchOptions``: an unknown or invalid one is a ``ConfigError``)."""
-    o = WatchOptions.from_kwargs(options, owner)
+    o = options if isinstance(options, WatchOptions) else WatchOptions.from_kwargs(options, owner)
     windowing = WindowPolicy(o.deadline_policy, o.window_margin)
     group = RankGroup(windowing)
     checkpoints = FolderCheckpoints(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from spotguard.checkpoint.format.manifest import Manifest
@@ -23,32 +24,40 @@ from ..coordination.options import check_every_steps
 from ..errors import ConfigError
 from ..notices.base import Notice
 from ..storage import Storage
-from ._common import StopOutcome, watch_parts
+from ._common import StopOutcome, WatchOptions, watch_parts
 
 logger = logging.getLogger(__name__)
 
 G = TypeVar("G", bound="LoopGuard")
 
 
+@dataclass
+class LoopOptions(WatchOptions):
+    """``WatchOptions`` and the loop's schedule: ``every_steps``, periodic checkpoints (None: only on
+    notices and at the end); ``save_on_exit``, a clean exit from ``with guard:`` checkpoints the last step."""
+
+    every_steps: int | None = None
+    save_on_exit: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_every_steps(self.every_steps)
+        if not isinstance(self.save_on_exit, bool):
+            raise ConfigError(f"save_on_exit must be True or False, got {self.save_on_exit!r}")
+
+
 class LoopGuard(StopOutcome):
     """Checkpoints a hand-written training loop periodically and on a notice (subclass: ``save``/``resume``).
 
-    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``every_steps``:
-    periodic checkpoints (None: only on notices and at the end). ``save_on_exit``: a clean exit from
-    ``with guard:`` checkpoints the last step. ``options``: ``WatchOptions`` by name, as for ``spotguard.Guard``.
+    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``). ``options``:
+    ``LoopOptions`` by name (``every_steps``, ``save_on_exit`` and the ``spotguard.Guard``'s own).
     """
 
-    def __init__(
-        self,
-        storage: str | Storage | None,
-        every_steps: int | None,
-        save_on_exit: bool,
-        options: dict[str, Any],
-    ) -> None:
-        check_every_steps(every_steps)
-        self.checkpoints, self.notices = watch_parts(storage, options, type(self).__name__)
-        self.every_steps = every_steps
-        self.save_on_exit = save_on_exit
+    def __init__(self, storage: str | Storage | None, options: dict[str, Any]) -> None:
+        o = LoopOptions.from_kwargs(options, type(self).__name__)
+        self.checkpoints, self.notices = watch_parts(storage, o)
+        self.every_steps = o.every_steps
+        self.save_on_exit = o.save_on_exit
         #: The step this run stopped at for a notice, or None (also while training on in the notice window).
         self.stopped_at: int | None = None
         self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)

@@ -58,25 +58,17 @@ class AcceleratorGuard(LoopGuard):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
     checkpoints are kept there. ``every_steps``: periodic checkpoints (None: only on notices and
-    at the end). ``providers``/``interval``/``stop_on_advisory``: as for ``spotguard.Guard``.
+    at the end). ``save_on_exit``, ``providers``, ``interval`` ... (``LoopOptions``): as for ``spotguard.Guard``.
     """
 
-    def __init__(
-        self,
-        accelerator: Any,
-        storage: str | Storage | None = None,
-        *,
-        every_steps: int | None = None,
-        save_on_exit: bool = True,
-        **options: Any,
-    ) -> None:
+    def __init__(self, accelerator: Any, storage: str | Storage | None = None, **options: Any) -> None:
         project = getattr(accelerator, "project_configuration", None)
         if getattr(project, "automatic_checkpoint_naming", False):
             raise ConfigError(
                 "ProjectConfiguration(automatic_checkpoint_naming=True) makes save_state ignore its "
                 "folder: turn it off, spotguard names, commits and prunes the checkpoints"
             )
-        super().__init__(storage, every_steps, save_on_exit, options)
+        super().__init__(storage, options)
         self.accelerator = accelerator
         self._evaluations = Tracked({}, {})  # holds the cut of the latest guard.evaluation()
         #: The checkpoint ``resume()`` loaded was written inside an evaluation cut short by a notice:

@@ -100,27 +100,19 @@ class DeepSpeedGuard(LoopGuard):
 
     ``engine``: what ``deepspeed.initialize`` returned first. ``storage``: a path or ``s3://``/``gs://``
     URL (default ``$SPOTGUARD_STORAGE``); ``keep`` checkpoints are kept there. ``every_steps``:
-    periodic checkpoints (None: only on notices and at the end). ``providers``/``interval``/
-    ``stop_on_advisory``/``work_dir``: as for ``spotguard.Guard``. Call ``step`` at gradient
+    periodic checkpoints (None: only on notices and at the end). ``save_on_exit``, ``providers``,
+    ``work_dir`` ... (``LoopOptions``): as for ``spotguard.Guard``. Call ``step`` at gradient
     accumulation boundaries only: a checkpoint does not hold half-accumulated gradients.
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        storage: str | Storage | None = None,
-        *,
-        every_steps: int | None = None,
-        save_on_exit: bool = True,
-        **options: Any,
-    ) -> None:
+    def __init__(self, engine: Any, storage: str | Storage | None = None, **options: Any) -> None:
         if not callable(getattr(engine, "save_checkpoint", None)) or not callable(
             getattr(engine, "load_checkpoint", None)
         ):
             raise ConfigError(
                 f"DeepSpeedGuard needs the engine deepspeed.initialize returned, got {type(engine).__name__}"
             )
-        super().__init__(storage, every_steps, save_on_exit, options)
+        super().__init__(storage, options)
         self.engine = engine
         #: Saved and restored with each rank's state (values that load with ``weights_only=True``).
         self.extra: dict[str, Any] = {}

@@ -166,7 +166,7 @@ def test_a_loop_guard_saves_on_multiples_of_every_steps_after_a_resume_between_t
             self._resumed(7)
             return 7
 
-    guard = Recording(str(tmp_path / "ckpt"), 10, False, {"providers": []})
+    guard = Recording(str(tmp_path / "ckpt"), {"every_steps": 10, "save_on_exit": False, "providers": []})
     with guard:
         for step in range(guard.resume() + 1, 24):
             guard.step(step)

@@ -81,7 +81,7 @@ def test_the_guard_and_the_integrations_resolve_the_common_options_alike(monkeyp
 def loop_every(storage, every_steps):
     from spotguard.integrations._loop import LoopGuard
 
-    return LoopGuard(storage, every_steps, True, {"providers": [], "lease_ttl": None})
+    return LoopGuard(storage, {"every_steps": every_steps, "providers": [], "lease_ttl": None})
 
 
 EVERY = {
@@ -98,3 +98,13 @@ def test_every_steps_is_checked_alike_by_the_guard_and_the_loop_integrations(tmp
     loop integrations took True for 1."""
     with pytest.raises(ConfigError, match="every_steps must be a positive int or None"):
         make(str(tmp_path), every_steps)
+
+
+def test_a_loop_integrations_schedule_is_an_option_like_the_others(tmp_path):
+    """``every_steps`` and ``save_on_exit`` are ``LoopOptions`` fields: a misspelt one is named, a bad one refused."""
+    with pytest.raises(ConfigError, match=r"has no option 'every_step' \(did you mean every_steps"):
+        FolderLoop(str(tmp_path), every_step=5)
+    with pytest.raises(ConfigError, match="save_on_exit must be True or False, got 'no'"):
+        FolderLoop(str(tmp_path), save_on_exit="no")
+    loop = loop_every(str(tmp_path), 5)
+    assert (loop.every_steps, loop.save_on_exit) == (5, True)

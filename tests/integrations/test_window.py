@@ -40,7 +40,7 @@ class FolderLoop(LoopGuard):
     """A hand-written loop's guard (as Accelerate's and DeepSpeed's) whose state is a small folder."""
 
     def __init__(self, storage: str, **options) -> None:
-        super().__init__(storage, None, False, {"providers": [], **options})
+        super().__init__(storage, {"providers": [], "save_on_exit": False, **options})
         self.broken = False
 
     def save(self, step, reason="manual", *, deadline=None):
