@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
+from spotguard._forward import Forward
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.state import data, state
 from spotguard.coordination import agreement, lease, ranks
@@ -127,36 +128,26 @@ class Guard:
         """This process's rank, local rank and world size (what the metrics label their figures with)."""
         return ranks.place()
 
-    @property
-    def window(self) -> Window | None:
-        """The open notice window (``deadline_policy="use-window"``, after the first stop), or None."""
-        return self.windowing.window
-
-    @property
-    def stopped_at(self) -> int | None:
-        """The step training stopped at for a notice, or None (also while training on in the notice window)."""
-        return self.stops.stopped_at
-
-    @property
-    def notice(self) -> Notice | None:
-        """The notice that caused the stop, or None."""
-        return self.watcher.notice
-
-    @property
-    def emergency_error(self) -> BaseException | None:
-        """Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet)."""
-        return self.protocol.emergency_error
-
-    @property
-    def window_error(self) -> BaseException | None:
-        """``"use-window"``: why the second checkpoint, at the window's end, was not committed; the first
-        stays the resume point (``emergency_error`` None), and the job still exits 75."""
-        return self.protocol.window_error
-
-    @property
-    def last_saved(self) -> Manifest | None:
-        """The manifest of the newest checkpoint this guard wrote or resumed, or None."""
-        return self.saves.last_saved
+    window: Forward[Window | None] = Forward(
+        "windowing.window", 'The open notice window (``deadline_policy="use-window"``, after the first stop), or None.'
+    )
+    stopped_at: Forward[int | None] = Forward(
+        "stops.stopped_at",
+        "The step training stopped at for a notice, or None (also while training on in the notice window).",
+    )
+    notice: Forward[Notice | None] = Forward("watcher.notice", "The notice that caused the stop, or None.")
+    emergency_error: Forward[BaseException | None] = Forward(
+        "protocol.emergency_error",
+        "Why the stop's (first) emergency checkpoint was not committed; None when it was (or no stop yet).",
+    )
+    window_error: Forward[BaseException | None] = Forward(
+        "protocol.window_error",
+        '``"use-window"``: why the second checkpoint, at the window\'s end, was not committed; the first '
+        "stays the resume point (``emergency_error`` None), and the job still exits 75.",
+    )
+    last_saved: Forward[Manifest | None] = Forward(
+        "saves.last_saved", "The manifest of the newest checkpoint this guard wrote or resumed, or None."
+    )
 
     @property
     def last_step(self) -> int | None:
