@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict
 
 from spotguard.checkpoint.files.fileio import DirectFile, WorkMeter
 from spotguard.checkpoint.format.manifest import FileEntry
@@ -24,8 +24,20 @@ from spotguard.errors import SaveCancelled
 from spotguard.storage.base import Storage
 from spotguard.storage.growing import Upload, abandoned_on_error
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 #: Serialises one file of a checkpoint into the binary file object it is given (``torch.save(obj, f)``).
 Writer = Callable[[BinaryIO], None]
+
+
+class Bounds(TypedDict, total=False):
+    """What bounds and counts one file's write, ``write``'s and ``put``'s keywords alike: the save's
+    ``deadline`` (monotonic), the ``cancel`` event, the ``meter`` that adds the file's own work."""
+
+    deadline: float | None
+    cancel: threading.Event | None
+    meter: WorkMeter | None
 
 
 @dataclass(frozen=True)
@@ -46,11 +58,9 @@ def write(
     writer: Writer,
     path: Path,
     *,
-    deadline: float | None = None,
-    cancel: threading.Event | None = None,
     upload_crc: Callable[[Any, Any], Any] | None = None,
-    meter: WorkMeter | None = None,
     stream: bool = True,
+    **bounds: Unpack[Bounds],
 ) -> Written:
     """Serialise ``writer``'s bytes to ``path`` (in ``storage.scratch()``), the checkpoint file ``name``
     stored as ``key``. Where the storage ``streams`` (and ``stream``), it is uploaded as it is written;
@@ -60,6 +70,7 @@ def write(
     abandoned, never completed. ``upload_crc``: the running checksum to keep (default the storage's
     own). ``meter`` adds what the file cost apart from waiting for a CPU (``DirectFile.work_seconds``).
     """
+    deadline, cancel, meter = bounds.get("deadline"), bounds.get("cancel"), bounds.get("meter")
     up = Upload(storage, key, path, deadline) if stream and storage.streams else None
     grew = up.grew if up else None
     with (
@@ -80,24 +91,15 @@ def write(
     return Written(out.entry(name), Path(path), out.crc, stored=up is not None)
 
 
-def put(
-    storage: Storage,
-    key: str,
-    name: str,
-    writer: Writer,
-    *,
-    deadline: float | None = None,
-    cancel: threading.Event | None = None,
-    meter: WorkMeter | None = None,
-) -> FileEntry:
+def put(storage: Storage, key: str, name: str, writer: Writer, **bounds: Unpack[Bounds]) -> FileEntry:
     """``write`` in a scratch directory of its own, then stored: one whole file (a shard, a rank's file).
     ``meter``: as ``write``'s (the file's own work; a file streamed to a bucket is not counted)."""
+    if storage.streams:  # its time is the upload's, not the disk's and the hash's
+        bounds = {**bounds, "meter": None}
     with storage.scratch() as scratch:
-        path = scratch / key.rsplit("/", 1)[-1]
-        meter = None if storage.streams else meter  # its time is the upload's, not the disk's and the hash's
-        written = write(storage, key, name, writer, path, deadline=deadline, cancel=cancel, meter=meter)
+        written = write(storage, key, name, writer, scratch / key.rsplit("/", 1)[-1], **bounds)
         if not written.stored:
-            store(storage, key, written.path, deadline, written.crc)
+            store(storage, key, written.path, bounds.get("deadline"), written.crc)
     return written.entry
 
 
