@@ -15,6 +15,9 @@ tracker keyed by step (W&B's ``step=``, MLflow's ``step=``) keeps them apart. Th
 tracker: ``JsonLinesTracker`` writes the same calls to a file.
 
     python examples/tracker_run_id.py --storage checkpoints/tracked --tracker-log tracker.jsonl
+
+Stop it with Ctrl-C while it trains (about 4 s) and start it again: tracker.jsonl shows the same run
+id going on from the step it stopped at.
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every-steps", type=int, default=50)
     p.add_argument("--providers", default="auto")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to rehearse a stop)")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.02,
+        help="extra seconds per step: the default gives the 200 steps about 4 s, time to stop the job with "
+        "Ctrl-C and see the next start continue the tracker run (0: as fast as the CPU goes)",
+    )
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
