@@ -79,7 +79,7 @@ class SingleEngine(HoldsStaging):
         self._staged_final = staged_final
         self._staging = Staging()
         self._lock = threading.Lock()  # the loop's thread and the background writer may both prune
-        self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []  # killed saves above the resume point
+        self._tidy = retention.Housekeeping(keep)
         self._checked = False  # the state was found loadable (``loadable.check``, at the first save)
 
     @property
@@ -261,13 +261,7 @@ class SingleEngine(HoldsStaging):
         the resume point that this run has now passed (their step re-saved, or skipped)."""
         with self._lock:
             try:
-                now = reader.scan(storage)  # one scan for both: a step saved again since is complete, and stays
-                retention.prune(storage, self.keep, now)
-                for tier, infos in self._ahead:
-                    if tier is storage and infos:
-                        names = {i.name for i in infos}
-                        retention.drop_killed_saves(tier, [i for i in now if i.name in names], step)
-                        infos[:] = [i for i in infos if i.step >= step]
+                self._tidy.after_commit(storage, step)
             except Exception as e:
                 logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
@@ -303,12 +297,7 @@ class SingleEngine(HoldsStaging):
             logger.info(
                 "resumed from step %d (%s, %s old) in %s", info.step, m.reason, human_duration(m.age_seconds()), where
             )
-            for tier, infos in tiers:  # saves killed below the resume point: the run goes on past them
-                retention.drop_killed_saves(tier, infos, info.step)
-            # Those above it go once this run commits past them: a save it skips would not replace them.
-            self._ahead = [
-                (tier, [i for i in infos if i.status == "incomplete" and i.step > info.step]) for tier, infos in tiers
-            ]
+            self._tidy.at_resume(tiers, info.step)
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
         if skipped:
             raise reader.none_loads(self.storage, skipped)

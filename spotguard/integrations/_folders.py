@@ -23,7 +23,7 @@ import torch
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint.files.onclose import ClosedFileHashes
-from spotguard.checkpoint.folders import folders, layout
+from spotguard.checkpoint.folders import folders, layout, retention
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import Manifest
 from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format
@@ -74,6 +74,7 @@ class FolderCheckpoints:
         self.lease = WriterLease(self.storage, lease_ttl, bool(takeover), None, self)
         self._beat = heartbeat.Beat()  # `spotguard run` does not restart a job another one writes over
         self.keep = keep
+        self._tidy = retention.Housekeeping(keep)  # rank 0's: pruning, and saves killed mid-write
         self.work_dir = work_dir
         self.group = group or RankGroup()
         self.fresh_ok = fresh_ok  # on_unloadable="fresh": checkpoints that all fail to load mean a fresh start
@@ -160,7 +161,7 @@ class FolderCheckpoints:
         if self.group.rank != 0 or reason == "emergency":
             return manifest  # rank 0 prunes for all; never on a deadline's clock (the next commit prunes)
         try:
-            checkpoint.prune(self.storage, self.keep)
+            self._tidy.after_commit(self.storage, step)
         except Exception as e:
             logger.warning("pruning old checkpoints in %s failed: %s", self.storage.describe(), e)
         return manifest
@@ -173,7 +174,17 @@ class FolderCheckpoints:
         checkpoint raises ``CheckpointFormatError`` (upgrade spotguard). Collective in a process
         group: the same step on every rank, one verified copy per node (``folders.fetch``), holding
         the shared files and the node's own ranks' files (``rank_files``: the trainer's rule; None: all).
+        Saves killed mid-write go as the Guard's do (``retention.Housekeeping``), by rank 0.
         """
+        found = self._newest_verified(rank_files)
+        if found is not None and self.group.rank == 0:
+            try:
+                self._tidy.at_resume([(self.storage, checkpoint.scan(self.storage))], found[0])
+            except Exception as e:  # housekeeping never fails a resume
+                logger.warning("cannot list %s for unfinished saves: %s", self.storage.describe(), e)
+        return found
+
+    def _newest_verified(self, rank_files: RankFiles | None) -> tuple[int, Path] | None:
         self._hold()
         agreed = self.group.get()
         if agreed is not None:

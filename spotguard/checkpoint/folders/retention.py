@@ -1,5 +1,5 @@
 """Which checkpoints go, and how one goes: ``prune`` keeps the newest, ``delete`` removes one, manifest first,
-``drop_killed_saves`` removes what saves killed mid-write left.
+``drop_killed_saves`` removes what saves killed mid-write left; ``Housekeeping`` runs both after a commit.
 
 Deleting runs the other way round from writing: the manifest first, so a half-deleted checkpoint is
 never mistaken for a whole one. Split from ``layout`` (how a checkpoint is written and copied).
@@ -74,3 +74,34 @@ def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], below: int)
                 logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
             except OSError as e:  # StorageError included: housekeeping must never fail a resume or a save
                 logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
+
+
+class Housekeeping:
+    """What a run removes after each commit, from one listing: checkpoints beyond ``keep``, and the saves
+    killed mid-write that its resume found, as soon as nothing can replace them: those below the resume
+    point at once (the run goes on past them), those above once it has committed past them (a save it
+    skips, or one on another interval, would not replace them). The single-process engine calls it for
+    each tier, the sharded one on rank 0."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []
+
+    def at_resume(self, tiers: list[tuple[Storage, list[CheckpointInfo]]], step: int) -> None:
+        """The resume loaded ``step``; ``tiers``: each storage with what it listed before this run wrote."""
+        for tier, infos in tiers:
+            drop_killed_saves(tier, infos, step)
+        self._ahead = [
+            (tier, [i for i in infos if i.status == "incomplete" and i.step > step]) for tier, infos in tiers
+        ]
+
+    def after_commit(self, storage: Storage, step: int) -> None:
+        """``step`` is committed to ``storage``: prune it, and drop a remembered save below ``step`` that is
+        still incomplete (one saved again since is complete, and stays). Raises what the storage raises."""
+        now = scan(storage)
+        prune(storage, self.keep, now)
+        for tier, infos in self._ahead:
+            if tier is storage and infos:
+                names = {i.name for i in infos}
+                drop_killed_saves(tier, [i for i in now if i.name in names], step)
+                infos[:] = [i for i in infos if i.step >= step]

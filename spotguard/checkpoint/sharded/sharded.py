@@ -82,6 +82,7 @@ class ShardedEngine(HoldsStaging):
         self.rebatch = data.Rebatch(rebatch)
         self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
         self._on_commit = on_commit
+        self._tidy = retention.Housekeeping(keep)  # rank 0's
         self._staging = Staging()
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
@@ -253,7 +254,7 @@ class ShardedEngine(HoldsStaging):
         self._checked = True
 
     def resume(self, tracked: Tracked) -> Resumed | None:
-        return sharded_load.resume(self.storage, self.groups, tracked, self.reshard, self.rebatch)
+        return sharded_load.resume(self.storage, self.groups, tracked, self.reshard, self.rebatch, self._tidy)
 
     def _prepare(self, step: int) -> str:
         """Rank 0, before any rank writes (``layout.prepare``)."""
@@ -306,7 +307,7 @@ class ShardedEngine(HoldsStaging):
         logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
         if self.groups.rank == 0 and reason != "emergency":
             try:
-                retention.prune(self.storage, self.keep)
+                self._tidy.after_commit(self.storage, step)
             except Exception as e:
                 logger.warning("pruning old checkpoints failed: %s", e)
         return manifest

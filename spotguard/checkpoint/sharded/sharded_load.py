@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state, set_dcp_state, split
 from spotguard.checkpoint.engine import Resumed, Tracked
+from spotguard.checkpoint.folders.retention import Housekeeping
 from spotguard.checkpoint.format.manifest import CheckpointInfo, Reshard, human_duration
 from spotguard.checkpoint.format.reader import none_loads, open_verified, refuse_newer_format, scan
 from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardReader
@@ -131,9 +132,16 @@ def _load(storage: Storage, agreement: Groups, tracked: Tracked, info: Checkpoin
 
 
 def resume(
-    storage: Storage, agreement: Groups, tracked: Tracked, reshard: Reshard, rebatch: data.Rebatch = data.Rebatch.REFUSE
+    storage: Storage,
+    agreement: Groups,
+    tracked: Tracked,
+    reshard: Reshard,
+    rebatch: data.Rebatch = data.Rebatch.REFUSE,
+    tidy: Housekeeping | None = None,
 ) -> Resumed | None:
-    """Collective ``Guard.resume``: rank 0's view of storage is everyone's; failures are agreed on."""
+    """Collective ``Guard.resume``: rank 0's view of storage is everyone's; failures are agreed on. Rank 0
+    hands the saves killed mid-write that it listed to ``tidy`` (gone below the resume point, and later
+    above it)."""
     world = agreement.world_size
     listing: list[CheckpointInfo] | str = ""
     if agreement.rank == 0:
@@ -170,6 +178,8 @@ def resume(
             skipped.append(f"{storage.describe(info.name)}: {e}")
             continue
         if agreement.rank == 0:
+            if tidy is not None:
+                tidy.at_resume([(storage, infos)], info.step)
             logger.info(
                 "resumed from step %d (%s, %s old, %d ranks) in %s",
                 info.step,

@@ -1,14 +1,17 @@
 """Saves killed mid-write (a ``step-N/`` with files and no manifest) do not stay in storage: below the
 resume point the resume deletes them; above it, the first commit past them does, since a periodic
 save this run skips (or never makes: another interval) would not replace them. One this run saves
-again is complete and stays; one above everything this run committed stays for the next resume."""
+again is complete and stays; one above everything this run committed stays for the next resume. The
+same in a process group (the sharded engine, rank 0 tidying), here a one-rank gloo group."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from spotguard import Guard
 from spotguard.checkpoint import scan
@@ -31,14 +34,21 @@ def _train(storage: Path, steps: int, every: int) -> int:
 
 def _killed_save(storage: Path, step: int, like: int) -> None:
     """What a writer killed before its manifest leaves: the files of a step, no manifest."""
-    target = storage / step_dir(step)
-    target.mkdir()
-    for f in (storage / step_dir(like)).iterdir():
-        if f.name != "manifest.json":
-            shutil.copy(f, target / f.name)
+    shutil.copytree(storage / step_dir(like), storage / step_dir(step))
+    (storage / step_dir(step) / "manifest.json").unlink()
 
 
-def test_killed_saves_go_once_the_run_is_past_them_and_saved_again_ones_stay(tmp_path):
+@pytest.fixture(params=["single", "sharded"])
+def engine(request):
+    """No process group (one file per checkpoint), or a one-rank gloo group (sharded: DCP shards, rank files)."""
+    if request.param == "sharded":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield request.param
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_killed_saves_go_once_the_run_is_past_them_and_saved_again_ones_stay(tmp_path, engine):
     storage = tmp_path / "ckpt"
     _train(storage, 10, every=10)
     for step in (5, 13, 20, 35):  # below the resume point, skipped over, saved again, above everything
@@ -50,7 +60,38 @@ def test_killed_saves_go_once_the_run_is_past_them_and_saved_again_ones_stay(tmp
         20: "incomplete",
         35: "incomplete",
     }
+    sharded = (storage / step_dir(10) / "shards").is_dir()
+    assert sharded == (engine == "sharded")
     assert _train(storage, 30, every=10) == 10  # saves 20 and 30: never 13
+    assert {i.step: i.status for i in scan(open_storage(str(storage)))} == {
+        10: "complete",
+        20: "complete",
+        30: "complete",
+        35: "incomplete",
+    }
+
+
+def test_a_trainer_integrations_folders_lose_killed_saves_the_same_way(tmp_path):
+    """HF, Lightning, Accelerate and DeepSpeed commit the trainer's own folders (``FolderCheckpoints``)."""
+    from spotguard.integrations._folders import FolderCheckpoints
+
+    def folder(step: int) -> Path:
+        out = tmp_path / "out" / f"checkpoint-{step}"
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(bytes([step]) * 64)
+        return out
+
+    storage = tmp_path / "ckpt"
+    first = FolderCheckpoints(str(storage), keep=10, lease_ttl=None)
+    first.commit(10, folder(10), "periodic")
+    for step in (5, 13, 20, 35):
+        _killed_save(storage, step, like=10)
+    again = FolderCheckpoints(str(storage), keep=10, lease_ttl=None)
+    found = again.newest_verified()
+    assert found is not None and found[0] == 10
+    assert {i.step for i in scan(open_storage(str(storage)))} == {10, 13, 20, 35}  # 5: below the resume point
+    again.commit(20, folder(20), "periodic")
+    again.commit(30, folder(30), "emergency")  # no housekeeping on the deadline's clock
     assert {i.step: i.status for i in scan(open_storage(str(storage)))} == {
         10: "complete",
         20: "complete",
