@@ -93,8 +93,15 @@ class SingleEngine(HoldsStaging):
         """Start allocating the staging of periodic saves off the loop's thread (``Staging.reserve``)."""
         with state.rng_isolated():  # collecting a loader's state may draw
             objects = state.collect(tracked.objects)
+        self._check_once(objects)  # at the first step: not at the first save, maybe hours later, nor on its stall
         if tensor_bytes(objects) <= self.budget.resolve():
             self._staging.reserve(objects)
+
+    def _check_once(self, objects: dict[str, Any]) -> None:
+        """A state a resume could not load fails here, once, before anything is written (``loadable``)."""
+        if not self._checked:
+            loadable.check(objects)
+            self._checked = True
 
     def close(self) -> None:
         """Nothing waits here: the staging's allocation thread ends on its own."""
@@ -109,9 +116,7 @@ class SingleEngine(HoldsStaging):
         objects = state.collect(tracked.objects)
         if cut:
             data.as_at_last_batch(tracked.objects, objects)
-        if not self._checked:  # once: a state a resume cannot load must fail here, before anything is written
-            loadable.check(objects)
-            self._checked = True
+        self._check_once(objects)
         generators = {n: g for n, o in tracked.objects.items() if (g := data.generator_state(o)) is not None}
         loaders = data.loader_facts(tracked.objects)  # what a resume compares (worker count, batch size)
         # Warm buffers within the budget: no walk (it costs as much as a small state's copy).

@@ -206,7 +206,8 @@ class Guard:
         self._step = step
         if self._reserve_due:  # after a training step: an optimizer has made its state by now
             self._reserve_due = False
-            self.saves.reserve()
+            with self._beat.marks():  # a state no resume could load is refused here, at the first step
+                self.saves.reserve()
         if self.agreement is not None:
             return self._vote(step)
         if self.in_step is not None:  # Ray's drain, on this process's clock

@@ -203,9 +203,12 @@ class Saves:
 
     # -- in the background ---------------------------------------------------------------------
     def reserve(self) -> None:
-        """Have the engine allocate the staging of periodic saves off the loop (never raises into it)."""
+        """Have the engine allocate the staging of periodic saves off the loop. Raises only a state that no
+        resume could load (``UnloadableStateError``: the engine checks it here, once), as the first save would."""
         try:
             self.engine.reserve(self.tracked)
+        except UnloadableStateError:
+            raise
         except Exception as e:
             logger.warning(
                 "cannot reserve the checkpoint staging (%s: %s); the first save allocates it", type(e).__name__, e

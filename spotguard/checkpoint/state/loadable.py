@@ -3,8 +3,9 @@
 Why: every resume reads checkpoints with ``torch.load(weights_only=True)``, which refuses any class
 outside torch's allow-list and the user's ``torch.serialization.add_safe_globals``. A tracked object
 whose ``state_dict()`` holds such a value (DeepSpeed's ``LossScaler`` object, an enum, a NumPy
-array) saved without complaint, and every resume then skipped its checkpoints. So the first save
-of each engine calls ``check`` on the collected state, before anything is written.
+array) saved without complaint, and every resume then skipped its checkpoints. So each engine calls
+``check`` once on the collected state, before anything is written: at its first save, or sooner, at
+the staging's reservation after the first step (the single-process engine with asynchronous saves).
 
 How, cheaply: the state is pickled as ``torch.save`` would, but with every plain tensor replaced by
 one empty tensor of its dtype (the same pickle opcodes and globals, no tensor bytes), and read back
