@@ -9,7 +9,10 @@ where a property took five.
 from __future__ import annotations
 
 import operator
-from typing import Any, Generic, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Generic, NoReturn, TypeVar, overload
+
+if TYPE_CHECKING:
+    from typing_extensions import Never
 
 T = TypeVar("T")
 
@@ -37,5 +40,5 @@ class Forward(Generic[T]):
         value: T = self._read(obj)
         return value
 
-    def __set__(self, obj: object, value: Any) -> NoReturn:
+    def __set__(self, obj: object, value: Never) -> NoReturn:  # Never: a type checker refuses the assignment too
         raise AttributeError(f"{self.name} is read-only (it is {self.path})")

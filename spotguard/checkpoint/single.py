@@ -78,7 +78,6 @@ class SingleEngine(HoldsStaging):
         self._on_commit = on_commit
         self._staged_final = staged_final
         self._staging = Staging()
-        self._lock = threading.Lock()  # the loop's thread and the background writer may both prune
         self._tidy = retention.Housekeeping(keep)
         self._checked = False  # the state was found loadable (``loadable.check``, at the first save)
 
@@ -133,6 +132,7 @@ class SingleEngine(HoldsStaging):
         }, True
 
     def stage(self, tracked: Tracked, step: int, reason: str) -> Work:
+        self._tidy.claim(step)  # this save replaces what a killed one of its step left
         with state.rng_isolated():  # collecting a loader's state may draw; leave no trace
             payload, snapshot = self._payload(tracked, step, staged=True)
             extra = copy_extra(tracked.extra)  # the values of this step
@@ -161,6 +161,7 @@ class SingleEngine(HoldsStaging):
         self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
     ) -> Manifest | None:
         t0 = time.monotonic()
+        self._tidy.claim(step)
         stale: list[CheckpointInfo] = []
         with state.rng_isolated():  # whatever the storage libraries draw, the RNG streams stay as they were
             payload, _ = self._payload(tracked, step, staged=final and self._staged_final, final=final)
@@ -264,11 +265,10 @@ class SingleEngine(HoldsStaging):
     def _prune(self, storage: Storage, step: int) -> None:
         """After a commit of ``step`` to ``storage``: old checkpoints beyond ``keep``, and saves killed above
         the resume point that this run has now passed (their step re-saved, or skipped)."""
-        with self._lock:
-            try:
-                self._tidy.after_commit(storage, step)
-            except Exception as e:
-                logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
+        try:
+            self._tidy.after_commit(storage, step)
+        except Exception as e:
+            logger.warning("pruning old checkpoints in %s failed: %s", storage.describe(), e)
 
     # -- resuming ------------------------------------------------------------------------------
     def resume(self, tracked: Tracked) -> Resumed | None:

@@ -120,6 +120,7 @@ class FolderCheckpoints:
         process group: every rank passes its own folder (see ``folders.commit``)."""
         t0 = time.monotonic()
         self._hold()
+        self._tidy.claim(step)  # this save replaces what a killed one of its step left
         agreed = self.group.get()
         if agreed is None:
             revision = layout.next_revision(self.storage, step) if supersede else 0

@@ -8,6 +8,7 @@ never mistaken for a whole one. Split from ``layout`` (how a checkpoint is writt
 from __future__ import annotations
 
 import logging
+import threading
 
 from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
 from spotguard.checkpoint.format.reader import scan
@@ -61,47 +62,62 @@ def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None
     return [i.step for i in doomed]
 
 
-def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], below: int) -> None:
-    """Delete the incomplete ``step-N/`` of ``infos`` below step ``below``: saves killed mid-write, that
-    nothing will replace. The caller vouches that no writer is at them: ``infos`` was scanned at a resume,
-    before this run wrote anything, and the run goes on past ``below`` or has committed ``below``
-    since. Corrupt ones are kept. A failure is logged, never raised.
+def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], upto: int) -> None:
+    """Delete the incomplete ``step-N/`` (or ``step-N.rK/``) of ``infos`` at or below step ``upto``: saves
+    killed mid-write, that nothing will replace. The caller vouches that no writer of this run is at them
+    (``Housekeeping.claim``); one committed since the listing is kept all the same, as are corrupt ones. A
+    failure is logged, never raised.
     """
     for info in infos:
-        if info.status == "incomplete" and info.step < below:
-            try:
-                delete(storage, info.name)
-                logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
-            except OSError as e:  # StorageError included: housekeeping must never fail a resume or a save
-                logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
+        if info.status != "incomplete" or info.step > upto:
+            continue
+        try:
+            keys = storage.list(info.name + "/")
+            if f"{info.name}/{MANIFEST}" in keys:  # committed since it was listed: a checkpoint, not garbage
+                continue
+            storage.delete(keys)
+            logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
+        except OSError as e:  # StorageError included: housekeeping must never fail a resume or a save
+            logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
 
 
 class Housekeeping:
     """What a run removes after each commit, from one listing: checkpoints beyond ``keep``, and the saves
-    killed mid-write that its resume found, as soon as nothing can replace them: those below the resume
-    point at once (the run goes on past them), those above once it has committed past them (a save it
-    skips, or one on another interval, would not replace them). The single-process engine calls it for
-    each tier, the sharded one on rank 0."""
+    killed mid-write that its resume found, as soon as nothing can replace them: those at or below the
+    resume point at once (the run goes on past them), those above once it has committed past them (a save
+    it skips, or one on another interval, would not replace them), unless this run has started a save of
+    their step since (``claim``: that save replaces them). The single-process engine calls it for each
+    tier, the sharded one on rank 0, the trainer integrations on rank 0; from the loop's thread and the
+    background writer's alike (a lock)."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []
+        self._lock = threading.Lock()
 
     def at_resume(self, tiers: list[tuple[Storage, list[CheckpointInfo]]], step: int) -> None:
         """The resume loaded ``step``; ``tiers``: each storage with what it listed before this run wrote."""
-        for tier, infos in tiers:
-            drop_killed_saves(tier, infos, step)
-        self._ahead = [
-            (tier, [i for i in infos if i.status == "incomplete" and i.step > step]) for tier, infos in tiers
-        ]
+        with self._lock:
+            for tier, infos in tiers:
+                drop_killed_saves(tier, infos, step)
+            self._ahead = [
+                (tier, [i for i in infos if i.status == "incomplete" and i.step > step]) for tier, infos in tiers
+            ]
+
+    def claim(self, step: int) -> None:
+        """A save of ``step`` starts: what a killed save of that step left is its writer's to replace now."""
+        with self._lock:
+            for _, infos in self._ahead:
+                infos[:] = [i for i in infos if i.step != step]
 
     def after_commit(self, storage: Storage, step: int) -> None:
-        """``step`` is committed to ``storage``: prune it, and drop a remembered save below ``step`` that is
-        still incomplete (one saved again since is complete, and stays). Raises what the storage raises."""
-        now = scan(storage)
-        prune(storage, self.keep, now)
-        for tier, infos in self._ahead:
-            if tier is storage and infos:
-                names = {i.name for i in infos}
-                drop_killed_saves(tier, [i for i in now if i.name in names], step)
-                infos[:] = [i for i in infos if i.step >= step]
+        """``step`` is committed to ``storage``: prune it, and drop a remembered save at or below ``step``
+        that is still incomplete (one saved again since is complete, and stays). Raises what the storage raises."""
+        with self._lock:
+            now = scan(storage)
+            prune(storage, self.keep, now)
+            for tier, infos in self._ahead:
+                if tier is storage and infos:
+                    names = {i.name for i in infos}
+                    drop_killed_saves(tier, [i for i in now if i.name in names], step)
+                    infos[:] = [i for i in infos if i.step > step]

@@ -165,6 +165,7 @@ class ShardedEngine(HoldsStaging):
         """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
         are never replaced: a final save of a committed step returns None."""
         t0 = time.monotonic()
+        self._tidy.claim(step)  # this save replaces what a killed one of its step left
         staged = collected(tracked, self.groups, step, final=final)
         self._check_once(staged, step, collective=True)
         manifest = self._write(step, reason, staged, deadline)
@@ -178,6 +179,7 @@ class ShardedEngine(HoldsStaging):
         never through a collective. A share over the staging budget (``budget.Budget``) is written before
         this returns, from the live state."""
         g = self.groups
+        self._tidy.claim(step)
         waited = self._reserved()
         self._staged += 1
         ex = sharded_async.Exchange(

@@ -7,6 +7,7 @@ same in a process group (the sharded engine, rank 0 tidying), here a one-rank gl
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,51 @@ def test_a_trainer_integrations_folders_lose_killed_saves_the_same_way(tmp_path)
         30: "complete",
         35: "incomplete",
     }
+
+
+def test_a_save_of_a_killed_step_still_writing_is_not_taken_for_its_leftovers(tmp_path, engine):
+    """A resume remembered the killed ``step-20/``; this run's background save of 20 is writing that folder
+    again when a manual save of 21 commits: the commit's housekeeping must leave 20 to its writer."""
+    storage = tmp_path / "ckpt"
+    _train(storage, 10, every=10)
+    _killed_save(storage, 20, like=10)
+    model = torch.nn.Linear(8, 8)
+    guard = Guard(str(storage), providers=[], every_steps=10, keep=10, async_save=True, save_on_exit=False)
+    guard.track(model=model)
+    assert guard.resume() == 10
+    reached, gate, real = threading.Event(), threading.Event(), guard.storage.put_bytes
+
+    def held(key, data, **kw):  # the save of 20 has written its files, not yet its manifest
+        if key.startswith(f"{step_dir(20)}/") and key.endswith("manifest.json"):
+            reached.set()
+            assert gate.wait(30)
+        return real(key, data, **kw)
+
+    guard.storage.put_bytes = held
+    with guard:
+        guard.step(20)  # due: staged, written in the background, held before its commit
+        assert reached.wait(30)
+        guard.save(21)  # commits at once, then tidies
+        gate.set()
+    infos = {i.step: i for i in scan(open_storage(str(storage)))}
+    assert infos[20].complete and infos[21].complete, {s: (i.status, i.problem) for s, i in infos.items()}
+
+
+def test_a_killed_revision_of_the_resume_step_goes_and_one_committed_since_the_listing_stays(tmp_path):
+    """A revision of the resumed step killed mid-write (``step-N.r1/`` without a manifest) is neither below
+    nor above the resume point, and nothing will replace it; a folder whose manifest landed after the
+    listing is a checkpoint, whatever the listing said."""
+    from spotguard.checkpoint.folders.retention import Housekeeping
+
+    storage = tmp_path / "ckpt"
+    _train(storage, 10, every=10)
+    shutil.copytree(storage / step_dir(10), storage / step_dir(10, 1))
+    (storage / step_dir(10, 1) / "manifest.json").unlink()
+    _killed_save(storage, 5, like=10)
+    store = open_storage(str(storage))
+    listed = scan(store)
+    assert {(i.name, i.status) for i in listed} >= {(step_dir(10, 1), "incomplete"), (step_dir(5), "incomplete")}
+    shutil.copy(storage / step_dir(10) / "manifest.json", storage / step_dir(5) / "manifest.json")  # landed since
+    Housekeeping(keep=10).at_resume([(store, listed)], 10)
+    assert not (storage / step_dir(10, 1)).exists()
+    assert (storage / step_dir(5) / "manifest.json").exists() and len(list((storage / step_dir(5)).iterdir())) > 1
