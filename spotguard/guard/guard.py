@@ -18,7 +18,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
-from spotguard._forward import Forward
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.state import data, state
 from spotguard.coordination import agreement, lease, ranks
@@ -30,6 +29,7 @@ from spotguard.coordination.window import Window, WindowPolicy
 from spotguard.errors import PERMANENT, LeaseLostError
 from spotguard.events import Events
 from spotguard.guard import buckets, insync
+from spotguard.guard.forward import Forward
 from spotguard.guard.options import BusyPolicy, GuardOptions
 from spotguard.guard.saves import Saves, notice_lead
 from spotguard.guard.schedule import Schedule

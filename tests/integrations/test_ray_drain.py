@@ -102,8 +102,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return reference_run(tmp_path_factory)
 
 
-def _reclaimed(tmp_path: Path, *how: str) -> tuple[subprocess.CompletedProcess[str], list[CheckpointInfo], int]:
-    example = [*_example_args(tmp_path), "--step-sleep", "0.05"]  # the reclaim lands a few steps after AT
+def _reclaimed(
+    tmp_path: Path, *how: str, max_failures: int = 0
+) -> tuple[subprocess.CompletedProcess[str], list[CheckpointInfo], int]:
+    """``max_failures=0``: Ray must charge the attempt to its preemption budget (else the run ends)."""
+    example = [*_example_args(tmp_path), "--step-sleep", "0.05", "--max-failures", str(max_failures)]
     cmd = [sys.executable, str(WORKERS / "ray_cluster.py"), str(tmp_path), *how, "--", *example]
     done, committed, left = _run(tmp_path, cmd)
     out = done.stdout
@@ -119,8 +122,8 @@ def _reclaimed(tmp_path: Path, *how: str) -> tuple[subprocess.CompletedProcess[s
         (event,) = [e for e in read_jsonl(tmp_path / f"trace-{rank}.jsonl") if e["event"] == "preempted"]
         assert event["by"] == "ray", event
     assert "stop notice from ray (preempt)" in out, out[-8000:]
-    # Ray charged the attempt to max_preemption_failures: with max_failures=0 an ordinary failure ends the run.
-    assert "Source: preemption" in out and "Source: worker group" not in out, out[-8000:]
+    if max_failures == 0:  # Ray charged the attempt to max_preemption_failures: else the run would have ended
+        assert "Source: preemption" in out and "Source: worker group" not in out, out[-8000:]
     return done, committed, stopped
 
 
@@ -138,7 +141,11 @@ def test_ray_drain_stops_both_workers_commits_before_deadline_and_resumes_identi
 def test_ray_sigterm_to_a_ray_start_block_node_drains_it_and_the_same_stop_follows(tmp_path, reference):
     if not (Path(sys.executable).parent / "ray").exists():
         pytest.skip("no `ray` command beside this Python")
-    _, committed, stopped = _reclaimed(tmp_path, "--sigterm-after", str(AT), "--deadline", "10")
+    # Which budget Ray charges is Ray's race here, not spotguard's: a `ray start --block` node drains and exits
+    # once idle, dying "expectedly: received SIGTERM", and unless Ray's controller polled the drain first (0.2 s)
+    # the attempt counts as a worker-group failure (seen in 2 of 4 loaded CI runs). One is allowed; the stop,
+    # the commit and the exact resume are what is checked.
+    _, committed, stopped = _reclaimed(tmp_path, "--sigterm-after", str(AT), "--deadline", "10", max_failures=1)
     (info,) = [i for i in committed if i.step == stopped]
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
     for rank in (0, 1):

@@ -8,7 +8,7 @@ import pydoc
 import pytest
 
 import spotguard
-from spotguard._forward import Forward
+from spotguard.guard.forward import Forward
 
 
 def test_a_forwarded_attribute_reads_the_part_live_and_refuses_assignment(tmp_path):
