@@ -70,6 +70,8 @@ def write(
     abandoned, never completed. ``upload_crc``: the running checksum to keep (default the storage's
     own). ``meter`` adds what the file cost apart from waiting for a CPU (``DirectFile.work_seconds``).
     """
+    if unknown := bounds.keys() - Bounds.__optional_keys__:  # a misspelt bound must not pass unnoticed
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; bounds: {sorted(Bounds.__optional_keys__)}")
     deadline, cancel, meter = bounds.get("deadline"), bounds.get("cancel"), bounds.get("meter")
     up = Upload(storage, key, path, deadline) if stream and storage.streams else None
     grew = up.grew if up else None

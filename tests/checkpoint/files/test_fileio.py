@@ -146,3 +146,17 @@ def test_the_work_of_a_file_leaves_out_the_producers_pauses(tmp_path):
     assert wall >= 0.8
     assert 0 < f.hash_s and 0 < f.io_s
     assert f.work_seconds(produced) == max(f.io_s, f.hash_s, produced) < 0.4
+
+
+def test_a_misspelt_bound_of_a_file_write_is_refused_before_anything_is_written(tmp_path):
+    """``filewrite.write``/``put`` take their deadline, cancel event and meter as keywords of one family
+    (``Bounds``): a typo there would otherwise drop the deadline silently."""
+    from spotguard.checkpoint.files import filewrite
+    from spotguard.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "store"))
+    with pytest.raises(TypeError, match=r"\['deadlin'\]; bounds: \['cancel', 'deadline', 'meter'\]"):
+        filewrite.put(storage, "step-1/a.pt", "a.pt", lambda f: f.write(b"x"), deadlin=5.0)  # type: ignore[call-arg]
+    assert not list((tmp_path / "store").rglob("a.pt"))
+    entry = filewrite.put(storage, "step-1/a.pt", "a.pt", lambda f: f.write(b"x"), deadline=None)
+    assert entry.size == 1
