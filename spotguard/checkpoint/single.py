@@ -69,7 +69,7 @@ class SingleEngine(HoldsStaging):
         staging_budget: int | None = None,
         fence: Callable[[], None] | None = None,
     ) -> None:
-        self.storage, self.local, self.keep = storage, local, keep
+        self.storage, self.local = storage, local
         self.fence = fence  # the writer lease's, called before each manifest on ``storage`` (not the local tier)
         self.budget = Budget(staging_budget)
         self._ring_made: stream.Ring | None = None

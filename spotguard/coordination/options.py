@@ -46,6 +46,12 @@ def check_every_steps(value: object) -> None:
         raise ConfigError(f"every_steps must be a positive int or None, got {value!r}")
 
 
+def check_flag(name: str, value: object) -> None:
+    """A yes/no option of ``Guard`` and the integrations alike: True or False (``"no"`` would be true)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
 @dataclass
 class CommonOptions:
     """What ``Guard`` and every trainer integration take alike, validated on creation; an option left

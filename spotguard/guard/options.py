@@ -12,7 +12,7 @@ from pathlib import Path
 
 from spotguard import _env
 from spotguard.checkpoint.format.manifest import Reshard
-from spotguard.coordination.options import CommonOptions, check_every_steps
+from spotguard.coordination.options import CommonOptions, check_every_steps, check_flag
 from spotguard.coordination.ranks import PollOn
 from spotguard.errors import ConfigError
 
@@ -101,6 +101,7 @@ class GuardOptions(CommonOptions):
         if self.metrics_file is None:  # `spotguard rehearse` reads a job's events without changing its code
             self.metrics_file = _env.text(_env.METRICS_FILE)
         check_every_steps(self.every_steps)
+        check_flag("save_on_exit", self.save_on_exit)  # as the loop integrations' (LoopOptions)
         if self.every_seconds == "auto":
             if self.mtbf_hours is None:
                 raise ConfigError('every_seconds="auto" needs mtbf_hours (mean hours between preemptions)')

@@ -25,7 +25,7 @@ from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint.files.onclose import ClosedFileHashes
 from spotguard.checkpoint.folders import folders, layout, retention
 from spotguard.checkpoint.folders.pernode import RankFiles
-from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.format.manifest import CheckpointInfo, Manifest
 from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.state import data, state
@@ -73,7 +73,6 @@ class FolderCheckpoints:
         takeover = _env.flag(_env.TAKEOVER, default=False) if takeover is None else takeover
         self.lease = WriterLease(self.storage, lease_ttl, bool(takeover), None, self)
         self._beat = heartbeat.Beat()  # `spotguard run` does not restart a job another one writes over
-        self.keep = keep
         self._tidy = retention.Housekeeping(keep)  # rank 0's: pruning, and saves killed mid-write
         self.work_dir = work_dir
         self.group = group or RankGroup()
@@ -177,15 +176,16 @@ class FolderCheckpoints:
         the shared files and the node's own ranks' files (``rank_files``: the trainer's rule; None: all).
         Saves killed mid-write go as the Guard's do (``retention.Housekeeping``), by rank 0.
         """
-        found = self._newest_verified(rank_files)
+        listed: list[CheckpointInfo] = []  # this process's listing, when it made one (no process group)
+        found = self._newest_verified(rank_files, listed)
         if found is not None and self.group.rank == 0:
             try:
-                self._tidy.at_resume([(self.storage, checkpoint.scan(self.storage))], found[0])
+                self._tidy.at_resume([(self.storage, listed or checkpoint.scan(self.storage))], found[0])
             except Exception as e:  # housekeeping never fails a resume
                 logger.warning("cannot list %s for unfinished saves: %s", self.storage.describe(), e)
         return found
 
-    def _newest_verified(self, rank_files: RankFiles | None) -> tuple[int, Path] | None:
+    def _newest_verified(self, rank_files: RankFiles | None, listed: list[CheckpointInfo]) -> tuple[int, Path] | None:
         self._hold()
         agreed = self.group.get()
         if agreed is not None:
@@ -194,7 +194,8 @@ class FolderCheckpoints:
                 self._fetched.append(found[1])
             return found
         skipped: list[str] = []
-        for info in reversed(checkpoint.scan(self.storage)):
+        listed[:] = checkpoint.scan(self.storage)
+        for info in reversed(listed):
             where = self.storage.describe(info.name)
             refuse_newer_format(self.storage, info)  # a newer spotguard's: upgrade, never fall back past it
             if not info.complete:

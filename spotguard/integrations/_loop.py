@@ -20,7 +20,7 @@ from spotguard.checkpoint.format.manifest import Manifest
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..coordination.cadence import next_multiple
-from ..coordination.options import check_every_steps
+from ..coordination.options import check_every_steps, check_flag
 from ..errors import ConfigError
 from ..notices.base import Notice
 from ..storage import Storage
@@ -42,8 +42,7 @@ class LoopOptions(WatchOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_every_steps(self.every_steps)
-        if not isinstance(self.save_on_exit, bool):
-            raise ConfigError(f"save_on_exit must be True or False, got {self.save_on_exit!r}")
+        check_flag("save_on_exit", self.save_on_exit)
 
 
 class LoopGuard(StopOutcome):

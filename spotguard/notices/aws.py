@@ -68,9 +68,9 @@ class AwsProvider(MetadataProvider):
     """Watches the EC2 metadata service.
 
     ``allow_imdsv1``: fall back to token-less requests when the token endpoint refuses (default
-    ``$SPOTGUARD_AWS_ALLOW_IMDSV1``, else off: IMDSv1 is the SSRF-prone variant). ``maintenance_horizon``: an active scheduled
-    maintenance event becomes a notice only this many seconds before its ``NotBefore``, so an
-    event announced days ahead does not stop training today.
+    ``$SPOTGUARD_AWS_ALLOW_IMDSV1``, else off: IMDSv1 is the SSRF-prone variant).
+    ``maintenance_horizon``: an active scheduled maintenance event becomes a notice only this many
+    seconds before its ``NotBefore``, so an event announced days ahead does not stop training today.
     """
 
     name = "aws"

@@ -55,7 +55,8 @@ class GcpProvider(MetadataProvider):
     ``maintenance`` channel's ``poll()``), each with hanging GETs on a connection of its own.
 
     ``deadline_seconds``: the time a preempted VM has after the flag flips (default
-    ``$SPOTGUARD_GCP_DEADLINE``, else 30 s, as for Spot and preemptible VMs). ``hang``: how long one hanging GET may wait (the server's ``timeout_sec``).
+    ``$SPOTGUARD_GCP_DEADLINE``, else 30 s, as for Spot and preemptible VMs). ``hang``: how long one
+    hanging GET may wait (the server's ``timeout_sec``).
     """
 
     name = "gcp"

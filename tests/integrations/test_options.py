@@ -104,7 +104,8 @@ def test_a_loop_integrations_schedule_is_an_option_like_the_others(tmp_path):
     """``every_steps`` and ``save_on_exit`` are ``LoopOptions`` fields: a misspelt one is named, a bad one refused."""
     with pytest.raises(ConfigError, match=r"has no option 'every_step' \(did you mean every_steps"):
         FolderLoop(str(tmp_path), every_step=5)
-    with pytest.raises(ConfigError, match="save_on_exit must be True or False, got 'no'"):
-        FolderLoop(str(tmp_path), save_on_exit="no")
+    for make in (FolderLoop, Guard):  # the same rule for the Guard's save_on_exit
+        with pytest.raises(ConfigError, match="save_on_exit must be True or False, got 'no'"):
+            make(str(tmp_path), save_on_exit="no")
     loop = loop_every(str(tmp_path), 5)
     assert (loop.every_steps, loop.save_on_exit) == (5, True)

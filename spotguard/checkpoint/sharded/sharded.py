@@ -75,7 +75,7 @@ class ShardedEngine(HoldsStaging):
         fence: Callable[[], None] | None = None,
         staging_budget: int | None = None,
     ) -> None:
-        self.storage, self.groups, self.keep = storage, groups, keep
+        self.storage, self.groups = storage, groups
         self.budget = Budget(staging_budget)  # a rank's share of a background save (``stage``)
         self.fence = fence  # rank 0's writer lease's, called before each manifest (``_commit``)
         self.reshard = Reshard(reshard)
