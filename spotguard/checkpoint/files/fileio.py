@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from spotguard.checkpoint.files.runqueue import WaitClock
 from spotguard.checkpoint.format.digest import CHUNK, ChunkedDigest
 from spotguard.checkpoint.format.manifest import FileEntry
 from spotguard.errors import ConfigError, SaveCancelled
@@ -102,6 +103,8 @@ class DirectFile:
         #: producer's CPU time, what the file costs apart from waiting for a CPU (``work_seconds``)
         self.io_s = 0.0
         self.hash_s = 0.0
+        #: Of ``io_s``, the seconds its thread waited for a CPU once the disk was done (``runqueue``)
+        self.cpu_wait = WaitClock()
 
     # -- the file-object surface torch.save and shutil use ----------------------------------------
     def writable(self) -> bool:
@@ -152,19 +155,21 @@ class DirectFile:
                 self._views[self._current][self._fill : padded] = bytes(padded - self._fill)
                 self._submit(padded, self._fill)
             self._wait()
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), self.cpu_wait.start()
             os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
             os.fsync(self._fd)
             self.io_s += time.perf_counter() - t0
+            self.cpu_wait.stop(w0)
         finally:
             self._release()
 
     def work_seconds(self, produce_cpu_s: float) -> float:
         """How long this file would have taken with a CPU to itself: the slowest of its three overlapped
-        parts (the producer's CPU seconds, given; the disk's time; the hash's CPU seconds). A niced
-        background writer's wall time also counts the time it waited for the training loop's CPU and
-        GIL, which an emergency save on a stopped loop does not (the emergency estimate's rate)."""
-        return max(produce_cpu_s, self.io_s, self.hash_s)
+        parts (the producer's CPU seconds, given; the disk's time, less what its thread then waited for a
+        CPU; the hash's CPU seconds). A niced background writer's wall time also counts the time it waited
+        for the training loop's CPU and GIL, which an emergency save on a stopped loop does not (the
+        emergency estimate's rate)."""
+        return max(produce_cpu_s, self.io_s - self.cpu_wait.seconds, self.hash_s)
 
     def abort(self) -> None:
         """Close without flushing (the caller deletes the file)."""
@@ -236,7 +241,7 @@ class DirectFile:
 
     def _write_all(self, view: memoryview, data: int = 0) -> None:
         """Write ``view`` whole (``data`` of its bytes are the file's, the rest O_DIRECT padding)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.cpu_wait.start()
         while view:
             try:
                 n = os.write(self._fd, view)
@@ -249,6 +254,7 @@ class DirectFile:
                 continue
             view = view[n:]
         self.io_s += time.perf_counter() - t0
+        self.cpu_wait.stop(w0)
         self._grew(written=data)
 
     def _release(self) -> None:
