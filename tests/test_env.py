@@ -9,6 +9,7 @@ import torch
 
 import spotguard
 from spotguard import ConfigError, notices
+from spotguard.integrations._loop import LoopOptions
 from spotguard.ops.mockmeta import endpoint_env
 
 
@@ -40,11 +41,14 @@ def test_spotguard_stop_on_advisory_makes_a_guard_stop_for_a_rebalance(mock_meta
         ("SPOTGUARD_GCP_DEADLINE", "soon", lambda: notices.build("gcp")),
         ("SPOTGUARD_GCP_DEADLINE", "-5", lambda: notices.build("gcp")),
         ("SPOTGUARD_STOP_ON_ADVISORY", "yes please", lambda: spotguard.Guard("unused", providers=None)),
+        # refused where the job starts, not by every save hours later (the emergency's too)
+        ("SPOTGUARD_CHECKSUM", "xxh3", lambda: spotguard.Guard("unused", providers=None)),
+        ("SPOTGUARD_CHECKSUM", "xxh3", lambda: LoopOptions()),  # every trainer integration's options
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, name, value, build):
     monkeypatch.setenv(name, value)
-    with pytest.raises(ConfigError, match=f"\\${name} must be"):
+    with pytest.raises(ConfigError, match=f"\\${name}:? must be"):
         build()
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from spotguard import _env
+from spotguard.checkpoint.format import digest
 from spotguard.checkpoint.state.data import Rebatch
 from spotguard.checkpoint.state.state import Untracked
 from spotguard.coordination.window import DeadlinePolicy, WindowPolicy
@@ -110,6 +111,7 @@ class CommonOptions:
             self.takeover = _env.flag(_env.TAKEOVER, default=False)
         if self.stop_on_advisory is None:  # not given: the job's environment decides (e.g. the terraform module)
             self.stop_on_advisory = _env.flag(_env.STOP_ON_ADVISORY, default=False)
+        digest.default_alg()  # a bad $SPOTGUARD_CHECKSUM refused now, not at every save, the emergency's too
         window = WindowPolicy(self.deadline_policy, self.window_margin)  # $SPOTGUARD_DEADLINE_POLICY, checks
         self.deadline_policy, self.window_margin = window.policy, window.margin_s
         if self.lease_ttl is not None and not (_seconds(self.lease_ttl) and 0 < self.lease_ttl < 1e7):
