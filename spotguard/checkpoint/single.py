@@ -296,6 +296,7 @@ class SingleEngine(HoldsStaging):
             except CheckpointCorruptError as e:
                 logger.warning("skipping %s: %s", where, e)
                 skipped.append(f"{where}: {e}")
+                reader.mark_corrupt(storage, info, e)
                 continue
             self._restore(tracked, info, payload)
             m = info.manifest

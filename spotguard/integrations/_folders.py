@@ -26,7 +26,7 @@ from spotguard.checkpoint.files.onclose import ClosedFileHashes
 from spotguard.checkpoint.folders import folders, layout, retention
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import CheckpointInfo, Manifest
-from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format
+from spotguard.checkpoint.format.reader import mark_corrupt, none_loads, refuse_newer_format
 from spotguard.checkpoint.leaseholder import DEFAULT_TTL_S
 from spotguard.checkpoint.state import data, state
 from spotguard.checkpoint.state.data import Rebatch
@@ -212,6 +212,7 @@ class FolderCheckpoints:
                 logger.warning("skipping %s: %s", where, e)
                 skipped.append(f"{where}: {e}")
                 shutil.rmtree(dest, ignore_errors=True)
+                mark_corrupt(self.storage, info, e)
                 continue
             self._fetched.append(dest)
             logger.info(

@@ -38,7 +38,7 @@ from spotguard.checkpoint.folders import layout, pernode
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
 from spotguard.checkpoint.format.reader import fetch as fetch_checkpoint
-from spotguard.checkpoint.format.reader import none_loads, refuse_newer_format, scan
+from spotguard.checkpoint.format.reader import mark_corrupt, none_loads, refuse_newer_format, scan
 from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseLostError, StorageError
 from spotguard.storage.base import Storage
 
@@ -260,6 +260,8 @@ def fetch(
             raise StorageError(f"cannot fetch {storage.describe(info.name)}: {'; '.join(fatal)}")
         why = "; ".join(f"rank {r}: {err}" for r, err in failed)
         logger.warning("skipping %s: %s", storage.describe(info.name), why)
+        if rank == 0:
+            mark_corrupt(storage, info, CheckpointCorruptError(why))
         skipped.append(f"{storage.describe(info.name)}: {why}")
         tried.add(info.name)
 

@@ -8,9 +8,11 @@ checksum before handing out its local path, so a flipped byte is caught before a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,11 +96,20 @@ def _classify(storage: Storage, groups: dict[str, dict[str, int]]) -> list[Check
     return infos
 
 
+#: Left in a committed checkpoint whose bytes a resume found unlike its manifest (``mark_corrupt``).
+CORRUPT_MARK = "corrupt.json"
+
+
 def listing_problem(name: str, manifest: Manifest, listed: Mapping[str, int]) -> str:
     """Why the listing of a committed checkpoint (file name -> size) does not match its manifest, or "".
 
-    A file missing or of another size is corrupt for good (``CheckpointInfo.broken``): no retry mends it.
+    A file missing or of another size, or a resume's ``CORRUPT_MARK``, is corrupt for good
+    (``CheckpointInfo.broken``): no retry mends it.
     """
+    if CORRUPT_MARK in listed:
+        return (
+            f"{name}: a resume found it unlike its manifest ({name}/{CORRUPT_MARK}; delete that file to try it again)"
+        )
     missing = [f.name for f in manifest.files if f.name not in listed]
     if missing:
         return f"{name}: missing file(s) {', '.join(missing)}"
@@ -184,6 +195,23 @@ def open_verifying(storage: Storage, info: CheckpointInfo, fname: str) -> Iterat
             yield path, check
         finally:
             check.close()
+
+
+def mark_corrupt(storage: Storage, info: CheckpointInfo, error: Exception) -> None:
+    """Leave ``CORRUPT_MARK`` in ``info``, whose bytes a resume found unlike its manifest. Why: its listing
+    still looks committed, so retention counted it among the ``keep`` (the newest, too) and deleted good
+    ones in its place (every one, with ``keep=1``), and a save of its step was refused as already
+    committed. Marked, it is broken for good: not counted, pruned once older than the newest good one,
+    replaced by a save of its step; nothing of it is deleted here. A failure is logged, never raised."""
+    record = {"problem": str(error), "marked_at": time.time()}
+    try:
+        storage.put_bytes(f"{info.name}/{CORRUPT_MARK}", json.dumps(record).encode())
+    except Exception as e:  # housekeeping: never fails a resume, which goes on to an older checkpoint
+        logger.warning("cannot mark %s corrupt: %s", storage.describe(info.name), e)
+        return
+    logger.warning(
+        "marked %s corrupt (%s): it no longer counts among the checkpoints kept", storage.describe(info.name), error
+    )
 
 
 def verify(storage: Storage, info: CheckpointInfo) -> None:

@@ -23,7 +23,7 @@ from spotguard.checkpoint.collective import Groups, agree, broadcast, dcp_state,
 from spotguard.checkpoint.engine import Resumed, Tracked
 from spotguard.checkpoint.folders.retention import Housekeeping
 from spotguard.checkpoint.format.manifest import CheckpointInfo, Reshard, human_duration
-from spotguard.checkpoint.format.reader import none_loads, open_verified, refuse_newer_format, scan
+from spotguard.checkpoint.format.reader import mark_corrupt, none_loads, open_verified, refuse_newer_format, scan
 from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardReader
 from spotguard.checkpoint.state import data, state
 from spotguard.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
@@ -176,6 +176,8 @@ def resume(
         except CheckpointCorruptError as e:
             logger.warning("skipping %s: %s", storage.describe(info.name), e)
             skipped.append(f"{storage.describe(info.name)}: {e}")
+            if agreement.rank == 0:
+                mark_corrupt(storage, info, e)
             continue
         if agreement.rank == 0:
             if tidy is not None:
