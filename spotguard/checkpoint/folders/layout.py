@@ -79,8 +79,10 @@ def write(
     ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
     serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
     ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
-    to write), one that differs is deleted, manifest first, before the new files are stored. Until
-    the new manifest lands the previous checkpoint is the resume point.
+    to write); one that differs is superseded: the new content is committed as the step's next revision
+    (``step-N.rK/``, ``next_revision``), and ``prune`` deletes the old one once that has landed. Until
+    then the previous checkpoint is the resume point (it used to be deleted first: a failure or a kill
+    in between left none, with ``keep=1`` no checkpoint at all).
 
     ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
     is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
@@ -99,7 +101,7 @@ def write(
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
         check_file_name(fname)
-    committed = _clear_leftovers(storage, name, replace=replace)
+    _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
     held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
@@ -127,17 +129,21 @@ def write(
         if replace:
             if on_content is not None:
                 on_content(tuple(entries))
-            if committed:
-                old = _committed_manifest(storage, name)
+            revision = next_revision(storage, step)  # 0: nothing of this step is committed
+            if revision:  # committed (its newest revision): the new content supersedes it, never deletes it first
+                newest = step_dir(step, revision - 1)
+                old = _committed_manifest(storage, newest)
                 if old is not None and old.files == tuple(entries) and old.extra == extra_json:
-                    raise CheckpointExistsError(f"{storage.describe(name)} is already committed with this content")
+                    raise CheckpointExistsError(f"{storage.describe(newest)} is already committed with this content")
+                name = step_dir(step, revision)
                 logger.info(
-                    "replacing %s (%s): the state at step %d has changed since",
-                    storage.describe(name),
+                    "replacing %s (%s) with %s: the state at step %d has changed since",
+                    storage.describe(newest),
                     old.reason if old else "unreadable",
+                    name,
                     step,
                 )
-                delete(storage, name)
+                _clear_leftovers(storage, name)  # what a replacement killed before its manifest left
             for fname, path, crc in held:
                 filewrite.store(storage, f"{name}/{fname}", path, deadline, crc)
     if cancel is not None and cancel.is_set():
