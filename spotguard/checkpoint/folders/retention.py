@@ -13,7 +13,7 @@ import threading
 from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
 from spotguard.checkpoint.format.reader import scan
 from spotguard.errors import ConfigError
-from spotguard.storage.base import Storage
+from spotguard.storage.base import Storage, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +22,31 @@ def delete(storage: Storage, name: str) -> None:
     """Delete one checkpoint directory, manifest first."""
     if parse_step_dir(name) is None:
         raise ConfigError(f"not a checkpoint name: {name!r}")
-    keys = storage.list(name + "/")
+    keys = _deletable(storage, storage.list(name + "/"))
     manifest = f"{name}/{MANIFEST}"
     if manifest in keys:
         storage.delete([manifest])
     storage.delete([k for k in keys if k != manifest])
+
+
+def _deletable(storage: Storage, keys: list[str]) -> list[str]:
+    """``keys`` but those no storage call takes (``check_key``: an empty component, as in the ``step-N/``
+    "folder" an S3 or GCS console makes, or ``step-N//x``). Such a key in a folder made housekeeping raise
+    ``ConfigError``, which failed every resume for good; it is left, with a warning."""
+    ok, odd = [], []
+    for key in keys:
+        try:
+            ok.append(check_key(key))
+        except ConfigError:
+            odd.append(key)
+    if odd:
+        logger.warning(
+            "leaving %s: spotguard does not delete keys with an empty component (%s); remove them with "
+            "the storage's own tools",
+            storage.describe(odd[0].split("/")[0]),
+            ", ".join(repr(k) for k in odd[:5]),
+        )
+    return ok
 
 
 def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
@@ -75,9 +95,9 @@ def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], upto: int) 
             keys = storage.list(info.name + "/")
             if f"{info.name}/{MANIFEST}" in keys:  # committed since it was listed: a checkpoint, not garbage
                 continue
-            storage.delete(keys)
+            storage.delete(_deletable(storage, keys))
             logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
-        except OSError as e:  # StorageError included: housekeeping must never fail a resume or a save
+        except (OSError, ConfigError) as e:  # StorageError included: housekeeping never fails a resume or a save
             logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)
 
 

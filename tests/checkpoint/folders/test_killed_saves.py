@@ -147,3 +147,26 @@ def test_a_killed_revision_of_the_resume_step_goes_and_one_committed_since_the_l
     Housekeeping(keep=10).at_resume([(store, listed)], 10)
     assert not (storage / step_dir(10, 1)).exists()
     assert (storage / step_dir(5) / "manifest.json").exists() and len(list((storage / step_dir(5)).iterdir())) > 1
+
+
+def test_a_folder_marker_key_in_a_killed_save_is_left_with_a_warning_and_the_resume_goes_on(tmp_path, caplog):
+    """S3 and GCS consoles make a ``step-N/`` "folder" object (``step-N//x`` happens too): a key no storage
+    call takes (``check_key``). Its ``ConfigError`` failed every resume for good (a permanent error)."""
+    from spotguard.storage.local import LocalStorage
+
+    class ObjectStoreLike(LocalStorage):
+        def list_sizes(self, prefix=""):
+            sizes = super().list_sizes(prefix)
+            if "step-00000015/".startswith(prefix) or prefix.startswith("step-00000015/"):
+                sizes["step-00000015/"] = 0  # as an object store lists a console's folder marker
+            return sizes
+
+    storage = tmp_path / "ckpt"
+    _train(storage, 20, every=10)
+    _killed_save(storage, 15, like=10)  # below the resume point: removed at the resume
+    guard = Guard(ObjectStoreLike(str(storage)), providers=[])
+    guard.track(model=torch.nn.Linear(8, 8))
+    assert guard.resume() == 20
+    guard.close(save=False)
+    assert not (storage / step_dir(15)).exists()  # the rest of the killed save went
+    assert "does not delete keys with an empty component ('step-00000015/')" in caplog.text
