@@ -207,7 +207,7 @@ class SingleEngine(HoldsStaging):
             t1 = time.monotonic()
             info = CheckpointInfo(step, step_dir(step), "complete", manifest)
             try:
-                layout.copy(self.local, self.storage, info, cancel=cancel, crcs=crcs, fence=self.fence)
+                layout.copy(self.local, self.storage, info, cancel=cancel, crcs=crcs, fence=self.fence, link=True)
             except CheckpointExistsError:
                 pass
             took = time.monotonic() - t1

@@ -193,3 +193,15 @@ def test_ls_never_calls_unread_contents_complete_and_verifies_with_verify(tmp_pa
         20: None,
         30: None,
     }
+
+
+def test_pull_between_local_folders_makes_copies_of_their_own_not_links(tmp_path):
+    """A file rewritten in the pulled copy (a user's torch.save over it) must not rewrite the original."""
+    src, dest = str(tmp_path / "ckpt"), tmp_path / "pulled"
+    payloads = fill(src)
+    assert main(["pull", src, "--step", "20", str(dest)]) == 0
+    original, pulled = tmp_path / "ckpt" / "step-00000020" / "state.pt", dest / "step-00000020" / "state.pt"
+    assert original.stat().st_ino != pulled.stat().st_ino
+    pulled.write_bytes(b"rewritten in place")
+    assert original.read_bytes() == payloads[20]
+    assert main(["verify", src]) == 0

@@ -9,8 +9,10 @@ other way round: manifest first, so a half-deleted checkpoint is never mistaken 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -79,10 +81,8 @@ def write(
     ``replace=True`` (the final checkpoint) never lets two contents share a step: every file is
     serialised and hashed first, then ``on_content(entries)`` is called; a committed checkpoint of
     ``step`` with the same files and ``extra`` is kept as it is (``CheckpointExistsError``: nothing
-    to write); one that differs is superseded: the new content is committed as the step's next revision
-    (``step-N.rK/``, ``next_revision``), and ``prune`` deletes the old one once that has landed. Until
-    then the previous checkpoint is the resume point (it used to be deleted first: a failure or a kill
-    in between left none, with ``keep=1`` no checkpoint at all).
+    to write); one that differs is superseded, never deleted first: the new content is committed as the
+    step's next revision (``next_revision``), ``prune`` deletes the old one once that has landed.
 
     ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
     is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
@@ -323,6 +323,7 @@ def copy(
     verify: bool = False,
     crcs: Mapping[str, Any] | None = None,
     fence: Callable[[], None] | None = None,
+    link: bool = False,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
 
@@ -332,7 +333,9 @@ def copy(
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
     each file against the manifest on its way (``open_verified``: one read, not a verify then a
     copy) and raises ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer
-    lease of ``dst``'s, called just before the manifest.
+    lease of ``dst``'s, called just before the manifest. ``link``: a local ``dst`` may hard-link the
+    source's files (the engine's tier upload); else each is a copy of its own (``spotguard pull`` linked
+    them: a file rewritten in the copy was rewritten in the original too).
     """
     manifest = require_manifest(info)
     existing = dst.list(info.name + "/")
@@ -345,8 +348,10 @@ def copy(
     for entry in manifest.files:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
-        with open_verified(src, info, entry.name) if verify else src.local_copy(f"{info.name}/{entry.name}") as path:
-            filewrite.store(dst, f"{info.name}/{entry.name}", path, deadline, (crcs or {}).get(entry.name))
+        key, crc, own = f"{info.name}/{entry.name}", (crcs or {}).get(entry.name), dst.links_files and not link
+        with open_verified(src, info, entry.name) if verify else src.local_copy(key) as path:
+            with dst.scratch() if own else contextlib.nullcontext(path.parent) as scratch:  # own: beside the target
+                filewrite.store(dst, key, Path(shutil.copyfile(path, scratch / "copy")) if own else path, deadline, crc)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
     if fence is not None:
