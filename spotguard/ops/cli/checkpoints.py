@@ -12,7 +12,7 @@ from typing import Any
 from spotguard import checkpoint
 from spotguard.checkpoint.folders import cleanup
 from spotguard.checkpoint.format.manifest import NEWER_FORMAT
-from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, StorageError
+from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, StorageError
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.timeouts import DEFAULT_TIMEOUT
 
@@ -236,6 +236,8 @@ def _remove_partial(dest: Storage, name: str) -> None:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    if args.step is not None and args.min_age is not None:  # an age filter on a named checkpoint would only hide it
+        raise ConfigError("--min-age goes with --incomplete: --step deletes that checkpoint whatever its age")
     if empty_local(args.url):
         return fail(
             args,
@@ -246,16 +248,19 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if _missing_folder(storage):  # a typo must not look like a clean run (as ls)
         return fail(args, f"{storage.describe()} does not exist", url=storage.describe())
     if args.step is None:
+        args.min_age = cleanup.DEFAULT_MIN_AGE_S if args.min_age is None else args.min_age
         return rm_incomplete(args, storage)
     info = _find(storage, args.step)
     if info is None:
         return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
-    checkpoint.delete(storage, info.name)
+    if not args.dry_run:
+        checkpoint.delete(storage, info.name)
+    verb = "would delete" if args.dry_run else "deleted"
     report(
         args,
-        f"deleted {storage.describe(info.name)} ({info.status})",
+        f"{verb} {storage.describe(info.name)} ({info.status})",
         {
-            "deleted": storage.describe(info.name),
+            verb.replace(" ", "_"): storage.describe(info.name),
             "step": info.step,
             "status": info.status,
             "problem": info.problem or None,
@@ -325,14 +330,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--min-age",
         type=duration,
-        default=cleanup.DEFAULT_MIN_AGE_S,
         metavar="AGE",
         help="with --incomplete: leave what changed less than AGE ago (seconds, or 30m, 2h, 1d; default 1h), "
         "which a save may still be writing",
     )
-    p.add_argument(
-        "--dry-run", action="store_true", help="with --incomplete: say what would be deleted, delete nothing"
-    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     add_json(p, "one JSON object per thing deleted or skipped, or an error")
     _add_timeout(p)
     p.set_defaults(func=cmd_rm)
