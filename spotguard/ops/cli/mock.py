@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 CLOUDS = ("aws", "gcp", "azure")
@@ -84,13 +86,49 @@ def _write_notice_file(path: str, kind: str | None, deadline_in: float) -> int:
     return 0
 
 
+def _clear_notice_file(path: str) -> int:
+    """Withdraw the notice ``--file`` wrote; none there is already the state asked for."""
+    from spotguard.errors import ConfigError
+
+    if os.path.isdir(path):
+        raise ConfigError(f"--file {path} is a folder: give the path of the notice file the job watches")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        print(f"no notice file {path}: nothing to clear")
+        return 0
+    except OSError as e:
+        raise ConfigError(f"cannot remove the notice file {path}: {e.strerror or e}") from e
+    print(f"removed notice file {path}")
+    return 0
+
+
+def _act_here(args: argparse.Namespace) -> int:
+    """``--pid`` or ``--file``: done by this process, so ``--in`` is waited out here (the mock waits
+    on its own); ``--clear`` withdraws a notice file, but a signal once sent cannot be taken back."""
+    from spotguard.errors import ConfigError
+
+    if args.clear and args.pid is not None:
+        raise ConfigError("--clear withdraws a mock's notice or a --file; a signal sent to --pid cannot be withdrawn")
+    if args.clear:
+        return _clear_notice_file(args.file)
+    if not 0 <= args.in_ < math.inf:
+        raise ConfigError(f"--in must be 0 or more seconds, got {args.in_:g}")
+    try:
+        time.sleep(args.in_)
+    except KeyboardInterrupt:
+        print("spotguard: interrupted: nothing " + ("sent" if args.pid is not None else "written"), file=sys.stderr)
+        return 130
+    if args.pid is not None:
+        return _signal_process(args.pid, args.signal)
+    return _write_notice_file(args.file, args.kind, args.deadline_in)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from spotguard.ops import mockmeta
 
-    if args.pid is not None:
-        return _signal_process(args.pid, args.signal)
-    if args.file:
-        return _write_notice_file(args.file, args.kind, args.deadline_in)
+    if args.pid is not None or args.file:
+        return _act_here(args)
     endpoint = args.endpoint or _default_endpoint(args.cloud)
     state = mockmeta.control(endpoint, "state")
     if args.cloud and state.get("cloud") != args.cloud:
@@ -144,14 +182,23 @@ def register(sub: Any) -> None:
         "--endpoint",
         help="mock server base URL http://host:port (default: the cloud's variable, else http://127.0.0.1:1338)",
     )
-    p.add_argument("--in", dest="in_", type=float, default=0.0, metavar="SECONDS", help="notice appears later")
+    p.add_argument(
+        "--in",
+        dest="in_",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="notice appears later (with --pid or --file: this command waits, then acts)",
+    )
     p.add_argument(
         "--kind",
         help="aws: spot|rebalance|maintenance|asg; gcp: preempt|maintenance|migrate; "
         "azure: preempt|terminate|reboot|redeploy|freeze",
     )
     p.add_argument("--action", help="AWS spot action: terminate, stop or hibernate")
-    p.add_argument("--clear", action="store_true", help="withdraw every notice (the server serves the next run)")
+    p.add_argument(
+        "--clear", action="store_true", help="withdraw every notice (the server serves the next run), or remove --file"
+    )
     p.add_argument("--pid", type=int, help="send a shutdown signal to this process instead")
     p.add_argument("--signal", default="SIGTERM", help="signal for --pid (default SIGTERM)")
     p.add_argument("--file", help="write this notice file instead (see $SPOTGUARD_NOTICE_FILE)")
