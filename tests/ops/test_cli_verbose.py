@@ -45,3 +45,22 @@ def test_run_logs_warnings_only_by_default_and_its_story_with_v(tmp_path):
     assert quiet.stderr == "", quiet.stderr  # was: "INFO ... starting: ..." and "the job finished"
     told = run([sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(tmp_path), "--", *job])
     assert told.returncode == 0 and "INFO" in told.stderr and "the job finished" in told.stderr, told.stderr
+
+
+SDK_LOGS = """
+import logging, sys
+from spotguard.ops.cli import configure_logging
+configure_logging(int(sys.argv[1]))
+for name in ("botocore.credentials", "google.auth", "azure.identity"):
+    logging.getLogger(name).info("INFO from %s", name)
+    logging.getLogger(name).debug("DEBUG from %s", name)
+"""
+
+
+@pytest.mark.parametrize("verbose, shown", [(0, ()), (1, ("INFO",)), (2, ("INFO",)), (3, ("INFO", "DEBUG"))])
+def test_cloud_sdks_log_info_only_with_v_and_their_debug_only_with_vvv(verbose, shown):
+    proc = run([sys.executable, "-c", SDK_LOGS, str(verbose)], env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    for name in ("botocore.credentials", "google.auth", "azure.identity"):
+        for level in ("INFO", "DEBUG"):  # was: INFO shown without -v ("Found credentials in ...")
+            assert (f"{level} from {name}" in proc.stderr) == (level in shown), proc.stderr

@@ -59,12 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(verbose: int) -> None:
-    """Root at WARNING / INFO / DEBUG for 0 / 1 / 2+ ``-v``; the SDKs' wire loggers at INFO below 3."""
+    """Root at WARNING / INFO / DEBUG for 0 / 1 / 2+ ``-v``; the SDKs' wire loggers at most INFO below 3.
+
+    A level set on a logger replaces the root's for its records: the SDKs get the root's level, capped
+    at INFO, or their INFO lines ("Found credentials ...") would show without ``-v``."""
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     redact.install()
     for name in WIRE_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO if verbose < 3 else logging.NOTSET)
+        logging.getLogger(name).setLevel(max(level, logging.INFO) if verbose < 3 else logging.NOTSET)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
