@@ -90,6 +90,15 @@ def _rates(mtbf_s: float, checkpoint_s: float, notice_share: float, notice_s: fl
     return lam, lam * saved
 
 
+def _restart_time(lam: float, restart_s: float) -> float:
+    """Expected wall time of a restart that failures keep interrupting, (e^(lam*R) - 1) / lam: infinite
+    where that overflows (R hundreds of MTBFs), since such a restart is all but never completed."""
+    try:
+        return math.expm1(lam * restart_s) / lam
+    except OverflowError:
+        return math.inf
+
+
 def goodput(
     interval_s: float,
     checkpoint_s: float,
@@ -110,7 +119,9 @@ def goodput(
     lam, lam_n = _rates(mtbf_s, checkpoint_s, notice_share, notice_s)
     s = interval_s + checkpoint_s
     fail = -math.expm1(-lam * s)  # P(failure within the attempt)
-    restart = math.expm1(lam * restart_s) / lam  # expected restart time, failures included
+    restart = _restart_time(lam, restart_s)
+    if math.isinf(restart) and fail > 0:  # every failure starts a restart that never completes
+        return 0.0
     wall = fail / lam + fail * (restart + (lam_n / lam) * (notice_s or 0.0))
     kept_on_notice = -math.expm1(-lam * interval_s) / lam - interval_s * math.exp(-lam * s)
     window = min(window_s, notice_s or 0.0)

@@ -199,3 +199,13 @@ def test_the_interval_is_never_below_the_time_a_save_takes_to_commit():
         PlanOptions(60, 180, 6, deadline_policy="window")
     with pytest.raises(ConfigError, match="save time"):
         PlanOptions(60, 180, 6, save_s=-1)
+
+
+def test_a_restart_cost_of_hundreds_of_mtbfs_gives_goodput_zero_not_an_overflow():
+    c, r, m = 10.0, 3000.0, 0.001 * H  # e^(R/M) = e^833: past a float; the restart never completes
+    assert goodput(60.0, c, r, m) == 0.0  # was: OverflowError
+    assert goodput(60.0, c, r, m, notice_share=0.9, notice_s=120.0) == 0.0
+    assert goodput(60.0, c, 2.0, m) > 0.0  # a cheap restart still trains
+    p = plan(PlanOptions(c, r, 0.001, notice_s=120.0))
+    assert p.goodput == 0.0 and all(row.goodput == 0.0 for row in p.rows)
+    assert json.dumps(p.to_dict(), allow_nan=False)  # the CLI's --json prints it

@@ -194,3 +194,9 @@ def test_a_first_runs_metrics_file_plans_with_the_restart_cost_it_could_not_meas
         [*cmd, "--restart-cost", "90", "--json"], env=subprocess_env(), capture_output=True, text=True
     )
     assert json.loads(given.stdout)["assumed"] == []  # a figure given is no assumption
+
+
+def test_a_restart_cost_far_above_the_mtbf_plans_goodput_zero_without_a_traceback(capsys):
+    assert main(["plan", "--checkpoint-cost", "10", "--restart-cost", "3000", "--mtbf", "0.001"]) == 0
+    out = capsys.readouterr().out  # was: OverflowError from math.expm1
+    assert "goodput 0.0%" in out.splitlines()[-1]
