@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,7 @@ import botocore.exceptions as bex
 from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
+from botocore.handlers import VALID_BUCKET, VALID_S3_ARN
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import ConfigError, StorageError
@@ -65,6 +67,15 @@ class S3Options(TransferOptions):
     }
 
 
+def _bad_endpoint(value: str) -> str:
+    """Why boto3 refused the endpoint from its chain (S3Options.endpoint_url is checked on its own),
+    naming the variable it came from."""
+    var = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v) == value), None)
+    where = f"{var}={value!r}" if var else f"the S3 endpoint {value!r} (endpoint_url in the AWS config file)"
+    fix = f"a scheme is needed, like http://{value}" if "://" not in value else "give http://HOST:PORT or https://HOST"
+    return f"{where} is not a valid endpoint URL: {fix}"
+
+
 class S3Storage(CloudStorage):
     scheme = "s3"
     holder = "S3"
@@ -73,6 +84,11 @@ class S3Storage(CloudStorage):
 
     def __init__(self, url: str, options: S3Options | None = None, *, client: Any = None) -> None:
         self.bucket, self.prefix = split_url(url, "s3")
+        if not (VALID_BUCKET.match(self.bucket) or VALID_S3_ARN.match(self.bucket)):  # botocore's own check
+            raise ConfigError(
+                f"invalid S3 bucket name {self.bucket!r} in {url!r}: S3 bucket names are 3 to 63 lowercase "
+                "letters, digits, '.' and '-'"
+            )
         super().__init__(url, options or S3Options())
         self._session: Any = None  # boto3 sessions are not thread-safe: clients are made under a lock
         self._session_lock = threading.Lock()
@@ -97,7 +113,12 @@ class S3Storage(CloudStorage):
         with self._session_lock:
             if self._session is None:
                 self._session = boto3.session.Session()
-            client = self._session.client("s3", endpoint_url=o.endpoint_url, config=config)
+            try:
+                client = self._session.client("s3", endpoint_url=o.endpoint_url, config=config)
+            except ValueError as e:
+                if isinstance(e, bex.BotoCoreError) or not str(e).startswith("Invalid endpoint: "):
+                    raise
+                raise ConfigError(_bad_endpoint(str(e).removeprefix("Invalid endpoint: "))) from e
         client.meta.events.register("needs-retry.s3", functools.partial(self._needs_retry, deadline=deadline))
         return client
 
