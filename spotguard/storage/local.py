@@ -21,8 +21,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import unquote, urlsplit
 
-from ..errors import CheckpointExistsError, PreconditionFailedError, StorageAccessError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, PreconditionFailedError, StorageAccessError, StorageError
 from . import local_leftovers
 from .base import Leftover, ObjectNotFoundError, Storage, _scratch_dir, check_key
 from .local_leftovers import writer_running
@@ -84,14 +85,32 @@ def _failed(message: str, e: OSError) -> StorageError:
     return (StorageAccessError if e.errno in _NO_ACCESS else StorageError)(message)
 
 
+def _local_path(url: str) -> str:
+    """The path a plain path or ``file://`` URL names. In a URL (RFC 8089) ``file:///x`` and
+    ``file://localhost/x`` both mean ``/x``, ``%20`` a space, and any other host another machine."""
+    if url[:7].lower() != "file://":
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # e.g. an unbalanced "[" in the host part
+        raise ConfigError(f"invalid storage URL {url!r}: {e}") from None
+    if parts.netloc.lower() not in ("", "localhost") or (parts.netloc and not parts.path):
+        raise ConfigError(
+            f"invalid storage URL {url!r}: a file:// URL names an absolute path on this machine "
+            "(file:///PATH or file://localhost/PATH); give a relative path without file://"
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"invalid storage URL {url!r}: write '?' as %3F and '#' as %23 in a file:// URL")
+    return unquote(parts.path)
+
+
 class LocalStorage(Storage):
     scheme = "file"
     links_files = True
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        path = url[len("file://") :] if url.startswith("file://") else url
-        self.root = Path(path).expanduser().absolute()
+        self.root = Path(_local_path(url)).expanduser().absolute()
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
