@@ -32,7 +32,8 @@ class RankGroup:
 
     @property
     def rank(self) -> int:
-        return self._agreement.rank if self._agreement is not None else 0
+        """The agreement's rank, else the launcher's (``ranks.rank``): 0 in a single process."""
+        return self._agreement.rank if self._agreement is not None else ranks.rank()
 
     def close(self) -> None:
         """Destroy spotguard's groups (idempotent); a later ``get()`` makes new ones."""
