@@ -112,6 +112,7 @@ class Guard:
         self.saves.notice_lead = notice_lead(self.watcher.providers)
         self._step: int | None = None
         self._reserve_due = o.async_save if self.agreement is None else self.agreement.store is not None  # staging
+        self._unwatched = True  # until entered: a step() then warns once that no notice is watched
         #: The stop protocol (``coordination.stopping``), shared with every trainer integration.
         self.protocol = StopProtocol(self._beat, self.windowing, self.lease.release, self.watcher.acknowledge)
         #: The Guard's stops (``guard.stop``): the emergency checkpoint, the notice window, the second stop.
@@ -204,6 +205,9 @@ class Guard:
         """Call after each completed step. Saves when due; True means stop (checkpoint committed)."""
         self._beat.step(step)
         self._step = step
+        if self._unwatched:
+            self._unwatched = False
+            logger.warning("guard.step() outside `with guard:`: no notice or signal is watched, no preemption caught")
         if self._reserve_due:  # after a training step: an optimizer has made its state by now
             self._reserve_due = False
             with self._beat.marks():  # a state no resume could load is refused here, at the first step
@@ -312,6 +316,7 @@ class Guard:
             self.metrics.reopen()  # closed by the previous block's close(): this block is exported too
         self.watcher.start()
         self.schedule.start()
+        self._unwatched = False
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:

@@ -452,3 +452,21 @@ def test_periodic_saves_land_on_multiples_of_every_steps_after_a_resume_between_
                 g.schedule.early()  # an advisory notice asked for a checkpoint at the next step
             g.step(s)
     assert steps_in(tmp_path) == [(7, "emergency"), (10, "periodic"), (13, "advisory"), (20, "periodic"), (23, "final")]
+
+
+def test_steps_outside_the_with_block_warn_once_that_nothing_is_watched(tmp_path, caplog):
+    """Without ``with guard:`` step() still checkpoints, so a run looks protected while no notice or signal
+    is watched: one warning says so, on the first step; inside the block none."""
+    guard = spotguard.Guard(str(tmp_path / "a"), providers=[], every_steps=100).track(model=torch.nn.Linear(2, 2))
+    guard.resume()
+    for step in range(1, 4):
+        guard.step(step)
+    assert caplog.text.count("outside `with guard:`") == 1
+    guard.close(save=False)
+    caplog.clear()
+    inside = spotguard.Guard(str(tmp_path / "b"), providers=[], every_steps=100).track(model=torch.nn.Linear(2, 2))
+    inside.resume()
+    with inside:
+        for step in range(1, 4):
+            inside.step(step)
+    assert "outside `with guard:`" not in caplog.text
