@@ -158,8 +158,8 @@ class DirectFile:
             t0, w0 = time.perf_counter(), self.cpu_wait.start()
             os.ftruncate(self._fd, self.size)  # drop the O_DIRECT block padding
             os.fsync(self._fd)
+            self.cpu_wait.stop(w0)  # inside the timed span: the wait never exceeds it
             self.io_s += time.perf_counter() - t0
-            self.cpu_wait.stop(w0)
         finally:
             self._release()
 
@@ -253,8 +253,8 @@ class DirectFile:
                 self.direct = False
                 continue
             view = view[n:]
+        self.cpu_wait.stop(w0)  # inside the timed span: the wait never exceeds it
         self.io_s += time.perf_counter() - t0
-        self.cpu_wait.stop(w0)
         self._grew(written=data)
 
     def _release(self) -> None:
