@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.fence import Fence
 from spotguard.checkpoint.folders.layout import copy, write, write_dir
 from spotguard.checkpoint.folders.retention import delete, prune
 from spotguard.checkpoint.format.manifest import (
@@ -31,8 +32,6 @@ from spotguard.checkpoint.format.manifest import (
 from spotguard.checkpoint.format.reader import fetch, latest, open_verified, scan, verify
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from spotguard.checkpoint.collective import Groups
     from spotguard.checkpoint.engine import Engine, OnCommit
     from spotguard.storage.base import Storage
@@ -74,7 +73,7 @@ def make_engine(
     reshard: Reshard | str = Reshard.REFUSE,
     rebatch: str = "refuse",
     staging_budget: int | None = None,
-    fence: Callable[[], None] | None = None,
+    fence: Fence | None = None,
 ) -> Engine:
     """The single-process engine, or with ``groups`` (a process group's ``Agreement``) the sharded one,
     imported only then (torch.distributed.checkpoint). Sharded saves have no local tier. ``rebatch``: see

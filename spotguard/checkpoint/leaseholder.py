@@ -304,9 +304,12 @@ class Lease:
             self.on_lost(self.lost)
         raise LeaseLostError(self.lost, other)
 
-    def fence(self) -> None:
-        """Before a commit (step 3): still ours, and good for ``ttl_s`` more seconds; else ``LeaseLostError``."""
+    def fence(self) -> float:
+        """Before a commit (step 3): still ours, and good for ``ttl_s`` more seconds; else ``LeaseLostError``.
+        Returns the monotonic time the manifest must land by: half the lease later (another job takes over
+        once it saw no renewal for ``ttl_s``)."""
         self.renew()
+        return time.monotonic() + self.ttl_s / 2
 
     def release(self) -> None:
         """Mark the record released (step 4), so the next writer starts at once. Idempotent; never raises."""

@@ -23,6 +23,7 @@ from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work
 from spotguard.checkpoint.files import stream
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention, stale_local
+from spotguard.checkpoint.folders.fence import Fence
 from spotguard.checkpoint.format import reader
 from spotguard.checkpoint.format.manifest import CheckpointInfo, FileEntry, Manifest, human_duration, step_dir
 from spotguard.checkpoint.format.verifying import Verifying
@@ -67,7 +68,7 @@ class SingleEngine(HoldsStaging):
         staged_final: bool = True,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
         staging_budget: int | None = None,
-        fence: Callable[[], None] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.storage, self.local = storage, local
         self.fence = fence  # the writer lease's, called before each manifest on ``storage`` (not the local tier)

@@ -102,11 +102,13 @@ class WriterLease:
             raise StorageError(message)
         self.held = True
 
-    def fence(self) -> None:
+    def fence(self) -> float | None:
         """The writers call it before each manifest: ``LeaseLostError`` once this job lost the lease (or
-        released it), else the lease is extended. Nothing to check on a rank that took none."""
+        released it), else the lease is extended and the manifest's deadline returned (``Lease.fence``).
+        Nothing to check on a rank that took none."""
         if self.holder is not None and self.holder.record is not None:
-            self.holder.fence()
+            return self.holder.fence()
+        return None
 
     def release(self) -> None:
         """Nothing more is written: mark the lease released so that the next job starts at once."""

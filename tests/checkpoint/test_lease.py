@@ -197,3 +197,32 @@ def test_a_two_tier_writer_fences_the_upload_not_the_local_tier(storage, tmp_pat
         engine.stage(tracked, 2, "periodic")(threading.Event())
     assert [i.step for i in checkpoint.scan(local) if i.complete] == [1, 2]
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1]
+
+
+def test_a_fenced_manifest_must_land_within_half_the_lease_whatever_the_callers_deadline(tmp_path):
+    """A manifest retried past the lease (up to 300 s of retries against a 60 s lease) could land after
+    another job, seeing no renewal, took the run over and resumed from an older step. The fence bounds it."""
+    from spotguard.storage.local import LocalStorage
+
+    deadlines: list[tuple[float | None, float]] = []
+
+    class Recording(LocalStorage):
+        def put_bytes(self, key, data, *, exclusive=False, deadline=None):
+            if key.endswith("/manifest.json"):
+                deadlines.append((deadline, time.monotonic()))
+            return super().put_bytes(key, data, exclusive=exclusive, deadline=deadline)
+
+    storage = Recording(str(tmp_path / "run"))
+    lease = Lease(storage, ttl_s=10)
+    lease.acquire()
+    write = lambda step, **kw: checkpoint.write(  # noqa: E731
+        storage, step, {"x.bin": lambda f: f.write(b"x")}, reason="periodic", **kw
+    )
+    write(1, fence=lease.fence)  # a periodic save: no deadline of its own
+    write(2, fence=lease.fence, deadline=time.monotonic() + 3)  # an emergency one: the sooner wins
+    write(3)  # unfenced: unbounded, as before
+    (d1, t1), (d2, t2), (d3, _) = deadlines
+    assert d1 is not None and t1 < d1 <= t1 + 5.0
+    assert d2 is not None and d2 <= t2 + 3.0
+    assert d3 is None
+    lease.release()

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from spotguard.checkpoint.collective import Groups, broadcast
 from spotguard.checkpoint.folders import layout, pernode
+from spotguard.checkpoint.folders.fence import Fence, fenced
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
 from spotguard.checkpoint.format.reader import fetch as fetch_checkpoint
@@ -87,7 +88,7 @@ def commit(
     torch_version: str = "",
     deadline: float | None = None,
     supersede: bool = False,
-    fence: Callable[[], None] | None = None,
+    fence: Fence | None = None,
     known: layout.Known | None = None,
 ) -> Manifest:
     """Collective: commit the folders every rank holds for ``step`` as one checkpoint (module docstring).
@@ -156,9 +157,8 @@ def commit(
                 torch_version=torch_version,
             )
             try:
-                if fence is not None:  # rank 0 holds the run's writer lease, if any: a lost one commits nothing
-                    fence()
-                storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
+                bound = fenced(fence, deadline)  # rank 0 holds the run's lease, if any: a lost one commits nothing
+                storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=bound)
                 outcome = manifest.to_bytes()
             except Exception as e:
                 outcome = f"rank 0: manifest not written: {type(e).__name__}: {e}"

@@ -22,6 +22,7 @@ from typing import Any
 from spotguard.checkpoint.files import filewrite
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.files.filewrite import Writer
+from spotguard.checkpoint.folders.fence import Fence, fenced
 from spotguard.checkpoint.folders.retention import delete
 from spotguard.checkpoint.format import digest
 from spotguard.checkpoint.format.manifest import (
@@ -66,7 +67,7 @@ def write(
     upload_crc: Callable[[Any, Any], Any] | None = None,
     crcs: dict[str, Any] | None = None,
     meter: WorkMeter | None = None,
-    fence: Callable[[], None] | None = None,
+    fence: Fence | None = None,
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
@@ -165,7 +166,7 @@ def write_dir(
     torch_version: str = "",
     deadline: float | None = None,
     revision: int = 0,
-    fence: Callable[[], None] | None = None,
+    fence: Fence | None = None,
     known: Known | None = None,
 ) -> Manifest:
     """Commit a folder another library wrote (a trainer's own checkpoint) as checkpoint ``step``.
@@ -229,13 +230,10 @@ def store_files(
     return entries
 
 
-def _commit(
-    storage: Storage, name: str, manifest: Manifest, deadline: float | None, fence: Callable[[], None] | None
-) -> Manifest:
+def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None, fence: Fence | None) -> Manifest:
     """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: given the fence of
     a writer lease it lost (``leaseholder.Lease.fence``), it raises ``LeaseLostError`` and commits nothing."""
-    if fence is not None:
-        fence()
+    deadline = fenced(fence, deadline)
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 
@@ -322,7 +320,7 @@ def copy(
     cancel: threading.Event | None = None,
     verify: bool = False,
     crcs: Mapping[str, Any] | None = None,
-    fence: Callable[[], None] | None = None,
+    fence: Fence | None = None,
     link: bool = False,
 ) -> Manifest:
     """Copy a complete checkpoint to another storage (local tier -> durable), manifest last.
@@ -354,7 +352,6 @@ def copy(
                 filewrite.store(dst, key, Path(shutil.copyfile(path, scratch / "copy")) if own else path, deadline, crc)
     if cancel is not None and cancel.is_set():
         raise SaveCancelled(f"upload of {info.name} abandoned before its commit")
-    if fence is not None:
-        fence()
+    deadline = fenced(fence, deadline)
     dst.put_bytes(f"{info.name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest

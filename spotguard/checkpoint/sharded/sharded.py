@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from spotguard.checkpoint.engine import Commit, OnCommit, Resumed, Tracked, Work
 from spotguard.checkpoint.files import filewrite, stream
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.folders import layout, retention
+from spotguard.checkpoint.folders.fence import Fence, fenced
 from spotguard.checkpoint.format.manifest import MANIFEST, FileEntry, Manifest, Reshard, step_dir
 from spotguard.checkpoint.sharded import sharded_async, sharded_load, sharded_plan
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
@@ -72,7 +72,7 @@ class ShardedEngine(HoldsStaging):
         on_commit: OnCommit,
         reshard: Reshard | str = Reshard.REFUSE,
         rebatch: data.Rebatch | str = data.Rebatch.REFUSE,
-        fence: Callable[[], None] | None = None,
+        fence: Fence | None = None,
         staging_budget: int | None = None,
     ) -> None:
         self.storage, self.groups = storage, groups
@@ -296,8 +296,7 @@ class ShardedEngine(HoldsStaging):
             torch_version=torch.__version__,
         )
         raw = manifest.to_bytes()
-        if self.fence is not None:  # rank 0 holds the run's writer lease: a lost one commits nothing
-            self.fence()
+        deadline = fenced(self.fence, deadline)  # rank 0 holds the run's lease: a lost one commits nothing
         self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
         return raw
 
