@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from spotguard import Guard
 from spotguard.checkpoint import scan
@@ -48,16 +46,6 @@ def _statuses(storage: Path) -> dict[int, str]:
     return {i.step: i.status for i in scan(open_storage(str(storage)))}
 
 
-@pytest.fixture(params=["single", "sharded"])
-def engine(request):
-    """No process group (one file per checkpoint), or a one-rank gloo group (DCP shards, rank files)."""
-    if request.param == "sharded":
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield request.param
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_a_rotten_newest_checkpoint_is_marked_and_neither_counted_nor_kept_in_the_way(tmp_path, engine):
     storage = tmp_path / "ckpt"
     _train(storage, 0, 50, every=10, keep=2)  # 40 and 50
@@ -82,24 +70,18 @@ def test_with_keep_1_the_resume_point_survives_a_rotten_newer_checkpoint(tmp_pat
     assert _train(storage, 46, 46, every=2, keep=1) == 46
 
 
-def test_a_trainer_integrations_folders_mark_a_rotten_checkpoint_too(tmp_path):
+def test_a_trainer_integrations_folders_mark_a_rotten_checkpoint_too(tmp_path, trainer_folder):
     """HF, Lightning, Accelerate and DeepSpeed resume from the trainer's own folders (``FolderCheckpoints``)."""
     from spotguard.integrations._folders import FolderCheckpoints
 
-    def folder(step: int) -> Path:
-        out = tmp_path / "out" / f"checkpoint-{step}"
-        out.mkdir(parents=True)
-        (out / "model.safetensors").write_bytes(bytes([step]) * 4096)
-        return out
-
     storage = tmp_path / "ckpt"
     first = FolderCheckpoints(str(storage), keep=2, lease_ttl=None)
-    first.commit(10, folder(10), "periodic")
-    first.commit(20, folder(20), "periodic")
+    first.commit(10, trainer_folder(10), "periodic")
+    first.commit(20, trainer_folder(20), "periodic")
     _rot(storage / step_dir(20))
     again = FolderCheckpoints(str(storage), keep=2, lease_ttl=None)
     found = again.newest_verified()
     assert found is not None and found[0] == 10
     assert (storage / step_dir(20) / CORRUPT_MARK).exists()
-    again.commit(12, folder(12), "periodic")
+    again.commit(12, trainer_folder(12), "periodic")
     assert _statuses(storage) == {10: "complete", 12: "complete", 20: "corrupt"}

@@ -10,9 +10,7 @@ import shutil
 import threading
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from spotguard import Guard
 from spotguard.checkpoint import scan
@@ -39,16 +37,6 @@ def _killed_save(storage: Path, step: int, like: int) -> None:
     (storage / step_dir(step) / "manifest.json").unlink()
 
 
-@pytest.fixture(params=["single", "sharded"])
-def engine(request):
-    """No process group (one file per checkpoint), or a one-rank gloo group (sharded: DCP shards, rank files)."""
-    if request.param == "sharded":
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield request.param
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_killed_saves_go_once_the_run_is_past_them_and_saved_again_ones_stay(tmp_path, engine):
     storage = tmp_path / "ckpt"
     _train(storage, 10, every=10)
@@ -72,27 +60,21 @@ def test_killed_saves_go_once_the_run_is_past_them_and_saved_again_ones_stay(tmp
     }
 
 
-def test_a_trainer_integrations_folders_lose_killed_saves_the_same_way(tmp_path):
+def test_a_trainer_integrations_folders_lose_killed_saves_the_same_way(tmp_path, trainer_folder):
     """HF, Lightning, Accelerate and DeepSpeed commit the trainer's own folders (``FolderCheckpoints``)."""
     from spotguard.integrations._folders import FolderCheckpoints
 
-    def folder(step: int) -> Path:
-        out = tmp_path / "out" / f"checkpoint-{step}"
-        out.mkdir(parents=True)
-        (out / "model.safetensors").write_bytes(bytes([step]) * 64)
-        return out
-
     storage = tmp_path / "ckpt"
     first = FolderCheckpoints(str(storage), keep=10, lease_ttl=None)
-    first.commit(10, folder(10), "periodic")
+    first.commit(10, trainer_folder(10), "periodic")
     for step in (5, 13, 20, 35):
         _killed_save(storage, step, like=10)
     again = FolderCheckpoints(str(storage), keep=10, lease_ttl=None)
     found = again.newest_verified()
     assert found is not None and found[0] == 10
     assert {i.step for i in scan(open_storage(str(storage)))} == {10, 13, 20, 35}  # 5: below the resume point
-    again.commit(20, folder(20), "periodic")
-    again.commit(30, folder(30), "emergency")  # no housekeeping on the deadline's clock
+    again.commit(20, trainer_folder(20), "periodic")
+    again.commit(30, trainer_folder(30), "emergency")  # no housekeeping on the deadline's clock
     assert {i.step: i.status for i in scan(open_storage(str(storage)))} == {
         10: "complete",
         20: "complete",
