@@ -58,6 +58,11 @@ class CheckpointCorruptError(SpotguardError, ValueError):
     """A checkpoint failed verification: missing manifest, bad JSON, size or checksum mismatch."""
 
 
+class ChecksumMismatchError(CheckpointCorruptError):
+    """A file read whole hashes to another checksum than its manifest's: its bytes changed since the save.
+    Unlike a load that fails or a read cut short, no retry mends it (``reader.mark_corrupt``)."""
+
+
 class CheckpointMismatchError(SpotguardError, ValueError):
     """A valid checkpoint does not fit the tracked objects (missing names, wrong shapes)."""
 

@@ -98,6 +98,8 @@ def test_resume_raises_when_checkpoints_exist_but_none_loads(tmp_path, caplog):
     assert "step-00000006/state.pt: cannot be loaded safely" in text and "step-00000003" in text
     assert "LossScaler" in text and "on_unloadable='fresh'" in text
     assert config_flag(fresh)
+    assert not list(tmp_path.rglob("corrupt.json"))  # their bytes are as saved: a load refused is no corruption
+    assert committed(tmp_path) == [3, 6]
 
     on_purpose, _, _ = make(tmp_path, on_unloadable="fresh")
     with caplog.at_level(logging.WARNING, logger="spotguard"):
@@ -146,6 +148,7 @@ def test_sharded_first_save_refuses_and_resume_raises_when_none_loads(tmp_path, 
             fresh.resume()
     finally:
         fresh.close(save=False)
+    assert not list(tmp_path.rglob("corrupt.json")) and committed(tmp_path) == [2]  # not corrupt: unloadable here
     on_purpose, _, _ = make(tmp_path, on_unloadable="fresh")
     try:
         assert on_purpose.resume() == 0

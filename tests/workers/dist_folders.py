@@ -26,6 +26,7 @@ import torch.distributed as dist
 from spotguard.checkpoint import scan, write_dir
 from spotguard.checkpoint.folders import folders
 from spotguard.checkpoint.folders.pernode import RankFiles
+from spotguard.checkpoint.format.reader import CORRUPT_MARK
 from spotguard.coordination import agreement
 from spotguard.errors import ConfigError, NoLoadableCheckpointError
 from spotguard.integrations._common import FolderCheckpoints
@@ -44,6 +45,17 @@ def write_folder(folder: Path, rank: int, step: int) -> Path:
 
 def listing(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+def unmark(root: str, rank: int, out: str, case: str) -> None:
+    """Rank 0 says whether the fetch marked step 2 corrupt (``reader.mark_corrupt``), and removes the mark:
+    the next case verifies step 2's files again rather than skip it from the listing."""
+    dist.barrier()
+    if rank == 0:
+        mark = Path(root) / "step-00000002" / CORRUPT_MARK
+        emit(out, case=f"marked-after-{case}", marked=mark.exists())
+        mark.unlink(missing_ok=True)
+    dist.barrier()
 
 
 def main(root: str, out: str) -> None:
@@ -91,6 +103,7 @@ def main(root: str, out: str) -> None:
     assert found is not None
     step, folder = found
     emit(out, case="fetch", step=step, files=listing(folder), shared=(folder / "shared.bin").read_bytes()[0])
+    unmark(root, rank, out, "fetch")
 
     # Each rank a node of its own, with its own folder, fetching by a rule (``sub/own-<rank>.bin`` is
     # that rank's own file): step 2's corrupt file is rank 1's, seen by node 1 alone, and both skip it.
@@ -99,6 +112,7 @@ def main(root: str, out: str) -> None:
     found = folders.fetch(storage, groups, work_dir=str(Path(out) / f"work-{rank}"), rank_files=rule)
     assert found is not None
     emit(out, case="per-node", step=found[0], files=listing(found[1]))
+    unmark(root, rank, out, "per-node")
     # Lightning's planned resume: step 2's copy named before the group was up; step 2 does not verify,
     # so step 1 is moved there (every rank agrees on step 1).
     checkpoints = FolderCheckpoints(storage, work_dir=str(Path(out) / f"work-{rank}"), lease_ttl=None)

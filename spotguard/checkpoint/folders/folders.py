@@ -40,7 +40,14 @@ from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.format.manifest import MANIFEST, REASONS, CheckpointInfo, FileEntry, Manifest, check_file_name
 from spotguard.checkpoint.format.reader import fetch as fetch_checkpoint
 from spotguard.checkpoint.format.reader import mark_corrupt, none_loads, refuse_newer_format, scan
-from spotguard.errors import CheckpointCorruptError, CheckpointExistsError, ConfigError, LeaseLostError, StorageError
+from spotguard.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ChecksumMismatchError,
+    ConfigError,
+    LeaseLostError,
+    StorageError,
+)
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger(__name__)
@@ -244,6 +251,8 @@ def fetch(
             try:
                 names, why = _selection(info, rank_files, node_ranks, groups.world_size, unsure)
                 _fetch_into(storage, info, dest, names, why, node_ranks)
+            except ChecksumMismatchError as e:  # "#": bytes unlike the manifest (rank 0 may mark it)
+                error = f"#{e}"
             except CheckpointCorruptError as e:
                 error = str(e)
             except Exception as e:  # a storage error: every rank raises it, nothing older is tried
@@ -258,10 +267,10 @@ def fetch(
         fatal = [f"rank {r}: {err[1:]}" for r, err in failed if err.startswith("!")]
         if fatal:
             raise StorageError(f"cannot fetch {storage.describe(info.name)}: {'; '.join(fatal)}")
-        why = "; ".join(f"rank {r}: {err}" for r, err in failed)
+        why = "; ".join(f"rank {r}: {err.removeprefix('#')}" for r, err in failed)
         logger.warning("skipping %s: %s", storage.describe(info.name), why)
-        if rank == 0:
-            mark_corrupt(storage, info, CheckpointCorruptError(why))
+        if rank == 0 and any(err.startswith("#") for _, err in failed):
+            mark_corrupt(storage, info, ChecksumMismatchError(why))
         skipped.append(f"{storage.describe(info.name)}: {why}")
         tried.add(info.name)
 

@@ -30,6 +30,7 @@ from spotguard.checkpoint.format.verifying import Verifying
 from spotguard.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
+    ChecksumMismatchError,
     NoLoadableCheckpointError,
     StorageError,
 )
@@ -106,7 +107,7 @@ def listing_problem(name: str, manifest: Manifest, listed: Mapping[str, int]) ->
     A file missing or of another size, or a resume's ``CORRUPT_MARK``, is corrupt for good
     (``CheckpointInfo.broken``): no retry mends it.
     """
-    if CORRUPT_MARK in listed:
+    if CORRUPT_MARK in listed and all(f.name != CORRUPT_MARK for f in manifest.files):
         return (
             f"{name}: a resume found it unlike its manifest ({name}/{CORRUPT_MARK}; delete that file to try it again)"
         )
@@ -202,7 +203,23 @@ def mark_corrupt(storage: Storage, info: CheckpointInfo, error: Exception) -> No
     still looks committed, so retention counted it among the ``keep`` (the newest, too) and deleted good
     ones in its place (every one, with ``keep=1``), and a save of its step was refused as already
     committed. Marked, it is broken for good: not counted, pruned once older than the newest good one,
-    replaced by a save of its step; nothing of it is deleted here. A failure is logged, never raised."""
+    replaced by a save of its step; nothing of it is deleted here. A failure is logged, never raised.
+
+    Only a ``ChecksumMismatchError`` that a second, fresh read of the checkpoint confirms: a load that
+    fails (``weights_only``, another torch), a read cut short or a transfer fault says nothing of its bytes.
+    """
+    if not isinstance(error, ChecksumMismatchError):
+        return
+    try:
+        verify(storage, info)
+    except ChecksumMismatchError as again:
+        error = again
+    except Exception as e:
+        logger.warning("%s not marked corrupt: reading it again failed (%s)", storage.describe(info.name), e)
+        return
+    else:
+        logger.warning("%s not marked corrupt: read again, it matched its manifest", storage.describe(info.name))
+        return
     record = {"problem": str(error), "marked_at": time.time()}
     try:
         storage.put_bytes(f"{info.name}/{CORRUPT_MARK}", json.dumps(record).encode())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from spotguard.checkpoint.format import digest
 from spotguard.checkpoint.format.manifest import FileEntry
-from spotguard.errors import CheckpointCorruptError
+from spotguard.errors import ChecksumMismatchError
 
 ALG_NAMES = {digest.SHA256: "SHA-256", digest.BLAKE3: "BLAKE3", digest.XXH3: "XXH3-128"}
 
@@ -46,7 +46,7 @@ class Verifying:
         try:
             got = digest.file_digest(self._path, self._entry.chunk_size, self._entry.alg, progress=self._advance)
             if got != self._entry.checksum:
-                self._error = CheckpointCorruptError(
+                self._error = ChecksumMismatchError(
                     f"{self._where}: {ALG_NAMES[self._entry.alg]} checksum does not match the manifest"
                 )
         except BaseException as e:  # re-raised by result() on the caller's thread

@@ -7,6 +7,7 @@ the resume point too), and a save of its step was refused as already committed.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -85,3 +86,62 @@ def test_a_trainer_integrations_folders_mark_a_rotten_checkpoint_too(tmp_path, t
     assert (storage / step_dir(20) / CORRUPT_MARK).exists()
     again.commit(12, trainer_folder(12), "periodic")
     assert _statuses(storage) == {10: "complete", 12: "complete", 20: "corrupt"}
+
+
+def test_a_mismatch_a_second_read_does_not_repeat_is_not_marked(tmp_path, caplog):
+    """A download garbled on its way (or a flaky disk read) says nothing of the stored bytes: only a
+    mismatch that a fresh read confirms marks the checkpoint."""
+    from spotguard.storage.local import LocalStorage
+
+    class GarbledOnce(LocalStorage):
+        garbled = False
+
+        def local_copy(self, key):
+            if key.endswith("/state.pt") and not self.garbled:
+                type(self).garbled = True
+                path = tmp_path / "garbled.pt"
+                data = bytearray((self.root / key).read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+                return contextlib.nullcontext(path)
+            return super().local_copy(key)
+
+    storage = tmp_path / "ckpt"
+    _train(storage, 0, 20, every=10, keep=2)
+    guard = Guard(GarbledOnce(str(storage)), providers=[])
+    guard.track(model=torch.nn.Linear(8, 8))
+    assert guard.resume() == 10  # this run skipped 20, as it must: its copy did not verify
+    guard.close(save=False)
+    assert "not marked corrupt: read again, it matched its manifest" in caplog.text
+    assert _statuses(storage) == {10: "complete", 20: "complete"}
+
+
+def test_a_file_of_the_checkpoint_named_like_the_mark_is_no_mark(tmp_path, trainer_folder):
+    from spotguard.integrations._folders import FolderCheckpoints
+
+    folder = trainer_folder(10)
+    (folder / CORRUPT_MARK).write_text("{}")  # a trainer's own file of that name
+    FolderCheckpoints(str(tmp_path / "ckpt"), keep=2, lease_ttl=None).commit(10, folder, "periodic")
+    assert _statuses(tmp_path / "ckpt") == {10: "complete"}
+
+
+def test_a_final_save_replaces_a_marked_revision_even_with_the_same_content(tmp_path, caplog):
+    """Step 10's newest revision (``step-N.r1``) is marked corrupt; the final save, of the very content it
+    had, replaces it rather than report "already committed" and leave no good checkpoint of the step."""
+    storage = tmp_path / "ckpt"
+    _train(storage, 0, 10, every=10, keep=2)  # step 10
+    model = torch.nn.Linear(8, 8)
+    with Guard(str(storage), providers=[], keep=2).track(model=model) as guard:
+        assert guard.resume() == 10
+        model.weight.data.add_(1.0)  # changed after the step: the final save supersedes it as r1
+        guard.step(10)
+    assert (storage / "step-00000010.r1").is_dir() and not (storage / step_dir(10)).exists()
+    guard = Guard(str(storage), providers=[], keep=2).track(model=torch.nn.Linear(8, 8))
+    assert guard.resume() == 10  # r1's content
+    _rot(storage / "step-00000010.r1")
+    (storage / "step-00000010.r1" / CORRUPT_MARK).write_text("{}")
+    with guard:
+        guard.step(10)  # the same content again
+    assert "already committed" not in caplog.text
+    assert _statuses(storage) == {10: "complete"}
+    assert _train(storage, 10, 10, every=10, keep=2) == 10

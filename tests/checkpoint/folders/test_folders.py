@@ -52,6 +52,8 @@ def test_folders_of_two_ranks_commit_as_one_checkpoint_fail_together_and_fetch_v
         # A node of its own: the shared file and its own rank's, never the other rank's; rank 1's
         # corrupt file of step 2 is seen by node 1 alone, and node 0 skips step 2 with it.
         assert by[(rank, "per-node", 1)]["files"] == ["shared.bin", f"sub/own-{rank}.bin"]
+        # Rank 0 marked step 2 corrupt each time (a second read confirmed it), whichever node had seen it.
+        assert by[(0, "marked-after-fetch", None)]["marked"] and by[(0, "marked-after-per-node", None)]["marked"]
         planned = by[(rank, "planned", 1)]  # step 2 was planned, step 1 verified: moved to step 2's place
         assert planned["files"] == ["shared.bin", f"sub/own-{rank}.bin"] and planned["shared"] == 1, planned
         assert by[(rank, "planned-removed", None)]["gone"] is True
