@@ -23,7 +23,7 @@ from spotguard.checkpoint.files import filewrite
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.files.filewrite import Writer
 from spotguard.checkpoint.folders.fence import Fence, fenced
-from spotguard.checkpoint.folders.retention import delete
+from spotguard.checkpoint.folders.retention import deletable, delete
 from spotguard.checkpoint.format import digest
 from spotguard.checkpoint.format.manifest import (
     MANIFEST,
@@ -131,6 +131,8 @@ def write(
             if on_content is not None:
                 on_content(tuple(entries))
             revision = next_revision(storage, step)  # 0: nothing of this step is committed
+            if revision and _drop_broken(storage, step_dir(step, revision - 1)):  # corrupt for good: replaced
+                revision = next_revision(storage, step)
             if revision:  # committed (its newest revision): the new content supersedes it, never deletes it first
                 newest = step_dir(step, revision - 1)
                 old = _committed_manifest(storage, newest)
@@ -249,7 +251,7 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if existing and not committed:
         logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name))
-        storage.delete(existing)
+        storage.delete(deletable(storage, existing))
     return committed
 
 
@@ -279,7 +281,7 @@ def prepare(storage: Storage, name: str) -> str:
             logger.info(
                 "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
             )
-            storage.delete(existing)
+            storage.delete(deletable(storage, existing))
     except Exception as e:
         return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
     return "ok"
@@ -342,11 +344,12 @@ def copy(
             raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
         existing = []
     if existing:
-        dst.delete(existing)
+        dst.delete(deletable(dst, existing))
     for entry in manifest.files:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled(f"upload of {info.name} abandoned")
-        key, crc, own = f"{info.name}/{entry.name}", (crcs or {}).get(entry.name), dst.links_files and not link
+        key, crc = f"{info.name}/{entry.name}", (crcs or {}).get(entry.name)
+        own = dst.links_files and src.links_files and not link  # a download is a file of its own already
         with open_verified(src, info, entry.name) if verify else src.local_copy(key) as path:
             with dst.scratch() if own else contextlib.nullcontext(path.parent) as scratch:  # own: beside the target
                 filewrite.store(dst, key, Path(shutil.copyfile(path, scratch / "copy")) if own else path, deadline, crc)

@@ -22,14 +22,14 @@ def delete(storage: Storage, name: str) -> None:
     """Delete one checkpoint directory, manifest first."""
     if parse_step_dir(name) is None:
         raise ConfigError(f"not a checkpoint name: {name!r}")
-    keys = _deletable(storage, storage.list(name + "/"))
+    keys = deletable(storage, storage.list(name + "/"))
     manifest = f"{name}/{MANIFEST}"
     if manifest in keys:
         storage.delete([manifest])
     storage.delete([k for k in keys if k != manifest])
 
 
-def _deletable(storage: Storage, keys: list[str]) -> list[str]:
+def deletable(storage: Storage, keys: list[str]) -> list[str]:
     """``keys`` but those no storage call takes (``check_key``: an empty component, as in the ``step-N/``
     "folder" an S3 or GCS console makes, or ``step-N//x``). Such a key in a folder made housekeeping raise
     ``ConfigError``, which failed every resume for good; it is left, with a warning."""
@@ -95,7 +95,7 @@ def drop_killed_saves(storage: Storage, infos: list[CheckpointInfo], upto: int) 
             keys = storage.list(info.name + "/")
             if f"{info.name}/{MANIFEST}" in keys:  # committed since it was listed: a checkpoint, not garbage
                 continue
-            storage.delete(_deletable(storage, keys))
+            storage.delete(deletable(storage, keys))
             logger.info("removed %s: an unfinished save (%s)", storage.describe(info.name), info.problem)
         except (OSError, ConfigError) as e:  # StorageError included: housekeeping never fails a resume or a save
             logger.warning("cannot remove unfinished save %s: %s", storage.describe(info.name), e)

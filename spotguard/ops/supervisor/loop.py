@@ -123,7 +123,7 @@ class Supervisor:
             return
         t0 = time.monotonic()
         try:
-            checkpoint.copy(storage, local, info, verify=True)
+            checkpoint.copy(storage, local, info, verify=True, link=True)
         except (SpotguardError, OSError) as e:
             logger.warning("prefetch of %s failed (%s); the job reads it from %s", info.name, e, storage.describe())
             return

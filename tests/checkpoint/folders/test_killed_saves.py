@@ -133,22 +133,36 @@ def test_a_killed_revision_of_the_resume_step_goes_and_one_committed_since_the_l
 
 def test_a_folder_marker_key_in_a_killed_save_is_left_with_a_warning_and_the_resume_goes_on(tmp_path, caplog):
     """S3 and GCS consoles make a ``step-N/`` "folder" object (``step-N//x`` happens too): a key no storage
-    call takes (``check_key``). Its ``ConfigError`` failed every resume for good (a permanent error)."""
+    call takes (``check_key``). Its ``ConfigError`` failed every resume for good (a permanent error), and a
+    save of that step (its leftovers cleared first) too."""
     from spotguard.storage.local import LocalStorage
+
+    markers = ("step-00000015/", "step-00000030/")
 
     class ObjectStoreLike(LocalStorage):
         def list_sizes(self, prefix=""):
             sizes = super().list_sizes(prefix)
-            if "step-00000015/".startswith(prefix) or prefix.startswith("step-00000015/"):
-                sizes["step-00000015/"] = 0  # as an object store lists a console's folder marker
+            for marker in markers:
+                if marker.startswith(prefix) or prefix.startswith(marker):
+                    sizes[marker] = 0  # as an object store lists a console's folder marker
             return sizes
 
     storage = tmp_path / "ckpt"
     _train(storage, 20, every=10)
     _killed_save(storage, 15, like=10)  # below the resume point: removed at the resume
-    guard = Guard(ObjectStoreLike(str(storage)), providers=[])
-    guard.track(model=torch.nn.Linear(8, 8))
+    _killed_save(storage, 30, like=10)  # above it: replaced by the save of step 30
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    guard = Guard(ObjectStoreLike(str(storage)), providers=[], every_steps=10, busy="wait")
+    guard.track(model=model)
     assert guard.resume() == 20
-    guard.close(save=False)
+    with guard:
+        for step in range(20, 30):
+            guard.step(step + 1)
     assert not (storage / step_dir(15)).exists()  # the rest of the killed save went
+    assert {i.step: i.status for i in scan(open_storage(str(storage)))} == {
+        10: "complete",
+        20: "complete",
+        30: "complete",
+    }
     assert "does not delete keys with an empty component ('step-00000015/')" in caplog.text
