@@ -40,11 +40,12 @@ def rank() -> int:
     """The global rank: the process group's, else ``RANK``, else what Lightning's own launcher says."""
     if is_distributed():
         return dist.get_rank()
-    if "RANK" in os.environ or "LOCAL_RANK" not in os.environ:
+    if "RANK" in os.environ or "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", 1)) < 2:
         return int(os.environ.get("RANK", 0))
     # Lightning's launcher (Trainer(devices=N) run as a script) sets LOCAL_RANK and NODE_RANK, not RANK:
     # read as 0, every child took itself for rank 0 before the group existed (the writer lease refused
-    # them as a second job). Its global rank is node * devices + local; devices per node where known.
+    # them as a second job). Its global rank is node * devices + local; devices per node where known
+    # (LOCAL_WORLD_SIZE), else only whether it is 0 is sure. One process (WORLD_SIZE 1) is rank 0.
     node, local = int(os.environ.get("NODE_RANK", 0)), int(os.environ["LOCAL_RANK"])
     return node * int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)) + local
 

@@ -35,6 +35,8 @@ def launched(monkeypatch):
         ({"LOCAL_RANK": 1, "NODE_RANK": 0, "WORLD_SIZE": 2}, 1),  # Lightning's child: was 0
         ({"LOCAL_RANK": 0, "NODE_RANK": 1, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 2}, 2),
         ({"LOCAL_RANK": 0, "NODE_RANK": 1, "WORLD_SIZE": 4}, 1),  # devices per node unknown: never rank 0
+        ({"LOCAL_RANK": 1}, 0),  # one process a wrapper pinned to a GPU: rank 0 as before
+        ({"LOCAL_RANK": 1, "WORLD_SIZE": 1}, 0),
     ],
 )
 def test_rank_before_a_process_group(launched, env, rank):
