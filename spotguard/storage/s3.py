@@ -87,7 +87,7 @@ class S3Storage(CloudStorage):
         if not (VALID_BUCKET.match(self.bucket) or VALID_S3_ARN.match(self.bucket)):  # botocore's own check
             raise ConfigError(
                 f"invalid S3 bucket name {self.bucket!r} in {url!r}: S3 bucket names are 3 to 63 lowercase "
-                "letters, digits, '.' and '-'"
+                "letters, digits, '.' and '-' (botocore refuses anything but letters, digits, '.', '-', '_')"
             )
         super().__init__(url, options or S3Options())
         self._session: Any = None  # boto3 sessions are not thread-safe: clients are made under a lock
