@@ -48,3 +48,36 @@ def test_rm_incomplete_still_defaults_to_a_minimum_age_of_one_hour(tmp_path, cap
     open_storage(str(root)).put_bytes("step-00000030/state.pt", b"leftover of a killed save")
     assert main(["rm", str(root), "--incomplete"]) == 0
     assert "skipped" in capsys.readouterr().out and (root / "step-00000030").exists()
+
+
+def test_rm_step_deletes_every_revision_of_the_step(tmp_path, capsys):
+    """A final save cut before its prune leaves ``step-N/`` beside ``step-N.r1/``: deleting only the newest
+    made the superseded one that step's checkpoint again."""
+    root = tmp_path / "ckpt"
+    write(root, 10, 20)
+    st = open_storage(str(root))
+    checkpoint.write_dir(st, 10, _folder(tmp_path), reason="final", revision=1)
+    assert [i.name for i in checkpoint.scan(st)] == ["step-00000010", "step-00000010.r1", "step-00000020"]
+    assert main(["rm", str(root), "--step", "10"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"deleted {root / 'step-00000010.r1'} (complete)",
+        f"deleted {root / 'step-00000010'} (complete)",
+    ]
+    assert steps(root) == [20]
+
+
+def test_ls_of_one_checkpoints_folder_lists_that_checkpoint(tmp_path, capsys):
+    """As ``verify URL/step-N`` does; it printed "no checkpoints" with exit 0."""
+    root = tmp_path / "ckpt"
+    write(root, 10, 20)
+    assert main(["ls", str(root / "step-00000010"), "--json"]) == 0
+    assert [json.loads(line)["step"] for line in capsys.readouterr().out.splitlines()] == [10]
+    assert main(["ls", str(root / "step-00000030")]) == 1
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def _folder(tmp_path):
+    out = tmp_path / "final-10"
+    out.mkdir()
+    (out / "state.pt").write_bytes(b"final")
+    return out

@@ -43,10 +43,13 @@ def _missing_folder(storage: Storage) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = _open(args, args.url)
+    root, name = _split_step(args.url)  # URL/step-N: that checkpoint alone, as verify takes it
+    storage = _open(args, root)
     if _missing_folder(storage):  # a typo must not look like an empty run
         return fail(args, f"{storage.describe()} does not exist", url=storage.describe())
-    infos = checkpoint.scan(storage)
+    infos = [i for i in checkpoint.scan(storage) if name is None or i.name == name]
+    if name is not None and not infos:
+        return fail(args, f"{storage.describe(name)}: no such checkpoint", url=storage.describe(name))
     # The listing checks manifests and sizes only; contents are read and hashed with --verify.
     verified = {i.name: _problem(storage, i) for i in infos if i.complete} if args.verify else {}
     if args.json:
@@ -250,22 +253,25 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if args.step is None:
         args.min_age = cleanup.DEFAULT_MIN_AGE_S if args.min_age is None else args.min_age
         return rm_incomplete(args, storage)
-    info = _find(storage, args.step)
-    if info is None:
+    # Every revision of the step (step-N/, step-N.rK/), newest first: one left behind, superseded or not,
+    # would be that step's checkpoint again (a final save that was cut before its prune leaves two).
+    found = [i for i in reversed(checkpoint.scan(storage)) if i.step == args.step]
+    if not found:
         return fail(args, f"no checkpoint of step {args.step} in {storage.describe()}", url=storage.describe())
-    if not args.dry_run:
-        checkpoint.delete(storage, info.name)
     verb = "would delete" if args.dry_run else "deleted"
-    report(
-        args,
-        f"{verb} {storage.describe(info.name)} ({info.status})",
-        {
-            verb.replace(" ", "_"): storage.describe(info.name),
-            "step": info.step,
-            "status": info.status,
-            "problem": info.problem or None,
-        },
-    )
+    for info in found:
+        if not args.dry_run:
+            checkpoint.delete(storage, info.name)
+        report(
+            args,
+            f"{verb} {storage.describe(info.name)} ({info.status})",
+            {
+                verb.replace(" ", "_"): storage.describe(info.name),
+                "step": info.step,
+                "status": info.status,
+                "problem": info.problem or None,
+            },
+        )
     return 0
 
 
