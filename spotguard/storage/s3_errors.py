@@ -108,4 +108,5 @@ def explain(e: BaseException, cannot: str, bucket: str, described: str) -> Stora
         return StorageError(f"{cannot}: {code or status}: {e}")
     if isinstance(e, bex.EndpointConnectionError):
         return StorageError(f"{cannot}: cannot reach the endpoint ({e}); check AWS_ENDPOINT_URL and the network")
-    return StorageError(f"{cannot} (gave up after retries): {type(e).__name__}: {e}")
+    retried = " (gave up after retries)" if transient(e) else ""  # a ParamValidationError is never retried
+    return StorageError(f"{cannot}{retried}: {type(e).__name__}: {e}")

@@ -45,3 +45,14 @@ def test_a_bucket_name_botocore_refuses_is_a_config_error_at_once():
         open_storage("s3://Bad_Bucket!/run").list()  # was: a StorageError "(gave up after retries)"
     assert time.monotonic() - t0 < 5
     assert S3Storage("s3://legacy_Bucket.1/run").bucket == "legacy_Bucket.1"  # what botocore accepts still goes
+
+
+def test_an_error_never_retried_does_not_say_it_gave_up_after_retries():
+    import botocore.exceptions as bex
+
+    from spotguard.storage import s3_errors
+
+    err = s3_errors.explain(bex.ParamValidationError(report="bad key"), "cannot list s3://b/run", "b", "s3://b/run")
+    assert "gave up after retries" not in str(err) and "ParamValidationError" in str(err)
+    err = s3_errors.explain(bex.ReadTimeoutError(endpoint_url="http://x"), "cannot list s3://b/run", "b", "s3://b/run")
+    assert "gave up after retries" in str(err)  # a network error is retried first
