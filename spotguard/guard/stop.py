@@ -110,6 +110,12 @@ class Emergency:
             if pending is not None and pending.committed:
                 self._report(t0, left)
                 return
+            if pending is not None and saves.in_flight() is pending:  # still writing this step's folder
+                pending.cancel()
+                saves.wait_pending(CANCEL_GRACE_S)
+                if saves.in_flight() is pending:  # two writers in one folder could mix their files
+                    logger.error("stop at step %d: its save is still writing it; not writing it a second time", step)
+                    return
         elif decision is Inflight.KEEP and pending is None:
             return  # [distributed] this rank's part is done, another's is finishing: it is the resume point
         elif decision is not Inflight.NONE and pending is not None and not self._settle(pending, deadline, decision):

@@ -272,6 +272,48 @@ def test_emergency_waits_for_an_inflight_save_when_both_fit_in_the_time_left(tmp
     assert steps(storage) == [(1, "periodic"), (2, "emergency")]  # nothing was thrown away
 
 
+class GateFirst(LocalStorage):
+    """Local storage whose first state-file store waits for ``gate`` (a periodic save held in flight);
+    every store's key is recorded."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate, self.writing, self.stored = threading.Event(), threading.Event(), []
+
+    def put_file(self, key, path, *, deadline=None):
+        self.stored.append(key)
+        if len(self.stored) == 1:
+            self.writing.set()
+            self.gate.wait(20)
+        return super().put_file(key, path, deadline=deadline)
+
+
+def test_a_stop_at_the_step_still_being_written_past_the_deadline_never_writes_it_twice(tmp_path, caplog):
+    """The stop's step is the one in flight and its save outlasts the deadline: a second writer of the same
+    folder could replace its files under the other's manifest (a committed checkpoint unlike its manifest)."""
+    import datetime as dt
+
+    storage = GateFirst(str(tmp_path))
+    g, model = model_guard(storage, every_steps=1, save_on_exit=False)
+    try:
+        with g:
+            g.step(1)
+            assert storage.writing.wait(5)
+            with torch.no_grad():
+                model.weight.add_(1.0)  # step 1's state changes (an evaluation's RNG, an extra): other bytes
+            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=2)
+            g.watcher.report(Notice("test", "terminate", deadline=deadline))
+            assert g.step(1) is True
+            storage.gate.set()  # the cancelled writer stores its file, then stops before its manifest
+    finally:
+        storage.gate.set()
+    assert storage.stored == ["step-00000001/state.pt"], storage.stored  # one writer of step 1
+    assert "not writing it a second time" in caplog.text
+    for info in checkpoint.scan(open_storage(str(tmp_path))):
+        if info.complete:
+            checkpoint.verify(open_storage(str(tmp_path)), info)  # nothing committed unlike its manifest
+
+
 def test_latest_and_stats_report_what_was_measured(tmp_path):
     g, model = model_guard(str(tmp_path), every_steps=2, save_on_exit=False, busy="wait")
     assert g.latest() is None
