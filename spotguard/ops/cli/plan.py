@@ -121,6 +121,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"goodput {100 * plan.goodput:.1f}%, ~{_minutes(plan.lost_work_s)} of work lost per preemption "
         f"(job of {opts.job_hours:g} h for the no-checkpoint row)"
     )
+    if plan.goodput <= 0.0:  # every interval's row reads 0%: say why rather than leave a "best" that is none
+        print(
+            f"no interval makes progress: a restart of {opts.restart_s:g} s against an MTBF of "
+            f"{opts.mtbf_hours * 3600:g} s is rarely over before the next preemption; make restarts cheaper "
+            "(a local tier, a warm pool of machines) or find capacity preempted less often"
+        )
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
