@@ -136,7 +136,7 @@ def _judge_again(storage: Storage, c: Candidate, found: Plan) -> tuple[str, list
     folder = c.name.partition("/")[0]
     times = storage.list_times(folder + "/")
     if times and now - max(times.values()) < found.min_age_s:
-        ago = human_duration(now - max(times.values()))
+        ago = human_duration(max(now - max(times.values()), 0.0))  # the clocks of two calls: never "-0s"
         return f"{folder} changed {ago} ago, since the plan: a save may be writing it", []
     if c.leftover is None and f"{folder}/{MANIFEST}" in times:
         if c.kind == "incomplete":
