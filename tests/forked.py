@@ -13,7 +13,9 @@ Environment variables read when a module is imported keep the server's values: s
 
 ``ForkServer.popen`` gives a ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``,
 ``send_signal``), which ``tests.helpers.run`` and ``stop_when`` use while a server is ``installed``
-for a script's runs. tests/workers/dist_teardown.py's ``--fork-chain`` does the same for the ranks of
+for a script's runs, and for a launcher of it (``python -m torch.distributed.run ... SCRIPT``, run as
+``-m`` runs it): a launcher's start is not what those tests are about; tests of a launcher's start and
+death (tests/ops/test_launchers.py) start it from ``spotguard run``, as a process of its own. tests/workers/dist_teardown.py's ``--fork-chain`` does the same for the ranks of
 a process group.
 """
 
@@ -190,12 +192,27 @@ class _Lazy:
 _installed: dict[str, _Lazy] = {}
 
 
+#: Launchers run as ``python -m MODULE`` that fork from the server of the script they launch: their start
+#: (a Python start and ``import torch``, 1.3-1.7 CPU-s each) is not what a test of their ranks is about.
+LAUNCHERS = ("torch.distributed.run", "accelerate.commands.launch")
+
+
 def server_for(cmd: list[str]) -> ForkServer | None:
-    """The server installed for ``cmd``'s script (``[sys.executable, SCRIPT, ...]``), if any."""
+    """The server installed for ``cmd``'s script (``[sys.executable, SCRIPT, ...]``), if any; for a launcher
+    (``[sys.executable, "-m", LAUNCHER, ..., SCRIPT, ...]``) the server of the script it launches."""
     if len(cmd) < 2 or cmd[0] != sys.executable:
         return None
-    lazy = _installed.get(str(Path(cmd[1]).resolve()))
+    if cmd[1] == "-m":
+        if len(cmd) < 3 or cmd[2] not in LAUNCHERS:
+            return None
+        lazy = next((_installed[k] for k in map(_key, cmd[3:]) if k in _installed), None)
+    else:
+        lazy = _installed.get(_key(cmd[1]))
     return lazy.get() if lazy else None
+
+
+def _key(arg: str) -> str:
+    return str(Path(arg).resolve()) if arg and not arg.startswith("-") else ""
 
 
 @contextlib.contextmanager
@@ -284,7 +301,7 @@ def via(script: str | Path, *args: str | Path, server: ForkServer | None = None)
 
 # -- the server ---------------------------------------------------------------------------------------
 def _child(job: dict, fds: list[int] | None = None) -> None:
-    """In the forked child: become ``python SCRIPT ARGS`` in a session of its own; never returns.
+    """In the forked child: become ``python SCRIPT ARGS`` (or ``-m LAUNCHER``) in a session of its own; never returns.
     ``fds``: the standard streams a ``forkexec`` client sent (else ``/dev/null`` and the job's files)."""
     os.setsid()
     # The test sees the server's pipe end when the server ends, not a child; the listener, the clients'
@@ -308,16 +325,20 @@ def _child(job: dict, fds: list[int] | None = None) -> None:
     for sig in job.get("ignored", ()):  # what its launcher ignores, the run ignores, as across an exec
         signal.signal(sig, signal.SIG_IGN)
     os.chdir(job["cwd"])
+    module = job["argv"][1] if job["argv"][0] == "-m" else None  # `python -m MODULE ARGS` (a launcher)
     script = os.path.abspath(job["argv"][0])
-    sys.argv = [script, *job["argv"][1:]]
-    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
+    sys.argv = [script, *job["argv"][1:]] if module is None else ["-m", *job["argv"][2:]]
+    sys.path[0] = os.path.dirname(script) if module is None else os.getcwd()  # as `python SCRIPT` / `-m` set it
     if "torch" in sys.modules:  # a process of its own draws fresh seeds (`random` reseeds itself after a fork)
         sys.modules["torch"].seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)  # sets sys.argv[0] as `-m` does
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0

@@ -74,7 +74,8 @@ def accelerate_args(nnodes: int, nproc: int, port: int, node: int, *mode: str) -
 def forked_ranks(*scripts: str) -> Iterator[None]:
     """While inside, every rank the launchers start (torchrun's, ``accelerate launch``'s) is forked from
     one server that imported the examples ``scripts``' imports (torch, the trainer library: 3-5 CPU
-    seconds a rank), not a Python process of its own; the launchers themselves start as they do."""
+    seconds a rank), not a Python process of its own; so are the launchers that ``tests.helpers.run``
+    starts (``tests.forked.LAUNCHERS``), which then run their own code as they do in a process of their own."""
     with behind(*(REPO / "examples" / s for s in scripts)):
         yield
 
