@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.forked import SOCKET_ENV, Served, behind, via
-from tests.helpers import run, subprocess_env, wait_until
+from tests.helpers import run, subprocess_env, torchrun, wait_until
 
 JOB = textwrap.dedent(
     """
@@ -168,3 +169,26 @@ def test_a_client_gone_before_its_request_is_whole_leaves_the_server_serving(ser
         via(_job(tmp_path), "code", "6", server=server), env=subprocess_env(), input="", capture_output=True, text=True
     )
     assert done.returncode == 6, done.stderr
+
+
+RANK = textwrap.dedent(
+    """
+    import os, sys
+    if __name__ == "__main__":
+        print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], flush=True)
+        sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def test_a_launcher_of_a_served_script_forks_from_the_server_and_so_do_its_ranks(tmp_path):
+    """``python -m torch.distributed.run ... SCRIPT`` through ``tests.helpers.run``: torchrun itself forks
+    from SCRIPT's server (run as ``-m`` runs it) and starts its rank through forkexec; the rank's exit code
+    reaches torchrun's summary, torchrun's own exit code the test."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    with behind(script, preload=("json",)) as server:
+        done = run(torchrun(1, script, "3"), cwd=tmp_path)
+        assert (len(server._pids), len(server._served)) == (1, 1), (server._pids, server._served)
+    assert done.returncode == 1 and "rank 0 of 1" in done.stdout, done.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*3\b", done.stderr), done.stderr[-3000:]
