@@ -1,7 +1,8 @@
 """Two real jobs on one storage URL: the writer lease keeps them from mixing one run.
 
 Each job is ``tests/guard/lease_job.py`` (a counter, a checkpoint every 2 steps, its name in every
-manifest) in a process of its own, on local disk here; ``tests/storage/test_cloud_lease.py`` runs the
+manifest) in a process of its own (forked from one server that imported torch and spotguard, as a
+process of its own behaves; a child of `spotguard run` starts as usual), on local disk here; ``tests/storage/test_cloud_lease.py`` runs the
 first scenario on S3, GCS and Azure.
 """
 
@@ -14,6 +15,7 @@ import signal
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from spotguard import Guard, LeaseHeldError, checkpoint, heartbeat
 from spotguard.checkpoint import lease as lease_record
 from spotguard.heartbeat import EXIT_LEASE_HELD, EXIT_PREEMPTED
 from spotguard.storage import Storage, open_storage
+from tests.forked import Served
 from tests.helpers import (
     WORKERS,
     _finish,
@@ -34,6 +37,19 @@ from tests.helpers import (
 )
 
 JOB = Path(__file__).with_name("lease_job.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_jobs() -> Iterator[None]:
+    """The module's lease_job.py runs fork from one server: a Python start and ``import torch`` saved a
+    job. Its top level is the whole job, so nothing of it runs in the server (``Served``), which imports
+    what a job imports (no optimizer, no data loader: not torch._dynamo or torchdata)."""
+    served = Served(("torch", "torch.distributed", "spotguard", "spotguard.guard"))
+    try:
+        with served.scripts(JOB):
+            yield
+    finally:
+        served.close()
 
 
 def job(url: str, name: str, *args: str) -> list[str]:

@@ -17,7 +17,7 @@ from spotguard.checkpoint.leaseholder import Lease
 from spotguard.errors import LeaseHeldError
 from spotguard.storage import open_storage
 from tests.checkpoint.test_lease_clocks import acquire_timed, record, renewed
-from tests.guard.test_lease import refused_then_taken_over
+from tests.guard.test_lease import forked_jobs, refused_then_taken_over  # noqa: F401  (an autouse fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
