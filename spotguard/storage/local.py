@@ -118,7 +118,13 @@ class LocalStorage(Storage):
     def _folder(self, final: Path) -> None:
         """Create the folders of ``final`` that are missing, after ``_no_links``."""
         self._no_links(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:  # "File exists" would say nothing useful
+            blocker = next((p for p in (final.parent, *final.parent.parents) if p.exists() and not p.is_dir()), None)
+            if blocker is None:
+                raise
+            raise StorageAccessError(f"cannot write below {blocker}: it is a file, not a folder") from e
         self._no_links(final)  # created meanwhile by another process: checked again
 
     def _no_links(self, path: Path) -> None:
@@ -207,7 +213,7 @@ class LocalStorage(Storage):
                     _fsync_dir(final.parent)
             finally:
                 tmp.unlink(missing_ok=True)
-        except PreconditionFailedError:
+        except StorageError:  # PreconditionFailedError, or a folder that is a file (``_folder``)
             raise
         except OSError as e:
             raise _failed(f"cannot write {self.describe(key)}: {e}", e) from e

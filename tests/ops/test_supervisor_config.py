@@ -76,15 +76,18 @@ def test_a_job_that_exits_78_itself_is_not_restarted(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_job_whose_storage_is_no_folder_is_not_restarted(tmp_path):
-    """A storage path below a file (a typo, a volume not mounted): the lease write (or the listing) is
-    refused with ENOTDIR, a StorageAccessError; restarting would meet it again."""
+@pytest.mark.parametrize("below", ["ckpt", ""])
+def test_a_job_whose_storage_is_no_folder_is_not_restarted(tmp_path, below):
+    """A storage path that is a file, or below one (a typo, a volume not mounted): the lease write (or the
+    listing) is refused, a StorageAccessError that names the file; restarting would meet it again."""
     (tmp_path / "file").write_text("not a folder")
     job = "import spotguard, torch; spotguard.Guard(providers=[]).track(x=torch.zeros(2)).resume()"
-    cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(tmp_path / "file" / "ckpt")]
+    storage = tmp_path / "file" / below if below else tmp_path / "file"
+    cmd = [sys.executable, "-m", "spotguard", "run", "-v", "--storage", str(storage)]
     proc = run(
         [*cmd, "--backoff", "0.05", "--max-restarts", "2", "--", sys.executable, "-c", job], env=subprocess_env()
     )
     assert proc.returncode == EXIT_CONFIG, proc.stderr
     assert proc.stderr.count("starting: ") == 1, proc.stderr
-    assert "StorageAccessError" in proc.stderr and "Not a directory" in proc.stderr, proc.stderr
+    assert "StorageAccessError" in proc.stderr, proc.stderr
+    assert f"below {tmp_path / 'file'}: it is a file, not a folder" in proc.stderr, proc.stderr
