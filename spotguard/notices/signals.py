@@ -59,6 +59,7 @@ class SignalProvider(NoticeProvider):
         self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
         self._previous: dict[signal.Signals, Any] = {}
         self._received: set[signal.Signals] = set()
+        self._calmed: tuple[Any, Any] | None = None  # (our SIGCHLD handler, torch's it wraps)
 
     def open(self, report: Report) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -92,11 +93,32 @@ class SignalProvider(NoticeProvider):
                 signal.raise_signal(sig)
             return
         self._received.add(sig)
+        self._calm_loader_workers()
         now = utcnow()
         deadline = now + dt.timedelta(seconds=self.grace) if self.grace is not None else None
         self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=now, raw={"signal": sig.name}))
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
+
+    def _calm_loader_workers(self) -> None:
+        """A signal sent to the whole process group (``timeout``, Slurm, systemd's control group) also
+        kills the data loader's workers (their own SIGTERM handler), and torch's SIGCHLD handler then raises
+        "DataLoader worker ... is killed by signal" wherever the main thread is: in the step, or in the
+        emergency save. From the stop on such a death is expected: logged, not raised. A loader used
+        again still fails on its dead workers. Python runs pending handlers in signal-number order, so this
+        (SIGTERM 15, SIGUSR1 10) comes before a SIGCHLD (17) that arrived with it."""
+        torch_handler = signal.getsignal(signal.SIGCHLD)
+        if self._calmed or getattr(torch_handler, "__module__", None) != "torch.utils.data._utils.signal_handling":
+            return
+
+        def calm(signum: int, frame: FrameType | None) -> None:
+            try:
+                torch_handler(signum, frame)  # type: ignore[misc,operator]
+            except RuntimeError as e:
+                logger.info("after the stop signal: %s", e)
+
+        signal.signal(signal.SIGCHLD, calm)
+        self._calmed = (calm, torch_handler)
 
     def poll(self) -> Notice | None:
         try:
@@ -117,6 +139,9 @@ class SignalProvider(NoticeProvider):
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._calmed is not None and signal.getsignal(signal.SIGCHLD) == self._calmed[0]:
+            signal.signal(signal.SIGCHLD, self._calmed[1])
+        self._calmed = None
 
 
 _told_off_main = False

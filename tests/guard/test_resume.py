@@ -6,6 +6,7 @@ again, and its per-step losses and final parameters are compared with an uninter
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -68,6 +69,28 @@ def test_resume_after_sigterm_continues_identically(tmp_path, reference_runs, wo
     second = run_example(storage, *args, "--losses", str(losses), "--final", str(final))
     assert second.returncode == 0, second.stderr
     assert f"resuming at step {stopped}" in second.stdout
+    assert_same_run(losses, final, reference)
+
+
+def test_sigterm_to_the_whole_process_group_stops_cleanly_and_resumes_identically(tmp_path, reference_runs):
+    """`timeout`, Slurm and systemd's control group signal every process of the job: the data loader's
+    workers die of the SIGTERM too (torch's worker handler), and torch's SIGCHLD handler would then raise
+    "DataLoader worker ... is killed by signal" in the training loop or in the emergency save."""
+    args = (*COMMON, "--num-workers", "2")
+    reference = reference_runs(*args)
+    at = _rng.randint(3, 80)
+    losses, final, storage = tmp_path / "losses.jsonl", tmp_path / "final.pt", tmp_path / "ckpt"
+    first = stop_when(
+        example_cmd(storage, *args, "--losses", str(losses), "--step-sleep", "0.03"),
+        after_step(losses, at),
+        lambda proc: os.killpg(proc.pid, signal.SIGTERM),  # its own session: the example and its workers
+    )
+    assert first.returncode == EXIT_PREEMPTED and "NOT committed" not in first.stderr, (at, first.stderr[-3000:])
+    stopped = read_losses(losses)[-1][0]
+    (info,) = [i for i in scan(open_storage(str(storage))) if i.step == stopped]
+    assert info.complete and info.manifest is not None and info.manifest.reason in ("emergency", "periodic")
+    second = run_example(storage, *args, "--losses", str(losses), "--final", str(final))
+    assert second.returncode == 0 and f"resuming at step {stopped}" in second.stdout, second.stderr[-3000:]
     assert_same_run(losses, final, reference)
 
 
