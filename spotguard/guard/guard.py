@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard.checkpoint.engine import Tracked
+from spotguard.checkpoint.folders.tier import open_tier
 from spotguard.checkpoint.state import data, state
 from spotguard.coordination import agreement, lease, ranks
 from spotguard.coordination.agreement import ADVISORY, NOTHING, PERIODIC, STOP
@@ -60,7 +61,7 @@ class Guard:
         #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
         self.windowing = WindowPolicy(o.deadline_policy, o.window_margin)
         self.storage: Storage = open_storage(_env.storage_or_env(storage))
-        self.local: Storage | None = open_storage(o.local_dir) if o.local_dir else None  # or $SPOTGUARD_LOCAL_DIR
+        self.local: Storage | None = open_tier(o.local_dir, self.storage)  # or $SPOTGUARD_LOCAL_DIR; this run's only
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded, same=self.windowing.settings())
         providers = ranks.providers_for_rank(o.providers, o.poll_on)

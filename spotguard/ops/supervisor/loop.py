@@ -19,6 +19,7 @@ from pathlib import Path
 
 from spotguard import _env, checkpoint, heartbeat
 from spotguard._env import STORAGE as STORAGE_ENV
+from spotguard.checkpoint.folders import tier
 from spotguard.errors import SpotguardError, StorageError
 from spotguard.events import Events, Record
 from spotguard.heartbeat import EXIT_CONFIG, EXIT_LEASE_HELD, EXIT_PREEMPTED
@@ -118,6 +119,8 @@ class Supervisor:
     def _prefetch(self, storage: Storage, info: checkpoint.CheckpointInfo) -> None:
         """Copy a checkpoint into the local tier, verified, so the job's resume reads local disk."""
         local = open_storage(self.options.local_dir or "")
+        if not tier.claim(local, storage):  # another run's tier: the job will not read it either
+            return
         if any(i.complete and i.name == info.name for i in checkpoint.scan(local)):  # a revision is another
             logger.info("%s is already in the local tier %s", info.name, local.describe())
             return
