@@ -81,6 +81,7 @@ LOOPS = {
     ("training-loop.md", "import sys"): ("loop", "checkpoints/run-1"),
     ("training-loop.md", "hidden = spotguard.Value(None)"): ("epochs", "checkpoints/run-1"),
     ("training-loop.md", "for x, y in loader:"): ("evaluation", "checkpoints/run-1"),
+    ("training-loop.md", "EVAL_EVERY = 40"): ("loop", "checkpoints/run-1"),
 }
 PLAIN = {("training-loop.md", "import logging")}  # runs as it is, and exits 0
 #: Not run here, and why (each one's code runs in full in the test named).
