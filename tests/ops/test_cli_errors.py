@@ -202,3 +202,22 @@ def test_storage_commands_have_a_bounded_default_timeout():
         assert parser.parse_args(command).timeout == DEFAULT_TIMEOUT == 60
     with pytest.raises(ConfigError, match="timeout must be a positive"):
         open_storage("s3://bucket/run", timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["run", "--hang-timout", "3", "--", "true"],
+            "unrecognized arguments: --hang-timout (did you mean --hang-timeout?)",
+        ),
+        (["ls", "a", "b"], "unrecognized arguments: b"),
+    ],
+)
+def test_an_unknown_argument_is_the_subcommands_error_with_its_usage(capsys, argv, said):
+    """Not the top-level parser's `usage: spotguard [-h] [--version] [-v] COMMAND ...`, which names no option."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"usage: spotguard {argv[0]} " in err, err
+    assert f"spotguard {argv[0]}: error: {said}" in err, err

@@ -12,6 +12,7 @@ header) only from ``-vvv``. Nothing imported at startup needs torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
@@ -58,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown one is the subcommand's error (its usage, and the option meant), not the
+    top-level parser's, which would print only ``spotguard [-h] [--version] [-v] COMMAND ...``."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        command = sub.choices[args.command]
+        known = [o for a in command._actions for o in a.option_strings]
+        hints = [m for x in extra if x.startswith("--") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def configure_logging(verbose: int) -> None:
     """Root at WARNING / INFO / DEBUG for 0 / 1 / 2+ ``-v``; the SDKs' wire loggers at most INFO below 3.
 
@@ -71,7 +87,7 @@ def configure_logging(verbose: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     args.verbose += getattr(args, "verbose_after", 0)  # -v before the command and after it count together
     configure_logging(args.verbose)
     try:
