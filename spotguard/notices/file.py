@@ -46,13 +46,25 @@ class FileProvider(NoticeProvider):
         if not path:
             raise ConfigError(f"the file provider needs a path: pass one or set {ENV_VAR}")
         self.path = Path(path)
+        self._polled = False
 
     def poll(self) -> Notice | None:
+        first, self._polled = not self._polled, True
         try:
             with open(self.path, "rb") as f:
                 content = f.read(MAX_BYTES)
+                age = utcnow().timestamp() - os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return None
+        if first:  # there before the job: a notice that came during its start, or one an earlier run left
+            logger.warning(
+                "the notice file %s was there when this job started (written %.0fs ago): it stops the run at "
+                "its first step; if an earlier run left it, remove it (`spotguard simulate-preemption --clear "
+                "--file %s`)",
+                self.path,
+                max(age, 0.0),
+                self.path,
+            )
         kind, deadline, raw = "file", None, {"path": str(self.path), "content": content.decode("utf-8", "replace")}
         text = content.strip()
         if text:

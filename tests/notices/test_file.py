@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import time
 
 import pytest
 
@@ -61,3 +63,22 @@ def test_path_from_environment_and_missing_path(tmp_path, monkeypatch):
         FileProvider()
     with pytest.raises(ConfigError, match="unknown notice provider"):
         build(["signal", "nope"])
+
+
+def test_a_file_there_at_the_first_poll_is_a_notice_with_a_warning_naming_the_way_to_clear_it(tmp_path, caplog):
+    """An earlier run's (or `simulate-preemption --file`'s) notice left behind stops every later run at its
+    first step: still a notice (it may have come during the start), and said once."""
+    flag = tmp_path / "notice"
+    flag.write_text("")
+    os.utime(flag, (time.time() - 3600, time.time() - 3600))
+    p = FileProvider(flag)
+    assert p.poll() is not None and p.poll() is not None
+    warned = [r.getMessage() for r in caplog.records if "was there when this job started" in r.getMessage()]
+    assert len(warned) == 1 and "(written 3600s ago)" in warned[0] and f"--clear --file {flag}" in warned[0]
+
+
+def test_a_file_that_appears_after_the_first_poll_is_no_leftover(tmp_path, caplog):
+    p = FileProvider(tmp_path / "notice")
+    assert p.poll() is None
+    (tmp_path / "notice").write_text("")
+    assert p.poll() is not None and "was there when this job started" not in caplog.text
