@@ -169,14 +169,16 @@ def check_loaders(
                     "the count only in a run that starts fresh"
                 )
             states[name] = moved
+            zero = (workers == 0) != (obj.num_workers == 0)  # a loader with workers seeds them from its generator
             logger.warning(
                 "%s: data loader %r was saved with num_workers=%d and has num_workers=%d now: it continues at "
                 "the same sample; random draws inside its workers (augmentations) come from other streams than "
-                "an uninterrupted run's",
+                "an uninterrupted run's%s",
                 where,
                 name,
                 workers,
                 obj.num_workers,
+                "; from the next epoch on it also shuffles otherwise" if zero else "",
             )
         check_batch_size(where, name, saved.get("batch_size"), _batch_size(obj), rebatch)
 

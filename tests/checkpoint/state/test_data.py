@@ -61,6 +61,9 @@ def test_another_number_of_workers_continues_at_the_same_sample(tmp_path, caplog
     assert f"saved with num_workers={before} and has num_workers={after} now: it continues at the same sample" in (
         caplog.text
     )
+    # Between 0 and 1+ workers the later epochs' shuffle changes too (the workers' seed is drawn from the
+    # loader's generator): said; between two counts of workers it does not.
+    assert ("from the next epoch on it also shuffles otherwise" in caplog.text) == ((before == 0) != (after == 0))
     assert [x for b in new for x in b.tolist()] == rest
 
 
