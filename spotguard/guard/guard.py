@@ -61,9 +61,10 @@ class Guard:
         #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
         self.windowing = WindowPolicy(o.deadline_policy, o.window_margin)
         self.storage: Storage = open_storage(_env.storage_or_env(storage))
-        self.local: Storage | None = open_tier(o.local_dir, self.storage)  # or $SPOTGUARD_LOCAL_DIR; this run's only
         #: The rank vote, in an initialised process group (where saves are collective and sharded).
         self.agreement = agreement.setup(o.sync_every, async_save=o.background_sharded, same=self.windowing.settings())
+        # $SPOTGUARD_LOCAL_DIR too, if this run's (tier.py); sharded saves have no local tier: not claimed
+        self.local: Storage | None = None if self.agreement is not None else open_tier(o.local_dir, self.storage)
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
         self.watcher = Watcher(

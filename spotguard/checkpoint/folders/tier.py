@@ -4,7 +4,9 @@ A ``local_dir`` is often set once for every job of a machine (``$SPOTGUARD_LOCAL
 --local-dir /nvme/ckpt``). Checkpoints carry no run identity, so a job with a new durable storage would
 otherwise resume another run's newest local checkpoint, silently, and write that state into its own
 storage. The first job to use a folder as its tier leaves ``spotguard-tier.json`` there naming its durable
-storage; a job of another storage leaves the folder alone and runs without a local tier, saying why.
+storage; a job of another storage leaves the folder alone and runs without a local tier, saying why. A
+folder without the mark that holds checkpoints (a tier of an older spotguard) is claimed only when each of
+them is also in the durable storage: then it is this run's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import json
 import logging
 
-from spotguard.errors import CheckpointExistsError, StorageError
+from spotguard.checkpoint.format.reader import scan
+from spotguard.errors import CheckpointExistsError
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.base import ObjectNotFoundError
 
@@ -22,9 +25,15 @@ TIER_MARK = "spotguard-tier.json"
 
 
 def identity(durable: Storage) -> str:
-    """The durable storage a tier serves, as one string: an absolute path for local disk, else its URL."""
+    """The durable storage a tier serves, as one string: a resolved path for local disk, else its URL."""
     root = getattr(durable, "root", None)
-    return str(root) if root is not None else durable.url.rstrip("/")
+    return str(root.resolve()) if root is not None else durable.url.rstrip("/")
+
+
+def _foreign(local: Storage, durable: Storage) -> list[int]:
+    """The steps of checkpoints in an unmarked ``local`` that ``durable`` lacks (another run's, or unknown)."""
+    mine = {i.name for i in scan(durable)}
+    return sorted(i.step for i in scan(local) if i.complete and i.name not in mine)
 
 
 def owner(local: Storage) -> str | None:
@@ -46,12 +55,16 @@ def claim(local: Storage, durable: Storage) -> bool:
     try:
         found = owner(local)
         if found is None:
-            try:
-                local.put_bytes(TIER_MARK, json.dumps({"durable": want}).encode(), exclusive=True)
-                return True
-            except CheckpointExistsError:  # another rank or job claimed it just now
-                found = owner(local)
-    except StorageError as e:
+            foreign = _foreign(local, durable)
+            if foreign:
+                found = f"unmarked, with checkpoints of steps {foreign[:5]} that are not in {want}"
+            else:
+                try:
+                    local.put_bytes(TIER_MARK, json.dumps({"durable": want}).encode(), exclusive=True)
+                    return True
+                except CheckpointExistsError:  # another rank or job claimed it just now
+                    found = owner(local)
+    except OSError as e:  # StorageError, or the disk's own (full, read-only): no tier, and the job goes on
         logger.warning("not using the local tier %s: %s", local.describe(), e)
         return False
     if found == want:

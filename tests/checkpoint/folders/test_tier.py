@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 
 import torch
+import torch.distributed as dist
 
 import spotguard
 from spotguard import checkpoint
 from spotguard.checkpoint.folders.tier import TIER_MARK, owner
 from spotguard.ops.supervisor import Supervisor, SupervisorOptions
-from spotguard.storage import open_storage
+from spotguard.storage import LocalStorage, open_storage
 
 
 def guard(durable, local) -> spotguard.Guard:
@@ -79,3 +81,37 @@ def test_the_supervisor_prefetches_into_its_runs_tier_only(tmp_path):
         == 0
     )
     assert steps(local) == [9]  # run B's step 4 not copied into run A's tier
+
+
+def test_an_unmarked_tier_of_an_older_spotguard_is_claimed_only_when_its_checkpoints_are_this_runs(tmp_path, caplog):
+    """A tier written before tiers were marked: this run's (every checkpoint also in its storage) is claimed;
+    one holding a checkpoint the storage lacks (another run's, or unknown) is not used."""
+    local = tmp_path / "nvme"
+    periodic(tmp_path / "run-a", local, 4)
+    (local / TIER_MARK).unlink()  # as an older spotguard left it
+    with caplog.at_level(logging.WARNING):
+        assert guard(tmp_path / "run-b", local).local is None
+    assert "unmarked, with checkpoints of steps [4]" in caplog.text and not (local / TIER_MARK).exists()
+    assert guard(tmp_path / "run-a", local).local is not None
+    assert owner(open_storage(str(local))) == str(tmp_path / "run-a")
+
+
+def test_a_tier_that_cannot_be_claimed_leaves_the_job_running_without_it(tmp_path, monkeypatch, caplog):
+    def full(self, key, data, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalStorage, "put_bytes", full)
+    with caplog.at_level(logging.WARNING):
+        g = guard(tmp_path / "run", tmp_path / "nvme")
+    assert g.local is None and "No space left on device" in caplog.text
+
+
+def test_a_sharded_run_claims_no_tier(tmp_path):
+    """Sharded saves have no local tier: a process group's Guard leaves the folder to the runs that use one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = guard(tmp_path / "run", tmp_path / "nvme")
+        assert g.local is None and not (tmp_path / "nvme" / TIER_MARK).exists()
+        g.close()
+    finally:
+        dist.destroy_process_group()
