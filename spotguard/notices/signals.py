@@ -60,6 +60,7 @@ class SignalProvider(NoticeProvider):
         self._previous: dict[signal.Signals, Any] = {}
         self._received: set[signal.Signals] = set()
         self._calmed: tuple[Any, Any] | None = None  # (our SIGCHLD handler, torch's it wraps)
+        self._worker_died = False  # a loader worker died after the stop: torch's handler would raise at any SIGCHLD
 
     def open(self, report: Report) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -115,6 +116,7 @@ class SignalProvider(NoticeProvider):
             try:
                 torch_handler(signum, frame)  # type: ignore[misc,operator]
             except RuntimeError as e:
+                self._worker_died = True
                 logger.info("after the stop signal: %s", e)
 
         signal.signal(signal.SIGCHLD, calm)
@@ -139,7 +141,9 @@ class SignalProvider(NoticeProvider):
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        if self._calmed is not None and signal.getsignal(signal.SIGCHLD) == self._calmed[0]:
+        # torch's handler back, unless a worker died: it stays registered (a loader's iterator outlives the
+        # block), and torch's handler would raise again at every later SIGCHLD (a subprocess ending)
+        if self._calmed is not None and not self._worker_died and signal.getsignal(signal.SIGCHLD) == self._calmed[0]:
             signal.signal(signal.SIGCHLD, self._calmed[1])
         self._calmed = None
 
