@@ -212,6 +212,7 @@ def test_storage_commands_have_a_bounded_default_timeout():
             "unrecognized arguments: --hang-timout (did you mean --hang-timeout?)",
         ),
         (["ls", "a", "b"], "unrecognized arguments: b"),
+        (["--json", "ls", "a"], "--json: an option of `spotguard ls`: give it after the command"),
     ],
 )
 def test_an_unknown_argument_is_the_subcommands_error_with_its_usage(capsys, argv, said):
@@ -219,5 +220,6 @@ def test_an_unknown_argument_is_the_subcommands_error_with_its_usage(capsys, arg
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"usage: spotguard {argv[0]} " in err, err
-    assert f"spotguard {argv[0]}: error: {said}" in err, err
+    command = next(a for a in argv if not a.startswith("-"))
+    assert e.value.code == 2 and f"usage: spotguard {command} " in err, err
+    assert f"spotguard {command}: error: {said}" in err, err

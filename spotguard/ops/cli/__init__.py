@@ -68,7 +68,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         command = sub.choices[args.command]
         known = [o for a in command._actions for o in a.option_strings]
-        hints = [m for x in extra if x.startswith("--") for m in difflib.get_close_matches(x.split("=")[0], known, 1)]
+        options = [x.split("=")[0] for x in extra if x.startswith("--")]
+        misplaced = [x for x in options if x in known]  # `spotguard --json ls`: the command's, before it
+        if misplaced:
+            command.error(f"{', '.join(misplaced)}: an option of `spotguard {args.command}`: give it after the command")
+        hints = [m for x in options for m in difflib.get_close_matches(x, known, 1)]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     return args
