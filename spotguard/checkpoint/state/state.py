@@ -10,6 +10,7 @@ import copy
 import enum
 import logging
 import random
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -27,8 +28,19 @@ except ImportError:  # numpy is a core dependency, but a missing one must not br
     np = None  # type: ignore[assignment]
 
 
+#: One thread at a time reads or sets the streams: two threads in ``torch.get_rng_state()`` at once can
+#: deadlock (one holds the generator's mutex while it waits for the GIL, the other holds the GIL while it
+#: waits for the mutex), as in-process ranks staging at once did. Never held across a block of user code.
+_RNG_LOCK = threading.RLock()
+
+
 def capture_rng() -> dict[str, Any]:
     """The state of Python's ``random``, NumPy's legacy global, torch CPU and every CUDA device."""
+    with _RNG_LOCK:
+        return _capture_rng()
+
+
+def _capture_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     rng: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
@@ -50,6 +62,11 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(rng: Mapping[str, Any]) -> None:
     """Put every stream back exactly where ``capture_rng()`` found it."""
+    with _RNG_LOCK:
+        _restore_rng(rng)
+
+
+def _restore_rng(rng: Mapping[str, Any]) -> None:
     py = rng["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     torch.set_rng_state(rng["torch"])
