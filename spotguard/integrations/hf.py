@@ -73,6 +73,10 @@ class _Interrupt(Exception):
     """Raised from a callback to leave ``Trainer.train`` where the Trainer offers no way out."""
 
 
+class _Finished(_Interrupt):
+    """Resumed at the run's last step: the Trainer would train one step past ``max_steps`` (it checks after)."""
+
+
 class SpotguardCallback(StopOutcome, TrainerCallback):
     """Stops a ``Trainer`` after the current step on a notice, commits its checkpoints, resumes verified ones.
 
@@ -157,6 +161,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             except PERMANENT as e:  # a restart would meet it again: say so to `spotguard run` (no retry)
                 return exit_refused(e)
             trainer.train(resume_from_checkpoint=resume, **kwargs)
+        except _Finished:
+            logger.info("resumed at step %d, the last (max_steps): nothing left to train", trainer.state.global_step)
         except _Interrupt:
             self._save_interrupted(trainer)
         except PERMANENT as e:
@@ -220,6 +226,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             self._replay_eval = False
             logger.warning("running the evaluation of step %d again: a notice cut it short", state.global_step)
             self._trainer.evaluate()
+        if 0 < state.max_steps <= state.global_step:
+            raise _Finished
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if not self._act(self.notices.check(state.global_step), state, control) and (

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ..helpers import after_step
 from . import runs
 
 pytest.importorskip("transformers")
@@ -76,3 +77,15 @@ def test_hf_trainer_notice_during_evaluation_and_warmup_still_checkpoints(tmp_pa
     last = runs.finish_identically(SCRIPT, tmp_path, args, reference)
     # The cut evaluation ran again first, from the streams it started with (else the next steps differ).
     assert "running the evaluation of step" in last.stderr and "'eval_loss'" in last.stdout
+
+
+def test_a_stop_at_the_last_step_resumes_without_training_past_it(tmp_path, reference):
+    """The Trainer checks ``max_steps`` after a step: resumed at the last one (here cut in its evaluation),
+    it trained one step more (step 41, at learning rate 0) and ended elsewhere than the uninterrupted run."""
+    args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
+    slow_eval = ("--eval-sleep", "0.3")  # the notice lands in the evaluation of step 40, the last step
+    first = runs.stop_when(
+        SCRIPT, tmp_path, (*args, *slow_eval), after_step(tmp_path / "losses.jsonl", STEPS), runs.sigterm
+    )
+    assert runs.assert_stopped(first, tmp_path) == STEPS
+    runs.finish_identically(SCRIPT, tmp_path, args, reference)
