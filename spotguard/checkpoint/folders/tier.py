@@ -31,9 +31,11 @@ def identity(durable: Storage) -> str:
 
 
 def _foreign(local: Storage, durable: Storage) -> list[int]:
-    """The steps of checkpoints in an unmarked ``local`` that ``durable`` lacks (another run's, or unknown)."""
-    mine = {i.name for i in scan(durable)}
-    return sorted(i.step for i in scan(local) if i.complete and i.name not in mine)
+    """The steps of checkpoints in an unmarked ``local`` that ``durable`` lacks (another run's, or unknown).
+    An empty folder (a new tier: the common case) costs no listing of ``durable``."""
+    held = [i for i in scan(local) if i.complete]
+    mine = {i.name for i in scan(durable)} if held else set()
+    return sorted(i.step for i in held if i.name not in mine)
 
 
 def owner(local: Storage) -> str | None:
