@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import checkpoint
+from spotguard.checkpoint.files.onclose import replace_text
 from spotguard.checkpoint.files.stream import pinned_torch_save
 from spotguard.checkpoint.folders.folders import is_node_leader
 from spotguard.checkpoint.folders.pernode import RankFiles
@@ -354,7 +355,6 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         # The Trainer's own save (its private method: the public save_model() writes no optimizer/RNG state).
         began = time.monotonic()
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        if self._rng_before_eval is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / EVAL_CUT).write_text(json.dumps({"step": step}))
+        if self._rng_before_eval is not None and is_node_leader():  # its node's folder: one writer
+            replace_text(folder / EVAL_CUT, json.dumps({"step": step}))
         self._commit_folder(step, folder, "emergency", began, deadline)

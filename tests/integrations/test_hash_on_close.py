@@ -24,14 +24,17 @@ pytestmark = pytest.mark.skipif(onclose._libc() is None, reason="needs Linux ino
 def hashed(monkeypatch) -> dict[str, list[str]]:
     """File names hashed early (on the watcher's thread) and at the commit (any other thread)."""
     seen: dict[str, list[str]] = {"early": [], "commit": []}
-    real = digest.chunked_file_digest
 
-    def counting(path, *args, **kw):
-        early = threading.current_thread().name.startswith("spotguard-onclose")
-        seen["early" if early else "commit"].append(Path(path).name)
-        return real(path, *args, **kw)
+    def counting(real):
+        def digest_of(path, *args, **kw):
+            early = threading.current_thread().name.startswith("spotguard-onclose")
+            seen["early" if early else "commit"].append(Path(path).name)
+            return real(path, *args, **kw)
 
-    monkeypatch.setattr(digest, "chunked_file_digest", counting)
+        return digest_of
+
+    for name in ("chunked_file_digest", "read_file_digest"):  # the commit's map, the early hash's reads
+        monkeypatch.setattr(digest, name, counting(getattr(digest, name)))
     return seen
 
 

@@ -13,6 +13,10 @@ event queue that overflowed, or another size, inode or modification time than wh
 and the file is hashed again at the commit as before. Files written
 through a shared memory map raise no inotify event; their modification time still changes. Without
 inotify (not Linux), nothing is hashed early: ``known`` answers None.
+
+Files are read, never mapped, while the trainer writes on: another rank writing a file of the same
+name truncates it, and a page of a map cut off that way kills the reader (SIGBUS). Our own files in
+a trainer's folder are written through ``replace_text``, which never truncates one.
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ def _libc() -> ctypes.CDLL | None:
         return libc if hasattr(libc, "inotify_init1") else None
     except OSError:
         return None
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` (and its folder) as a new file put in place by a rename: a reader of the old one
+    (another rank's commit, a hasher) keeps reading whole bytes, where a rewrite would truncate them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _key(st: os.stat_result) -> tuple[int, int, int]:
@@ -145,7 +158,7 @@ class ClosedFileHashes:
     def _hash(self, path: Path) -> tuple[tuple[int, int, int], str] | None:
         try:
             before = _key(path.stat())
-            value = digest.chunked_file_digest(path, digest.CHUNK, alg=self.alg)
+            value = digest.read_file_digest(path, digest.CHUNK, alg=self.alg)  # the trainer may rewrite it
             if self.sync:  # its bytes on the disk while the trainer writes on: the store's fsync finds them there
                 fd = os.open(path, os.O_RDONLY)
                 try:

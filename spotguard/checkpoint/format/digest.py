@@ -236,6 +236,30 @@ def chunked_file_digest(
                 view.release()
 
 
+def read_file_digest(path: str | Path, chunk_size: int = CHUNK, alg: str = SHA256, threads: int | None = None) -> str:
+    """``chunked_file_digest`` through ``pread``, each chunk read and hashed on one of ``threads`` threads.
+
+    For a file another writer may still cut short (a trainer's folder while its ranks save): a read
+    of a truncated file returns fewer bytes, and the caller, which compares the file's size and
+    modification time before trusting the digest, drops it. A page of a map cut off by a
+    ``truncate`` raises SIGBUS instead, which kills the process.
+    """
+    new = hasher_factory(alg)
+    with open(path, "rb", buffering=0) as f:
+        fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+
+        def hash_chunk(offset: int) -> bytes:
+            h = new()
+            h.update(os.pread(fd, chunk_size, offset))
+            return h.digest()
+
+        if size == 0:
+            return combine(alg, [hash_chunk(0)])
+        offsets = range(0, size, chunk_size)
+        with ThreadPoolExecutor(min(threads or HASHERS, len(offsets)), thread_name_prefix="spotguard-read") as pool:
+            return combine(alg, list(pool.map(hash_chunk, offsets)))
+
+
 def _read_in(mm: mmap.mmap, start: int, length: int) -> bool:
     """Read ``length`` bytes at ``start`` into the map now; False when the kernel cannot (before 5.14:
     the chunk is only announced, and later ones are left to the faults of the hashing threads).

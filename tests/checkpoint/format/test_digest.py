@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import spotguard
 from spotguard import checkpoint
 from spotguard.checkpoint.format import digest
-from spotguard.checkpoint.format.digest import ALGORITHMS, ChunkedDigest, chunked_file_digest
+from spotguard.checkpoint.format.digest import ALGORITHMS, ChunkedDigest, chunked_file_digest, read_file_digest
 from spotguard.checkpoint.format.manifest import Manifest
 from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError
 from spotguard.storage import open_storage
@@ -41,6 +41,7 @@ def test_streamed_and_parallel_digests_equal_the_definition(tmp_path_factory, al
     want = chunked_digest(data, chunk, alg)
     assert h.hexdigest() == want
     assert chunked_file_digest(path, chunk, threads=3, alg=alg) == want
+    assert read_file_digest(path, chunk, threads=3, alg=alg) == want  # the reads of a file still written
 
 
 @pytest.mark.parametrize("alg", ALGORITHMS)
