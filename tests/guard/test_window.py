@@ -247,14 +247,14 @@ def emergency_steps(root: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_example_trains_through_a_20s_window_keeps_every_step_and_resumes_exactly(tmp_path, reference_runs):
-    """examples/train.py, a notice with 20 s to go: two checkpoints, the steps between them kept."""
+def test_example_trains_through_a_12s_window_keeps_every_step_and_resumes_exactly(tmp_path, reference_runs):
+    """examples/train.py, a notice with 12 s to go: two checkpoints, the steps between them kept."""
     notice, losses, storage = tmp_path / "notice", tmp_path / "losses.jsonl", tmp_path / "ckpt"
     args = (*EXAMPLE_ARGS, "--losses", str(losses), "--providers", "file", "--interval", "0.2")
     first = stop_when(
         example_cmd(storage, *args, "--step-sleep", "0.25", "--deadline-policy", "use-window"),
         after_step(losses, 8),
-        lambda _: write_notice(notice, 20.0),
+        lambda _: write_notice(notice, 12.0),
         env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
     )
     assert first.returncode == 75, first.stderr[-3000:]
@@ -289,7 +289,7 @@ def test_a_second_checkpoint_cut_by_the_deadline_leaves_the_first_to_resume(tmp_
         while not any(r.get("step", 0) >= 3 for r in read_jsonl(progress)):
             assert proc.poll() is None, stderr()
             time.sleep(0.02)
-        deadline = write_notice(notice, 10.0)
+        deadline = write_notice(notice, 8.0)
         time.sleep(max(deadline - time.time(), 0.0))
         assert proc.poll() is None, stderr()  # still writing the second checkpoint
     finally:
@@ -317,7 +317,7 @@ def test_two_ranks_agree_on_both_stops_when_only_rank_1_has_the_notice(tmp_path)
             2, storage, *DDP_ARGS, "--losses", losses, "--step-sleep", "0.25", "--deadline-policy", "use-window"
         ),
         after_step(tmp_path / "loss-0.jsonl", 3),
-        lambda _: write_notice(Path(str(notice).format(rank=1)), 14.0),
+        lambda _: write_notice(Path(str(notice).format(rank=1)), 11.0),
         env=subprocess_env(SPOTGUARD_NOTICE_FILE=str(notice)),
     )
     assert stopped_for_notice(first), first.stderr[-3000:]

@@ -128,7 +128,7 @@ def _reclaimed(
 
 
 def test_ray_drain_stops_both_workers_commits_before_deadline_and_resumes_identically(tmp_path, reference):
-    done, committed, stopped = _reclaimed(tmp_path, "--drain-after", str(AT), "--deadline", "10")
+    done, committed, stopped = _reclaimed(tmp_path, "--drain-after", str(AT), "--deadline", "6")
     deadline = dt.datetime.fromtimestamp(json.loads((tmp_path / "drain.json").read_text())["deadline"], dt.timezone.utc)
     (info,) = [i for i in committed if i.step == stopped]
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
@@ -145,7 +145,7 @@ def test_ray_sigterm_to_a_ray_start_block_node_drains_it_and_the_same_stop_follo
     # once idle, dying "expectedly: received SIGTERM", and unless Ray's controller polled the drain first (0.2 s)
     # the attempt counts as a worker-group failure (seen in 2 of 4 loaded CI runs). One is allowed; the stop,
     # the commit and the exact resume are what is checked.
-    _, committed, stopped = _reclaimed(tmp_path, "--sigterm-after", str(AT), "--deadline", "10", max_failures=1)
+    _, committed, stopped = _reclaimed(tmp_path, "--sigterm-after", str(AT), "--deadline", "6", max_failures=1)
     (info,) = [i for i in committed if i.step == stopped]
     assert info.complete and info.manifest is not None and info.manifest.reason == "emergency", info
     for rank in (0, 1):

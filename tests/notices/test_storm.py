@@ -2,7 +2,7 @@
 
 The project's mock metadata server, in storm mode, answers every request with the next of: 503,
 500, 429, 401, 200 with random bytes (and the cloud's own headers), a connection reset, 502, an
-answer cut short. After 5 s of storm (the watcher's backoff long at its cap), right after a 503,
+answer cut short. After 3 s of storm, 5 s for GCP's (the watcher's backoff long at its cap), right after a 503,
 the storm ends and the notice appears; the time to ``preempted`` is what a notice costs.
 """
 
@@ -19,10 +19,14 @@ from spotguard.notices.azure import AzureProvider
 from spotguard.notices.gcp import GcpProvider
 
 CASES = {"aws": (AwsProvider, "spot"), "gcp": (GcpProvider, "preempt"), "azure": (AzureProvider, "preempt")}
-STORM_S = 5.0
 
 
-def storm_then_notice(server, provider, kind: str, storm_s: float = STORM_S) -> dict[str, float]:
+def storm_s(provider) -> float:
+    """Long enough for the backoff to reach its cap: past the provider's fast retries (GCP's 3 s)."""
+    return max(3.0, provider.fast_retry + 2.0)
+
+
+def storm_then_notice(server, provider, kind: str) -> dict[str, float]:
     """Calm, then a storm, then the notice right after a 503: latency, request rate, storm answers."""
     flip: dict[str, float] = {}
     lock = threading.Lock()
@@ -39,10 +43,10 @@ def storm_then_notice(server, provider, kind: str, storm_s: float = STORM_S) -> 
     with Watcher([provider], on_notice=lambda n: seen.append(time.monotonic())) as watcher:  # defaults
         time.sleep(1.5)  # calm: the first reads are done (GCP's ETag, Azure's VM name)
         start, before = time.monotonic(), server.mock.requests
-        flip["armed"] = start + storm_s
+        flip["armed"] = start + storm_s(provider)
         server.on_storm = on_storm
         server.set_storm(True)
-        assert watcher.preempted.wait(storm_s + 15), "the notice was never seen"
+        assert watcher.preempted.wait(storm_s(provider) + 15), "the notice was never seen"
         assert watcher.running  # garbage never stops the watcher
     return {
         "latency": seen[0] - flip["at"],
