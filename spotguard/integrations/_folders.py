@@ -293,3 +293,23 @@ class FolderCheckpoints:
         for path in self._fetched:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched.clear()
+
+
+def unlink_linked_ahead(output_dir: Path, step: int, prefix: str = "checkpoint-") -> None:
+    """Unlink the files with another link in the trainer's folders ``{prefix}N`` of steps past ``step``.
+
+    Why: a local storage stores a trainer's file as a hard link of it (``Storage.links_files``), and a
+    run that starts at ``step`` (a new run from 0 in an old run's ``output_dir``) writes those folders
+    again, in place, which would rewrite committed checkpoints under their manifests. The storage
+    keeps its link; the trainer writes new files. Call it before the first save (no rank writes yet).
+    """
+    for folder in Path(output_dir).glob(f"{prefix}*"):
+        ahead = folder.name[len(prefix) :]
+        if not (ahead.isdigit() and int(ahead) > step and folder.is_dir()):
+            continue
+        for path in folder.rglob("*"):
+            try:
+                if not path.is_symlink() and path.is_file() and path.stat().st_nlink > 1:
+                    path.unlink()
+            except OSError as e:  # the trainer's own write then fails the way it would have
+                logger.warning("cannot unlink %s before the trainer writes it again: %s", path, e)

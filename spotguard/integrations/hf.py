@@ -14,20 +14,17 @@ so the storage always holds folders that verify. The resume goes the other way: 
 resume_from_checkpoint=...)``, which restores model, optimizer, scheduler, RNG streams and the
 data position itself; a folder cut short by a kill has no manifest and is skipped.
 
-With ``deadline_policy="use-window"`` the Trainer goes on after that first emergency checkpoint
-(``on_save`` lifts ``should_training_stop`` again) until one more step would leave too little time
-for a second one before the deadline; that second checkpoint is written the same way, and the
-Trainer stops. No periodic save is made in between.
+With ``deadline_policy="use-window"`` the Trainer goes on after that first emergency checkpoint (``on_save``
+lifts ``should_training_stop`` again) until one more step would leave too little time for a second one
+before the deadline; that one is written the same way, and the Trainer stops. No periodic save between.
 
-A notice that comes while no training step runs: during an evaluation, the evaluation is cut
-short (``cb.train`` only; with a bare callback it runs to its end) and the checkpoint written at
-once; before the first step of this run (loading, warm-up), the run stops at once when its state
-is the checkpoint it resumed from, and after its first step otherwise.
+A notice that comes while no training step runs: during an evaluation, it is cut short (``cb.train`` only;
+with a bare callback it runs to its end) and the checkpoint written at once; before the first step of this
+run (loading, warm-up), the run stops at once when its state is the one resumed, else after its first step.
 
-Under torchrun (DDP) every rank runs the callback: the ranks vote at each step end (one all-reduce
-of one integer), so a notice seen by one rank stops all after the same step; the Trainer's save runs
-on every rank, and the folders of all ranks (of all nodes, with no shared filesystem) are committed
-as one checkpoint, its manifest written by rank 0 after every rank stored its files.
+Under torchrun (DDP) every rank runs the callback: the ranks vote at each step end (one all-reduce of one
+integer), so a notice seen by one rank stops all after the same step; the Trainer's save runs on every rank,
+and the folders of all ranks (of all nodes, with no shared filesystem) are committed as one checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +50,7 @@ from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
 from ._common import StopOutcome, exit_refused, watch_parts
+from ._folders import unlink_linked_ahead
 
 try:
     from transformers import TrainerCallback
@@ -203,6 +201,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
                 size, now = state.train_batch_size, getattr(trainer, "_train_batch_size", None)
                 where = f"checkpoint of step {state.global_step}"
                 data.check_batch_size(where, "train", size, now, self.checkpoints.rebatch, HF_REBATCH)
+        if is_node_leader():  # before any rank saves: a rewrite of a linked file would edit a committed one
+            unlink_linked_ahead(Path(args.output_dir), state.global_step)
         newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:
             logger.warning(
@@ -297,7 +297,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             return True
         if verdict == ADVISORY:
             self._reason = "advisory"
-            control.should_save = True
+            control.should_save = state.global_step != self._committed_step  # never rewrite committed files
             return True
         return False
 

@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import secrets
 import select
 import struct
 import threading
@@ -59,7 +60,7 @@ def replace_text(path: Path, text: str) -> None:
     """Write ``path`` (and its folder) as a new file put in place by a rename: a reader of the old one
     (another rank's commit, a hasher) keeps reading whole bytes, where a rewrite would truncate them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # writers on other nodes: other names
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -216,11 +216,12 @@ def store_files(
 
     The stores (an fsync of each file, or its upload) run on helper threads while this one hashes:
     a trainer's emergency save pays about the longer of the two, not their sum. A file ``known`` has
-    a digest of (hashed as its writer closed it, unchanged since) is not hashed again."""
+    a digest of (hashed as its writer closed it, unchanged since) is not hashed again. Files are read,
+    not mapped: another rank or the library may still cut one short, which kills a reader of a map."""
     alg = digest.default_alg()
 
     def hashed(p: Path) -> str:
-        return (known and known(p, alg)) or digest.chunked_file_digest(p, digest.CHUNK, alg=alg)
+        return (known and known(p, alg)) or digest.read_file_digest(p, digest.CHUNK, alg=alg)
 
     with ThreadPoolExecutor(STORERS, thread_name_prefix="spotguard-store") as pool:
         stored = [pool.submit(storage.put_file, f"{name}/{f}", p, deadline=deadline) for f, p in files.items()]

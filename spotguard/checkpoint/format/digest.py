@@ -165,7 +165,9 @@ def chunked_file_digest(
     thread walking it in order keeps the kernel's readahead streaming, as fast as a plain ``read``
     loop; the pages stay in the page cache for ``torch.load(mmap=True)``. Older kernels only get
     each chunk announced (``MADV_WILLNEED``). A file cut short while it is read fails to populate:
-    an ``OSError``, reported as a corrupt file (checkpoint files are write-once).
+    an ``OSError``, reported as a corrupt file; cut after its chunk was read in, or on an older kernel,
+    it kills the process (SIGBUS). Only for files nothing rewrites (committed checkpoint files are
+    write-once); a file some other writer may still cut short goes through ``read_file_digest``.
 
     ``progress(end)``: called as the walk has read the file up to ``end`` (only where it populates;
     an exception it raises stops the digest within a chunk: the chunks queued are dropped).

@@ -346,14 +346,14 @@ def test_a_trainers_files_are_stored_while_they_are_hashed_not_after(tmp_path, m
     for i in range(3):
         (folder / f"part-{i}.bin").write_bytes(os.urandom(1 << 16))
     last_hashed = threading.Event()
-    real_digest = digest.chunked_file_digest
+    real_digest = digest.read_file_digest
 
     def hashing(path, *a, **kw):
         if path.name == "part-2.bin":
             last_hashed.set()
         return real_digest(path, *a, **kw)
 
-    monkeypatch.setattr(digest, "chunked_file_digest", hashing)
+    monkeypatch.setattr(digest, "read_file_digest", hashing)
     overlapped: list[bool] = []
 
     class Watching(LocalStorage):
