@@ -305,6 +305,7 @@ class SingleEngine(HoldsStaging):
                 "resumed from step %d (%s, %s old) in %s", info.step, m.reason, human_duration(m.age_seconds()), where
             )
             self._tidy.at_resume(tiers, info.step)
+            durable = [s for s in durable if s <= info.step]  # a newer one that did not load is no resume point
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
         if skipped:
             raise reader.none_loads(self.storage, skipped)

@@ -49,8 +49,14 @@ def deletable(storage: Storage, keys: list[str]) -> list[str]:
     return ok
 
 
-def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None) -> list[int]:
+def prune(
+    storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None, skip: frozenset[str] = frozenset()
+) -> list[int]:
     """Delete complete checkpoints beyond the newest ``keep``; returns the deleted steps.
+
+    ``skip``: names of complete checkpoints this run's resume could not load (above its resume point):
+    neither counted among the ``keep`` nor deleted. Counted, one that never loads would hold a place as
+    the newest while the checkpoints the run writes below its step are pruned, its resume point first.
 
     Only directories carrying a valid spotguard manifest are ever deleted: incomplete ones are left
     for ``spotguard rm --incomplete`` (or replaced when their step is saved again), and so are
@@ -71,7 +77,7 @@ def prune(storage: Storage, keep: int, infos: list[CheckpointInfo] | None = None
         for i in infos
         if i.revision < newest.get(i.step, -1) and (i.complete or i.broken or i.status == "incomplete")
     }
-    complete = [i for i in infos if i.complete and i.name not in superseded]
+    complete = [i for i in infos if i.complete and i.name not in superseded and i.name not in skip]
     doomed = complete[:-keep] + [i for i in infos if i.name in superseded]
     if complete:
         doomed += [i for i in infos if i.broken and i.step < complete[-1].step and i.name not in superseded]
@@ -113,6 +119,7 @@ class Housekeeping:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []
+        self._unloadable: list[tuple[Storage, list[CheckpointInfo]]] = []  # complete, above the resume point
         self._lock = threading.Lock()
 
     def at_resume(self, tiers: list[tuple[Storage, list[CheckpointInfo]]], step: int) -> None:
@@ -123,6 +130,7 @@ class Housekeeping:
             self._ahead = [
                 (tier, [i for i in infos if i.status == "incomplete" and i.step > step]) for tier, infos in tiers
             ]
+            self._unloadable = [(tier, [i for i in infos if i.complete and i.step > step]) for tier, infos in tiers]
 
     def claim(self, step: int) -> None:
         """A save of ``step`` starts: what a killed save of that step left is its writer's to replace now."""
@@ -135,7 +143,8 @@ class Housekeeping:
         that is still incomplete (one saved again since is complete, and stays). Raises what the storage raises."""
         with self._lock:
             now = scan(storage)
-            prune(storage, self.keep, now)
+            skip = {i.name for tier, infos in self._unloadable if tier is storage for i in infos if i.step > step}
+            prune(storage, self.keep, now, frozenset(skip))  # counted again once this run has passed them
             for tier, infos in self._ahead:
                 if tier is storage and infos:
                     names = {i.name for i in infos}

@@ -145,3 +145,30 @@ def test_a_final_save_replaces_a_marked_revision_even_with_the_same_content(tmp_
     assert "already committed" not in caplog.text
     assert _statuses(storage) == {10: "complete"}
     assert _train(storage, 10, 10, every=10, keep=2) == 10
+
+
+def test_a_newer_checkpoint_that_verifies_but_does_not_load_here_holds_no_place_among_the_keep(
+    tmp_path, engine, monkeypatch
+):
+    """One that matches its manifest but does not load on this machine (a newer torch wrote it, a passing
+    fault) is skipped and not marked: it may load elsewhere. Counted among the ``keep`` as the newest, it
+    had every checkpoint the resumed run wrote below it pruned at once with ``keep=1``, its resume point too."""
+    storage = tmp_path / "ckpt"
+    _train(storage, 0, 50, every=10, keep=2)  # 40 and 50
+    real_load = torch.load
+
+    def load(f, *args, **kwargs):
+        if step_dir(50) in str(f):
+            raise RuntimeError("Unsupported operand 118: written by a newer torch")
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    guard = Guard(str(storage), providers=[], keep=1, save_on_exit=False).track(model=torch.nn.Linear(8, 8))
+    assert guard.resume() == 40
+    assert guard.saves.durable_step == 40  # the resume point, not the newer one that did not load
+    guard.close(save=False)
+    _train(storage, 40, 46, every=2, keep=1)  # 50 skipped again; commits 42, 44, 46
+    assert _statuses(storage) == {46: "complete", 50: "complete"}  # before: only 50 was left
+    assert _train(storage, 46, 46, every=2, keep=1) == 46
+    monkeypatch.undo()
+    assert _train(storage, 50, 50, every=2, keep=1) == 50  # where it loads, it is the newest
