@@ -205,3 +205,21 @@ def test_pull_between_local_folders_makes_copies_of_their_own_not_links(tmp_path
     pulled.write_bytes(b"rewritten in place")
     assert original.read_bytes() == payloads[20]
     assert main(["verify", src]) == 0
+
+
+def test_a_pull_beaten_to_its_step_by_another_writer_deletes_nothing_of_that_writer(tmp_path, monkeypatch, capsys):
+    """The destination is a live run's storage, which commits the same step during the pull: the pull fails
+    (its manifest refused) and leaves that run's checkpoint as it is, instead of removing it as a partial copy."""
+    src, dest = str(tmp_path / "ckpt"), str(tmp_path / "live")
+    fill(src)
+    real_copy = checkpoint.copy
+
+    def beaten(source, target, info, **kw):
+        real_copy(source, target, info, verify=True)  # the live run's commit of that step
+        return real_copy(source, target, info, **kw)
+
+    monkeypatch.setattr(checkpoint, "copy", beaten)
+    assert main(["pull", src, "--step", "20", dest]) != 0
+    assert [(i.step, i.status) for i in checkpoint.scan(open_storage(dest))] == [(20, "complete")]
+    checkpoint.verify(open_storage(dest), checkpoint.scan(open_storage(dest))[0])
+    assert "left as it is" in capsys.readouterr().err

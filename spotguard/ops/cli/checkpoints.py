@@ -12,7 +12,13 @@ from typing import Any
 from spotguard import checkpoint
 from spotguard.checkpoint.folders import cleanup
 from spotguard.checkpoint.format.manifest import NEWER_FORMAT
-from spotguard.errors import CheckpointCorruptError, CheckpointFormatError, ConfigError, StorageError
+from spotguard.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    ConfigError,
+    StorageError,
+)
 from spotguard.storage import Storage, open_storage
 from spotguard.storage.timeouts import DEFAULT_TIMEOUT
 
@@ -209,6 +215,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
         checkpoint.copy(storage, dest, info, verify=True)
         if not counts:
             bar.update(info.manifest.size)
+    except CheckpointExistsError as e:  # another writer committed this step there meanwhile: its, not ours to delete
+        return fail(args, f"cannot pull {storage.describe(info.name)} into {where}: {e}; left as it is", url=where)
     except (OSError, StorageError) as e:  # a folder that cannot be written, a file that cannot be read
         _remove_partial(dest, info.name)
         return fail(args, f"cannot pull {storage.describe(info.name)} into {where}: {e}", url=where)
