@@ -214,10 +214,9 @@ def store_files(
 ) -> list[FileEntry]:
     """Hash and store files another library wrote (checkpoint file name -> local path) under ``name``.
 
-    The stores (an fsync of each file, or its upload) run on helper threads while this one hashes:
-    a trainer's emergency save pays about the longer of the two, not their sum. A file ``known`` has
-    a digest of (hashed as its writer closed it, unchanged since) is not hashed again. Files are read,
-    not mapped: another rank or the library may still cut one short, which kills a reader of a map."""
+    The stores (an fsync of each file, or its upload) run on helper threads while this one hashes: a trainer's
+    emergency save pays about the longer of the two, not their sum. A file ``known`` has a digest of (hashed as
+    its writer closed it, unchanged since) is not hashed again. Read, not mapped: a rewrite kills a map's reader."""
     alg = digest.default_alg()
 
     def hashed(p: Path) -> str:
