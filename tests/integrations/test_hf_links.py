@@ -10,7 +10,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from spotguard import checkpoint
 from spotguard.coordination.agreement import ADVISORY
@@ -21,8 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_a_new_run_in_an_old_runs_output_dir_leaves_its_committed_checkpoints_intact(tmp_path):
-    from spotguard.integrations.hf import SpotguardCallback
-
     storage_dir, out = tmp_path / "ckpt", tmp_path / "out"
     assert hf_train(storage_dir, out, callbacks=[], max_steps=4) == 0
     storage = open_storage(str(storage_dir))
@@ -39,27 +36,7 @@ def test_a_new_run_in_an_old_runs_output_dir_leaves_its_committed_checkpoints_in
             checked.append(state.global_step)
 
     # Another run from step 0 (another seed: other bytes) over the same folder and storage, without resuming.
-    torch.manual_seed(1)
-    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
-    args = transformers.TrainingArguments(
-        output_dir=str(out),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        save_strategy="steps",
-        save_steps=2,
-        use_cpu=True,
-        report_to=[],
-        disable_tqdm=True,
-    )
-    cb = SpotguardCallback(str(storage_dir), providers=[], lease_ttl=None)
-    train = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 8
-    trainer = transformers.Trainer(
-        model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train, callbacks=[VerifyCommitted(), cb]
-    )
-    try:
-        trainer.train()
-    finally:
-        cb.close()
+    assert hf_train(storage_dir, out, callbacks=[], max_steps=4, seed=1, plain=[VerifyCommitted()]) == 0
     assert checked == [2, 4]
     for info in committed.values():
         checkpoint.verify(storage, info)

@@ -83,12 +83,15 @@ def test_lightning_refuses_a_checkpoint_of_a_scheduler_no_longer_configured(tmp_
     assert code == 0 and cb.checkpoints.last_saved.step == 4
 
 
-def hf_train(storage, out, *, callbacks: list, max_steps: int, restore: bool = False, **options) -> int:
-    """A tiny HF Trainer run through ``cb.train`` (a checkpoint every 2 steps); its exit code."""
+def hf_train(
+    storage, out, *, callbacks: list, max_steps: int, restore: bool = False, seed: int = 0, plain=(), **options
+) -> int:
+    """A tiny HF Trainer run through ``cb.train`` (a checkpoint every 2 steps); its exit code. ``plain``:
+    callbacks that run before spotguard's, and a plain ``trainer.train()`` from step 0 (no resume)."""
     transformers = pytest.importorskip("transformers")
     from spotguard.integrations.hf import SpotguardCallback
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)
     args = transformers.TrainingArguments(
         output_dir=str(out),
@@ -104,8 +107,14 @@ def hf_train(storage, out, *, callbacks: list, max_steps: int, restore: bool = F
     cb = SpotguardCallback(str(storage), providers=[], lease_ttl=None, **options)
     train = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 8
     model = transformers.GPT2LMHeadModel(config)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[cb, *callbacks])
-    return cb.train(trainer)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[*plain, cb, *callbacks])
+    if not plain:
+        return cb.train(trainer)
+    try:
+        trainer.train()
+    finally:
+        cb.close()
+    return cb.exit_code
 
 
 def counter():
