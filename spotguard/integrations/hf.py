@@ -201,7 +201,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
                 size, now = state.train_batch_size, getattr(trainer, "_train_batch_size", None)
                 where = f"checkpoint of step {state.global_step}"
                 data.check_batch_size(where, "train", size, now, self.checkpoints.rebatch, HF_REBATCH)
-        if is_node_leader():  # before any rank saves: a rewrite of a linked file would edit a committed one
+        if is_node_leader() and self.checkpoints.storage.links_files:  # before any save: links are committed files
             unlink_linked_ahead(Path(args.output_dir), state.global_step)
         newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:

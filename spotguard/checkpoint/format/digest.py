@@ -255,7 +255,7 @@ def read_file_digest(path: str | Path, chunk_size: int = CHUNK, alg: str = SHA25
             h.update(os.pread(fd, chunk_size, offset))
             return h.digest()
 
-        if size == 0:
+        if size <= chunk_size:  # one chunk (an empty file too): no pool
             return combine(alg, [hash_chunk(0)])
         offsets = range(0, size, chunk_size)
         with ThreadPoolExecutor(min(threads or HASHERS, len(offsets)), thread_name_prefix="spotguard-read") as pool:
