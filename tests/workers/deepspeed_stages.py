@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from deepspeed_train import final_weights, make_job, parse_args, setup, train  # noqa: E402
+from deepspeed_train import exit_process, final_weights, make_job, parse_args, setup, train  # noqa: E402
 
 from spotguard.errors import CheckpointMismatchError, ConfigError  # noqa: E402
 from spotguard.integrations.deepspeed import DeepSpeedGuard  # noqa: E402
@@ -158,9 +158,8 @@ def main() -> int:
         refuse_untracked(opts.out)
     if opts.rebatch:  # after --resume 0, whose checkpoint it resumes
         refuse_rebatch(opts.out)
-    torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
