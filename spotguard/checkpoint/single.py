@@ -275,11 +275,12 @@ class SingleEngine(HoldsStaging):
     def resume(self, tracked: Tracked) -> Resumed | None:
         tiers = [(s, reader.scan(s)) for s in ([self.local] if self.local else []) + [self.storage]]
         durable = [i.step for i in tiers[-1][1] if i.complete]
-        # Newest step first; for the same step the copy committed last (a final save replaced the durable
-        # one and was killed before it dropped the stale local one), the local one on a tie (stable sort).
+        # Newest step first; for the same step its highest revision (machines' clocks may disagree), then
+        # the copy committed last (a final save replaced the durable one and was killed before it dropped
+        # the stale local one), the local one on a tie (stable sort).
         candidates = sorted(
             ((i, s) for s, infos in tiers for i in infos),
-            key=lambda c: (c[0].step, _committed_at(c[0])),
+            key=lambda c: (c[0].step, c[0].revision, _committed_at(c[0])),
             reverse=True,
         )
         skipped: list[str] = []  # committed checkpoints that did not load, and why

@@ -7,6 +7,9 @@ stored: a storage error or a kill in between left none (with ``keep=1`` no check
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -64,3 +67,21 @@ def test_a_final_save_with_new_content_commits_a_revision_and_the_old_one_goes(t
     guard, w = _run_to_10(tmp_path / "again", keep=3)  # the same content: nothing written twice
     guard.__exit__(None, None, None)
     assert [i.name for i in scan(LocalStorage(str(tmp_path / "again")))] == ["step-00000005", "step-00000010"]
+
+
+def test_a_step_s_revision_is_resumed_even_when_its_clock_was_behind(tmp_path):
+    # Killed between the revision's commit and the prune of the old one, which a machine whose clock ran
+    # an hour ahead had committed: the revision is still the step's content.
+    guard, w = _run_to_10(tmp_path)
+    shutil.copytree(tmp_path / "step-00000010", tmp_path / "old")
+    w += 100
+    guard.__exit__(None, None, None)
+    (tmp_path / "old").rename(tmp_path / "step-00000010")
+    manifest = tmp_path / "step-00000010" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    revised = json.loads((tmp_path / "step-00000010.r1" / "manifest.json").read_text())
+    data["time"] = revised["time"].replace(revised["time"][:4], str(int(revised["time"][:4]) + 1), 1)
+    manifest.write_text(json.dumps(data))
+    assert [i.name for i in scan(LocalStorage(str(tmp_path))) if i.complete] == ["step-00000010", "step-00000010.r1"]
+    step, resumed = _resumed(tmp_path)
+    assert step == 10 and torch.equal(resumed, torch.full((4,), 110.0))
