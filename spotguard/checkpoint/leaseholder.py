@@ -16,7 +16,7 @@ would otherwise mix one run's history. Order of use, by the ``Guard``:
 3. ``fence()`` before every manifest write: one renewal, synchronously. A writer that lost its lease
    raises ``LeaseLostError`` and commits nothing; one that still holds it has ``ttl_s`` more seconds
    in which nobody may take it over (short of an explicit takeover, which then waits
-   ``TAKEOVER_GRACE_S`` so that a manifest fenced just before lands ahead of its resume).
+   ``takeover_grace`` so that a manifest fenced just before lands ahead of its resume).
 4. ``release()`` at a clean exit and after a committed emergency save: the record stays, marked
    released, so the replacement machine takes it over at once instead of waiting for the TTL.
 
@@ -58,9 +58,22 @@ _TWO_WRITERS = (
 )
 
 DEFAULT_TTL_S = 60.0
-#: After taking a live lease over on purpose: time for a commit the other job fenced just before to land,
-#: so that this job's resume (which follows) sees it, and never commits beside it.
-TAKEOVER_GRACE_S = 2.0
+#: The longest a holder may still land a manifest after its fence: half its lease, at most this.
+FENCE_BOUND_S = 20.0
+#: A request sent just before that deadline may still land: the least timeout under one (``urgent_timeout``).
+IN_FLIGHT_S = 5.0
+
+
+def fence_bound(ttl_s: float) -> float:
+    """Seconds after its fence by which a holder of a ``ttl_s`` lease must have landed its manifest: half
+    the lease (another job takes over once it saw no renewal for ``ttl_s``), at most ``FENCE_BOUND_S``."""
+    return min(ttl_s / 2, FENCE_BOUND_S)
+
+
+def takeover_grace(other: LeaseRecord | None) -> float:
+    """After taking a live lease over on purpose: how long a manifest the other job fenced just before may
+    take to land, so that this job's resume, which follows, sees it and never commits beside it."""
+    return fence_bound(other.ttl_s if other is not None else DEFAULT_TTL_S) + IN_FLIGHT_S
 
 
 def _visible(record: LeaseRecord) -> bool:
@@ -99,7 +112,7 @@ class Lease:
         on_lost: Callable[[str], None] | None = None,
         alive: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
-        takeover_grace_s: float = TAKEOVER_GRACE_S,
+        takeover_grace_s: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -190,8 +203,15 @@ class Lease:
             except PreconditionFailedError:
                 races += 1
                 continue  # another writer changed it between our read and our write: look again
-            if why == "taken over on purpose":
-                self.sleep(self.takeover_grace_s)  # its last fenced commit lands before our resume reads
+            if why == "taken over on purpose":  # its last fenced commit lands before our resume reads
+                grace = takeover_grace(other) if self.takeover_grace_s is None else self.takeover_grace_s
+                if grace:
+                    logger.warning(
+                        "writer lease of %s taken: waiting %.0f s for a commit the other job began to land",
+                        self.storage.describe(),
+                        grace,
+                    )
+                self.sleep(grace)
             return new
         raise LeaseHeldError(f"cannot take the writer lease {where}: other writers keep changing it")
 
@@ -306,10 +326,10 @@ class Lease:
 
     def fence(self) -> float:
         """Before a commit (step 3): still ours, and good for ``ttl_s`` more seconds; else ``LeaseLostError``.
-        Returns the monotonic time the manifest must land by: half the lease later (another job takes over
-        once it saw no renewal for ``ttl_s``)."""
+        Returns the monotonic time the manifest must land by (``fence_bound``: a job that takes the lease
+        over on purpose waits that long, and another once it saw no renewal for ``ttl_s``)."""
         self.renew()
-        return time.monotonic() + self.ttl_s / 2
+        return time.monotonic() + fence_bound(self.ttl_s)
 
     def release(self) -> None:
         """Mark the record released (step 4), so the next writer starts at once. Idempotent; never raises."""

@@ -11,6 +11,7 @@ import pytest
 
 from spotguard import checkpoint
 from spotguard.checkpoint import lease as record_mod
+from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.checkpoint.leaseholder import Lease
 from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError
@@ -72,6 +73,27 @@ def test_an_expired_released_or_deliberately_taken_lease_is_taken_over(storage, 
     assert (time.monotonic() - t0 >= 0.5) == (state == "expired")
     assert record_mod.read(storage).owner == lease.owner
     lease.release()
+
+
+@pytest.mark.parametrize("ttl", [0.5, 60.0, 3600.0])
+def test_a_takeover_on_purpose_waits_until_the_holder_s_fenced_manifest_has_landed(tmp_path, monkeypatch, ttl):
+    # The holder (on another machine) fenced its manifest just before the takeover: the manifest may land
+    # up to the fence's deadline (a request in flight then a little later). The taker's resume must come
+    # after it, without waiting half of a long lease.
+    storage = open_storage(str(tmp_path / f"run-{ttl}"))
+    holder = Lease(storage, ttl_s=ttl)
+    with monkeypatch.context() as m:
+        m.setattr(leaseholder.socket, "gethostname", lambda: "other-host")
+        holder.acquire()
+    deadline = holder.fence()
+    slept: list[float] = []
+    taker = Lease(storage, takeover=True, sleep=slept.append)
+    taker.acquire()
+    assert time.monotonic() + sum(slept) >= deadline + 5.0, (slept, deadline - time.monotonic())
+    assert deadline - time.monotonic() <= 20.0 and sum(slept) <= 25.0, slept
+    with pytest.raises(LeaseLostError):
+        holder.fence()
+    taker.release()
 
 
 def test_a_writer_whose_lease_was_taken_over_is_fenced_and_told_by_whom(storage):
