@@ -14,6 +14,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo, Manifest
+    from .checkpoint.state.worker_rng import WorkerRNG
     from .errors import (
         CheckpointCorruptError,
         CheckpointExistsError,
@@ -65,6 +66,7 @@ _WHERE = {
     "open_storage": "spotguard.storage",
     "Value": "spotguard.value",
     "Watcher": "spotguard.watcher",
+    "WorkerRNG": "spotguard.checkpoint.state.worker_rng",
 }
 
 __all__ = [
@@ -94,6 +96,7 @@ __all__ = [
     "UnloadableStateError",
     "Value",
     "Watcher",
+    "WorkerRNG",
     "__version__",
     "open_storage",
 ]

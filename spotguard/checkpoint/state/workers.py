@@ -7,7 +7,8 @@ per worker). Loading one into a loader of another worker count fails at the firs
 is the sampler's alone: ``convert`` rewrites it into the other layout, and the loader continues at
 the very sample it stopped at. What changes: random draws inside the workers (augmentations) come
 from streams seeded for the new worker count, not the uninterrupted run's. An iterable dataset, a
-dataset with state, or a snapshot older than the last batch cannot be moved: ``convert`` says why.
+dataset with state, or a snapshot older than the last batch cannot be moved: ``convert`` says why
+(``WorkerRNG``'s saved streams do not hold it back: the workers' streams start afresh).
 
 Order of use: ``data.check_loaders`` calls ``convert`` before anything is restored.
 """
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from spotguard.checkpoint.state.worker_rng import is_streams_only
 
 #: The main process's part of the position, the same in both layouts.
 _MAIN = (
@@ -62,14 +65,19 @@ def _position(state: Mapping[str, Any]) -> tuple[dict[str, Any], int, int | None
         if state.get("_steps_since_snapshot", 0):
             return "its last snapshot is older than its last batch (snapshot_every_n_steps > 1)"
         if any(
-            not isinstance(w, Mapping) or w.get("dataset_state") is not None or w.get("fetcher_state") is not None
+            not isinstance(w, Mapping) or _kept(w.get("dataset_state")) or w.get("fetcher_state") is not None
             for w in per_worker.values()
         ):
             return "its dataset keeps a state in each worker (an iterable or stateful dataset)"
         seed = main.get("_base_seed")
         return {k: main[k] for k in _MAIN}, int(snapshot.get("_snapshot_step", 0)), seed, finished
     if "_num_yielded" in state and set(_MAIN) <= set(state):
-        if state.get("dataset_state") is not None or state.get("fetcher_state") is not None:
+        if _kept(state.get("dataset_state")) or state.get("fetcher_state") is not None:
             return "its dataset keeps a state of its own (an iterable or stateful dataset)"
         return {k: state[k] for k in _MAIN}, int(state["_num_yielded"]), None, finished
     return "its state is not in a layout this spotguard knows"
+
+
+def _kept(dataset_state: Any) -> bool:
+    """A dataset's own state in a snapshot (``WorkerRNG``'s random streams alone are not one: they start afresh)."""
+    return dataset_state is not None and not is_streams_only(dataset_state)

@@ -1,0 +1,119 @@
+"""Augmentations drawn inside a StatefulDataLoader's workers resume exactly with ``WorkerRNG``, and not without.
+
+A loader of 2 workers over a dataset that draws from torch, ``random`` and NumPy in ``__getitem__``, saved
+mid-epoch and resumed by a fresh loader and Guard, then run across the next epoch: every later batch
+equals the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import spotguard
+from spotguard import WorkerRNG
+
+from .test_data import WORKER_START
+
+pytestmark = pytest.mark.timeout(180)
+
+SIZE, BATCH = 16, 2  # 8 batches an epoch
+
+
+class Augmented(Dataset):
+    """Each sample: its index, then a draw from each of the three streams (an augmentation's)."""
+
+    classes = ("a", "b")
+
+    def __len__(self) -> int:
+        return SIZE
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), torch.rand(()).item(), random.random(), float(np.random.rand())])
+
+
+def loader(workers: int, wrap: bool) -> StatefulDataLoader:
+    """A fresh loader; the global streams seeded too (``num_workers=0`` draws from them)."""
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    dataset = WorkerRNG(Augmented()) if wrap else Augmented()
+    return StatefulDataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(5),
+        **(WORKER_START if workers else {}),
+    )
+
+
+def batches(ld: StatefulDataLoader, epochs: int) -> list[torch.Tensor]:
+    return [b for _ in range(epochs) for b in ld]
+
+
+def stopped_then_resumed(tmp_path, stop: int, workers: int, wrap: bool, after: int | None = None) -> list[torch.Tensor]:
+    """The batches after ``stop``: saved there (mid-epoch), resumed by a fresh loader (``after`` workers)."""
+    first = loader(workers, wrap)
+    guard = spotguard.Guard(str(tmp_path), providers=[], lease_ttl=None).track(loader=first)
+    it = iter(first)
+    for _ in range(stop):
+        next(it)
+    guard.save(stop)
+    del it
+    new = loader(workers if after is None else after, wrap)
+    spotguard.Guard(str(tmp_path), providers=[], lease_ttl=None).track(loader=new).resume()
+    return batches(new, 2)  # the rest of this epoch, and the next one
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_worker_draws_resume_exactly_across_the_next_epoch(tmp_path, workers):
+    reference = batches(loader(workers, wrap=True), 3)
+    rest = stopped_then_resumed(tmp_path, 5, workers, wrap=True)
+    assert len(rest) == len(reference) - 5 - 8
+    for got, want in zip(rest, reference[5:], strict=False):
+        assert torch.equal(got, want), (got, want)
+
+
+def test_without_it_the_worker_draws_start_over(tmp_path):
+    # The gap WorkerRNG closes: the same samples in the same order, other augmentations.
+    reference = batches(loader(2, wrap=False), 3)
+    rest = stopped_then_resumed(tmp_path, 5, 2, wrap=False)
+    assert all(torch.equal(got[:, 0], want[:, 0]) for got, want in zip(rest, reference[5:], strict=False))
+    assert not torch.equal(rest[0], reference[5])
+
+
+def test_another_worker_count_continues_at_the_same_sample_with_fresh_streams(tmp_path, caplog):
+    reference = batches(loader(2, wrap=True), 3)
+    with caplog.at_level(logging.WARNING, logger="spotguard"):
+        rest = stopped_then_resumed(tmp_path, 5, 2, wrap=True, after=1)
+    assert "saved with num_workers=2 and has num_workers=1 now: it continues at the same sample" in caplog.text
+    assert [int(i) for b in rest[:3] for i in b[:, 0]] == [int(i) for b in reference[5:8] for i in b[:, 0]]
+
+
+def test_the_wrapper_keeps_the_dataset_s_kind_attributes_and_own_state():
+    class Stream(IterableDataset):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def __iter__(self):
+            yield from range(3)
+
+        def state_dict(self) -> dict:
+            return {"seen": self.seen}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.seen = state["seen"]
+
+    wrapped = WorkerRNG(Stream())
+    assert isinstance(wrapped, IterableDataset) and list(wrapped) == [0, 1, 2] and WorkerRNG(wrapped) is wrapped
+    state = wrapped.state_dict()
+    assert state["dataset"] == {"seen": 0} and state["streams"] is None  # the main process: the Guard's streams
+    wrapped.load_state_dict({**state, "dataset": {"seen": 7}})
+    assert wrapped.dataset.seen == 7
+    mapped = WorkerRNG(Augmented())
+    assert len(mapped) == SIZE and mapped.classes == ("a", "b") and not isinstance(mapped, IterableDataset)
