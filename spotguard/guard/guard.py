@@ -273,9 +273,12 @@ class Guard:
             self.lease.hold()
 
     def _lease_lost(self, why: str) -> None:
-        """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises."""
+        """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises, and
+        a save of this process alone stops writing now: its files could land over the new holder's."""
         self._beat.lease_held()
         self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
+        if (pending := self.saves.in_flight()) is not None and self.agreement is None:  # a group's: at its commit
+            pending.cancel()
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:
         """Write a checkpoint of the current state as ``step`` now, synchronously, to the durable URL.

@@ -192,6 +192,40 @@ def test_a_guard_dropped_without_a_close_is_not_kept_alive_and_gives_the_lease_b
         time.sleep(0.05)
 
 
+def test_a_background_save_stops_writing_once_another_job_took_the_lease(tmp_path: Path, monkeypatch):
+    """Its commit would be refused anyway; files it went on writing could land over the new holder's."""
+    import torch
+
+    from spotguard.checkpoint.files import fileio
+    from spotguard.errors import LeaseLostError
+    from tests.checkpoint.test_lease import other_writer
+
+    write = fileio.DirectFile._write_all
+
+    def slow(self, view, data=0):  # 0.6 s per 16 MB buffer: 160 MB take 6 s
+        time.sleep(0.6)
+        return write(self, view, data)
+
+    monkeypatch.setattr(fileio.DirectFile, "_write_all", slow)
+    storage = open_storage(str(tmp_path / "run"))
+    guard = Guard(storage, providers=None, lease_ttl=0.6, every_steps=1, async_save=True)
+    guard.track(w=torch.zeros(40 << 20))
+    guard.resume()
+    guard.step(1)
+    pending = guard.saves.in_flight()
+    assert pending is not None and pending.step == 1
+    time.sleep(0.5)
+    other_writer(storage)  # another job takes the run over; the heartbeat sees it within 0.2 s
+    t0 = time.monotonic()
+    while not pending.done():
+        assert time.monotonic() - t0 < 3.0, "the save went on writing for a lost lease"
+        time.sleep(0.02)
+    assert pending.cancelled and not any(i.step == 1 and i.complete for i in checkpoint.scan(storage))
+    with pytest.raises(LeaseLostError, match="now held by run run-b"):
+        guard.step(2)
+    guard.close(save=False)
+
+
 def test_a_guard_refused_by_a_live_lease_names_it_and_marks_the_heartbeat(tmp_path: Path):
     storage = open_storage(str(tmp_path / "run"))
     now = time.time()
