@@ -308,7 +308,8 @@ class SingleEngine(HoldsStaging):
             self._tidy.at_resume(tiers, info.step)
             durable = [s for s in durable if s <= info.step]  # a newer one that did not load is no resume point
             return Resumed(info.step, m, where, time.monotonic() - t0, durable[-1] if durable else None)
-        if skipped:
+        if skipped:  # none loads: a fresh start (on_unloadable="fresh") must not count them, nor be pruned by them
+            self._tidy.at_resume(tiers, 0)
             raise reader.none_loads(self.storage, skipped)
         logger.info("no checkpoint in %s: starting from step 0", self.storage.describe())
         return None

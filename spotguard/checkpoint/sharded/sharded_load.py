@@ -191,7 +191,9 @@ def resume(
                 storage.describe(info.name),
             )
         return Resumed(info.step, info.manifest, storage.describe(info.name), time.monotonic() - t0, info.step)
-    if skipped:
+    if skipped:  # none loads: a fresh start (on_unloadable="fresh") must not count them, nor be pruned by them
+        if agreement.rank == 0 and tidy is not None:
+            tidy.at_resume([(storage, infos)], 0)
         raise none_loads(storage, skipped)
     if agreement.rank == 0:
         logger.info("no checkpoint in %s: starting from step 0", storage.describe())

@@ -172,3 +172,34 @@ def test_a_newer_checkpoint_that_verifies_but_does_not_load_here_holds_no_place_
     assert _train(storage, 46, 46, every=2, keep=1) == 46
     monkeypatch.undo()
     assert _train(storage, 50, 50, every=2, keep=1) == 50  # where it loads, it is the newest
+
+
+def test_a_fresh_start_beside_checkpoints_that_do_not_load_keeps_its_own(tmp_path, engine, monkeypatch):
+    """``on_unloadable="fresh"``: the new run's checkpoints are below the old ones, which counted among the
+    ``keep`` as the newest: every commit of the new run was pruned at once, and each restart began at 0."""
+    storage = tmp_path / "ckpt"
+    _train(storage, 0, 50, every=10, keep=2)  # 40 and 50
+    real_load = torch.load
+
+    def load(f, *args, **kwargs):
+        if any(step_dir(s) in str(f) for s in (40, 50)):
+            raise RuntimeError("Unsupported operand 118: written by a newer torch")
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+
+    def run(start_at: int, steps: int) -> None:
+        model = torch.nn.Linear(8, 8)
+        guard = Guard(
+            str(storage), providers=[], every_steps=2, keep=1, on_unloadable="fresh", busy="wait", save_on_exit=False
+        )
+        guard.track(model=model)
+        assert guard.resume() == start_at
+        with guard:
+            for step in range(start_at, steps):
+                guard.step(step + 1)
+
+    run(0, 6)
+    assert _statuses(storage) == {6: "complete", 40: "complete", 50: "complete"}  # before: {40, 50}
+    run(6, 8)  # a restart resumes the new run
+    assert _statuses(storage) == {8: "complete", 40: "complete", 50: "complete"}
