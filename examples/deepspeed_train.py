@@ -20,8 +20,11 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
+import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -192,19 +195,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_process(code: int) -> NoReturn:
-    """End a DeepSpeed process: destroy the process group, run the exit handlers, then exit without the
-    interpreter's teardown of its modules.
+def exit_process(main: Callable[[], int]) -> NoReturn:
+    """Run ``main``, then end a DeepSpeed process as ``sys.exit`` would (its exit code, a traceback for an
+    error, the other threads waited for, the exit handlers run), but without the interpreter's teardown of
+    its modules, and with the process group destroyed first.
 
     Why: DeepSpeed holds the group until that teardown, even after ``deepspeed.comm.destroy_process_group()``
     (ZeRO-3 keeps the model on a module-level stack, and its parameters hold the group), and a gloo group
     released while Python finalizes aborts the process now and then after a run that finished ("terminate
     called without an active exception", exit -6: once so far in CI, in the ZeRO-3 test).
     """
+    try:
+        code = main()
+    except SystemExit as e:  # argparse: --help, a bad option
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     import deepspeed.comm
 
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's own references to the groups
+    for thread in threading.enumerate():  # as the interpreter waits for them at its exit
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()  # logging, temporary folders: everything `sys.exit` runs, with the interpreter whole
     sys.stdout.flush()
     sys.stderr.flush()
@@ -212,4 +231,4 @@ def exit_process(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(main)

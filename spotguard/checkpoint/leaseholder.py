@@ -60,13 +60,12 @@ _TWO_WRITERS = (
 DEFAULT_TTL_S = 60.0
 #: The longest a holder may still land a manifest after its fence: half its lease, at most this.
 FENCE_BOUND_S = 20.0
-#: A request sent just before that deadline may still land: the least timeout under one (``urgent_timeout``).
+#: A request sent just before that deadline may still land: its timeout (at least ``urgent_timeout``, 5 s).
 IN_FLIGHT_S = 5.0
 
 
 def fence_bound(ttl_s: float) -> float:
-    """Seconds after its fence by which a holder of a ``ttl_s`` lease must have landed its manifest: half
-    the lease (another job takes over once it saw no renewal for ``ttl_s``), at most ``FENCE_BOUND_S``."""
+    """Seconds after its fence by which a ``ttl_s`` lease's holder must have landed its manifest (half the lease)."""
     return min(ttl_s / 2, FENCE_BOUND_S)
 
 
@@ -326,10 +325,11 @@ class Lease:
 
     def fence(self) -> float:
         """Before a commit (step 3): still ours, and good for ``ttl_s`` more seconds; else ``LeaseLostError``.
-        Returns the monotonic time the manifest must land by (``fence_bound``: a job that takes the lease
-        over on purpose waits that long, and another once it saw no renewal for ``ttl_s``)."""
+        Returns the monotonic time the manifest must land by: ``fence_bound`` after the renewal was sent (it
+        may land long before its reply), which a job that takes the lease over on purpose waits out."""
+        sent = time.monotonic()
         self.renew()
-        return time.monotonic() + fence_bound(self.ttl_s)
+        return sent + fence_bound(self.ttl_s)
 
     def release(self) -> None:
         """Mark the record released (step 4), so the next writer starts at once. Idempotent; never raises."""

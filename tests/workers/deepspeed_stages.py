@@ -162,4 +162,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(main)

@@ -1,5 +1,5 @@
 """Data position: make a resumed loader continue exactly, the main process's random streams included
-(draws inside worker processes are seeded afresh by torchdata on a resume: docs/training-loop.md).
+(draws inside worker processes: ``worker_rng.WorkerRNG``, docs/training-loop.md).
 
 torchdata's ``StatefulDataLoader`` restores which batches are left. One gap remains that we close
 here: creating an iterator draws a base seed from the loader's ``generator`` or, without one, from

@@ -46,56 +46,66 @@ def _restore(streams: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-class _WorkerRNG:
-    """The wrapper's behaviour, shared by the map-style and the iterable kind."""
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class WorkerRNG(Dataset):
+    """``dataset``, whose random draws in a ``StatefulDataLoader``'s workers resume exactly (module docstring).
+
+    Use it as the loader's dataset: ``StatefulDataLoader(WorkerRNG(MyDataset()), num_workers=4, ...)``,
+    tracked by the Guard as any loader. Attributes read and set go to the wrapped dataset (a
+    ``worker_init_fn`` that shards through ``get_worker_info().dataset`` works as before), as do ``len()``
+    and its own ``state_dict``. An iterable dataset without a ``state_dict`` is returned as it is: torchdata
+    resumes it by replaying its items, which a state of ours would stop (it would start over). A loader
+    resumed with another ``num_workers`` starts the workers' streams afresh (with the warning it gives).
+    """
 
     dataset: Any
 
-    def __getattr__(self, name: str) -> Any:  # the wrapped dataset's attributes (``classes``, ``transform``...)
-        if name == "dataset":  # not set yet (unpickling in a worker): no recursion
+    def __new__(cls, dataset: Any) -> Any:
+        if isinstance(dataset, WorkerRNG) or (isinstance(dataset, IterableDataset) and not _stateful(dataset)):
+            return dataset
+        kind = _IterableWorkerRNG if isinstance(dataset, IterableDataset) else _MapWorkerRNG
+        return super().__new__(kind if cls is WorkerRNG else cls)
+
+    def __init__(self, dataset: Any) -> None:
+        if dataset is not self:  # ``WorkerRNG(wrapped)`` is ``wrapped``
+            object.__setattr__(self, "dataset", dataset)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # to worker processes (spawn, forkserver): built again around it
+        return WorkerRNG, (self.dataset,)
+
+    def __getattr__(self, name: str) -> Any:  # only what the wrapper lacks: the dataset's own attributes
+        if name == "dataset":  # not set (yet): no recursion
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.dataset, name, value)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
     def state_dict(self) -> dict[str, Any]:
-        inner = self.dataset.state_dict() if callable(getattr(self.dataset, "state_dict", None)) else None
+        inner = self.dataset.state_dict() if _stateful(self.dataset) else None
         return {KEY: 1, "streams": _streams() if get_worker_info() is not None else None, "dataset": inner}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("dataset") is not None and callable(getattr(self.dataset, "load_state_dict", None)):
+        if state.get("dataset") is not None and _stateful(self.dataset):
             self.dataset.load_state_dict(state["dataset"])
         if state.get("streams") is not None and get_worker_info() is not None:
             _restore(state["streams"])  # last: nothing after it may draw before the next batch
 
 
-class _MapWorkerRNG(_WorkerRNG, Dataset):
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
+class _MapWorkerRNG(WorkerRNG):
     def __getitem__(self, index: Any) -> Any:
         return self.dataset[index]
 
-    def __len__(self) -> int:
-        return len(self.dataset)
 
-
-class _IterableWorkerRNG(_WorkerRNG, IterableDataset):
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
+class _IterableWorkerRNG(WorkerRNG, IterableDataset):
     def __iter__(self) -> Any:
         return iter(self.dataset)
-
-
-def WorkerRNG(dataset: Any) -> Any:  # noqa: N802  (a class to its users)
-    """``dataset``, whose random draws in a ``StatefulDataLoader``'s workers resume exactly (module docstring).
-
-    Use it as the loader's dataset: ``StatefulDataLoader(WorkerRNG(MyDataset()), num_workers=4, ...)``,
-    tracked by the Guard as any loader. Its attributes are the wrapped dataset's. A loader resumed with
-    another ``num_workers`` starts the workers' streams afresh (with the warning such a resume gives).
-    """
-    if isinstance(dataset, _WorkerRNG):
-        return dataset
-    return _IterableWorkerRNG(dataset) if isinstance(dataset, IterableDataset) else _MapWorkerRNG(dataset)
 
 
 def is_streams_only(state: Any) -> bool:

@@ -8,6 +8,7 @@ equals the uninterrupted run's.
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 
 import numpy as np
@@ -38,7 +39,7 @@ class Augmented(Dataset):
         return torch.tensor([float(index), torch.rand(()).item(), random.random(), float(np.random.rand())])
 
 
-def loader(workers: int, wrap: bool) -> StatefulDataLoader:
+def loader(workers: int, wrap: bool, persistent: bool = False) -> StatefulDataLoader:
     """A fresh loader; the global streams seeded too (``num_workers=0`` draws from them)."""
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     dataset = WorkerRNG(Augmented()) if wrap else Augmented()
@@ -48,6 +49,7 @@ def loader(workers: int, wrap: bool) -> StatefulDataLoader:
         shuffle=True,
         num_workers=workers,
         generator=torch.Generator().manual_seed(5),
+        persistent_workers=persistent,
         **(WORKER_START if workers else {}),
     )
 
@@ -56,24 +58,31 @@ def batches(ld: StatefulDataLoader, epochs: int) -> list[torch.Tensor]:
     return [b for _ in range(epochs) for b in ld]
 
 
-def stopped_then_resumed(tmp_path, stop: int, workers: int, wrap: bool, after: int | None = None) -> list[torch.Tensor]:
+def stopped_then_resumed(
+    tmp_path, stop: int, workers: int, wrap: bool, after: int | None = None, persistent: bool = False
+) -> list[torch.Tensor]:
     """The batches after ``stop``: saved there (mid-epoch), resumed by a fresh loader (``after`` workers)."""
-    first = loader(workers, wrap)
+    first = loader(workers, wrap, persistent)
     guard = spotguard.Guard(str(tmp_path), providers=[], lease_ttl=None).track(loader=first)
     it = iter(first)
     for _ in range(stop):
         next(it)
     guard.save(stop)
-    del it
-    new = loader(workers if after is None else after, wrap)
-    spotguard.Guard(str(tmp_path), providers=[], lease_ttl=None).track(loader=new).resume()
-    return batches(new, 2)  # the rest of this epoch, and the next one
+    guard.close(save=False)
+    for _ in it:  # to the epoch's end, where its workers end (dropped mid-epoch, their end took 10 s)
+        pass
+    new = loader(workers if after is None else after, wrap, persistent)
+    guard = spotguard.Guard(str(tmp_path), providers=[], lease_ttl=None).track(loader=new)
+    guard.resume()
+    rest = batches(new, 2)  # the rest of this epoch, and the next one
+    guard.close(save=False)
+    return rest
 
 
-@pytest.mark.parametrize("workers", [2, 0])
-def test_worker_draws_resume_exactly_across_the_next_epoch(tmp_path, workers):
-    reference = batches(loader(workers, wrap=True), 3)
-    rest = stopped_then_resumed(tmp_path, 5, workers, wrap=True)
+@pytest.mark.parametrize(("workers", "persistent"), [(2, False), (2, True), (0, False)])
+def test_worker_draws_resume_exactly_across_the_next_epoch(tmp_path, workers, persistent):
+    reference = batches(loader(workers, True, persistent), 3)
+    rest = stopped_then_resumed(tmp_path, 5, workers, wrap=True, persistent=persistent)
     assert len(rest) == len(reference) - 5 - 8
     for got, want in zip(rest, reference[5:], strict=False):
         assert torch.equal(got, want), (got, want)
@@ -95,25 +104,48 @@ def test_another_worker_count_continues_at_the_same_sample_with_fresh_streams(tm
     assert [int(i) for b in rest[:3] for i in b[:, 0]] == [int(i) for b in reference[5:8] for i in b[:, 0]]
 
 
-def test_the_wrapper_keeps_the_dataset_s_kind_attributes_and_own_state():
-    class Stream(IterableDataset):
-        def __init__(self) -> None:
-            self.seen = 0
+class Counted(IterableDataset):
+    """An iterable dataset that shards itself in each worker by ``start``/``end``, and keeps a state."""
 
-        def __iter__(self):
-            yield from range(3)
+    def __init__(self, end: int = 6) -> None:
+        self.start, self.end, self.seen = 0, end, 0
 
-        def state_dict(self) -> dict:
-            return {"seen": self.seen}
+    def __iter__(self):
+        yield from range(self.start, self.end)
 
-        def load_state_dict(self, state: dict) -> None:
-            self.seen = state["seen"]
+    def __len__(self) -> int:
+        return self.end - self.start
 
-    wrapped = WorkerRNG(Stream())
-    assert isinstance(wrapped, IterableDataset) and list(wrapped) == [0, 1, 2] and WorkerRNG(wrapped) is wrapped
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_the_wrapper_is_the_dataset_to_its_users():
+    wrapped = WorkerRNG(Counted())
+    assert isinstance(wrapped, IterableDataset) and isinstance(wrapped, WorkerRNG) and WorkerRNG(wrapped) is wrapped
+    wrapped.start = 3  # as a worker_init_fn shards it through get_worker_info().dataset
+    assert wrapped.dataset.start == 3 and list(wrapped) == [3, 4, 5] and len(wrapped) == 3
     state = wrapped.state_dict()
     assert state["dataset"] == {"seen": 0} and state["streams"] is None  # the main process: the Guard's streams
     wrapped.load_state_dict({**state, "dataset": {"seen": 7}})
     assert wrapped.dataset.seen == 7
+    copy = pickle.loads(pickle.dumps(wrapped))  # as to a worker started by spawn or forkserver
+    assert isinstance(copy, WorkerRNG) and list(copy) == [3, 4, 5]
     mapped = WorkerRNG(Augmented())
     assert len(mapped) == SIZE and mapped.classes == ("a", "b") and not isinstance(mapped, IterableDataset)
+
+
+def test_an_iterable_dataset_without_a_state_is_left_to_torchdata_s_replay():
+    # A state of ours would stop torchdata from replaying it: resumed, it would start over.
+    stream = IterableDataset.__new__(type("Plain", (IterableDataset,), {"__iter__": lambda self: iter(range(6))}))
+    assert WorkerRNG(stream) is stream
+    ld = StatefulDataLoader(WorkerRNG(stream), batch_size=1)
+    it = iter(ld)
+    assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
+    state = ld.state_dict()
+    new = StatefulDataLoader(WorkerRNG(stream), batch_size=1)
+    new.load_state_dict(state)
+    assert [int(b) for b in new] == [3, 4, 5]
