@@ -140,6 +140,29 @@ def test_commits_are_fenced_by_the_lease_their_writer_was_given(storage):
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1, 2]  # step 3 has no manifest
 
 
+@pytest.mark.parametrize("how", ["write", "write_dir", "copy"])
+def test_a_writer_that_lost_the_run_deletes_and_writes_nothing_of_the_new_holder_s_save(storage, tmp_path, how):
+    # The new holder is saving step 3 (its files are there, its manifest not yet): the old writer's save
+    # of the same step used to clear them as leftovers and store its own before its commit was refused.
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    other_writer(storage)
+    storage.put_bytes("step-00000003/x.bin", b"the new holder's")
+    folder = tmp_path / "trainer"
+    folder.mkdir()
+    (folder / "x.bin").write_bytes(b"old")
+    source = open_storage(str(tmp_path / "tier"))
+    checkpoint.write(source, 3, {"x.bin": lambda f: f.write(b"old")}, reason="periodic")
+    with pytest.raises(LeaseLostError):
+        if how == "write":
+            checkpoint.write(storage, 3, {"x.bin": lambda f: f.write(b"old")}, reason="periodic", fence=lease.fence)
+        elif how == "write_dir":
+            checkpoint.write_dir(storage, 3, folder, reason="periodic", fence=lease.fence)
+        else:
+            checkpoint.copy(source, storage, checkpoint.scan(source)[0], fence=lease.fence)
+    assert storage.get_bytes("step-00000003/x.bin") == b"the new holder's"
+
+
 def test_a_record_of_this_process_left_unreleased_is_taken_over(storage):
     """An earlier Guard of this program that was never closed: same host and pid, another owner."""
     first = Lease(storage, ttl_s=30)

@@ -71,10 +71,10 @@ def write(
 ) -> Manifest:
     """Write one checkpoint: each file serialised locally, hashed, stored; then the manifest, write-once.
 
-    Files are serialised to a scratch directory the backend chooses (beside the target for local
-    storage, so storing is a hard link) through a ``DirectFile``: written once, past the page cache,
-    hashed on the way, so that a background save takes little CPU from the training loop and an
-    upload never waits on a slow stream. A complete checkpoint for ``step`` already there raises
+    Files are serialised to a scratch directory the backend chooses (beside the target for local storage,
+    so storing is a hard link) through a ``DirectFile``: written once, past the page cache, hashed on the
+    way, so that a background save takes little CPU from the loop and an upload never waits on a slow
+    stream. A complete checkpoint for ``step`` already there raises
     ``CheckpointExistsError``; leftovers of an interrupted save of the same step are deleted first.
     ``cancel``, when set, abandons the save within one write buffer (``DirectFile``), or before the
     next file or the manifest.
@@ -85,13 +85,12 @@ def write(
     to write); one that differs is superseded, never deleted first: the new content is committed as the
     step's next revision (``next_revision``), ``prune`` deletes the old one once that has landed.
 
-    ``upload_crc`` (the durable storage's, when ``storage`` is a local tier it will be copied to)
-    is kept while each file is written and put in ``crcs`` (file name -> CRC) for ``copy(crcs=)``;
-    by default the CRC kept is ``storage``'s own, handed to its ``put_file``.
+    ``upload_crc`` (the durable storage's, when ``storage`` is a local tier copied to it) is kept while each
+    file is written, in ``crcs`` (name -> CRC) for ``copy(crcs=)``; by default ``storage``'s own (``put_file``).
 
     ``meter`` adds up what the files cost apart from waiting for a CPU (``DirectFile.work_seconds``);
     a streamed upload's network time is not in it (its rate is the wall time's). ``fence``: the writer
-    lease's, called just before the manifest (``_commit``).
+    lease's, called before anything is deleted or written and just before the manifest (``_commit``).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -102,6 +101,7 @@ def write(
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
         check_file_name(fname)
+    fenced(fence, None)  # a writer that lost the run deletes and writes nothing (a save the new holder began)
     _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
     held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
@@ -197,6 +197,7 @@ def write_dir(
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
+    fenced(fence, None)  # as ``write``: nothing deleted or written for a lost lease
     _clear_leftovers(storage, name)
     entries = store_files(storage, name, files, deadline, known)
     manifest = Manifest(
@@ -233,16 +234,14 @@ def store_files(
 
 
 def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | None, fence: Fence | None) -> Manifest:
-    """Write the manifest, write-once: from here on ``name`` is a checkpoint. Fenced: given the fence of
-    a writer lease it lost (``leaseholder.Lease.fence``), it raises ``LeaseLostError`` and commits nothing."""
+    """Write the manifest, write-once: ``name`` is a checkpoint then (a lost lease's ``fence`` raises first)."""
     deadline = fenced(fence, deadline)
     storage.put_bytes(f"{name}/{MANIFEST}", manifest.to_bytes(), exclusive=True, deadline=deadline)
     return manifest
 
 
 def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
-    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save of it left.
-    Returns whether ``name`` is committed."""
+    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save left. Whether committed."""
     existing = storage.list(name + "/")
     committed = f"{name}/{MANIFEST}" in existing
     if committed and _drop_broken(storage, name):
@@ -330,14 +329,15 @@ def copy(
     ``crcs``: the ``dst.upload_crc`` of files, kept when they were written (``write(crcs=)``), sent
     with their uploads so that ``dst`` refuses a file damaged since (and none is read twice).
 
-    ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks
-    each file against the manifest on its way (``open_verified``: one read, not a verify then a
-    copy) and raises ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer
-    lease of ``dst``'s, called just before the manifest. ``link``: a local ``dst`` may hard-link the
-    source's files (the engine's tier upload); else each is a copy of its own (``spotguard pull`` linked
-    them: a file rewritten in the copy was rewritten in the original too).
+    ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks each file
+    against the manifest on its way (``open_verified``: one read, not a verify then a copy) and raises
+    ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer lease of ``dst``'s, called
+    first and just before the manifest. ``link``: a local ``dst`` may hard-link the source's files (the
+    engine's tier upload); else each is a copy of its own (``spotguard pull`` linked them: a file rewritten
+    in the copy was rewritten in the original too).
     """
     manifest = require_manifest(info)
+    fenced(fence, None)  # as ``write``: nothing deleted or written for a lost lease
     existing = dst.list(info.name + "/")
     if f"{info.name}/{MANIFEST}" in existing:
         if not _drop_broken(dst, info.name):
