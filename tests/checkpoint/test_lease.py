@@ -14,7 +14,7 @@ from spotguard.checkpoint import lease as record_mod
 from spotguard.checkpoint import leaseholder
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.checkpoint.leaseholder import Lease
-from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError
+from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError, StorageError
 from spotguard.storage import Storage, open_storage
 
 
@@ -161,6 +161,23 @@ def test_a_writer_that_lost_the_run_deletes_and_writes_nothing_of_the_new_holder
         else:
             checkpoint.copy(source, storage, checkpoint.scan(source)[0], fence=lease.fence)
     assert storage.get_bytes("step-00000003/x.bin") == b"the new holder's"
+
+
+def test_a_storage_fault_at_the_save_s_first_fence_costs_it_nothing(storage, monkeypatch, caplog):
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    put, faults = storage.put_conditional, [StorageError("503 Slow Down")]
+
+    def flaky(*args, **kwargs):
+        if faults:
+            raise faults.pop()
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "put_conditional", flaky)
+    checkpoint.write(storage, 4, {"x.bin": lambda f: f.write(b"x")}, reason="emergency", fence=lease.fence)
+    assert [i.step for i in checkpoint.scan(storage) if i.complete] == [4] and not faults
+    assert "cannot renew the writer lease before a save (503 Slow Down)" in caplog.text
+    lease.release()
 
 
 def test_a_record_of_this_process_left_unreleased_is_taken_over(storage):

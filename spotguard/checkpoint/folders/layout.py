@@ -22,7 +22,7 @@ from typing import Any
 from spotguard.checkpoint.files import filewrite
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.files.filewrite import Writer
-from spotguard.checkpoint.folders.fence import Fence, fenced
+from spotguard.checkpoint.folders.fence import Fence, fence_first, fenced
 from spotguard.checkpoint.folders.retention import deletable, delete
 from spotguard.checkpoint.format import digest
 from spotguard.checkpoint.format.manifest import (
@@ -101,7 +101,7 @@ def write(
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
         check_file_name(fname)
-    fenced(fence, None)  # a writer that lost the run deletes and writes nothing (a save the new holder began)
+    fence_first(fence)  # a writer that lost the run deletes and writes nothing (a save the new holder began)
     _clear_leftovers(storage, name, replace=replace)
     entries: list[FileEntry] = []
     held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
@@ -197,7 +197,7 @@ def write_dir(
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
-    fenced(fence, None)  # as ``write``: nothing deleted or written for a lost lease
+    fence_first(fence)  # as ``write``: nothing deleted or written for a lost lease
     _clear_leftovers(storage, name)
     entries = store_files(storage, name, files, deadline, known)
     manifest = Manifest(
@@ -337,7 +337,7 @@ def copy(
     in the copy was rewritten in the original too).
     """
     manifest = require_manifest(info)
-    fenced(fence, None)  # as ``write``: nothing deleted or written for a lost lease
+    fence_first(fence)  # as ``write``: nothing deleted or written for a lost lease
     existing = dst.list(info.name + "/")
     if f"{info.name}/{MANIFEST}" in existing:
         if not _drop_broken(dst, info.name):
