@@ -173,6 +173,7 @@ def test_a_storage_fault_at_the_save_s_first_fence_costs_it_nothing(storage, mon
             raise faults.pop()
         return put(*args, **kwargs)
 
+    storage.put_bytes("step-00000004/x.bin", b"a save killed before its manifest")  # fenced before it goes
     monkeypatch.setattr(storage, "put_conditional", flaky)
     checkpoint.write(storage, 4, {"x.bin": lambda f: f.write(b"x")}, reason="emergency", fence=lease.fence)
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [4] and not faults

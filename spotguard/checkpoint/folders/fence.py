@@ -23,9 +23,9 @@ def fenced(fence: Fence | None, deadline: float | None) -> float | None:
 
 
 def fence_first(fence: Fence | None) -> None:
-    """Call ``fence`` before a save deletes or writes anything of its step: ``LeaseLostError`` when another
-    job holds the run (its save of that step may be in progress). A storage fault is only logged: the fence
-    before the manifest decides, and a passing fault must not cost an emergency save its files."""
+    """Call ``fence`` before a save deletes what it takes for leftovers of its step: ``LeaseLostError`` when
+    another job holds the run (they may be its save of that step, in progress). A storage fault is only logged:
+    the fence before the manifest decides, and a passing fault must not cost an emergency save its files."""
     if fence is None:
         return
     try:

@@ -90,7 +90,7 @@ def write(
 
     ``meter`` adds up what the files cost apart from waiting for a CPU (``DirectFile.work_seconds``);
     a streamed upload's network time is not in it (its rate is the wall time's). ``fence``: the writer
-    lease's, called before anything is deleted or written and just before the manifest (``_commit``).
+    lease's, called before leftovers are deleted and just before the manifest (``_commit``).
     """
     if reason not in REASONS:
         raise ConfigError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -101,8 +101,7 @@ def write(
         raise ConfigError(f"guard.extra must be JSON-serialisable: {e}") from e
     for fname in files:
         check_file_name(fname)
-    fence_first(fence)  # a writer that lost the run deletes and writes nothing (a save the new holder began)
-    _clear_leftovers(storage, name, replace=replace)
+    _clear_leftovers(storage, name, replace, fence)
     entries: list[FileEntry] = []
     held: list[tuple[str, Path, Any]] = []  # replace=True: stored only once the content is known
     with storage.scratch() as scratch:
@@ -146,7 +145,7 @@ def write(
                     name,
                     step,
                 )
-                _clear_leftovers(storage, name)  # what a replacement killed before its manifest left
+                _clear_leftovers(storage, name, fence=fence)  # what a replacement killed before its manifest left
             for fname, path, crc in held:
                 filewrite.store(storage, f"{name}/{fname}", path, deadline, crc)
     if cancel is not None and cancel.is_set():
@@ -197,8 +196,7 @@ def write_dir(
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"extra must be JSON-serialisable: {e}") from e
-    fence_first(fence)  # as ``write``: nothing deleted or written for a lost lease
-    _clear_leftovers(storage, name)
+    _clear_leftovers(storage, name, fence=fence)
     entries = store_files(storage, name, files, deadline, known)
     manifest = Manifest(
         step, reason, tuple(entries), world_size=world_size, extra=extra_json, torch_version=torch_version
@@ -240,8 +238,9 @@ def _commit(storage: Storage, name: str, manifest: Manifest, deadline: float | N
     return manifest
 
 
-def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool:
-    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save left. Whether committed."""
+def _clear_leftovers(storage: Storage, name: str, replace: bool = False, fence: Fence | None = None) -> bool:
+    """Refuse a committed ``name`` (unless ``replace``); delete what an interrupted save left, once ``fence``
+    says this writer still holds the run (else they may be the new holder's save in progress). Whether committed."""
     existing = storage.list(name + "/")
     committed = f"{name}/{MANIFEST}" in existing
     if committed and _drop_broken(storage, name):
@@ -249,6 +248,7 @@ def _clear_leftovers(storage: Storage, name: str, replace: bool = False) -> bool
     if committed and not replace:
         raise CheckpointExistsError(f"{storage.describe(name)} is already committed")
     if existing and not committed:
+        fence_first(fence)
         logger.info("replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name))
         storage.delete(deletable(storage, existing))
     return committed
@@ -332,18 +332,18 @@ def copy(
     ``cancel``, when set, abandons the copy before the next file or the manifest. ``verify`` checks each file
     against the manifest on its way (``open_verified``: one read, not a verify then a copy) and raises
     ``CheckpointCorruptError`` before a bad file is stored. ``fence``: the writer lease of ``dst``'s, called
-    first and just before the manifest. ``link``: a local ``dst`` may hard-link the source's files (the
+    before leftovers go and just before the manifest. ``link``: a local ``dst`` may hard-link the source's files (the
     engine's tier upload); else each is a copy of its own (``spotguard pull`` linked them: a file rewritten
     in the copy was rewritten in the original too).
     """
     manifest = require_manifest(info)
-    fence_first(fence)  # as ``write``: nothing deleted or written for a lost lease
     existing = dst.list(info.name + "/")
     if f"{info.name}/{MANIFEST}" in existing:
         if not _drop_broken(dst, info.name):
             raise CheckpointExistsError(f"{dst.describe(info.name)} is already committed")
         existing = []
     if existing:
+        fence_first(fence)  # as ``_clear_leftovers``
         dst.delete(deletable(dst, existing))
     for entry in manifest.files:
         if cancel is not None and cancel.is_set():
