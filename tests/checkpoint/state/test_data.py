@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -23,14 +24,16 @@ DATA = list(range(24))
 WORKER_START = {"multiprocessing_context": "forkserver"}
 
 
-def loader(workers: int = 0, batch_size: int = 2) -> StatefulDataLoader:
+def loader(workers: int = 0, batch_size: int = 2, dataset: Any = DATA, seed: int = 3, **kw: Any) -> StatefulDataLoader:
+    """A shuffled loader of ``dataset``, its order drawn from a generator of its own (``seed``)."""
     return StatefulDataLoader(
-        DATA,
+        dataset,
         batch_size=batch_size,
         shuffle=True,
         num_workers=workers,
-        generator=torch.Generator().manual_seed(3),
+        generator=torch.Generator().manual_seed(seed),
         **(WORKER_START if workers else {}),
+        **kw,
     )
 
 

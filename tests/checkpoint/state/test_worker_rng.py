@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import spotguard
 from spotguard import WorkerRNG
 
-from .test_data import WORKER_START
+from .test_data import loader as shuffled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,15 +43,7 @@ def loader(workers: int, wrap: bool, persistent: bool = False) -> StatefulDataLo
     """A fresh loader; the global streams seeded too (``num_workers=0`` draws from them)."""
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     dataset = WorkerRNG(Augmented()) if wrap else Augmented()
-    return StatefulDataLoader(
-        dataset,
-        batch_size=BATCH,
-        shuffle=True,
-        num_workers=workers,
-        generator=torch.Generator().manual_seed(5),
-        persistent_workers=persistent,
-        **(WORKER_START if workers else {}),
-    )
+    return shuffled(workers, BATCH, dataset, seed=5, persistent_workers=persistent)
 
 
 def batches(ld: StatefulDataLoader, epochs: int) -> list[torch.Tensor]:
