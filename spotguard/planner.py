@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -31,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 #: Published notice lead times: AWS spot interruption 2 min, GCP preemption and Azure Preempt 30 s.
 NOTICE_LEAD_S = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
+
+
+def notice_lead(providers: Iterable[Any]) -> tuple[str, float] | None:
+    """The shortest published notice of the clouds among ``providers`` (cloud, seconds), None for none."""
+    leads = [(p.name, NOTICE_LEAD_S[p.name]) for p in providers if p.name in NOTICE_LEAD_S]
+    return min(leads, key=lambda lead: lead[1]) if leads else None
+
+
 #: When only ``notice_s`` is given: some preemptions (host failures, missed notices) come without one.
 DEFAULT_NOTICE_SHARE = 0.9
 #: When only ``notice_share`` is given: the shortest published lead (GCP, Azure).

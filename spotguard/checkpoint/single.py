@@ -232,7 +232,7 @@ class SingleEngine(HoldsStaging):
     ) -> Manifest | None:
         """``on_content`` given: a final save, which replaces a committed ``step`` of other content.
         ``crcs`` given (a save to the local tier): filled with the durable storage's upload CRCs."""
-        replace = on_content is not None
+        replace = on_content is not None or self._tidy.unloadable(storage, step)
         try:
             manifest = layout.write(
                 storage,

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from spotguard import _env, checkpoint, heartbeat
+from spotguard import _env, checkpoint, heartbeat, planner
 from spotguard.checkpoint.engine import Tracked
 from spotguard.checkpoint.folders.tier import open_tier
 from spotguard.checkpoint.state import data, state
@@ -32,7 +32,7 @@ from spotguard.events import Events
 from spotguard.guard import buckets, insync
 from spotguard.guard.forward import Forward
 from spotguard.guard.options import BusyPolicy, GuardOptions
-from spotguard.guard.saves import Saves, notice_lead
+from spotguard.guard.saves import Saves
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
 from spotguard.guard.stop import GuardStops
@@ -111,7 +111,7 @@ class Guard:
             o.staging_budget,
             self.lease.fence,
         )
-        self.saves.notice_lead = notice_lead(self.watcher.providers)
+        self.saves.notice_lead = planner.notice_lead(self.watcher.providers)
         self._step: int | None = None
         self._reserve_due = o.async_save if self.agreement is None else self.agreement.store is not None  # staging
         self._unwatched = True  # until entered: a step() then warns once that no notice is watched
@@ -273,11 +273,11 @@ class Guard:
             self.lease.hold()
 
     def _lease_lost(self, why: str) -> None:
-        """From the lease's heartbeat thread: another job took the run over. The next ``step()`` raises, and
-        a save of this process alone stops writing now: its files could land over the new holder's."""
+        """From the lease's thread (or a fence): another job took the run over. The next ``step()`` raises, no
+        save starts, and one of this process alone stops writing (else its files could land over the new holder's)."""
         self._beat.lease_held()
-        self.schedule.due_step = 0  # step() takes its slow path, where _act raises LeaseLostError
-        if (pending := self.saves.in_flight()) is not None and self.agreement is None:  # a group's: at its commit
+        self.schedule.due_step, self.saves.lost = 0, why  # step() takes its slow path, where _act raises
+        if (pending := self.saves.in_flight()) is not None and self.agreement is None:
             pending.cancel()
 
     def save(self, step: int, reason: str = "manual", *, deadline: float | None = None) -> Manifest | None:

@@ -12,33 +12,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from spotguard import heartbeat
 from spotguard.checkpoint.engine import Commit, Engine, Resumed, Tracked
 from spotguard.checkpoint.format.manifest import Manifest
 from spotguard.checkpoint.state.budget import pinned_bytes
-from spotguard.errors import NoLoadableCheckpointError, UnloadableStateError
+from spotguard.errors import LeaseLostError, NoLoadableCheckpointError, UnloadableStateError
 from spotguard.events import Events
 from spotguard.guard.emergency import CANCEL_GRACE_S
 from spotguard.guard.options import BusyPolicy
 from spotguard.guard.pending import PendingSave
 from spotguard.guard.schedule import Schedule
 from spotguard.guard.stats import GuardStats
-from spotguard.notices.base import NoticeProvider
-from spotguard.planner import NOTICE_LEAD_S
 
 if TYPE_CHECKING:
     from spotguard.coordination.agreement import Agreement
 
 logger = logging.getLogger(__name__)
-
-
-def notice_lead(providers: Iterable[NoticeProvider]) -> tuple[str, float] | None:
-    """The shortest published notice of the clouds among ``providers`` (cloud, seconds), None for none."""
-    leads = [(p.name, NOTICE_LEAD_S[p.name]) for p in providers if p.name in NOTICE_LEAD_S]
-    return min(leads, key=lambda lead: lead[1]) if leads else None
 
 
 class Saves:
@@ -50,6 +42,8 @@ class Saves:
     #: commit within it at the measured rate is warned about once.
     notice_lead: tuple[str, float] | None = None
     _lead_warned = False
+    #: Why this job lost the writer lease (set from the lease's thread): no save starts, one cut short failed.
+    lost: str | None = None
 
     def __init__(
         self,
@@ -220,12 +214,12 @@ class Saves:
         pending = self.pending
         if busy is None:
             busy = pending is not None and not pending.done()
-        if busy:
-            if self.busy is BusyPolicy.SKIP:
-                self._skip(step, reason, pending)
-                return
-            self.wait_pending()
-        self.reap()
+        if busy and self.busy is BusyPolicy.SKIP and self.lost is None:
+            self._skip(step, reason, pending)
+            return
+        self.wait_pending()
+        if self.lost is not None:  # also while this waited: nothing more of this run is written
+            raise LeaseLostError(self.lost)
         t0 = time.perf_counter()
         activity = self.activity
         mark = activity.begin(heartbeat.SAVING, step)
@@ -294,10 +288,11 @@ class Saves:
             return
         self.pending = None
         if pending.error is not None:
-            if pending.cancelled:
+            lost = self.lost
+            if pending.cancelled and lost is None:
                 logger.info("save of step %d was abandoned", pending.step)
-            else:
-                self.failed(pending.step, pending.reason, pending.error)
+            else:  # one stopped for a lost lease failed, as its commit would have
+                self.failed(pending.step, pending.reason, LeaseLostError(lost) if lost else pending.error)
             if self.saved_step == pending.step:
                 self.saved_step = None
 
@@ -325,7 +320,7 @@ class Saves:
         """
         self.engine.close()  # a reservation still waiting for peers gives up
         pending = self.pending
-        if pending is not None and pending.cancelled:  # abandoned for an emergency save: never hold the exit
+        if pending is not None and pending.cancelled and self.lost is None:  # abandoned for an emergency save
             if collective:
                 self.abandon(CANCEL_GRACE_S * 5)  # its ranks drop it together, soon: let its thread end
             else:

@@ -181,6 +181,21 @@ def test_a_storage_fault_at_the_save_s_first_fence_costs_it_nothing(storage, mon
     lease.release()
 
 
+def test_a_renewal_refused_twice_before_a_save_deletes_nothing(storage, monkeypatch):
+    # Refused, read back as ours, refused again: a takeover landed in between, as likely as not.
+    lease = Lease(storage, ttl_s=30)
+    lease.acquire()
+    storage.put_bytes("step-00000004/x.bin", b"maybe the new holder's")
+
+    def refused(*args, **kwargs):
+        raise PreconditionFailedError("the record changed")
+
+    monkeypatch.setattr(storage, "put_conditional", refused)
+    with pytest.raises(PreconditionFailedError):
+        checkpoint.write(storage, 4, {"x.bin": lambda f: f.write(b"x")}, reason="periodic", fence=lease.fence)
+    assert storage.get_bytes("step-00000004/x.bin") == b"maybe the new holder's"
+
+
 def test_a_record_of_this_process_left_unreleased_is_taken_over(storage):
     """An earlier Guard of this program that was never closed: same host and pid, another owner."""
     first = Lease(storage, ttl_s=30)

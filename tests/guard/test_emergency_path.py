@@ -14,8 +14,8 @@ import torch
 
 import spotguard
 from spotguard import Notice, checkpoint, notices
-from spotguard.guard.saves import notice_lead
 from spotguard.guard.stats import GuardStats
+from spotguard.planner import notice_lead
 from spotguard.storage import open_storage
 from tests.helpers import subprocess_env
 

@@ -193,7 +193,10 @@ def test_a_guard_dropped_without_a_close_is_not_kept_alive_and_gives_the_lease_b
 
 
 def test_a_background_save_stops_writing_once_another_job_took_the_lease(tmp_path: Path, monkeypatch):
-    """Its commit would be refused anyway; files it went on writing could land over the new holder's."""
+    """Its commit would be refused anyway; files it went on writing could land over the new holder's. The
+    loop, waiting for it (``busy="wait"``), starts no other save, and the cut save is a failure, not a skip."""
+    import threading
+
     import torch
 
     from spotguard.checkpoint.files import fileio
@@ -208,21 +211,22 @@ def test_a_background_save_stops_writing_once_another_job_took_the_lease(tmp_pat
 
     monkeypatch.setattr(fileio.DirectFile, "_write_all", slow)
     storage = open_storage(str(tmp_path / "run"))
-    guard = Guard(storage, providers=None, lease_ttl=0.6, every_steps=1, async_save=True)
+    guard = Guard(storage, providers=None, lease_ttl=0.6, every_steps=1, async_save=True, busy="wait")
     guard.track(w=torch.zeros(40 << 20))
     guard.resume()
     guard.step(1)
     pending = guard.saves.in_flight()
     assert pending is not None and pending.step == 1
-    time.sleep(0.5)
-    other_writer(storage)  # another job takes the run over; the heartbeat sees it within 0.2 s
+    threading.Timer(0.5, other_writer, args=(storage,)).start()  # taken over while step 2 waits for step 1
     t0 = time.monotonic()
-    while not pending.done():
-        assert time.monotonic() - t0 < 3.0, "the save went on writing for a lost lease"
-        time.sleep(0.02)
-    assert pending.cancelled and not any(i.step == 1 and i.complete for i in checkpoint.scan(storage))
     with pytest.raises(LeaseLostError, match="now held by run run-b"):
         guard.step(2)
+    assert time.monotonic() - t0 < 3.0, "the save went on writing for a lost lease"
+    assert pending.done() and pending.cancelled and guard.saves.pending is None  # no save of step 2 started
+    assert not (tmp_path / "run" / "step-00000002").exists()
+    assert not any(i.complete for i in checkpoint.scan(storage))
+    with pytest.raises(LeaseLostError):  # the save cut short failed, as its commit would have
+        guard.wait()
     guard.close(save=False)
 
 

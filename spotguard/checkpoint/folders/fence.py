@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from spotguard.errors import StorageError
+from spotguard.errors import PreconditionFailedError, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -30,5 +30,7 @@ def fence_first(fence: Fence | None) -> None:
         return
     try:
         fence()
+    except PreconditionFailedError:  # the record changed under the renewal's second try: taken over, as likely as not
+        raise
     except StorageError as e:
         logger.warning("cannot renew the writer lease before a save (%s); the commit renews it", e)

@@ -132,6 +132,12 @@ class Housekeeping:
             ]
             self._unloadable = [(tier, [i for i in infos if i.complete and i.step > step]) for tier, infos in tiers]
 
+    def unloadable(self, storage: Storage, step: int) -> bool:
+        """Whether ``storage`` held a complete checkpoint of ``step`` that the resume skipped (it did not load):
+        a save of that step supersedes it (its next revision), never is refused as "already committed"."""
+        with self._lock:
+            return any(tier is storage and i.step == step for tier, infos in self._unloadable for i in infos)
+
     def claim(self, step: int) -> None:
         """A save of ``step`` starts: what a killed save of that step left is its writer's to replace now."""
         with self._lock:

@@ -12,6 +12,7 @@ saves and restores the global streams itself.
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from typing import Any
@@ -55,7 +56,8 @@ class WorkerRNG(Dataset):
 
     Use it as the loader's dataset: ``StatefulDataLoader(WorkerRNG(MyDataset()), num_workers=4, ...)``,
     tracked by the Guard as any loader. Attributes read and set go to the wrapped dataset (a
-    ``worker_init_fn`` that shards through ``get_worker_info().dataset`` works as before), as do ``len()``
+    ``worker_init_fn`` that shards through ``get_worker_info().dataset`` works as before; ``.dataset`` read
+    is the wrapped dataset itself), as do ``len()``
     and its own ``state_dict``. An iterable dataset without a ``state_dict`` is returned as it is: torchdata
     resumes it by replaying its items, which a state of ours would stop (it would start over). A loader
     resumed with another ``num_workers`` starts the workers' streams afresh (with the warning it gives).
@@ -75,6 +77,9 @@ class WorkerRNG(Dataset):
 
     def __reduce__(self) -> tuple[Any, ...]:  # to worker processes (spawn, forkserver): built again around it
         return WorkerRNG, (self.dataset,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:  # looked up on the instance: not the dataset's own
+        return WorkerRNG(copy.deepcopy(self.dataset, memo))
 
     def __getattr__(self, name: str) -> Any:  # only what the wrapper lacks: the dataset's own attributes
         if name == "dataset":  # not set (yet): no recursion

@@ -7,6 +7,7 @@ equals the uninterrupted run's.
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import random
@@ -108,6 +109,11 @@ class Counted(IterableDataset):
     def __len__(self) -> int:
         return self.end - self.start
 
+    def __deepcopy__(self, memo: dict) -> Counted:  # a dataset's own: the wrapper must not hand its copy back
+        copied = Counted(self.end)
+        copied.start, copied.seen = self.start, self.seen
+        return copied
+
     def state_dict(self) -> dict:
         return {"seen": self.seen}
 
@@ -124,8 +130,8 @@ def test_the_wrapper_is_the_dataset_to_its_users():
     assert state["dataset"] == {"seen": 0} and state["streams"] is None  # the main process: the Guard's streams
     wrapped.load_state_dict({**state, "dataset": {"seen": 7}})
     assert wrapped.dataset.seen == 7
-    copy = pickle.loads(pickle.dumps(wrapped))  # as to a worker started by spawn or forkserver
-    assert isinstance(copy, WorkerRNG) and list(copy) == [3, 4, 5]
+    for copied in (pickle.loads(pickle.dumps(wrapped)), copy.deepcopy(wrapped)):  # to a spawned worker, a deepcopy
+        assert isinstance(copied, WorkerRNG) and list(copied) == [3, 4, 5] and copied.dataset is not wrapped.dataset
     mapped = WorkerRNG(Augmented())
     assert len(mapped) == SIZE and mapped.classes == ("a", "b") and not isinstance(mapped, IterableDataset)
 
