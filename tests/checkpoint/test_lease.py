@@ -12,6 +12,7 @@ import pytest
 from spotguard import checkpoint
 from spotguard.checkpoint import lease as record_mod
 from spotguard.checkpoint import leaseholder
+from spotguard.checkpoint.folders import layout
 from spotguard.checkpoint.lease import LEASE, LeaseRecord
 from spotguard.checkpoint.leaseholder import Lease
 from spotguard.errors import LeaseHeldError, LeaseLostError, PreconditionFailedError, StorageError
@@ -140,7 +141,7 @@ def test_commits_are_fenced_by_the_lease_their_writer_was_given(storage):
     assert [i.step for i in checkpoint.scan(storage) if i.complete] == [1, 2]  # step 3 has no manifest
 
 
-@pytest.mark.parametrize("how", ["write", "write_dir", "copy"])
+@pytest.mark.parametrize("how", ["write", "write_dir", "copy", "prepare"])
 def test_a_writer_that_lost_the_run_deletes_and_writes_nothing_of_the_new_holder_s_save(storage, tmp_path, how):
     # The new holder is saving step 3 (its files are there, its manifest not yet): the old writer's save
     # of the same step used to clear them as leftovers and store its own before its commit was refused.
@@ -153,13 +154,17 @@ def test_a_writer_that_lost_the_run_deletes_and_writes_nothing_of_the_new_holder
     (folder / "x.bin").write_bytes(b"old")
     source = open_storage(str(tmp_path / "tier"))
     checkpoint.write(source, 3, {"x.bin": lambda f: f.write(b"old")}, reason="periodic")
-    with pytest.raises(LeaseLostError):
-        if how == "write":
-            checkpoint.write(storage, 3, {"x.bin": lambda f: f.write(b"old")}, reason="periodic", fence=lease.fence)
-        elif how == "write_dir":
-            checkpoint.write_dir(storage, 3, folder, reason="periodic", fence=lease.fence)
-        else:
-            checkpoint.copy(source, storage, checkpoint.scan(source)[0], fence=lease.fence)
+    if how == "prepare":  # rank 0 of a collective save (sharded, trainer folders in a group): a status all agree on
+        status = layout.prepare(storage, "step-00000003", lease.fence)
+        assert status.startswith("rank 0 cannot prepare") and "LeaseLostError" in status, status
+    else:
+        with pytest.raises(LeaseLostError):
+            if how == "write":
+                checkpoint.write(storage, 3, {"x.bin": lambda f: f.write(b"o")}, reason="periodic", fence=lease.fence)
+            elif how == "write_dir":
+                checkpoint.write_dir(storage, 3, folder, reason="periodic", fence=lease.fence)
+            else:
+                checkpoint.copy(source, storage, checkpoint.scan(source)[0], fence=lease.fence)
     assert storage.get_bytes("step-00000003/x.bin") == b"the new holder's"
 
 

@@ -104,7 +104,7 @@ def commit(
     is already committed, ``StorageError`` on every rank when any rank failed (nothing committed),
     ``ConfigError`` when no rank holds a file. ``supersede``: as the step's next revision (rank 0
     picks it, ``layout.next_revision``), which replaces the committed one once it is committed itself.
-    ``fence``: rank 0's writer lease's, called just before the manifest (a lost lease commits nothing).
+    ``fence``: rank 0's writer lease's, called before leftovers go and just before the manifest (a lost lease commits nothing).
     ``known``: digests taken as the files were closed (``layout.store_files``).
     """
     if reason not in REASONS:
@@ -114,7 +114,7 @@ def commit(
     if rank == 0:
         try:
             revision = layout.next_revision(storage, step) if supersede else 0
-            status = layout.prepare(storage, layout.step_dir(step, revision))
+            status = layout.prepare(storage, layout.step_dir(step, revision), fence)
         except Exception as e:
             status = f"rank 0 cannot list {storage.describe(layout.step_dir(step))}: {type(e).__name__}: {e}"
     revision, status = broadcast((revision, status), group)

@@ -266,21 +266,14 @@ def next_revision(storage: Storage, step: int) -> int:
     return max(committed) + 1 if committed else 0
 
 
-def prepare(storage: Storage, name: str) -> str:
-    """Rank 0 of a collective save, before any rank stores a file: "exists" when ``name`` is
-    committed, "ok" once leftovers of an interrupted save are cleared, else why it cannot be written
-    (a string, for every rank to agree on: never raises)."""
+def prepare(storage: Storage, name: str, fence: Fence | None = None) -> str:
+    """Rank 0 of a collective save, before any rank stores a file: "exists" when ``name`` is committed, "ok"
+    once leftovers of an interrupted save are cleared (``_clear_leftovers``, ``fence`` first), else why it
+    cannot be written (a string, for every rank to agree on: never raises)."""
     try:
-        existing = storage.list(name + "/")
-        if f"{name}/{MANIFEST}" in existing:
-            if not _drop_broken(storage, name):
-                return "exists"
-            existing = storage.list(name + "/")
-        if existing:
-            logger.info(
-                "replacing %d leftover file(s) of an interrupted save in %s", len(existing), storage.describe(name)
-            )
-            storage.delete(deletable(storage, existing))
+        _clear_leftovers(storage, name, fence=fence)
+    except CheckpointExistsError:
+        return "exists"
     except Exception as e:
         return f"rank 0 cannot prepare {storage.describe(name)}: {type(e).__name__}: {e}"
     return "ok"

@@ -260,7 +260,7 @@ class ShardedEngine(HoldsStaging):
 
     def _prepare(self, step: int) -> str:
         """Rank 0, before any rank writes (``layout.prepare``)."""
-        return layout.prepare(self.storage, step_dir(step))
+        return layout.prepare(self.storage, step_dir(step), self.fence)
 
     def _write_rank_file(
         self, step: int, staged: Staged, deadline: float | None, meter: WorkMeter | None = None
