@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir
+from spotguard.checkpoint.format.manifest import MANIFEST, CheckpointInfo, dir_order, parse_step_dir, step_dir
 from spotguard.checkpoint.format.reader import scan
 from spotguard.errors import ConfigError
 from spotguard.storage.base import Storage, check_key
@@ -120,6 +120,7 @@ class Housekeeping:
         self.keep = keep
         self._ahead: list[tuple[Storage, list[CheckpointInfo]]] = []
         self._unloadable: list[tuple[Storage, list[CheckpointInfo]]] = []  # complete, above the resume point
+        self._revisions: dict[int, int] = {}  # ``supersede``: step -> the revision its saves take
         self._lock = threading.Lock()
 
     def at_resume(self, tiers: list[tuple[Storage, list[CheckpointInfo]]], step: int) -> None:
@@ -137,6 +138,23 @@ class Housekeeping:
         a save of that step supersedes it (its next revision), never is refused as "already committed"."""
         with self._lock:
             return any(tier is storage and i.step == step for tier, infos in self._unloadable for i in infos)
+
+    def supersede(self, infos: list[CheckpointInfo], step: int) -> None:
+        """The resume loaded ``step`` (0: none loads, a fresh start) from ``infos``, its listing: a save of the
+        step of a checkpoint above it, which did not load, is written as that step's next revision
+        (``dir_for``), which supersedes it once committed (``prune``), never refused as "already committed".
+        Every rank of a collective resume calls it with the same listing: their saves agree on the name."""
+        revisions: dict[int, int] = {}
+        for i in infos:
+            if i.step > step and i.status != "incomplete":  # it holds a manifest: a save must not land on it
+                revisions[i.step] = max(revisions.get(i.step, 0), i.revision + 1)
+        with self._lock:
+            self._revisions = revisions
+
+    def dir_for(self, step: int) -> str:
+        """The directory a collective save of ``step`` writes: ``step_dir(step)``, or its revision (``supersede``)."""
+        with self._lock:
+            return step_dir(step, self._revisions.get(step, 0))
 
     def claim(self, step: int) -> None:
         """A save of ``step`` starts: what a killed save of that step left is its writer's to replace now."""

@@ -186,7 +186,7 @@ class ShardedEngine(HoldsStaging):
             g.store, f"{g.uid}/{self._staged}/", g.rank, g.world_size, threading.Event(), g.timeout_s
         )
         live = collected(tracked, self.groups, step)
-        writer = SpotguardWriter(self.storage, step_dir(step), g.rank)
+        writer = SpotguardWriter(self.storage, self._tidy.dir_for(step), g.rank)
         planned = sharded_plan.agree(ex, writer, None if live.error else live.sd, live.error, self._plan, self._staged)
         self._check_once(live, step, collective=False)
         share = {"objects": live.payload.get("objects"), "items": planned.items}
@@ -202,6 +202,7 @@ class ShardedEngine(HoldsStaging):
                 dataclasses.replace(ex, cancel=cancel),
                 self.storage,
                 step,
+                self._tidy.dir_for(step),
                 (planned.plan, planned.planner(g.rank), planned.metadata),
                 prepare=lambda: self._prepare(step),
                 write_rank_file=lambda: self._write_rank_file(step, staged, None, meter),
@@ -260,7 +261,7 @@ class ShardedEngine(HoldsStaging):
 
     def _prepare(self, step: int) -> str:
         """Rank 0, before any rank writes (``layout.prepare``)."""
-        return layout.prepare(self.storage, step_dir(step), self.fence)
+        return layout.prepare(self.storage, self._tidy.dir_for(step), self.fence)
 
     def _write_rank_file(
         self, step: int, staged: Staged, deadline: float | None, meter: WorkMeter | None = None
@@ -269,7 +270,7 @@ class ShardedEngine(HoldsStaging):
         if staged.error:
             return staged.error, []
         rank = self.groups.rank
-        key = f"{step_dir(step)}/{rank_file(rank)}"
+        key = f"{self._tidy.dir_for(step)}/{rank_file(rank)}"
         try:
             entry = filewrite.put(
                 self.storage,
@@ -297,13 +298,13 @@ class ShardedEngine(HoldsStaging):
         )
         raw = manifest.to_bytes()
         deadline = fenced(self.fence, deadline)  # rank 0 holds the run's lease: a lost one commits nothing
-        self.storage.put_bytes(f"{step_dir(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
+        self.storage.put_bytes(f"{self._tidy.dir_for(step)}/{MANIFEST}", raw, exclusive=True, deadline=deadline)
         return raw
 
     def _committed(self, raw: bytes, step: int, reason: str) -> Manifest:
         """Every rank, after the commit: the manifest; rank 0 prunes old checkpoints, except after an
         emergency save (nothing but its commit on the deadline's clock: the next save prunes)."""
-        manifest = Manifest.from_bytes(raw, where=step_dir(step))
+        manifest = Manifest.from_bytes(raw, where=self._tidy.dir_for(step))
         world = self.groups.world_size
         logger.info("%s checkpoint of step %d written by %d ranks (%.1f MB)", reason, step, world, manifest.size / 1e6)
         if self.groups.rank == 0 and reason != "emergency":
@@ -321,7 +322,7 @@ class ShardedEngine(HoldsStaging):
         (any rank failed) on all ranks alike.
         """
         group, rank, world = self.groups.save_group, self.groups.rank, self.groups.world_size
-        name = step_dir(step)
+        name = self._tidy.dir_for(step)  # its next revision after a fresh start beside an unloadable one
         status = broadcast(self._prepare(step) if rank == 0 else "", group)
         if status == "exists":
             logger.info("%s is already committed; not writing it twice", self.storage.describe(name))

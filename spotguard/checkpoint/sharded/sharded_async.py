@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from spotguard.checkpoint.files.fileio import WorkMeter
 from spotguard.checkpoint.files.stream import Ring
-from spotguard.checkpoint.format.manifest import FileEntry, step_dir
+from spotguard.checkpoint.format.manifest import FileEntry
 from spotguard.checkpoint.sharded.dcp import SpotguardWriter
 from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage.base import Storage
@@ -105,6 +105,7 @@ def write(
     ex: Exchange,
     storage: Storage,
     step: int,
+    where: str,
     planned: tuple[SavePlan | None, SavePlanner, Metadata | None],
     prepare: Callable[[], str],
     write_rank_file: Callable[[], tuple[str, list[FileEntry]]],
@@ -112,7 +113,8 @@ def write(
     meter: WorkMeter | None = None,
     ring: Ring | None = None,
 ) -> tuple[bytes, float | None] | None:
-    """This rank's part of a background sharded save of ``step``; every rank calls it for the same save.
+    """This rank's part of a background sharded save of ``step`` into ``where`` (its directory); every rank
+    calls it for the same save.
 
     ``planned``: this rank's final DCP plan, a planner that resolves its (staged) items, and on rank 0
     DCP's metadata, all agreed when the save was staged (``sharded_plan``). ``prepare()`` (rank 0:
@@ -142,7 +144,7 @@ def write(
         plan, planner, metadata = planned
         if plan is None:  # never: a rank without a plan carries its reason into write_rank_file
             raise Stopped(FAILED, f"rank {rank}: no plan")
-        writer = SpotguardWriter(storage, step_dir(step), rank, cancel=ex.cancel, meter=meter, ring=ring)
+        writer = SpotguardWriter(storage, where, rank, cancel=ex.cancel, meter=meter, ring=ring)
         writer.set_up_storage_writer(rank == 0)
         results = writer.write_data(plan, planner).value()
         entries.extend(writer.entries)

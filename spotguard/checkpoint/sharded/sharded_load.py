@@ -179,6 +179,8 @@ def resume(
             if agreement.rank == 0:
                 mark_corrupt(storage, info, e)
             continue
+        if tidy is not None:
+            tidy.supersede(infos, info.step)  # every rank: the ones above that did not load
         if agreement.rank == 0:
             if tidy is not None:
                 tidy.at_resume([(storage, infos)], info.step)
@@ -192,8 +194,10 @@ def resume(
             )
         return Resumed(info.step, info.manifest, storage.describe(info.name), time.monotonic() - t0, info.step)
     if skipped:  # none loads: a fresh start (on_unloadable="fresh") must not count them, nor be pruned by them
-        if agreement.rank == 0 and tidy is not None:
-            tidy.at_resume([(storage, infos)], 0)
+        if tidy is not None:
+            tidy.supersede(infos, 0)  # every rank: a save of their step supersedes them
+            if agreement.rank == 0:
+                tidy.at_resume([(storage, infos)], 0)
         raise none_loads(storage, skipped)
     if agreement.rank == 0:
         logger.info("no checkpoint in %s: starting from step 0", storage.describe())

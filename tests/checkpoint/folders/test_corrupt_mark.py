@@ -8,6 +8,7 @@ the resume point too), and a save of its step was refused as already committed.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -188,22 +189,38 @@ def test_a_fresh_start_beside_checkpoints_that_do_not_load_keeps_its_own(tmp_pat
 
     monkeypatch.setattr(torch, "load", load)
 
-    def run(start_at: int, steps: int) -> None:
+    def run(start_at: int, steps: int, every: int = 2, then: Callable[[Guard], None] = lambda guard: None) -> None:
         model = torch.nn.Linear(8, 8)
         guard = Guard(
-            str(storage), providers=[], every_steps=2, keep=1, on_unloadable="fresh", busy="wait", save_on_exit=False
+            str(storage),
+            providers=[],
+            every_steps=every,
+            keep=1,
+            on_unloadable="fresh",
+            busy="wait",
+            save_on_exit=False,
         )
         guard.track(model=model)
         assert guard.resume() == start_at
         with guard:
             for step in range(start_at, steps):
                 guard.step(step + 1)
+            then(guard)
+
+    def emergency_then_final(guard: Guard) -> None:  # synchronous saves of 50 (the sharded engine's ``_write``)
+        assert guard.save(50, "emergency") is not None
+        assert (storage / "step-00000050.r1").is_dir() and (storage / step_dir(50)).is_dir()  # the next save prunes
+        assert guard.save(50, "final") is None  # this run's own checkpoint of 50: committed, not written twice
 
     run(0, 6)
     assert _statuses(storage) == {6: "complete", 40: "complete", 50: "complete"}  # before: {40, 50}
     run(6, 8)  # a restart resumes the new run
     assert _statuses(storage) == {8: "complete", 40: "complete", 50: "complete"}
-    if engine == "single":  # a save of the old one's step supersedes it (was: "already committed", nothing saved)
-        run(8, 40)
-        assert (storage / "step-00000040.r1").is_dir() and _statuses(storage) == {40: "complete", 50: "complete"}
-        run(40, 42)
+    # A save of the old one's step supersedes it; before, it was refused as "already committed": nothing saved
+    # (the sharded engine's emergency save too), the run had no checkpoint between 8 and 50.
+    run(8, 40)  # a background save of 40
+    assert (storage / "step-00000040.r1").is_dir() and _statuses(storage) == {40: "complete", 50: "complete"}
+    assert not (storage / step_dir(40)).exists()  # superseded, pruned once its successor landed
+    run(40, 50, every=1000, then=emergency_then_final)  # a restart (it loads 40.r1: 50 does not load)
+    run(50, 52)
+    assert _statuses(storage) == {52: "complete"}
