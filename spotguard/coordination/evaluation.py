@@ -33,9 +33,11 @@ class Evaluation:
         agreement: Agreement | None,
         activity: heartbeat.Activity | None = None,
     ) -> None:
-        """``stopping()``: whether a stop is pending (a notice, but not inside a notice window where
-        training goes on: an evaluation cut there would change the draws of the steps after it)."""
-        self._tracked, self._step, self._stopping, self._agreement = tracked, step, stopping, agreement
+        """``step``: the last training step, None before the first (step 0: an evaluation before training,
+        as nanoGPT runs at iteration 0, is cut as one after step 0). ``stopping()``: whether a stop is pending
+        (a notice, but not inside a notice window where training goes on: an evaluation cut there would
+        change the draws of the steps after it)."""
+        self._tracked, self._step, self._stopping, self._agreement = tracked, step or 0, stopping, agreement
         self._activity = activity or heartbeat.Activity()
         self._mark = 0
         self.cut_short = False  # should_stop() said yes
@@ -45,7 +47,7 @@ class Evaluation:
         # or on another rank) is still a stop of this step. A later step's save ignores it (another step).
         t = self._tracked
         t.cut = Cut(self._step, state.capture_rng(), copy.deepcopy(t.extra))
-        self._mark = self._activity.begin(heartbeat.EVALUATING, self._step or 0)  # `spotguard rehearse` sees it
+        self._mark = self._activity.begin(heartbeat.EVALUATING, self._step)  # `spotguard rehearse` sees it
         return self
 
     def should_stop(self) -> bool:

@@ -40,8 +40,8 @@ def rows(log: Path) -> list[list]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
-    """A reference run; a run stopped at the second batch of epoch 1's evaluation, then resumed: the
+def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str, epoch: int = 1) -> None:
+    """A reference run; a run stopped at the second batch of ``epoch``'s evaluation, then resumed: the
     resumed run starts with the cut evaluation, from its start, with the same draws; then the rest."""
     ref_log, cut_log, resumed_log = tmp_path / "ref.jsonl", tmp_path / "cut.jsonl", tmp_path / "resumed.jsonl"
     storage = tmp_path / "run"
@@ -50,7 +50,7 @@ def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
         run(cmd)
         for cmd in (
             job(tmp_path / "ref", ref_log, "--final", str(tmp_path / "ref.pt"), *common),
-            job(storage, cut_log, "--notice-epoch", "1", *common),
+            job(storage, cut_log, "--notice-epoch", str(epoch), *common),
             job(storage, resumed_log, "--final", str(tmp_path / "resumed.pt"), *common),
         )
     ]
@@ -59,8 +59,8 @@ def stop_in_an_evaluation_and_resume(tmp_path: Path, *common: str) -> None:
 
     ref, cut, resumed = rows(ref_log), rows(cut_log), rows(resumed_log)
     assert cut == ref[: len(cut)]  # the same run up to the notice
-    assert cut[-1][0] == "eval" and cut[-1][1] == 1, "the notice fell inside epoch 1's evaluation"
-    begun = next(i for i, r in enumerate(ref) if r[:2] == ["eval", 1])
+    assert cut[-1][0] == "eval" and cut[-1][1] == epoch, "the notice fell inside the epoch's evaluation"
+    begun = next(i for i, r in enumerate(ref) if r[:2] == ["eval", epoch])
     assert len(cut) - begun == 1, "the evaluation was left at its second batch"
     assert resumed == ref[begun:]
     got, want = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
@@ -82,6 +82,14 @@ def test_a_periodic_checkpoint_written_before_the_evaluation_is_its_resume_point
     stop_in_an_evaluation_and_resume(tmp_path, "--every-steps", "6")
     (info,) = [i for i in scan(open_storage(str(tmp_path / "run"))) if i.step == 12]
     assert info.complete and info.manifest is not None and info.manifest.reason == "periodic", info
+
+
+@pytest.mark.timeout(300)
+def test_a_notice_during_an_evaluation_before_the_first_step_resumes_it_exactly(tmp_path: Path) -> None:
+    """nanoGPT evaluates at iteration 0, before any training step. No step was known yet, so the cut did
+    not apply to the stop's checkpoint of step 0: it held the streams as the evaluation left them, and
+    every value of the resumed run differed from the uninterrupted run's."""
+    stop_in_an_evaluation_and_resume(tmp_path, "--eval-first", epoch=-1)
 
 
 def test_a_cut_applies_only_to_its_own_step_and_never_to_the_final_checkpoint() -> None:

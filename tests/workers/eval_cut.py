@@ -3,6 +3,8 @@ augmentation), stopped by SIGTERM in the middle of an evaluation (after the epoc
 
     python tests/workers/eval_cut.py --storage ckpt --log log.jsonl [--notice-epoch 1] [--num-workers 2] [--every-steps 6]
 
+``--eval-first`` also evaluates before the first training step, as epoch -1 (nanoGPT evaluates at iteration 0).
+
 Each line of ``--log`` is ``[kind, step or epoch, value]``; the final weights go to ``--final``.
 Exits 75 after a notice. Used by tests/guard/test_evaluation.py.
 """
@@ -30,11 +32,12 @@ def main() -> int:
     p.add_argument("--storage", required=True)
     p.add_argument("--log", required=True)
     p.add_argument("--final", default="")
-    p.add_argument("--notice-epoch", type=int, default=-1)
+    p.add_argument("--notice-epoch", type=int, default=None)
     p.add_argument("--notice-batch", type=int, default=1)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--every-steps", type=int, default=0, help="periodic checkpoints (0: none)")
+    p.add_argument("--eval-first", action="store_true", help="evaluate before the first training step too")
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -62,7 +65,22 @@ def main() -> int:
         log.write(json.dumps(row) + "\n")
         log.flush()
 
+    def evaluate(epoch: int) -> bool:
+        """Evaluate after training step ``step``; True when a notice cut it short (stop)."""
+        with guard.evaluation() as ev, torch.no_grad():  # dropout stays on: the draws matter
+            for i in range(4):
+                if epoch == a.notice_epoch and i == a.notice_batch:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    guard.preempted.wait(60)  # the watcher's thread raises the flag: inside this evaluation
+                if ev.should_stop():
+                    break
+                x = data[i][0] + 0.1 * torch.randn(4)  # a random augmentation
+                emit("eval", epoch, model(x).item())
+        return guard.step(step)
+
     with guard:
+        if a.eval_first and step == 0 and evaluate(-1):
+            return spotguard.EXIT_PREEMPTED
         while epoch < a.epochs:
             model.train()
             for x, y in loader:
@@ -74,16 +92,7 @@ def main() -> int:
                 emit("train", step, loss.item())
                 if guard.step(step):
                     return spotguard.EXIT_PREEMPTED
-            with guard.evaluation() as ev, torch.no_grad():  # dropout stays on: the draws matter
-                for i in range(4):
-                    if epoch == a.notice_epoch and i == a.notice_batch:
-                        os.kill(os.getpid(), signal.SIGTERM)
-                        guard.preempted.wait(60)  # the watcher's thread raises the flag: inside this evaluation
-                    if ev.should_stop():
-                        break
-                    x = data[i][0] + 0.1 * torch.randn(4)  # a random augmentation
-                    emit("eval", epoch, model(x).item())
-            if guard.step(step):
+            if evaluate(epoch):
                 return spotguard.EXIT_PREEMPTED
             epoch += 1
             guard.extra["epoch"] = epoch
