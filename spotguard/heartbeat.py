@@ -33,14 +33,16 @@ its main thread is blocked in C code.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import mmap
 import os
 import signal
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ParamSpec
 
 from spotguard import _env
 from spotguard.errors import PERMANENT, LeaseHeldError
@@ -167,6 +169,25 @@ class Activity:
         finally:
             if ends:
                 self.release(slot)
+
+
+P = ParamSpec("P")
+
+
+def marking(init: Callable[P, None]) -> Callable[P, None]:
+    """Decorate a constructor (``Guard``'s, the trainer integrations'): an error it raises that a restart would
+    meet again (a bad option, a malformed storage URL: ``errors.PERMANENT``) marks the heartbeat as
+    ``Beat.marks`` does, so that ``spotguard run`` exits 78 at once instead of restarting into it."""
+
+    @functools.wraps(init)
+    def construct(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            init(*args, **kwargs)
+        except PERMANENT as e:
+            Beat().permanent(e)  # no Beat of the object's yet: its own mapping of the same file
+            raise
+
+    return construct
 
 
 class Beat:

@@ -27,7 +27,7 @@ from spotguard.coordination.evaluation import Evaluation
 from spotguard.coordination.options import Unloadable
 from spotguard.coordination.stopping import StopProtocol
 from spotguard.coordination.window import Window, WindowPolicy
-from spotguard.errors import PERMANENT, LeaseLostError
+from spotguard.errors import LeaseLostError
 from spotguard.events import Events
 from spotguard.guard import buckets, insync
 from spotguard.guard.forward import Forward
@@ -56,6 +56,7 @@ class Guard:
     ``providers``, ``local_dir`` ...) are those of ``GuardOptions``, by keyword.
     """
 
+    @heartbeat.marking  # a bad option or URL: `spotguard run` exits 78, it does not restart into it
     def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
         self.options = o = GuardOptions.from_kwargs(options)
         #: ``deadline_policy="use-window"``: the notice window training goes on in, after the first stop
@@ -190,11 +191,8 @@ class Guard:
             if self.options.pin_ddp_buckets is not False:  # before any step, in fresh and resumed runs alike
                 buckets.pin(self._tracked.objects.values(), always=bool(self.options.pin_ddp_buckets))
         fresh_ok = Unloadable(self.options.on_unloadable) is Unloadable.FRESH
-        try:
+        with self._beat.marks():  # NoLoadableCheckpointError too, unless fresh_ok
             done = self.saves.resume(fresh_ok, self.lease.release, self.storage.describe())
-        except PERMANENT as e:  # NoLoadableCheckpointError too, unless fresh_ok
-            self._beat.permanent(e)
-            raise
         if done is not None:
             self.extra.clear()
             self.extra.update(done.manifest.extra)

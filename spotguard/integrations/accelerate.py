@@ -61,6 +61,7 @@ class AcceleratorGuard(LoopGuard):
     at the end). ``save_on_exit``, ``providers``, ``interval`` ... (``LoopOptions``): as for ``spotguard.Guard``.
     """
 
+    @heartbeat.marking  # a bad option or URL: `spotguard run` exits 78
     def __init__(self, accelerator: Any, storage: str | Storage | None = None, **options: Any) -> None:
         project = getattr(accelerator, "project_configuration", None)
         if getattr(project, "automatic_checkpoint_naming", False):

@@ -105,6 +105,7 @@ class DeepSpeedGuard(LoopGuard):
     accumulation boundaries only: a checkpoint does not hold half-accumulated gradients.
     """
 
+    @heartbeat.marking  # a bad option or URL: `spotguard run` exits 78
     def __init__(self, engine: Any, storage: str | Storage | None = None, **options: Any) -> None:
         if not callable(getattr(engine, "save_checkpoint", None)) or not callable(
             getattr(engine, "load_checkpoint", None)

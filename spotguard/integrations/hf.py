@@ -45,7 +45,7 @@ from spotguard.checkpoint.state import state as state_module
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..errors import PERMANENT, MissingDependencyError
-from ..heartbeat import EVALUATING, SAVING
+from ..heartbeat import EVALUATING, SAVING, marking
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
@@ -79,14 +79,14 @@ class _Finished(_Interrupt):
 class SpotguardCallback(StopOutcome, TrainerCallback):
     """Stops a ``Trainer`` after the current step on a notice, commits its checkpoints, resumes verified ones.
 
-    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
-    checkpoints are kept there. ``providers``/``interval``: what to watch and how often, as for
-    ``spotguard.Guard``. ``stop_on_advisory``: stop on an advisory notice (rebalance, migrate)
-    instead of only checkpointing early. ``work_dir``: where verified copies are fetched for a resume.
-    ``deadline_policy``/``window_margin``: stop at the first emergency checkpoint, or train on in the
-    notice window (``"use-window"``), as for ``spotguard.Guard``.
+    ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep`` checkpoints are kept
+    there. ``providers``/``interval``: what to watch and how often, as for ``spotguard.Guard``. ``stop_on_advisory``:
+    stop on an advisory notice (rebalance, migrate) instead of only checkpointing early. ``work_dir``: where verified
+    copies are fetched for a resume. ``deadline_policy``/``window_margin``: stop at the first emergency checkpoint,
+    or train on in the notice window (``"use-window"``), as for ``spotguard.Guard``.
     """
 
+    @marking  # a bad option or URL: `spotguard run` exits 78
     def __init__(self, storage: str | Storage | None = None, **options: Any) -> None:
         self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (HF)")
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).

@@ -41,7 +41,7 @@ import torch
 from spotguard.checkpoint.files.stream import pinned_torch_save
 from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.state import data, state
-from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING
+from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING, marking
 
 from ..coordination.agreement import ADVISORY, STOP
 from ..coordination.options import check_every_steps
@@ -86,6 +86,7 @@ class SpotguardCallback(StopOutcome, Callback):
     as for ``spotguard.Guard``.
     """
 
+    @marking  # a bad option or URL: `spotguard run` exits 78
     def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Any) -> None:
         check_every_steps(every_steps)
         self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")

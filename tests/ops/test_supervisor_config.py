@@ -91,3 +91,24 @@ def test_a_job_whose_storage_is_no_folder_is_not_restarted(tmp_path, below):
     assert proc.stderr.count("starting: ") == 1, proc.stderr
     assert "StorageAccessError" in proc.stderr, proc.stderr
     assert f"below {tmp_path / 'file'}: it is a file, not a folder" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "job, error",
+    [
+        ("spotguard.Guard('s3:/bucket/run', providers=[])", "did you mean s3://bucket/run?"),
+        (
+            "from spotguard.integrations.accelerate import AcceleratorGuard; AcceleratorGuard(object(), every_steps=-1)",
+            "every_steps",
+        ),
+    ],
+    ids=["guard-url", "integration-option"],
+)
+def test_a_job_whose_guard_cannot_be_built_is_not_restarted(tmp_path, job, error):
+    """A malformed storage URL or a bad option, raised by the constructor itself (before it had a heartbeat):
+    `spotguard run` restarted the job into the same ConfigError until its budget was spent, then exited 2."""
+    proc = supervise(tmp_path, [sys.executable, "-c", f"import spotguard; {job}"])
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    assert proc.stderr.count("starting: ") == 1, proc.stderr
+    assert "ConfigError" in proc.stderr and error in proc.stderr, proc.stderr
