@@ -175,17 +175,19 @@ def test_a_sigterm_to_rehearse_ends_the_job_it_runs(tmp_path):
         proc.wait()
 
 
-def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path):
+@pytest.mark.parametrize("held", ["ckpt", "ckpt.reference"])
+def test_a_storage_that_holds_checkpoints_is_refused_untouched(tmp_path, held):
+    """``ckpt.reference``: the reference run's storage, kept from an earlier ``--reference`` rehearsal; the
+    message named --storage, which was empty."""
     storage = tmp_path / "ckpt"
-    (storage / "step-5").mkdir(parents=True)
-    (storage / "step-5" / "state.pt").write_bytes(b"x")
-    proc = run(
-        [sys.executable, "-m", "spotguard", "rehearse", "--storage", str(storage), "--", sys.executable, "-c", "0"],
-        cwd=REPO,
-        timeout=120,
-    )
+    (tmp_path / held / "step-5").mkdir(parents=True)
+    (tmp_path / held / "step-5" / "state.pt").write_bytes(b"x")
+    cmd = [sys.executable, "-m", "spotguard", "rehearse", "--storage", str(storage), "--reference"]
+    proc = run([*cmd, "--", sys.executable, "-c", "0"], cwd=REPO, timeout=120)
     assert proc.returncode == 2 and "starts from scratch" in proc.stderr, proc.stderr
-    assert (storage / "step-5" / "state.pt").read_bytes() == b"x"
+    option = "--reference-storage" if held.endswith("reference") else "--storage (nothing"
+    assert f"give an empty {option}" in proc.stderr, proc.stderr
+    assert (tmp_path / held / "step-5" / "state.pt").read_bytes() == b"x"
 
 
 def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):

@@ -95,7 +95,10 @@ def rehearse(options: RehearsalOptions, work_dir: str | Path | None = None, refe
         if reference:  # checked before anything runs: a storage in use loses nothing
             if options.storage is None:
                 raise ConfigError("--reference needs --storage: the rehearsed run's checkpoints are compared")
-            Fleet(dataclasses.replace(options, storage=reference), wd)._check_storage()
+            # STORAGE.reference by default: an earlier rehearsal's, which the next one must not resume
+            Fleet(dataclasses.replace(options, storage=reference), wd)._check_storage(
+                "--reference-storage, or delete the reference run's checkpoints of an earlier rehearsal"
+            )
         fleet = Fleet(options, wd / "run")
         (wd / "run").mkdir(exist_ok=True)
         cpu0 = _self_cpu()

@@ -62,8 +62,8 @@ def compare(url: str, reference_url: str) -> Comparison:
             result.first_difference_step = _first_step(steps_a, steps_b)
             if result.first_difference_step is not None:
                 diffs.insert(0, f"logged values differ from step {result.first_difference_step}")
-        if diffs and all(".rng." in d for d in diffs):
-            diffs.append("only random streams differ: one the job never seeds differs between any two runs; seed it")
+        if diffs and all(".rng." in d for d in diffs):  # first: the report names only the first few
+            diffs.insert(0, "only random streams differ: one the job never seeds differs between any two runs; seed it")
         result.differences = diffs
         result.exact = not diffs
         return result

@@ -293,8 +293,9 @@ class Fleet:
                 time.sleep(o.poll_s)
 
     # -- the storage ---------------------------------------------------------------------------
-    def _check_storage(self) -> None:
-        """A rehearsal starts from nothing: a storage that holds checkpoints would be resumed."""
+    def _check_storage(self, option: str = "--storage") -> None:
+        """A rehearsal starts from nothing: a storage that holds checkpoints would be resumed. ``option``: the
+        command-line option that names the storage, for the message."""
         if not self.o.storage:
             return
         storage = open_storage(self.o.storage)
@@ -307,7 +308,7 @@ class Fleet:
         if found:
             raise ConfigError(
                 f"{self.o.storage} is not empty ({len(found)} object(s), e.g. {found[0]}); a rehearsal starts "
-                "from scratch: give an empty --storage (nothing was deleted)"
+                f"from scratch: give an empty {option} (nothing was deleted)"
             )
 
     def _note_latest(self, m: Machine) -> None:
