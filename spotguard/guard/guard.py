@@ -114,6 +114,7 @@ class Guard:
         )
         self.saves.notice_lead = planner.notice_lead(self.watcher.providers)
         self._step: int | None = None
+        self._start = 0  # the resumed step: a step() of it (after an evaluation before training) trained nothing
         self._reserve_due = o.async_save if self.agreement is None else self.agreement.store is not None  # staging
         self._unwatched = True  # until entered: a step() then warns once that no notice is watched
         #: The stop protocol (``coordination.stopping``), shared with every trainer integration.
@@ -196,7 +197,7 @@ class Guard:
         if done is not None:
             self.extra.clear()
             self.extra.update(done.manifest.extra)
-            self._step = done.step
+            self._step = self._start = done.step
         self.saves.resumed(done)
         return done.step if done else 0
 
@@ -208,7 +209,7 @@ class Guard:
         if self._unwatched:
             self._unwatched = False
             logger.warning("guard.step() outside `with guard:`: no notice or signal is watched, no preemption caught")
-        if self._reserve_due:  # after a training step: an optimizer has made its state by now
+        if self._reserve_due and step > self._start:  # after a training step: an optimizer has made its state
             self._reserve_due = False
             with self._beat.marks():  # a state no resume could load is refused here, at the first step
                 self.saves.reserve()

@@ -172,14 +172,22 @@ def test_a_state_over_the_staging_budget_is_saved_within_it_and_resumes_exactly(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_staging_is_reserved_in_slabs_off_the_loop_before_the_first_save(tmp_path):
-    """The first periodic save finds its buffers allocated: nothing is allocated on the loop's thread."""
+@pytest.mark.parametrize("evaluate_first", [False, True])
+def test_the_staging_is_reserved_in_slabs_off_the_loop_before_the_first_save(tmp_path, evaluate_first):
+    """The first periodic save finds its buffers allocated: nothing is allocated on the loop's thread.
+    ``evaluate_first``: ``guard.step(0)`` after an evaluation before any training step (nanoGPT's at iteration
+    0) reserved the staging of a state without AdamW's moments, two thirds of it then allocated by the save."""
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     opt = torch.optim.AdamW(model.parameters())
     g = spotguard.Guard(str(tmp_path), providers=[], every_steps=2, keep=2, busy="wait", save_on_exit=False)
     g.track(model=model, optimizer=opt)
     staging = g.saves.engine._staging
+    assert g.resume() == 0
     with g:
+        if evaluate_first:
+            with g.evaluation():
+                pass
+            assert not g.step(0) and staging._reserving is None  # nothing trained yet: nothing to reserve
         model(torch.randn(2, 256)).sum().backward()
         opt.step()  # AdamW makes its moments here, lazily
         g.step(1)  # not due: the reservation starts

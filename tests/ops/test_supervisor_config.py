@@ -112,3 +112,11 @@ def test_a_job_whose_guard_cannot_be_built_is_not_restarted(tmp_path, job, error
     assert proc.returncode == EXIT_CONFIG, proc.stderr
     assert proc.stderr.count("starting: ") == 1, proc.stderr
     assert "ConfigError" in proc.stderr and error in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_caught_the_error_and_finished_is_finished(tmp_path):
+    """The heartbeat is marked where the error is raised: a job that caught it and went on to exit 0 finished."""
+    job = "import spotguard\ntry:\n    spotguard.Guard('s3:/bucket/run', providers=[])\nexcept spotguard.errors.ConfigError:\n    pass"
+    proc = supervise(tmp_path, [sys.executable, "-c", job])
+    assert proc.returncode == 0 and "the job finished" in proc.stderr, proc.stderr

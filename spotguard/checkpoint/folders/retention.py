@@ -113,8 +113,8 @@ class Housekeeping:
     resume point at once (the run goes on past them), those above once it has committed past them (a save
     it skips, or one on another interval, would not replace them), unless this run has started a save of
     their step since (``claim``: that save replaces them). The single-process engine calls it for each
-    tier, the sharded one on rank 0, the trainer integrations on rank 0; from the loop's thread and the
-    background writer's alike (a lock)."""
+    tier, the sharded one on rank 0 (and on every rank to name a save's directory: ``supersede``), the trainer
+    integrations on rank 0; from the loop's thread and the background writer's alike (a lock)."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep

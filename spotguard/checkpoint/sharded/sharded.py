@@ -82,7 +82,7 @@ class ShardedEngine(HoldsStaging):
         self.rebatch = data.Rebatch(rebatch)
         self._checked = False  # every rank's state was found loadable (``_check_once``, at the first save)
         self._on_commit = on_commit
-        self._tidy = retention.Housekeeping(keep)  # rank 0's
+        self._tidy = retention.Housekeeping(keep)  # rank 0 prunes; every rank names directories (``dir_for``)
         self._staging = Staging()
         self._ring = stream.Ring()  # a synchronous save's device tensors reach the files through it
         self._staged = 0  # staged saves so far: the same count on every rank, it names their keys
@@ -162,8 +162,8 @@ class ShardedEngine(HoldsStaging):
     def save(
         self, tracked: Tracked, step: int, reason: str, *, deadline: float | None = None, final: bool = False
     ) -> Manifest | None:
-        """Collective, synchronous. Raises ``StorageError`` on all ranks alike. Sharded checkpoints
-        are never replaced: a final save of a committed step returns None."""
+        """Collective, synchronous. Raises ``StorageError`` on all ranks alike. A committed step is never
+        replaced (a final save of it returns None); one that did not load is superseded (``dir_for``)."""
         t0 = time.monotonic()
         self._tidy.claim(step)  # this save replaces what a killed one of its step left
         staged = collected(tracked, self.groups, step, final=final)

@@ -33,13 +33,14 @@ class Comparison:
     differences: list[str] = field(default_factory=list)  # the first few places that differ
     compared: int = 0  # values compared
     skipped: list[str] = field(default_factory=list)  # files not compared: not loadable as plain state
+    hint: str = ""  # what to do about the differences, named before them
 
     def line(self) -> str:
         if self.exact:
             left = f"; not compared: {', '.join(self.skipped)}" if self.skipped else ""
             return f"exact: yes ({self.compared} values of the final checkpoint of step {self.step}, bit for bit{left})"
         at = f", first difference at step {self.first_difference_step}" if self.first_difference_step else ""
-        return f"exact: no{at} ({'; '.join(self.differences[:SHOWN])})"
+        return f"exact: no{at} ({'; '.join(([self.hint] if self.hint else []) + self.differences[:SHOWN])})"
 
 
 def compare(url: str, reference_url: str) -> Comparison:
@@ -62,8 +63,8 @@ def compare(url: str, reference_url: str) -> Comparison:
             result.first_difference_step = _first_step(steps_a, steps_b)
             if result.first_difference_step is not None:
                 diffs.insert(0, f"logged values differ from step {result.first_difference_step}")
-        if diffs and all(".rng." in d for d in diffs):  # first: the report names only the first few
-            diffs.insert(0, "only random streams differ: one the job never seeds differs between any two runs; seed it")
+        if diffs and all(".rng." in d for d in diffs):  # the line names only the first few differences
+            result.hint = "only random streams differ: one the job never seeds differs between any two runs; seed it"
         result.differences = diffs
         result.exact = not diffs
         return result

@@ -281,7 +281,7 @@ class Supervisor:
             return EXIT_LEASE_HELD
         if stopped:
             return self._stopped_uncommitted(out)
-        if code == EXIT_CONFIG or out.flags & heartbeat.CONFIG_ERROR:
+        if code == EXIT_CONFIG or code != 0 and out.flags & heartbeat.CONFIG_ERROR:  # exit 0: it caught the error
             logger.error(
                 "the job failed on an error a restart would meet again (exit code %d; see its message above): "
                 "not restarting, exiting %d",

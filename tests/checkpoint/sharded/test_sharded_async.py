@@ -25,10 +25,11 @@ from spotguard.errors import SaveCancelled, StorageError
 from spotguard.storage import LocalStorage
 
 
-def ranks(storage, store=None, world=2, timeout=30.0, step=1, stores=None):
+def ranks(storage, store=None, world=2, timeout=30.0, step=1, stores=None, resumed_beside=None):
     """One engine per rank, each with the state staged for ``step``; returns (engines, works, commits).
     ``stores``: each rank's own client of the store (default: ``store``, shared). The ranks stage at
-    once, each in a thread of its own, as every rank's loop does: they agree on DCP's plan as they stage."""
+    once, each in a thread of its own, as every rank's loop does: they agree on DCP's plan as they stage.
+    ``resumed_beside``: the listing of a resume at which none loaded (``sharded_load`` on every rank)."""
     store = store or dist.HashStore()
     stores = stores or [store] * world
     commits: dict[int, list] = {r: [] for r in range(world)}
@@ -38,6 +39,8 @@ def ranks(storage, store=None, world=2, timeout=30.0, step=1, stores=None):
         torch.manual_seed(0)
         models.append(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
         engines.append(ShardedEngine(storage, groups, keep=3, on_commit=commits[r].append))
+        if resumed_beside is not None:
+            engines[-1]._tidy.supersede(resumed_beside, 0)
     works: list = [None] * world
 
     def stage(r):
@@ -91,6 +94,20 @@ def test_two_ranks_commit_one_checkpoint_and_leave_no_keys(tmp_path):
     }
     assert [i.status for i in scan(storage)] == ["complete"]
     assert store.num_keys() == 0  # rank 0 forgot the save's keys once both had read the outcome
+
+
+def test_two_ranks_supersede_a_checkpoint_of_their_step_that_did_not_load(tmp_path):
+    """After a fresh start beside a committed checkpoint of step 1 that did not load, both ranks write their
+    files into its next revision and rank 0 commits it there; the old one is pruned once superseded. Before,
+    the save was refused as "already committed" and nothing of the new run's step 1 was written."""
+    storage = LocalStorage(str(tmp_path))
+    assert run(ranks(storage)[1])[0] == {0: "ok", 1: "ok"}
+    _, works, commits = ranks(storage, resumed_beside=scan(storage))
+    assert run(works)[0] == {0: "ok", 1: "ok"}
+    assert [len(c) for c in commits.values()] == [1, 1] and commits[0][0].manifest == commits[1][0].manifest
+    written = {str(p.relative_to(tmp_path / "step-00000001.r1")) for p in (tmp_path / "step-00000001.r1").rglob("*")}
+    assert {f.name for f in commits[0][0].manifest.files} | {MANIFEST, "shards"} == written  # both ranks' files
+    assert [(i.name, i.status) for i in scan(storage)] == [("step-00000001.r1", "complete")]
 
 
 class FailingRank(LocalStorage):

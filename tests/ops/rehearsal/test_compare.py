@@ -31,5 +31,6 @@ def test_streams_the_job_never_seeds_are_named_first_with_the_hint(tmp_path):
     _final(str(tmp_path / "reference"), seed=2)
     result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
     assert not result.exact and len(result.differences) > SHOWN, result.differences
-    assert "seed it" in result.line(), result.line()
+    assert "seed it" in result.line() and "seed it" in result.hint, result.line()
+    assert all(".rng." in d for d in result.differences)  # the hint is not one of them (the JSON report's list)
     assert compare(str(tmp_path / "run"), str(tmp_path / "run")).exact  # the same checkpoint: exact
