@@ -189,8 +189,9 @@ class NoticeWatch:
         window (``stop_saved``). ``committed``: ``step`` is committed already (the resume point is safe;
         ``last_save_s`` is what its save took), else ``write(deadline)`` writes and commits it now, raising
         on failure (``resume_step`` stays the resume point then). ``where``: how the log says it stopped."""
-        if committed:
-            logger.warning("stop at step %d: already checkpointed", step)
+        if committed:  # or step 0 of a fresh start (an evaluation or a sanity check before training)
+            done = "nothing trained yet, no checkpoint needed" if step == 0 else "already checkpointed"
+            logger.warning("stop at step %d: %s", step, done)
             return self.stop_saved(step, save_s=last_save_s, may_train_on=may_train_on)
         logger.warning("stopping %s %d for a notice: writing the emergency checkpoint", where, step)
         error, save_s = self.protocol.write(step, lambda: write(self.deadline()), lambda: resume_step)

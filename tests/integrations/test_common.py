@@ -129,6 +129,17 @@ def test_notice_watch_beats_the_step_and_marks_a_stop_for_spotguard_run(tmp_path
     assert watch.check(8) != 0 and heartbeat.read(path) == (8, heartbeat.STOPPED_FOR_NOTICE)
 
 
+def test_a_stop_before_any_training_says_no_checkpoint_is_needed_not_already_checkpointed(caplog):
+    """A notice in HF's evaluation at start or Lightning's sanity check, on a fresh run: step 0 is the resume
+    point, so nothing is written; the log said "already checkpointed" where the storage held nothing."""
+    watch = NoticeWatch(providers=[])
+    watch.emergency(0, True, lambda deadline: None, None, None, may_train_on=False)
+    assert "stop at step 0: nothing trained yet, no checkpoint needed" in caplog.text
+    assert "already checkpointed" not in caplog.text
+    watch.emergency(8, True, lambda deadline: None, 1.0, 8, may_train_on=False)
+    assert "stop at step 8: already checkpointed" in caplog.text
+
+
 def test_spotguard_never_imports_a_trainer_and_names_the_extra_when_one_is_missing():
     code = (
         "import sys, spotguard, spotguard.integrations, spotguard.integrations.accelerate\n"
