@@ -83,11 +83,35 @@ def neutralize_next_iterator(loader: Any) -> None:
         gen_state = generator_state(loader)
         with rng_isolated():
             try:
-                return original()
+                first = original()
             finally:
                 restore_generator(loader, gen_state)
+        _watch_dropped(loader, first)
+        return first
 
     loader._get_iterator = get_iterator_once
+
+
+def _watch_dropped(loader: Any, first: Any) -> None:
+    """Warn once when the iterator made next, while ``first`` (it carries the restored position) has not
+    ended and yielded at most one batch: the position went with it, and the epoch starts over. That is a
+    ``next(iter(loader))`` peek (PyTorch's DDP tutorial reads its batch size so), silently inexact."""
+    start = getattr(first, "_num_yielded", 0)
+
+    def get_iterator_watched() -> Any:
+        del loader._get_iterator
+        if not getattr(first, "_finished", True) and getattr(first, "_num_yielded", start) - start <= 1:
+            logger.warning(
+                "%s: its first iterator after the resume, which carries the restored position, was dropped "
+                "after %d batch(es) and a new one starts the epoch over: this run now differs from an "
+                "uninterrupted one. A throwaway next(iter(loader)) (to read a batch size) does this: read "
+                "loader.batch_size instead",
+                type(loader).__name__,
+                getattr(first, "_num_yielded", start) - start,
+            )
+        return loader._get_iterator()
+
+    loader._get_iterator = get_iterator_watched
 
 
 def as_at_last_batch(objects: Mapping[str, Any], states: MutableMapping[str, Any]) -> None:
