@@ -49,6 +49,11 @@ class WatchOptions(CommonOptions):
     work_dir: str | None = None
 
 
+def saved_already(step: int) -> str:
+    """Why a stop at the resume point ``step`` writes nothing: 0 is a fresh start, which holds nothing to save."""
+    return "nothing trained yet, no checkpoint needed" if step == 0 else "already checkpointed"
+
+
 def watch_parts(
     storage: str | Storage | None, options: dict[str, Any] | WatchOptions, owner: str | None = None
 ) -> tuple[FolderCheckpoints, NoticeWatch]:
@@ -190,8 +195,7 @@ class NoticeWatch:
         ``last_save_s`` is what its save took), else ``write(deadline)`` writes and commits it now, raising
         on failure (``resume_step`` stays the resume point then). ``where``: how the log says it stopped."""
         if committed:  # or step 0 of a fresh start (an evaluation or a sanity check before training)
-            done = "nothing trained yet, no checkpoint needed" if step == 0 else "already checkpointed"
-            logger.warning("stop at step %d: %s", step, done)
+            logger.warning("stop at step %d: %s", step, saved_already(step))
             return self.stop_saved(step, save_s=last_save_s, may_train_on=may_train_on)
         logger.warning("stopping %s %d for a notice: writing the emergency checkpoint", where, step)
         error, save_s = self.protocol.write(step, lambda: write(self.deadline()), lambda: resume_step)

@@ -49,7 +49,7 @@ from ..heartbeat import EVALUATING, SAVING, marking
 from ..storage import Storage
 from . import _rankfiles
 from . import _untracked as untracked
-from ._common import StopOutcome, exit_refused, watch_parts
+from ._common import StopOutcome, exit_refused, saved_already, watch_parts
 from ._folders import unlink_linked_ahead
 
 try:
@@ -283,9 +283,9 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             if self.stopped_at is None:
                 self.stopped_at = state.global_step
                 self._reason = "emergency"
-                control.should_save = state.global_step != self._committed_step
-                if not control.should_save:  # already committed: the resume point is safe
-                    logger.warning("stop at step %d: already checkpointed", state.global_step)
+                control.should_save = state.global_step not in (self._resumed_step, self._committed_step)
+                if not control.should_save:  # the resume point is safe (an evaluation at start: its step)
+                    logger.warning("stop at step %d: %s", state.global_step, saved_already(state.global_step))
                     if self.notices.stop_saved(state.global_step, save_s=self._save_s):
                         self.stopped_at = self._reason = None  # the notice window: train on
                         return True

@@ -54,3 +54,25 @@ def test_an_advisory_at_a_committed_step_asks_the_trainer_for_no_second_save(tmp
         assert cb._act(ADVISORY, SimpleNamespace(global_step=9), control) and control.should_save
     finally:
         cb.close()
+
+
+def test_a_stop_in_the_evaluation_at_start_asks_for_no_save_of_the_step_it_began_at(tmp_path, caplog):
+    """``eval_on_start=True`` with the callback added to a Trainer the user runs: a notice in that evaluation
+    set ``should_save``, which the Trainer drops before its first step. The log said "writing the emergency
+    checkpoint", none was written, and the job exited 75 as if one had committed. Step 0 of a fresh start
+    (or the step a run resumed at) is its resume point already: nothing to write."""
+    from spotguard.coordination.agreement import STOP
+    from spotguard.integrations.hf import SpotguardCallback
+
+    for resumed in (0, 12):
+        cb = SpotguardCallback(str(tmp_path / "ckpt"), providers=[], lease_ttl=None)
+        try:
+            control = SimpleNamespace(should_save=False, should_training_stop=False)
+            cb._resumed_step = resumed  # as on_train_begin sets it
+            assert cb._act(STOP, SimpleNamespace(global_step=resumed), control)
+            assert not control.should_save and control.should_training_stop and cb.stopped_at == resumed
+        finally:
+            cb.close()
+    assert "stop at step 0: nothing trained yet, no checkpoint needed" in caplog.text
+    assert "stop at step 12: already checkpointed" in caplog.text
+    assert "writing the emergency checkpoint" not in caplog.text
