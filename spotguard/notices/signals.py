@@ -5,6 +5,11 @@ from a signal handler), so the training loop is interrupted for microseconds, ne
 A second delivery of the same signal means "really stop now": the previous handler is restored
 and the signal re-delivered, so a second SIGTERM terminates as usual and a second SIGINT gives
 the usual KeyboardInterrupt. ``Guard`` adds SIGINT to whatever it watches (``cover_sigint``).
+Only a repeat ``REPEAT_WINDOW`` seconds after the latest delivery counts: one sooner is the same stop
+delivered again (``torch.multiprocessing.spawn`` makes SIGINT each rank's parent-death signal, which
+Linux may deliver twice, microseconds apart; systemd, Slurm and a wrapper may each signal too), and
+taken for "stop now" it killed the rank before its emergency checkpoint. (``spotguard run`` forwards
+a signal once per 2 s storm: ``ops.supervisor.signals``.)
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
@@ -23,6 +29,9 @@ from .base import Notice, NoticeProvider, Report, utcnow
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: A repeat of a signal this soon (s) after its latest delivery is the same stop, not the sender insisting:
+#: the duplicates seen come microseconds apart, a person's second Ctrl-C later than this.
+REPEAT_WINDOW = 0.5
 
 
 def _to_signal(sig: str | int | signal.Signals) -> signal.Signals:
@@ -58,7 +67,7 @@ class SignalProvider(NoticeProvider):
         self.wait = wait
         self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
         self._previous: dict[signal.Signals, Any] = {}
-        self._received: set[signal.Signals] = set()
+        self._received: dict[signal.Signals, float] = {}  # each signal's latest delivery (monotonic)
         self._calmed: tuple[Any, Any] | None = None  # (our SIGCHLD handler, torch's it wraps)
         self._worker_died = False  # a loader worker died after the stop: torch's handler would raise at any SIGCHLD
 
@@ -85,7 +94,11 @@ class SignalProvider(NoticeProvider):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         previous = self._previous.get(sig, signal.SIG_DFL)
-        if sig in self._received:
+        now, latest = time.monotonic(), self._received.get(sig)
+        self._received[sig] = now
+        if latest is not None and now - latest < REPEAT_WINDOW:
+            return  # the same stop, delivered again (the window counts from the latest: a storm never insists)
+        if latest is not None:
             # Second delivery: the sender insists. Give the signal its previous meaning.
             signal.signal(sig, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
             if callable(previous):
@@ -93,11 +106,10 @@ class SignalProvider(NoticeProvider):
             else:
                 signal.raise_signal(sig)
             return
-        self._received.add(sig)
         self._calm_loader_workers()
-        now = utcnow()
-        deadline = now + dt.timedelta(seconds=self.grace) if self.grace is not None else None
-        self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=now, raw={"signal": sig.name}))
+        at = utcnow()
+        deadline = at + dt.timedelta(seconds=self.grace) if self.grace is not None else None
+        self._queue.put(Notice("signal", "signal", deadline=deadline, received_at=at, raw={"signal": sig.name}))
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 

@@ -243,9 +243,12 @@ def test_auto_interval_follows_the_measured_checkpoint_cost(tmp_path):
         spotguard.Guard(str(tmp_path), every_seconds="auto")
 
 
-def test_sigint_inside_the_guard_is_a_stop_notice_and_a_second_one_interrupts(tmp_path):
+def test_sigint_inside_the_guard_is_a_stop_notice_and_a_second_one_interrupts(tmp_path, monkeypatch):
     """Ctrl-C (or `spotguard run` forwarding one) finishes the step and writes the emergency
     checkpoint; pressing it again raises KeyboardInterrupt at once; outside the guard nothing changes."""
+    from spotguard.notices import signals
+
+    monkeypatch.setattr(signals, "REPEAT_WINDOW", 0.05)  # a repeat sooner is the same stop (test_signals.py)
     before = signal.getsignal(signal.SIGINT)
     g = guard_for(tmp_path, every_steps=100)
     with g:
@@ -253,6 +256,7 @@ def test_sigint_inside_the_guard_is_a_stop_notice_and_a_second_one_interrupts(tm
         signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt: a notice
         assert g.preempted.wait(5)
         assert g.step(2) is True
+        time.sleep(0.1)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert g.notice is not None and g.notice.raw == {"signal": "SIGINT"}
