@@ -5,11 +5,14 @@ from a signal handler), so the training loop is interrupted for microseconds, ne
 A second delivery of the same signal means "really stop now": the previous handler is restored
 and the signal re-delivered, so a second SIGTERM terminates as usual and a second SIGINT gives
 the usual KeyboardInterrupt. ``Guard`` adds SIGINT to whatever it watches (``cover_sigint``).
-Only a repeat ``REPEAT_WINDOW`` seconds after the latest delivery counts: one sooner is the same stop
+Only a repeat ``REPEAT_WINDOW`` seconds after the first delivery counts: one sooner is the same stop
 delivered again (``torch.multiprocessing.spawn`` makes SIGINT each rank's parent-death signal, which
 Linux may deliver twice, microseconds apart; systemd, Slurm and a wrapper may each signal too), and
-taken for "stop now" it killed the rank before its emergency checkpoint. (``spotguard run`` forwards
-a signal once per 2 s storm: ``ops.supervisor.signals``.)
+taken for "stop now" it killed the rank before its emergency checkpoint. The window counts from the
+first delivery, so pressing Ctrl-C again and again still gets out; and from when Python runs the
+handler, not when the signal came: a repeat that arrives while the main thread is in a long C call
+(a backward pass) is timed when that call returns. (``spotguard run`` forwards a signal once per
+2 s storm: ``ops.supervisor.signals``.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .base import Notice, NoticeProvider, Report, utcnow
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-#: A repeat of a signal this soon (s) after its latest delivery is the same stop, not the sender insisting:
+#: A repeat of a signal this soon (s) after its first delivery is the same stop, not the sender insisting:
 #: the duplicates seen come microseconds apart, a person's second Ctrl-C later than this.
 REPEAT_WINDOW = 0.5
 
@@ -94,12 +97,12 @@ class SignalProvider(NoticeProvider):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         previous = self._previous.get(sig, signal.SIG_DFL)
-        now, latest = time.monotonic(), self._received.get(sig)
-        self._received[sig] = now
-        if latest is not None and now - latest < REPEAT_WINDOW:
-            return  # the same stop, delivered again (the window counts from the latest: a storm never insists)
-        if latest is not None:
-            # Second delivery: the sender insists. Give the signal its previous meaning.
+        now = time.monotonic()
+        first = self._received.setdefault(sig, now)  # one call: a handler run inside this one sees it
+        if first is not now and now - first < REPEAT_WINDOW:
+            return  # the same stop, delivered again
+        if first is not now:
+            # A later delivery: the sender insists. Give the signal its previous meaning.
             signal.signal(sig, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
             if callable(previous):
                 previous(signum, frame)

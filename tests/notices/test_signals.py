@@ -127,6 +127,28 @@ def test_a_signal_delivered_twice_at_once_is_one_stop_not_a_kill():
     assert proc.returncode == 0 and "one stop {'signal': 'SIGINT'}" in proc.stdout, proc.stderr
 
 
+def test_ctrl_c_pressed_again_and_again_still_gets_out():
+    """The window counts from the first press: presses 0.1 s apart, each within the window of the one before,
+    still raise KeyboardInterrupt once half a second has passed since the first (counted from the latest, never)."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        from spotguard import Watcher
+        from spotguard.notices.signals import SignalProvider
+        w = Watcher([SignalProvider(["SIGINT"])], interval=0.05).start()
+        try:
+            for press in range(20):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            print("out at press", press, flush=True)
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    assert "out at press" in proc.stdout, (proc.stdout, proc.stderr)
+    assert 4 <= int(proc.stdout.split()[-1]) <= 8, proc.stdout
+
+
 def test_signal_notice_reaches_watcher_quickly():
     with Watcher([SignalProvider()], interval=10.0) as w:
         t0 = time.monotonic()
