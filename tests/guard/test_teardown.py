@@ -29,25 +29,34 @@ from spotguard import EXIT_PREEMPTED, Guard, Notice, SpotguardError
 from spotguard.checkpoint import latest
 from spotguard.coordination import agreement
 from tests.helpers import WORKERS, free_port, subprocess_env
-from tests.workers.dist_teardown import KINDS, gloo_threads, job_args, newest_step
+from tests.workers.dist_teardown import KINDS, gloo_tids, job_args, newest_step
 
 WORKER = WORKERS / "dist_teardown.py"
 ORDERS = ("after", "inside", "none", "fsdp2")
 RUNS_PER_ORDER = 6  # 24 runs in all: with the abort in 1 run of 4, all 24 clean by chance: 0.1%
 
 
-def threads() -> int:
-    """gloo threads of live groups: groups earlier tests left to the garbage collector go first."""
+def ours(existing: set[str]) -> int:
+    """gloo threads started since ``existing`` (ids) and alive: groups earlier tests left to the
+    garbage collector go first. Told apart by id: a thread names itself once it runs."""
     gc.collect()
-    return gloo_threads()
+    return len(gloo_tids() - existing)
+
+
+def started(existing: set[str]) -> int:
+    """``ours``, once the new threads have had time to name themselves."""
+    deadline = time.monotonic() + 5
+    while not ours(existing) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return ours(existing)
 
 
 @pytest.fixture
 def group():
-    """A one-rank gloo group whose threads all exist already; yields the number of gloo threads."""
+    """A one-rank gloo group; yields the ids of the threads alive once it exists."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.barrier()
-    yield threads()
+    yield set(os.listdir("/proc/self/task"))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -58,10 +67,10 @@ def guarded(tmp_path, **kw) -> Guard:
 
 def test_leaving_the_block_destroys_the_guards_groups_and_joins_their_threads(tmp_path, group):
     guard = guarded(tmp_path)
-    assert threads() > group
+    assert started(group) > 0
     with guard:
         guard.step(1)
-    assert threads() == group
+    assert ours(group) == 0
     assert latest(guard.storage).step == 1  # the final checkpoint came first
     guard.close()  # again: harmless
     dist.destroy_process_group()  # after the block, as PyTorch recommends
@@ -81,7 +90,7 @@ def test_process_group_destroyed_inside_the_block_skips_the_final_checkpoint(tmp
     # Synchronous: step 2 committed before the destroy. Async: maybe in flight, and it commits all the
     # same (the background writer coordinates through the store, not a group).
     assert latest(guard.storage).step == 2
-    assert threads() <= group  # ours are gone (the default group too, unless something holds it)
+    assert ours(group) == 0  # the Guard's are gone
 
 
 def test_process_group_destroyed_after_a_stop_inside_the_block_is_no_lost_final_checkpoint(tmp_path, group, caplog):
@@ -102,9 +111,9 @@ def test_process_group_destroyed_after_a_stop_inside_the_block_is_no_lost_final_
 def test_a_guard_never_closed_has_its_groups_destroyed_at_exit(tmp_path, group):
     guard = guarded(tmp_path)
     guard.save(1)
-    assert threads() > group
+    assert started(group) > 0
     agreement._close_at_exit()  # what atexit runs before interpreter shutdown
-    assert threads() == group
+    assert ours(group) == 0
 
 
 def test_a_closed_guard_entered_again_agrees_on_new_groups(tmp_path, group):
@@ -113,7 +122,7 @@ def test_a_closed_guard_entered_again_agrees_on_new_groups(tmp_path, group):
         guard.step(1)
     with guard:
         guard.step(2)
-    assert latest(guard.storage).step == 2 and threads() == group
+    assert latest(guard.storage).step == 2 and ours(group) == 0
 
 
 @dataclass
@@ -212,8 +221,8 @@ def chain(tmp: Path, order: str, done: list[tuple[Run, int]], rest: list[Run]) -
             assert stopped == str(last) and resume_at + 2 <= last < resume_at + 5, (where, run.out[-2000:])
         else:
             assert stopped == "None" and last == resume_at + 5, (where, run.out[-2000:])
-        for before, after in re.findall(r"gloo threads before the guard: (\d+), after the block: (\d+)", run.out):
-            assert before == after, f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
+        left = re.findall(r"gloo threads started by the guard left after the block: (\d+)", run.out)
+        assert left == ["0", "0"], f"{where}: the Guard left gloo threads behind\n{run.out[-2000:]}"
         # Destroyed inside the block, the group cannot write the final checkpoint: the last periodic
         # one stays (written in the background, it needs no group, and close() waits for it); periodic
         # checkpoints fall on multiples of every_steps=2, whatever the resume point.

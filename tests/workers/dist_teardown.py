@@ -10,8 +10,8 @@ MASTER_PORT set: rank 0 hosts the store). ``--order`` is the teardown the progra
   fsdp2   an FSDP2 model, destroyed after the block; nothing deleted first
 
 ``--sigterm-at N``: rank 1 sends itself SIGTERM after step N (every rank stops, emergency save).
-Rank 0 prints ``resumed=R last=L stopped=S``; each rank prints the gloo threads it had before the
-Guard and after the block (the Guard must leave none behind). Exits 0, stopped or not.
+Rank 0 prints ``resumed=R last=L stopped=S``; each rank prints how many gloo threads started after
+its default group's are alive after the block (the Guard's: it must leave none behind). Exits 0, stopped or not.
 
 ``--fork-chain ORDER DIR FIRST LAST`` runs jobs FIRST..LAST of a chain (see ``job_args``) without
 paying for ``import torch`` in every process: this process imports everything once, runs no torch
@@ -52,15 +52,17 @@ KINDS = ("uninterrupted", "sigterm", "resumed")
 warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 noise
 
 
-def gloo_threads() -> int:
-    """gloo's native threads in this process (two workers per group, socket loops)."""
-    count = 0
+def gloo_tids() -> set[str]:
+    """The ids of the threads named by gloo. A thread names itself once it runs, so one just
+    started may not carry its name yet: tell threads apart by id, not by a count of names."""
+    found = set()
     for tid in os.listdir("/proc/self/task"):
         try:
-            count += "gloo" in open(f"/proc/self/task/{tid}/comm").read()
+            if "gloo" in open(f"/proc/self/task/{tid}/comm").read():
+                found.add(tid)
         except OSError:
             pass  # the thread ended meanwhile
-    return count
+    return found
 
 
 def build(order: str) -> nn.Module:
@@ -179,8 +181,8 @@ def main() -> int:
     loader = StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, seed=0))
     model = build(args.order)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dist.barrier()  # the default group's threads exist from here on, though one may still be starting:
-    before = max(gloo_threads() for _ in range(10) if time.sleep(0.02) is None)  # the settled count
+    dist.barrier()  # the default group's threads exist from here on, though one may not have named itself yet:
+    existing = set(os.listdir("/proc/self/task"))
 
     guard = Guard(args.storage, every_steps=2, providers="signal", busy="wait")  # every periodic save is made
     guard.track(model=model, optimizer=opt, loader=loader)
@@ -202,12 +204,12 @@ def main() -> int:
                 break
         if args.order == "inside":
             dist.destroy_process_group()
-    after = gloo_threads()
+    left = len(gloo_tids() - existing)  # gloo threads started since the default group's and still alive
     if args.order in ("after", "fsdp2"):
         dist.destroy_process_group()
     if rank == 0:
         sys.stdout.write(f"resumed={resumed} last={step} stopped={stopped}\n")
-    sys.stdout.write(f"rank {rank} gloo threads before the guard: {before}, after the block: {after}\n")  # one write
+    sys.stdout.write(f"rank {rank} gloo threads started by the guard left after the block: {left}\n")  # one write
     return 0
 
 
