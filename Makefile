@@ -22,7 +22,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile  # 2 workers: most tests wait on child processes; a file stays on one worker
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30  # 2 workers: most tests wait on child processes; a file stays on one worker; the slowest tests printed
 
 # The edit loop's tier: the test files that take seconds (tests/fast_tier.py), not their slow tests.
 # Not a substitute for `make test`, which CI runs.
