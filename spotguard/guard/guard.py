@@ -39,6 +39,7 @@ from spotguard.guard.stop import GuardStops
 from spotguard.notices.base import Notice
 from spotguard.storage import Storage, open_storage
 from spotguard.watcher import Watcher
+from spotguard.weakcall import weakly
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.format.manifest import CheckpointInfo, Manifest
@@ -68,9 +69,8 @@ class Guard:
         self.local: Storage | None = None if self.agreement is not None else open_tier(o.local_dir, self.storage)
         providers = ranks.providers_for_rank(o.providers, o.poll_on)
         # sigint: Ctrl-C, or `spotguard run` forwarding one, stops with a checkpoint, not KeyboardInterrupt
-        self.watcher = Watcher(
-            providers, o.interval, on_notice=self._on_notice, stop_on_advisory=bool(o.stop_on_advisory), sigint=o.sigint
-        )
+        notice, advisory = weakly(self._on_notice), bool(o.stop_on_advisory)  # weakly: no cycle (weakcall.py)
+        self.watcher = Watcher(providers, o.interval, on_notice=notice, stop_on_advisory=advisory, sigint=o.sigint)
         self.preempted = self.watcher.preempted
         #: Sources polled from step() where the ranks synchronise (Ray's drain), or None
         self.in_step = insync.InStep.of(self.watcher.providers, o.interval, self.watcher.report, bool(self.agreement))
@@ -105,7 +105,7 @@ class Guard:
             self.local,
             self.agreement,
             o.keep,
-            self.saves.committed,
+            weakly(self.saves.committed),
             o.async_save,
             o.reshard,
             o.rebatch,

@@ -32,6 +32,7 @@ from spotguard.heartbeat import EXIT_CONFIG, EXIT_PREEMPTED
 from ..notices.base import Notice, NoticeProvider
 from ..storage import Storage
 from ..watcher import Watcher
+from ..weakcall import weakly
 from ._folders import FolderCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class NoticeWatch:
     ) -> None:
         # sigint: Ctrl-C, or `spotguard run` forwarding one, is a notice, as for Guard
         self.watcher = Watcher(
-            providers, interval, on_notice=self._on_notice, stop_on_advisory=stop_on_advisory, sigint=True
+            providers, interval, on_notice=weakly(self._on_notice), stop_on_advisory=stop_on_advisory, sigint=True
         )
         self.preempted = self.watcher.preempted
         self.due = False

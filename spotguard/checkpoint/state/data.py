@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -72,21 +73,27 @@ def restore_generator(loader: Any, state: torch.Tensor | None) -> None:
 
 
 def neutralize_next_iterator(loader: Any) -> None:
-    """Make the loader's next iterator creation leave every random stream untouched (once)."""
-    original = getattr(loader, "_get_iterator", None)
-    if original is None:
+    """Make the loader's next iterator creation leave every random stream untouched (once).
+
+    The patches here hold the loader weakly: a loader that holds a function holding it is a cycle, and
+    the cyclic collector closes its worker queues before its iterator shuts the workers down (5 s each,
+    ``spotguard.weakcall``)."""
+    if getattr(loader, "_get_iterator", None) is None:
         logger.debug("%s has no _get_iterator; resumed random streams may shift", type(loader).__name__)
         return
+    ref = weakref.ref(loader)
 
     def get_iterator_once() -> Any:
-        del loader._get_iterator  # back to the class method for every later epoch
-        gen_state = generator_state(loader)
+        owner = ref()  # called through the loader: alive
+        assert owner is not None
+        del owner._get_iterator  # back to the class method for every later epoch
+        gen_state = generator_state(owner)
         with rng_isolated():
             try:
-                first = original()
+                first = owner._get_iterator()
             finally:
-                restore_generator(loader, gen_state)
-        _watch_dropped(loader, first)
+                restore_generator(owner, gen_state)
+        _watch_dropped(owner, first)
         return first
 
     loader._get_iterator = get_iterator_once
@@ -97,19 +104,22 @@ def _watch_dropped(loader: Any, first: Any) -> None:
     ended and yielded at most one batch: the position went with it, and the epoch starts over. That is a
     ``next(iter(loader))`` peek (PyTorch's DDP tutorial reads its batch size so), silently inexact."""
     start = getattr(first, "_num_yielded", 0)
+    ref = weakref.ref(loader)
 
     def get_iterator_watched() -> Any:
-        del loader._get_iterator
+        owner = ref()
+        assert owner is not None
+        del owner._get_iterator
         if not getattr(first, "_finished", True) and getattr(first, "_num_yielded", start) - start <= 1:
             logger.warning(
                 "%s: its first iterator after the resume, which carries the restored position, was dropped "
                 "after %d batch(es) and a new one starts the epoch over: this run now differs from an "
                 "uninterrupted one. A throwaway next(iter(loader)) (to read a batch size) does this: read "
                 "loader.batch_size instead",
-                type(loader).__name__,
+                type(owner).__name__,
                 getattr(first, "_num_yielded", start) - start,
             )
-        return loader._get_iterator()
+        return owner._get_iterator()
 
     loader._get_iterator = get_iterator_watched
 
