@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import warnings
 from typing import Any
 
@@ -21,7 +22,11 @@ DATA = list(range(24))
 
 # Workers start by forkserver, not fork: the pytest worker may already run threads (a watcher, gloo)
 # from earlier tests, and a forked child can deadlock on a lock one of them held (seen once: a hang).
-WORKER_START = {"multiprocessing_context": "forkserver"}
+# The forkserver imports what a worker unpickles its dataset with once, not each worker (a loader's
+# workers start again every epoch): without it each paid `import torch`, 5-7 s a test here.
+FORKSERVER = multiprocessing.get_context("forkserver")
+FORKSERVER.set_forkserver_preload(["torch", "torchdata.stateful_dataloader", "numpy", "spotguard"])
+WORKER_START = {"multiprocessing_context": FORKSERVER}
 
 
 def loader(workers: int = 0, batch_size: int = 2, dataset: Any = DATA, seed: int = 3, **kw: Any) -> StatefulDataLoader:
