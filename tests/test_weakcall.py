@@ -51,10 +51,12 @@ def test_weakly_calls_the_method_while_its_object_lives_and_does_nothing_after()
     assert Owner.seen == [(1, 2)]
 
 
-def train_one_step(tmp_path) -> tuple[list[weakref.ref], list]:
+def train_one_step(tmp_path, persistent: bool) -> tuple[list[weakref.ref], list]:
     """A Guard over a 2-worker loader, closed with the loader mid-epoch (its workers live): weak
     references to both, and the worker processes."""
-    loader = StatefulDataLoader(list(range(16)), batch_size=2, num_workers=2, **WORKER_START)
+    loader = StatefulDataLoader(
+        list(range(16)), batch_size=2, num_workers=2, persistent_workers=persistent, **WORKER_START
+    )
     model = torch.nn.Linear(2, 2)
     guard = spotguard.Guard(str(tmp_path), providers="signal", lease_ttl=None, every_steps=1, async_save=True)
     guard.track(loader=loader, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -68,10 +70,13 @@ def train_one_step(tmp_path) -> tuple[list[weakref.ref], list]:
     return [weakref.ref(guard), weakref.ref(loader)], workers
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
 @pytest.mark.parametrize("runs", [1, 2])
-def test_a_closed_guard_and_its_loader_go_with_their_last_reference_and_the_workers_end(tmp_path, no_collector, runs):
+def test_a_closed_guard_and_its_loader_go_with_their_last_reference_and_the_workers_end(
+    tmp_path, no_collector, runs, persistent
+):
     for _ in range(runs):
-        refs, workers = train_one_step(tmp_path)
+        refs, workers = train_one_step(tmp_path, persistent)
         assert [r() for r in refs] == [None, None], "a cycle holds them: only the cyclic collector would free them"
         assert not any(w.is_alive() for w in workers), "the iterator's __del__ shut its workers down"
 

@@ -102,26 +102,42 @@ def neutralize_next_iterator(loader: Any) -> None:
 def _watch_dropped(loader: Any, first: Any) -> None:
     """Warn once when the iterator made next, while ``first`` (it carries the restored position) has not
     ended and yielded at most one batch: the position went with it, and the epoch starts over. That is a
-    ``next(iter(loader))`` peek (PyTorch's DDP tutorial reads its batch size so), silently inexact."""
+    ``next(iter(loader))`` peek (PyTorch's DDP tutorial reads its batch size so), silently inexact. A
+    loader with persistent workers makes no new iterator: it resets ``first``, which is watched then."""
     start = getattr(first, "_num_yielded", 0)
     ref = weakref.ref(loader)
 
-    def get_iterator_watched() -> Any:
-        owner = ref()
-        assert owner is not None
-        del owner._get_iterator
-        if not getattr(first, "_finished", True) and getattr(first, "_num_yielded", start) - start <= 1:
+    def warn_if_dropped(it: Any) -> None:
+        if not getattr(it, "_finished", True) and getattr(it, "_num_yielded", start) - start <= 1:
             logger.warning(
                 "%s: its first iterator after the resume, which carries the restored position, was dropped "
                 "after %d batch(es) and a new one starts the epoch over: this run now differs from an "
                 "uninterrupted one. A throwaway next(iter(loader)) (to read a batch size) does this: read "
                 "loader.batch_size instead",
-                type(owner).__name__,
-                getattr(first, "_num_yielded", start) - start,
+                type(ref()).__name__,
+                getattr(it, "_num_yielded", start) - start,
             )
+
+    def get_iterator_watched() -> Any:
+        owner = ref()
+        assert owner is not None
+        del owner._get_iterator
+        warn_if_dropped(first)
         return owner._get_iterator()
 
     loader._get_iterator = get_iterator_watched
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
+        it_ref = weakref.ref(first)  # held weakly: the function is stored on `first` itself
+
+        def reset_watched(*args: Any, **kwargs: Any) -> Any:
+            it = it_ref()  # called through it: alive
+            assert it is not None
+            del it._reset
+            warn_if_dropped(it)
+            return it._reset(*args, **kwargs)
+
+        if hasattr(first, "_reset"):
+            first._reset = reset_watched
 
 
 def as_at_last_batch(objects: Mapping[str, Any], states: MutableMapping[str, Any]) -> None:

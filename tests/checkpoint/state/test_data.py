@@ -136,22 +136,24 @@ def test_an_unchanged_loader_resumes_without_a_word(tmp_path, caplog):
     assert [x for b in new for x in b.tolist()] == rest
 
 
-def test_a_throwaway_iterator_that_took_the_restored_position_is_named(tmp_path, caplog):
+@pytest.mark.parametrize("kw", [{}, {"workers": 2, "persistent_workers": True}], ids=["no-workers", "persistent"])
+def test_a_throwaway_iterator_that_took_the_restored_position_is_named(tmp_path, caplog, kw):
     """PyTorch's DDP tutorial reads its batch size with ``len(next(iter(loader))[0])`` at each epoch's start.
     After a mid-epoch resume that peek takes the restored position, and the ``for`` loop's iterator starts
     the epoch over: silently another run. Loops that use the restored iterator say nothing, also when it
-    was saved at the epoch's last batch (it yields nothing, then the next epoch starts)."""
-    rest = saved_after(tmp_path / "mid", 3)
+    was saved at the epoch's last batch (it yields nothing, then the next epoch starts). A loader with
+    persistent workers resets its one iterator instead of making another: the same peek, the same words."""
+    rest = saved_after(tmp_path / "mid", 3, **kw)
     with caplog.at_level(logging.WARNING, logger="spotguard"):
-        resumed(tmp_path / "mid", peeked := loader())
+        resumed(tmp_path / "mid", peeked := loader(**kw))
         assert len(next(iter(peeked))) == 2
         assert [x for b in peeked for x in b.tolist()] != rest  # the epoch over, from its first batch
     assert "was dropped after 1 batch(es)" in caplog.text, caplog.text
-    saved_after(tmp_path / "end", 12)  # 12 batches of 2: the epoch's last
+    saved_after(tmp_path / "end", 12, **kw)  # 12 batches of 2: the epoch's last
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spotguard"):
         for where, epoch in (("mid", rest), ("end", [])):
-            resumed(tmp_path / where, new := loader())
+            resumed(tmp_path / where, new := loader(**kw))
             assert [x for b in new for x in b.tolist()] == epoch  # the restored iterator, to its end
             assert sorted(x for b in new for x in b.tolist()) == DATA  # then the next epoch, whole
     assert "dropped" not in caplog.text, caplog.text
