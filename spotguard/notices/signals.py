@@ -70,7 +70,7 @@ class SignalProvider(NoticeProvider):
         self.wait = wait
         self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
         self._previous: dict[signal.Signals, Any] = {}
-        self._received: dict[signal.Signals, float] = {}  # each signal's latest delivery (monotonic)
+        self._received: dict[signal.Signals, float] = {}  # each signal's first delivery (monotonic)
         self._calmed: tuple[Any, Any] | None = None  # (our SIGCHLD handler, torch's it wraps)
         self._worker_died = False  # a loader worker died after the stop: torch's handler would raise at any SIGCHLD
 

@@ -104,7 +104,7 @@ def _watch_dropped(loader: Any, first: Any) -> None:
     ended and yielded at most one batch: the position went with it, and the epoch starts over. That is a
     ``next(iter(loader))`` peek (PyTorch's DDP tutorial reads its batch size so), silently inexact. A
     loader with persistent workers makes no new iterator: it resets ``first``, which is watched then."""
-    start = getattr(first, "_num_yielded", 0)
+    start, name = getattr(first, "_num_yielded", 0), type(loader).__name__
     ref = weakref.ref(loader)
 
     def warn_if_dropped(it: Any) -> None:
@@ -114,7 +114,7 @@ def _watch_dropped(loader: Any, first: Any) -> None:
                 "after %d batch(es) and a new one starts the epoch over: this run now differs from an "
                 "uninterrupted one. A throwaway next(iter(loader)) (to read a batch size) does this: read "
                 "loader.batch_size instead",
-                type(ref()).__name__,
+                name,
                 getattr(it, "_num_yielded", start) - start,
             )
 
@@ -126,7 +126,11 @@ def _watch_dropped(loader: Any, first: Any) -> None:
         return owner._get_iterator()
 
     loader._get_iterator = get_iterator_watched
-    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
+    if (
+        getattr(loader, "persistent_workers", False)
+        and getattr(loader, "num_workers", 0) > 0
+        and hasattr(first, "_reset")
+    ):
         it_ref = weakref.ref(first)  # held weakly: the function is stored on `first` itself
 
         def reset_watched(*args: Any, **kwargs: Any) -> Any:
@@ -136,8 +140,7 @@ def _watch_dropped(loader: Any, first: Any) -> None:
             warn_if_dropped(it)
             return it._reset(*args, **kwargs)
 
-        if hasattr(first, "_reset"):
-            first._reset = reset_watched
+        first._reset = reset_watched
 
 
 def as_at_last_batch(objects: Mapping[str, Any], states: MutableMapping[str, Any]) -> None:
