@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from spotguard.checkpoint.folders.pernode import RankFiles
+
 _HF = re.compile(r"rng_state_(\d+)\.pth")
 _ACCELERATE = re.compile(r"random_states_(\d+)\.pkl|spotguard-loaders-(\d+)\.pt")
 _LIGHTNING = re.compile(r"rng-rank-(\d+)\.pt")
@@ -67,6 +69,17 @@ def hf_deepspeed(name: str) -> int | None:
     """As ``hf``, for a Trainer with a DeepSpeed config: its ZeRO files too (``global_step<N>/...``)."""
     rank = hf(name)
     return rank if rank is not None else deepspeed(name)
+
+
+def trainer_files(trainer: Any) -> RankFiles:
+    """An HF ``Trainer`` node's fetch rule: its ranks' ``rng_state_N``, and with DeepSpeed their ZeRO
+    partitions (known once ``cb.train`` was given the Trainer; without it DeepSpeed's files are fetched whole)."""
+    if trainer is None or not getattr(trainer, "is_deepspeed_enabled", False):
+        return RankFiles(hf)
+    ds_config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
+    if not isinstance(ds_config, dict):
+        return RankFiles(hf)
+    return RankFiles(hf_deepspeed, config_doubt(ds_config, getattr(trainer, "model", None)))
 
 
 # Why a node cannot trust the DeepSpeed rule (``deepspeed.fetch_rule`` from the engine, ``config_doubt``

@@ -39,7 +39,6 @@ from spotguard import checkpoint
 from spotguard.checkpoint.files.onclose import replace_text
 from spotguard.checkpoint.files.stream import pinned_torch_save
 from spotguard.checkpoint.folders.folders import is_node_leader
-from spotguard.checkpoint.folders.pernode import RankFiles
 from spotguard.checkpoint.state import data
 from spotguard.checkpoint.state import state as state_module
 
@@ -103,21 +102,11 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
     # -- the user's side ---------------------------------------------------------------------
     def resume_from_checkpoint(self) -> str | None:
         """The newest checkpoint that verifies, as a local folder for ``trainer.train(resume_from_checkpoint=...)``."""
-        found = self.checkpoints.newest_verified(self._rank_files())  # a node: its ranks' own files
+        # On each node: the shared files and its own ranks' ones.
+        found = self.checkpoints.newest_verified(_rankfiles.trainer_files(self._trainer))
         self._resumed_step = found[0] if found else 0
         self._replay_eval = found is not None and (found[1] / EVAL_CUT).is_file()
         return str(found[1]) if found else None
-
-    def _rank_files(self) -> RankFiles:
-        """The node's fetch rule: its ranks' ``rng_state_N``, and with DeepSpeed their ZeRO partitions
-        (known once ``train`` was given the Trainer; without it DeepSpeed's files are fetched whole)."""
-        trainer = self._trainer
-        if trainer is None or not getattr(trainer, "is_deepspeed_enabled", False):
-            return RankFiles(_rankfiles.hf)
-        ds_config = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None)
-        if not isinstance(ds_config, dict):
-            return RankFiles(_rankfiles.hf)
-        return RankFiles(_rankfiles.hf_deepspeed, _rankfiles.config_doubt(ds_config, getattr(trainer, "model", None)))
 
     def train(self, trainer: Any, **kwargs: Any) -> int:
         """``trainer.train`` from the newest verified checkpoint; returns the exit code for the job.
@@ -162,6 +151,8 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Finished:
             logger.info("resumed at step %d, the last (max_steps): nothing left to train", trainer.state.global_step)
+            if resume is not None and (Path(resume) / EVAL_CUT).is_file():  # run again in on_step_begin
+                self._save_final(trainer)
         except _Interrupt:
             self._save_interrupted(trainer)
         except PERMANENT as e:
@@ -310,27 +301,23 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         try:
             self._commit_folder(step, folder, reason, began, self.notices.deadline() if emergency else None)
         except Exception as e:  # a failed periodic commit must not end the training
-            logger.error(
-                "%s checkpoint of step %d NOT committed (%s: %s)%s",
-                reason,
-                step,
-                type(e).__name__,
-                e,
-                "" if not emergency else "; the resume point stays the previous checkpoint",
-            )
+            tail = "; the resume point stays the previous checkpoint" if emergency else ""
+            logger.error("%s checkpoint of step %d NOT committed (%s: %s)%s", reason, step, type(e).__name__, e, tail)
             return emergency and self.notices.stop_saved(step, e, may_train_on=may_train_on)
         if not emergency or not self.notices.stop_saved(step, save_s=self._save_s, may_train_on=may_train_on):
             return False
         self.stopped_at = None  # the notice window: train on, checkpoint again before the deadline
         return True
 
-    def _commit_folder(self, step: int, folder: Path, reason: str, began: float | None, deadline: float | None) -> None:
+    def _commit_folder(
+        self, step: int, folder: Path, reason: str, began: float | None, deadline: float | None, supersede: bool = False
+    ) -> None:
         """Commit the Trainer's folder of ``step`` before ``deadline``, or raise."""
         with self.notices.marks.during(SAVING, step, last=True):  # begun with the Trainer's write (cb.train)
             if self.checkpoints.group.get() is None and not folder.is_dir():
                 raise FileNotFoundError(f"the Trainer's checkpoint folder {folder} is missing")
             t0 = time.monotonic() if began is None else began
-            self.checkpoints.commit(step, folder, reason, deadline)
+            self.checkpoints.commit(step, folder, reason, deadline, supersede=supersede)
         self._committed_step = step
         self._save_s = time.monotonic() - t0
 
@@ -358,3 +345,14 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         if self._rng_before_eval is not None and is_node_leader():  # its node's folder: one writer
             replace_text(folder / EVAL_CUT, json.dumps({"step": step}))
         self._commit_folder(step, folder, "emergency", began, deadline)
+
+    def _save_final(self, trainer: Any) -> None:
+        """Resumed from an evaluation cut at the last step, and that evaluation run again: the stored checkpoint
+        holds the streams it began with, the uninterrupted run's final one those it left. Commit the latter in
+        its place (the step's next revision), as that run's last save did."""
+        step, output_dir = trainer.state.global_step, Path(trainer.args.output_dir)
+        if is_node_leader() and self.checkpoints.storage.links_files:
+            unlink_linked_ahead(output_dir, step - 1)  # its folder may hold the cut one's committed files
+        began = time.monotonic()
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        self._commit_folder(step, output_dir / f"checkpoint-{step}", "final", began, None, supersede=True)

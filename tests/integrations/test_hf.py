@@ -4,11 +4,14 @@ during warm-up, resumed each time, and equal to an uninterrupted run bit for bit
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
+
+from spotguard.ops.rehearsal.compare import compare
 
 from ..helpers import after_step
 from . import runs
@@ -88,4 +91,18 @@ def test_a_stop_at_the_last_step_resumes_without_training_past_it(tmp_path, refe
         SCRIPT, tmp_path, (*args, *slow_eval), after_step(tmp_path / "losses.jsonl", STEPS), runs.sigterm
     )
     assert runs.assert_stopped(first, tmp_path) == STEPS
+    # The cut checkpoint's files, held by links of our own: the Trainer's folder holds them as links too (a
+    # local storage), and the final save must write new files, never these again (until committed, they are
+    # the resume point).
+    cut = tmp_path / "ckpt" / f"step-{STEPS:08d}"
+    held = {f: (tmp_path / f"held-{f.name}", f.read_bytes()) for f in cut.iterdir()}
+    for f, (link, _) in held.items():
+        os.link(f, link)
     runs.finish_identically(SCRIPT, tmp_path, args, reference)
+    assert all(link.read_bytes() == data for link, data in held.values())
+    # The stored final checkpoint too: the cut one holds the streams its evaluation began with; the final
+    # save after that evaluation is run again holds those it left, as the uninterrupted run's does.
+    newest = max((i for i in runs.checkpoints(tmp_path) if i.complete), key=lambda i: (i.step, i.name))
+    assert newest.step == STEPS and newest.manifest.reason == "final", newest
+    same = compare(str(tmp_path / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact and same.step == STEPS, same.line()

@@ -50,6 +50,15 @@ def rehearse(tmp_path: Path, *args: str, command: list[str]) -> tuple[int, dict,
     return proc.returncode, json.loads(lines[-1]), proc.stderr
 
 
+def report(doc: dict, err: str) -> str:
+    """A failed rehearsal, shown whole (a string: pytest cuts the middle of a long tuple's repr)."""
+    ref = doc.get("reference") or {}
+    keep = ("index", "stop_step", "landed", "resumes_at", "committed", "steps_lost", "steps_replayed", "killed")
+    pre = [{k: p.get(k) for k in keep} for p in doc.get("preemptions", [])]
+    lines = [f"reference: {ref.get('line')}", *ref.get("differences", []), f"preemptions: {pre}"]
+    return "\n".join([*lines, f"machines: {doc.get('machines')}, steps: {doc.get('steps')}", err[-3000:]])
+
+
 def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
     # Seed 0 draws 0.9, 0.7, 0.3 and 0.4 s of training, and puts the 4th notice 2.8 s after its
     # machine's start, while the job is still starting; the 2nd waits for the next evaluation and the
@@ -61,7 +70,7 @@ def test_train_through_five_preemptions_loses_nothing_and_is_exact(tmp_path):
         *("--during-save", "1", "--during-eval", "1", "--storage", str(tmp_path / "ckpt"), "--reference"),
         command=[sys.executable, *TRAIN, *EVAL, "--step-sleep", "0.03"],
     )
-    assert code == 0, err[-4000:]
+    assert code == 0, report(doc, err)
     pre = doc["preemptions"]
     assert len(pre) == 5 and doc["machines"] == 6 and doc["steps"] == 120
     assert [p["committed"] for p in pre] == [True] * 5
@@ -103,7 +112,7 @@ def test_train_through_two_azure_evictions_approves_each_once_committed_and_is_e
             server=jobs,
         ),
     )
-    assert code == 0, err[-4000:]
+    assert code == 0, report(doc, err)
     pre = doc["preemptions"]
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 2, pre
     assert doc["machines"] == 3 and doc["steps"] == 60
@@ -210,7 +219,7 @@ def test_hf_trainer_through_five_preemptions_loses_nothing_and_is_exact(tmp_path
             *("--step-sleep", "0.05", "--output-dir", "{local}/hf-output"),
         ],
     )
-    assert code == 0, (err[-3000:], {k: v for k, v in doc.items() if k != "reference"}, doc.get("reference"))
+    assert code == 0, report(doc, err)
     pre = doc["preemptions"]
     assert len(pre) == 5 and doc["machines"] == 6 and doc["steps"] == 40
     assert [(p["committed"], p["steps_lost"], p["steps_replayed"]) for p in pre] == [(True, 0, 0)] * 5
@@ -244,6 +253,6 @@ def test_a_deepspeed_job_is_preempted_during_its_save(tmp_path):
             *("--step-sleep", "0.05"),
         ],
     )
-    assert code == 0, (err[-3000:], doc)
+    assert code == 0, report(doc, err)
     (p,) = doc["preemptions"]
     assert doc["steps"] == 40 and p["committed"] and p["steps_lost"] == 0 and "save" in p["landed"].split("+"), p
