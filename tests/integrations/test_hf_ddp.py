@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from spotguard.ops.rehearsal.compare import compare
+
 from . import groups
 
 pytest.importorskip("transformers")
@@ -52,12 +54,15 @@ def test_hf_trainer_under_torchrun_stops_every_rank_for_one_ranks_notice_and_res
     groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
 
 
-def test_hf_trainer_under_torchrun_cut_in_an_evaluation_by_one_rank_runs_it_again_exactly(tmp_path, reference):
+@pytest.mark.parametrize("last", [False, True], ids=["mid-run", "last-step"])
+def test_hf_trainer_under_torchrun_cut_in_an_evaluation_by_one_rank_runs_it_again_exactly(tmp_path, reference, last):
     """Rank 1's notice comes during an evaluation: every rank leaves it at the same batch (the vote runs
     per evaluation batch), the checkpoint holds the streams it started with, and the resume runs it
-    again first: the evaluation's random draws leave the streams where the uninterrupted run had them."""
+    again first: the evaluation's random draws leave the streams where the uninterrupted run had them.
+    At the last step the resume then has no step left to train: it commits the state after the evaluation
+    run again as the final checkpoint, which equals the uninterrupted run's, every rank's streams included."""
     job = groups.Job(SCRIPT, tmp_path, ARGS, local_args=output_dir)
-    at, trace = _rng.choice([6, 12, 18]), tmp_path / "trace.jsonl"
+    at, trace = STEPS if last else _rng.choice([6, 12, 18]), tmp_path / "trace.jsonl"
 
     def in_eval() -> bool:
         lines = trace.read_text().splitlines() if trace.exists() else []
@@ -67,6 +72,8 @@ def test_hf_trainer_under_torchrun_cut_in_an_evaluation_by_one_rank_runs_it_agai
     stopped, _ = groups.assert_all_stopped(job, procs, at)
     assert stopped == at and "during an evaluation" in procs[0].stderr
     groups.finish(job, reference)
+    same = compare(str(tmp_path / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact and same.step == STEPS, same.line()
 
 
 def test_hf_trainer_on_two_nodes_without_a_shared_folder_commits_one_checkpoint(tmp_path, reference_two_nodes):
