@@ -44,7 +44,7 @@ from spotguard.checkpoint.state import data, state
 from spotguard.heartbeat import EVALUATING, EXIT_PREEMPTED, SAVING, marking
 
 from ..coordination.agreement import ADVISORY, STOP
-from ..coordination.options import check_every_steps
+from ..coordination.options import check_every_steps, check_flag
 from ..errors import PERMANENT, MissingDependencyError
 from ..storage import Storage
 from . import _lightning_loops as loops
@@ -82,15 +82,24 @@ class SpotguardCallback(StopOutcome, Callback):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
     checkpoints are kept there. ``every_steps``: periodic checkpoints through the same path (None:
-    only on notices). ``providers``/``interval``/``stop_on_advisory``/``deadline_policy``/``window_margin``:
+    only on notices). ``save_on_exit``: a fit that ends without a notice commits its last step, as
+    ``spotguard.Guard`` does (the finished model is in the storage, not only on the machine). ``providers``/``interval``/``stop_on_advisory``/``deadline_policy``/``window_margin``:
     as for ``spotguard.Guard``.
     """
 
     @marking  # a bad option or URL: `spotguard run` exits 78
-    def __init__(self, storage: str | Storage | None = None, *, every_steps: int | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        storage: str | Storage | None = None,
+        *,
+        every_steps: int | None = None,
+        save_on_exit: bool = True,
+        **options: Any,
+    ) -> None:
         check_every_steps(every_steps)
+        check_flag("save_on_exit", save_on_exit)
         self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")
-        self.every_steps = every_steps
+        self.every_steps, self.save_on_exit = every_steps, save_on_exit
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
@@ -291,6 +300,14 @@ class SpotguardCallback(StopOutcome, Callback):
                 may_train_on=False,
             )
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # A fit no notice stopped (Lightning calls no hook when resumed at its end): its last step, unless this
+        # run committed it at the batch's end (a periodic one, before the step's validation, which a resume runs).
+        # A checkpoint of the step from an earlier run is replaced, as the step's next revision.
+        step = trainer.global_step
+        if self.save_on_exit and self.stopped_at is None and step > 0 and step != self._committed_step:
+            self._save(trainer, "final")
+
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._trainer = None
@@ -337,6 +354,6 @@ class SpotguardCallback(StopOutcome, Callback):
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save(self._rng_before_validation or state.capture_rng(), folder / rng_file(trainer.global_rank))
             logger.debug("save_checkpoint of step %d took %.2fs", step, time.monotonic() - t0)
-            self.checkpoints.commit(step, folder, reason, deadline)
+            self.checkpoints.commit(step, folder, reason, deadline, supersede=reason == "final")
         self._committed_step = step
         self._save_s = time.monotonic() - t0

@@ -8,6 +8,8 @@ import signal
 
 import pytest
 
+from spotguard.ops.rehearsal.compare import compare
+
 from ..helpers import last_step
 from . import runs
 
@@ -39,6 +41,41 @@ def reference(tmp_path_factory):
 def test_lightning_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
     runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, ARGS, STEPS, mock_metadata, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+    # The finished fit is in the storage (step 70: no multiple of every 15), as the uninterrupted run's is.
+    newest = max((i for i in runs.checkpoints(tmp_path) if i.complete), key=lambda i: (i.step, i.name))
+    assert newest.step == STEPS and newest.manifest.reason == "final", newest
+    same = compare(str(tmp_path / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact, same.line()
+
+
+def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
+    import lightning.pytorch as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    steps = {}
+    for save_on_exit in (True, False):
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False)
+        run_dir = tmp_path / str(save_on_exit)
+        cb = SpotguardCallback(
+            str(run_dir / "ckpt"), every_steps=2, save_on_exit=save_on_exit, providers=[], lease_ttl=None
+        )
+        assert cb.fit(trainer, Module(), train_dataloaders=DataLoader(torch.randn(8, 2), batch_size=1)) == 0
+        steps[save_on_exit] = [(i.step, i.manifest.reason) for i in runs.checkpoints(run_dir)]
+    assert steps == {True: [(2, "periodic"), (3, "final")], False: [(2, "periodic")]}
 
 
 @pytest.fixture(scope="module")
