@@ -82,6 +82,12 @@ def rewind_validation(checkpoint: dict[str, Any], begun: bool) -> None:
         "completed": before["completed"],
     }
     progress["is_last_batch"] = False
+    if not begun:
+        # Saved at the batch's end, so Lightning counts that batch once as it restarts there (its own comment:
+        # the counter is never set before a save) and once more after the validation it now runs again.
+        epoch = checkpoint["loops"]["fit_loop"].get("epoch_loop.state_dict", {})
+        if isinstance(epoch.get("_batches_that_stepped"), int):
+            epoch["_batches_that_stepped"] -= 1  # the logger's step: one ahead of the uninterrupted run's
 
 
 def begin_the_next_epoch(trainer: Any) -> None:

@@ -96,6 +96,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         self._reason: str | None = None
         self._rng_before_eval: dict[str, Any] | None = None  # while cb.train's Trainer evaluates
         self._replay_eval = False  # resumed from an evaluation cut short: run it again first
+        self._replayed = False  # and it was run again
         self._save_began: float | None = None  # when the Trainer was asked to save (its own write counts)
         self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
 
@@ -151,7 +152,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             trainer.train(resume_from_checkpoint=resume, **kwargs)
         except _Finished:
             logger.info("resumed at step %d, the last (max_steps): nothing left to train", trainer.state.global_step)
-            if resume is not None and (Path(resume) / EVAL_CUT).is_file():  # run again in on_step_begin
+            if self._replayed:
                 self._save_final(trainer)
         except _Interrupt:
             self._save_interrupted(trainer)
@@ -196,13 +197,9 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
             unlink_linked_ahead(Path(args.output_dir), state.global_step)
         newest = checkpoint.latest(self.checkpoints.storage) if state.is_world_process_zero else None
         if newest is not None and newest.step > state.global_step:
-            logger.warning(
-                "%s holds step %d but training starts at step %d: pass resume_from_checkpoint="
-                "callback.resume_from_checkpoint(), or use callback.train(trainer)",
-                self.checkpoints.storage.describe(),
-                newest.step,
-                state.global_step,
-            )
+            fix = "pass resume_from_checkpoint=callback.resume_from_checkpoint(), or use callback.train(trainer)"
+            facts = (self.checkpoints.storage.describe(), newest.step, state.global_step, fix)
+            logger.warning("%s holds step %d but training starts at step %d: %s", *facts)
         self.notices.start()
 
     # Every hook below runs on every rank at the same point, and so does every ``check`` (a
@@ -215,7 +212,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
         if self._replay_eval:
             # The uninterrupted run evaluated here, drawing from the streams the checkpoint holds:
             # run that evaluation again (its metrics are logged), so the next step draws as it did.
-            self._replay_eval = False
+            self._replay_eval, self._replayed = False, True
             logger.warning("running the evaluation of step %d again: a notice cut it short", state.global_step)
             self._trainer.evaluate()
         if 0 < state.max_steps <= state.global_step:
@@ -348,11 +345,15 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
 
     def _save_final(self, trainer: Any) -> None:
         """Resumed from an evaluation cut at the last step, and that evaluation run again: the stored checkpoint
-        holds the streams it began with, the uninterrupted run's final one those it left. Commit the latter in
-        its place (the step's next revision), as that run's last save did."""
+        holds the streams it began with, the uninterrupted run's last save (``save_strategy="steps"``) those it
+        left. Commit the latter in its place, as the step's next revision."""
         step, output_dir = trainer.state.global_step, Path(trainer.args.output_dir)
-        if is_node_leader() and self.checkpoints.storage.links_files:
-            unlink_linked_ahead(output_dir, step - 1)  # its folder may hold the cut one's committed files
+        folder = output_dir / f"checkpoint-{step}"
+        if is_node_leader():  # the cut run's folder, kept on this disk: its committed files (links) and its marker
+            if self.checkpoints.storage.links_files:
+                unlink_linked_ahead(output_dir, step - 1)
+            (folder / EVAL_CUT).unlink(missing_ok=True)
+        trainer.accelerator.wait_for_everyone()  # before any rank writes its own files there
         began = time.monotonic()
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        self._commit_folder(step, output_dir / f"checkpoint-{step}", "final", began, None, supersede=True)
+        self._commit_folder(step, folder, "final", began, None, supersede=True)

@@ -16,9 +16,8 @@ callback lifts ``trainer.should_stop`` again) until one more step would leave to
 second one before the deadline; that one is written the same way and the fit stops. No periodic
 save (``every_steps``) is made in between.
 
-Lightning does not save the global RNG streams; this callback's own state does (in the ``.ckpt``),
-and restores them where an uninterrupted run would have had them, so dropout continues exactly.
-Data positions are Lightning's: use torchdata's ``StatefulDataLoader`` for mid-epoch resumes.
+Lightning does not save the global RNG streams; this callback's state does (in the ``.ckpt``), restored
+where an uninterrupted run had them. Data positions: torchdata's ``StatefulDataLoader``, saved by Lightning.
 
 Under torchrun (``strategy="ddp"``) the ranks vote after every optimizer step (one all-reduce of
 one integer), so a notice seen by one rank stops all after the same step. Lightning writes only
@@ -82,9 +81,9 @@ class SpotguardCallback(StopOutcome, Callback):
 
     ``storage``: a path or ``s3://``/``gs://`` URL (default ``$SPOTGUARD_STORAGE``); ``keep``
     checkpoints are kept there. ``every_steps``: periodic checkpoints through the same path (None:
-    only on notices). ``save_on_exit``: a fit that ends without a notice commits its last step, as
-    ``spotguard.Guard`` does (the finished model is in the storage, not only on the machine). ``providers``/``interval``/``stop_on_advisory``/``deadline_policy``/``window_margin``:
-    as for ``spotguard.Guard``.
+    only on notices). ``save_on_exit``: a fit no notice stopped commits its last step (the finished
+    model is in the storage, not only on the machine). ``providers``/``interval``/``stop_on_advisory``/
+    ``deadline_policy``/``window_margin``: as for ``spotguard.Guard``.
     """
 
     @marking  # a bad option or URL: `spotguard run` exits 78
@@ -94,21 +93,21 @@ class SpotguardCallback(StopOutcome, Callback):
         *,
         every_steps: int | None = None,
         save_on_exit: bool = True,
-        **options: Any,
+        **kw: Any,
     ) -> None:
         check_every_steps(every_steps)
         check_flag("save_on_exit", save_on_exit)
-        self.checkpoints, self.notices = watch_parts(storage, options, "SpotguardCallback (Lightning)")
+        self.checkpoints, self.notices = watch_parts(storage, kw, "SpotguardCallback (Lightning)")
         self.every_steps, self.save_on_exit = every_steps, save_on_exit
         #: The step this run stopped at for a notice (its checkpoint committed when ``emergency_error`` is None).
         self.stopped_at: int | None = None
         self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
         self._trainer: Any = None
         self._resumed_step = 0
+        self._committed_step: int | None = None  # the last step this run committed
         self._steps = self._seen_steps = 0  # optimizer steps (as trainer.global_step), and the last one acted on
-        self._committed_step: int | None = None
         self._rng_before_validation: dict[str, Any] | None = None
-        self._rng_after_iterator: dict[str, Any] | None = None
+        self._rng_after_iterator: dict[str, Any] | None = None  # restored again once the resumed loader exists
         self._resume_folder: Path | None = None
         self._validation_next = False  # the save in progress is of a step whose validation has not run yet
         self._planned = PlannedResume(self.checkpoints, RankFiles(_rankfiles.lightning))
@@ -253,6 +252,8 @@ class SpotguardCallback(StopOutcome, Callback):
             and not self.notices.in_window  # the second stop's checkpoint comes soon
         ):
             self._save(trainer, "periodic", batch_end=True)
+        if 0 < trainer.max_steps <= self._steps:
+            self._final(trainer, batch_end=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -301,12 +302,7 @@ class SpotguardCallback(StopOutcome, Callback):
             )
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        # A fit no notice stopped (Lightning calls no hook when resumed at its end): its last step, unless this
-        # run committed it at the batch's end (a periodic one, before the step's validation, which a resume runs).
-        # A checkpoint of the step from an earlier run is replaced, as the step's next revision.
-        step = trainer.global_step
-        if self.save_on_exit and self.stopped_at is None and step > 0 and step != self._committed_step:
-            self._save(trainer, "final")
+        self._final(trainer)  # a fit that ended another way: epochs, an early stop
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
@@ -329,14 +325,19 @@ class SpotguardCallback(StopOutcome, Callback):
                 trainer.should_stop = False
                 self.stopped_at = None
 
+    def _final(self, trainer: Any, batch_end: bool = False) -> None:
+        """``save_on_exit``. At ``max_steps`` at the batch's end, as a stop there saves: a stopped run ends the same."""
+        step = trainer.global_step
+        if self.save_on_exit and self.stopped_at is None and step > 0 and step != self._committed_step:
+            self._save(trainer, "final", batch_end=batch_end)
+
     def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
         """A periodic or advisory checkpoint of this step; one that fails is logged, training goes on."""
         try:
             self._write(trainer, reason, batch_end)
         except Exception as e:  # a failed periodic save must not end the training
-            logger.error(
-                "%s checkpoint of step %d NOT committed (%s: %s)", reason, trainer.global_step, type(e).__name__, e
-            )
+            step, name = trainer.global_step, type(e).__name__
+            logger.error("%s checkpoint of step %d NOT committed (%s: %s)", reason, step, name, e)
 
     def _write(self, trainer: Any, reason: str, batch_end: bool = False, deadline: float | None = None) -> None:
         """Write and commit a checkpoint of this step (``deadline``: the emergency one's), or raise."""

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,26 @@ def test_hf_trainer_notice_during_evaluation_and_warmup_still_checkpoints(tmp_pa
     assert "running the evaluation of step" in last.stderr and "'eval_loss'" in last.stdout
 
 
-def test_a_stop_at_the_last_step_resumes_without_training_past_it(tmp_path, reference):
+@pytest.fixture(params=["links", "copies"])
+def storage_fs(request, tmp_path):
+    """Where the run's storage is: beside the Trainer's folder (a local storage stores its files as hard links),
+    or on another filesystem (copies: the Trainer's folder keeps its own files, the cut run's marker too)."""
+    if request.param == "links":
+        yield
+        return
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no other filesystem than the test's at /dev/shm")
+    other = Path(tempfile.mkdtemp(prefix="spotguard-test-", dir=shm))
+    (other / "ckpt").mkdir()
+    (tmp_path / "ckpt").symlink_to(other / "ckpt")
+    try:
+        yield
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_stop_at_the_last_step_resumes_without_training_past_it(tmp_path, reference, storage_fs):
     """The Trainer checks ``max_steps`` after a step: resumed at the last one (here cut in its evaluation),
     it trained one step more (step 41, at learning rate 0) and ended elsewhere than the uninterrupted run."""
     args = (*ARGS, "--output-dir", str(tmp_path / "hf-output"))
@@ -92,16 +112,17 @@ def test_a_stop_at_the_last_step_resumes_without_training_past_it(tmp_path, refe
     )
     assert runs.assert_stopped(first, tmp_path) == STEPS
     # The cut checkpoint's files, held by links of our own: the Trainer's folder holds them as links too (a
-    # local storage), and the final save must write new files, never these again (until committed, they are
-    # the resume point).
-    cut = tmp_path / "ckpt" / f"step-{STEPS:08d}"
-    held = {f: (tmp_path / f"held-{f.name}", f.read_bytes()) for f in cut.iterdir()}
+    # local storage on its filesystem), and the final save must write new files, never these again (until
+    # committed, they are the resume point).
+    cut = (tmp_path / "ckpt").resolve() / f"step-{STEPS:08d}"
+    held = {f: (cut.parent.parent / f"held-{f.name}", f.read_bytes()) for f in cut.iterdir()}
     for f, (link, _) in held.items():
         os.link(f, link)
     runs.finish_identically(SCRIPT, tmp_path, args, reference)
     assert all(link.read_bytes() == data for link, data in held.values())
     # The stored final checkpoint too: the cut one holds the streams its evaluation began with; the final
-    # save after that evaluation is run again holds those it left, as the uninterrupted run's does.
+    # save after that evaluation is run again holds those it left, as the uninterrupted run's does (and no
+    # marker of the cut, which the Trainer's folder still holds where it has copies).
     newest = max((i for i in runs.checkpoints(tmp_path) if i.complete), key=lambda i: (i.step, i.name))
     assert newest.step == STEPS and newest.manifest.reason == "final", newest
     same = compare(str(tmp_path / "ckpt"), str(reference[1].parent / "ckpt"))

@@ -41,11 +41,7 @@ def reference(tmp_path_factory):
 def test_lightning_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
     runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, ARGS, STEPS, mock_metadata, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
-    # The finished fit is in the storage (step 70: no multiple of every 15), as the uninterrupted run's is.
-    newest = max((i for i in runs.checkpoints(tmp_path) if i.complete), key=lambda i: (i.step, i.name))
-    assert newest.step == STEPS and newest.manifest.reason == "final", newest
-    same = compare(str(tmp_path / "ckpt"), str(reference[1].parent / "ckpt"))
-    assert same.exact, same.line()
+    assert_same_final_checkpoint(tmp_path, reference)  # step 70: no multiple of every 15
 
 
 def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
@@ -78,6 +74,15 @@ def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
     assert steps == {True: [(2, "periodic"), (3, "final")], False: [(2, "periodic")]}
 
 
+def assert_same_final_checkpoint(run_dir, reference) -> None:
+    """The stored final checkpoint equals the uninterrupted run's, every value of Lightning's ``.ckpt``
+    (its loops' counters included) bit for bit; a finished fit stores its last step (``save_on_exit``)."""
+    newest = max((i for i in runs.checkpoints(run_dir) if i.complete), key=lambda i: (i.step, i.name))
+    assert newest.step == STEPS and newest.manifest.reason == "final", newest
+    same = compare(str(run_dir / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact and same.compared > 100, same.line()
+
+
 @pytest.fixture(scope="module")
 def reference_augmented(tmp_path_factory):
     return runs.reference_run(SCRIPT, tmp_path_factory.mktemp("lightning-reference-augmented"), *AUGMENTED)
@@ -89,6 +94,7 @@ def test_lightning_notice_during_validation_and_warmup_still_checkpoints(tmp_pat
     in_eval = runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, AUGMENTED, [20, 40], 4, _rng)
     assert "during validation" in in_eval.stderr
     runs.finish_identically(SCRIPT, tmp_path, AUGMENTED, reference_augmented)
+    assert_same_final_checkpoint(tmp_path, reference_augmented)
 
 
 def test_lightning_resumes_a_checkpoint_of_a_step_that_validates_into_that_validation(tmp_path, reference_augmented):
@@ -102,3 +108,4 @@ def test_lightning_resumes_a_checkpoint_of_a_step_that_validates_into_that_valid
     complete = [i.step for i in runs.checkpoints(tmp_path) if i.status == "complete"]
     assert max(complete) == 30, complete  # the resume point is the step that validates
     runs.finish_identically(SCRIPT, tmp_path, AUGMENTED, reference_augmented)
+    assert_same_final_checkpoint(tmp_path, reference_augmented)

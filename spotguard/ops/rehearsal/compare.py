@@ -20,7 +20,7 @@ from spotguard import checkpoint
 from spotguard.checkpoint.format.manifest import CheckpointInfo
 from spotguard.storage import open_storage
 
-TENSOR_FILES = (".pt", ".pth", ".bin")
+TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's (torch.save)
 SHOWN = 5  # differences named in the report
 
 
@@ -59,6 +59,8 @@ def compare(url: str, reference_url: str) -> Comparison:
             if ia.step != ib.step:
                 diffs.append(f"final steps differ: {ia.step} vs {ib.step}")
             result.compared = _compare_files(da, db, ia, ib, diffs, result.skipped)
+            if not result.compared:  # exact over nothing is no answer: a format this does not read (DCP shards)
+                diffs.append(f"no value compared: no file of {', '.join(TENSOR_FILES)} or .safetensors loads")
             steps_a, steps_b = _logged(ia.manifest.extra, da), _logged(ib.manifest.extra, db)
             result.first_difference_step = _first_step(steps_a, steps_b)
             if result.first_difference_step is not None:

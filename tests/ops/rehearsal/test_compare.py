@@ -34,3 +34,33 @@ def test_streams_the_job_never_seeds_are_named_first_with_the_hint(tmp_path):
     assert "seed it" in result.line() and "seed it" in result.hint, result.line()
     assert all(".rng." in d for d in result.differences)  # the hint is not one of them (the JSON report's list)
     assert compare(str(tmp_path / "run"), str(tmp_path / "run")).exact  # the same checkpoint: exact
+
+
+def test_a_lightning_checkpoint_is_compared_value_by_value(tmp_path):
+    """Lightning's ``lightning.ckpt`` (a torch.save of nested dicts, its loops' counters among them) was left out:
+    a run whose logger step was one ahead of the reference's compared as exact, over no value at all."""
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    for name, counter in (("run", 70), ("reference", 69)):
+        folder = tmp_path / f"{name}-folder"
+        folder.mkdir()
+        state = {"state_dict": {"w": torch.ones(2)}, "loops": {"fit_loop": {"_batches_that_stepped": counter}}}
+        torch.save(state, folder / "lightning.ckpt")
+        checkpoint.write_dir(open_storage(str(tmp_path / name)), 70, folder, reason="final")
+    result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
+    assert not result.exact and result.compared == 2, result.line()
+    assert result.differences == ["lightning.ckpt.loops.fit_loop._batches_that_stepped: 70 vs 69"]
+
+
+def test_checkpoints_with_nothing_it_can_read_are_not_called_exact(tmp_path):
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    for name in ("run", "reference"):
+        folder = tmp_path / f"{name}-folder"
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"shard")  # torch.distributed.checkpoint's files: not read here
+        checkpoint.write_dir(open_storage(str(tmp_path / name)), 3, folder, reason="final")
+    result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
+    assert not result.exact and result.compared == 0 and "no value compared" in result.line(), result.line()
