@@ -12,6 +12,7 @@ from spotguard.ops.rehearsal.compare import compare
 
 from ..helpers import last_step
 from . import runs
+from .test_untracked import lightning_fit
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -45,31 +46,10 @@ def test_lightning_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path
 
 
 def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
-    import lightning.pytorch as L
-    import torch
-    from torch.utils.data import DataLoader
-
-    from spotguard.integrations.lightning import SpotguardCallback
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     steps = {}
     for save_on_exit in (True, False):
-        trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False)
         run_dir = tmp_path / str(save_on_exit)
-        cb = SpotguardCallback(
-            str(run_dir / "ckpt"), every_steps=2, save_on_exit=save_on_exit, providers=[], lease_ttl=None
-        )
-        assert cb.fit(trainer, Module(), train_dataloaders=DataLoader(torch.randn(8, 2), batch_size=1)) == 0
+        assert lightning_fit(run_dir / "ckpt", scheduler=False, max_steps=3, save_on_exit=save_on_exit)[0] == 0
         steps[save_on_exit] = [(i.step, i.manifest.reason) for i in runs.checkpoints(run_dir)]
     assert steps == {True: [(2, "periodic"), (3, "final")], False: [(2, "periodic")]}
 
