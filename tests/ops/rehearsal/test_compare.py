@@ -53,14 +53,22 @@ def test_a_lightning_checkpoint_is_compared_value_by_value(tmp_path):
     assert result.differences == ["lightning.ckpt.loops.fit_loop._batches_that_stepped: 70 vs 69"]
 
 
-def test_checkpoints_with_nothing_it_can_read_are_not_called_exact(tmp_path):
+def test_dcp_shards_are_named_as_not_compared_and_nothing_read_is_not_exact(tmp_path):
+    """A sharded save's model and optimizer are in ``*.distcp`` shards, which are not read here: a report of
+    its per-rank files alone said "exact: yes" and named nothing it left out."""
     from spotguard import checkpoint
     from spotguard.storage import open_storage
 
     for name in ("run", "reference"):
-        folder = tmp_path / f"{name}-folder"
-        folder.mkdir()
-        (folder / "__0_0.distcp").write_bytes(b"shard")  # torch.distributed.checkpoint's files: not read here
-        checkpoint.write_dir(open_storage(str(tmp_path / name)), 3, folder, reason="final")
-    result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
-    assert not result.exact and result.compared == 0 and "no value compared" in result.line(), result.line()
+        for with_rank_file in (True, False):
+            folder = tmp_path / f"{name}-{with_rank_file}"
+            (folder / "shards").mkdir(parents=True)
+            (folder / "shards" / "rank-00000.distcp").write_bytes(name.encode())  # differ: not read
+            if with_rank_file:
+                torch.save({"rng": torch.ones(2)}, folder / "rank-00000.pt")
+            storage = open_storage(str(tmp_path / f"{with_rank_file}" / name))
+            checkpoint.write_dir(storage, 3, folder, reason="final")
+    some = compare(str(tmp_path / "True" / "run"), str(tmp_path / "True" / "reference"))
+    assert some.exact and some.compared == 1 and "not compared: 1 DCP shard file(s)" in some.line(), some.line()
+    none = compare(str(tmp_path / "False" / "run"), str(tmp_path / "False" / "reference"))
+    assert not none.exact and none.compared == 0 and "no value compared" in none.line(), none.line()
