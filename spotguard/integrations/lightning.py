@@ -12,9 +12,8 @@ written from ``on_exception`` (as Lightning's ``OnExceptionCheckpoint`` does); a
 the first step of a resumed run stops it at once, its state being the checkpoint it resumed from.
 
 With ``deadline_policy="use-window"`` training goes on after that first emergency checkpoint (the
-callback lifts ``trainer.should_stop`` again) until one more step would leave too little time for a
-second one before the deadline; that one is written the same way and the fit stops. No periodic
-save (``every_steps``) is made in between.
+callback lifts ``trainer.should_stop`` again) until one more step would leave too little time for a second
+one before the deadline; that one is written the same way and the fit stops. No periodic save between.
 
 Lightning does not save the global RNG streams; this callback's state does (in the ``.ckpt``), restored
 where an uninterrupted run had them. Data positions: torchdata's ``StatefulDataLoader``, saved by Lightning.
@@ -103,7 +102,7 @@ class SpotguardCallback(StopOutcome, Callback):
         self.stopped_at: int | None = None
         self._save_s: float | None = None  # how long the last checkpoint took (the notice window's reserve)
         self._trainer: Any = None
-        self._resumed_step = 0
+        self._resumed_step, self._max_steps = 0, -1  # max_steps read once (a chain of properties): -1, none
         self._committed_step: int | None = None  # the last step this run committed
         self._steps = self._seen_steps = 0  # optimizer steps (as trainer.global_step), and the last one acted on
         self._rng_before_validation: dict[str, Any] | None = None
@@ -222,6 +221,7 @@ class SpotguardCallback(StopOutcome, Callback):
             loops.bypass_lightning_sigterm(trainer)  # the vote stops every rank at the same step
         self.checkpoints.loaded()  # every rank has loaded its node's copy (collective in a group)
         self._resumed_step = self._steps = self._seen_steps = trainer.global_step
+        self._max_steps = trainer.max_steps
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
@@ -252,7 +252,7 @@ class SpotguardCallback(StopOutcome, Callback):
             and not self.notices.in_window  # the second stop's checkpoint comes soon
         ):
             self._save(trainer, "periodic", batch_end=True)
-        if 0 < trainer.max_steps <= self._steps:
+        if 0 < self._max_steps <= self._steps:
             self._final(trainer, batch_end=True)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -301,8 +301,8 @@ class SpotguardCallback(StopOutcome, Callback):
                 may_train_on=False,
             )
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._final(trainer)  # a fit that ended another way: epochs, an early stop
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # a fit that ended another way: epochs, early stop
+        self._final(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":

@@ -178,7 +178,7 @@ def test_the_lightning_callback_trains_on_in_the_window(tmp_path):
             Path(path).write_bytes(bytes([self.global_step]) * 64)
 
     cb = SpotguardCallback(str(tmp_path / "ckpt"), every_steps=5, providers=[], **WINDOW)
-    trainer = Trainer(global_step=0, max_steps=-1, should_stop=False, global_rank=0, sanity_checking=False)
+    trainer = Trainer(global_step=0, should_stop=False, global_rank=0, sanity_checking=False)
     stopped, went_on = None, []
     for step in range(1, 400):
         if step == 3:
