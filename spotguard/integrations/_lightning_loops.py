@@ -1,7 +1,7 @@
 """Lightning's private loops and attributes, reached in one place so that ``lightning.SpotguardCallback``
 holds the callback alone: whether a validation follows the batch now ending, the fit's validation run
-wrapped and its progress rewound in a checkpoint, a fresh iterator for an epoch Lightning resumes from
-an ended one's state, the point where the resumed train loaders get their states (which the resume
+wrapped and its progress rewound in a checkpoint, an epoch's last batch resumed without counting the
+epoch twice, the point where the resumed train loaders get their states (which the resume
 checks first), and Lightning's SIGTERM handler set aside in a process group. Each finds what it needs
 with ``getattr`` and leaves Lightning as it is where that has moved (with a warning where a resume then
 differs): a change in a private API must not end the training."""
@@ -12,8 +12,6 @@ import logging
 import signal
 from collections.abc import Callable
 from typing import Any
-
-from torch.utils.data.distributed import DistributedSampler
 
 logger = logging.getLogger(__name__)
 
@@ -90,37 +88,26 @@ def rewind_validation(checkpoint: dict[str, Any], begun: bool) -> None:
             epoch["_batches_that_stepped"] -= 1  # the logger's step: one ahead of the uninterrupted run's
 
 
-def begin_the_next_epoch(trainer: Any) -> None:
-    """Give a resumed fit a fresh iterator where Lightning starts an epoch from an ended one's state.
+def end_the_epoch_once(checkpoint: dict[str, Any]) -> None:
+    """Make a checkpoint saved at the end of an epoch's last batch resume into the end of that epoch.
 
-    A checkpoint of an epoch's last batch resumes into the next epoch (Lightning counts the epoch
-    done) without a new iterator: it goes on with the one made from the checkpoint's loader state,
-    which has nothing left. With a ``DistributedSampler`` (torchdata's stateful one) that iterator is
-    empty, so the whole next epoch was skipped (a 2-rank run trained epoch 2's order at step 17).
-    Here such a sampler is set to the epoch being resumed and the loader iterated afresh, as the
-    uninterrupted run did at that epoch's start (one draw of the loader's base seed included)."""
-    fit = getattr(trainer, "fit_loop", None)
-    loaders = getattr(getattr(fit, "_combined_loader", None), "flattened", None) or []
-    ended: list[Any] = [s for s in (getattr(loader, "sampler", None) for loader in loaders) if _at_its_end(s)]
-    fetcher = getattr(fit, "_data_fetcher", None)
-    if not ended or fetcher is None:
+    Lightning resumes such a checkpoint by counting the epoch done before it restarts it, then ends
+    the restarted epoch (its loader has nothing left) and counts it done again: one epoch ahead of
+    the uninterrupted run (its counters, each ``set_epoch``; with a ``DistributedSampler`` the next
+    epoch skipped). Marked as not the last batch here, the epoch restarts with nothing left to train,
+    validates if due and ends once, as the uninterrupted run's did; the next begins afresh."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = loops.get("epoch_progress", {}).get("total", {})
+    batches = loops.get("epoch_loop.batch_progress", {})
+    done = batches.get("total", {})
+    try:
+        mid_epoch = epochs["started"] == epochs["ready"] == epochs["processed"] + 1 == epochs["completed"] + 1
+        at_batch_end = done["ready"] == done["started"] == done["processed"] == done["completed"] + 1
+    except KeyError:
+        logger.warning("Lightning's loop progress is not where expected: a resume at an epoch's end may count it twice")
         return
-    for sampler in ended:
-        sampler.next_yielded = None  # the checkpoint's position: the epoch it was for is over
-        sampler.set_epoch(trainer.current_epoch)
-    iter(fetcher)
-    logger.debug("resumed at an epoch's end: epoch %d iterated afresh", trainer.current_epoch)
-
-
-def _at_its_end(sampler: Any) -> bool:
-    """A (torchdata stateful) ``DistributedSampler`` whose position, loaded (``next_yielded``, applied at
-    its next iteration) or current, is the end of its epoch."""
-    if not isinstance(sampler, DistributedSampler):
-        return False
-    position = getattr(sampler, "next_yielded", None)
-    if position is None:
-        position = getattr(sampler, "yielded", None)
-    return isinstance(position, int) and position >= len(sampler)
+    if mid_epoch and at_batch_end and batches.get("is_last_batch"):
+        batches["is_last_batch"] = False
 
 
 def train_loaders(trainer: Any) -> dict[str, Any]:

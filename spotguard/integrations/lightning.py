@@ -201,6 +201,7 @@ class SpotguardCallback(StopOutcome, Callback):
         if getattr(trainer.state, "fn", None) != "fit":  # validate/test(ckpt_path=...) restore no optimizer
             return
         self._saved = (checkpoint.get("global_step"), untracked.lightning_saved(checkpoint))
+        loops.end_the_epoch_once(checkpoint)  # before Lightning restores its loops from it
         if trainer.strategy.restore_checkpoint_after_setup:  # the optimizers exist already
             self.on_fit_start(trainer, pl_module)
 
@@ -225,7 +226,6 @@ class SpotguardCallback(StopOutcome, Callback):
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
-            loops.begin_the_next_epoch(trainer)  # after the streams: the new iterator draws as the first run's did
 
     # The hooks below run on every rank at the same point, and so does every ``check`` (a
     # collective in a process group): their conditions depend on nothing one rank sees alone.

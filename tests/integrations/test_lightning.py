@@ -42,10 +42,7 @@ def reference(tmp_path_factory):
 def test_lightning_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
     runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, ARGS, STEPS, mock_metadata, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
-    # The finished fit is stored (step 70: no multiple of every 15). Not compared with the reference here: a
-    # stop at an epoch's last batch (32, 64) leaves Lightning's epoch counters one behind (issue 34's note).
-    newest = max((i for i in runs.checkpoints(tmp_path) if i.complete), key=lambda i: (i.step, i.name))
-    assert newest.step == STEPS and newest.manifest.reason == "final", newest
+    assert_same_final_checkpoint(tmp_path, reference)  # step 70: no multiple of every 15
 
 
 def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
@@ -57,11 +54,11 @@ def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):
     assert steps == {True: [(2, "periodic"), (3, "final")], False: [(2, "periodic")]}
 
 
-def assert_same_final_checkpoint(run_dir, reference) -> None:
+def assert_same_final_checkpoint(run_dir, reference, steps: int = STEPS) -> None:
     """The stored final checkpoint equals the uninterrupted run's, every value of Lightning's ``.ckpt``
     (its loops' counters included) bit for bit; a finished fit stores its last step (``save_on_exit``)."""
     newest = max((i for i in runs.checkpoints(run_dir) if i.complete), key=lambda i: (i.step, i.name))
-    assert newest.step == STEPS and newest.manifest.reason == "final", newest
+    assert newest.step == steps and newest.manifest.reason == "final", newest
     same = compare(str(run_dir / "ckpt"), str(reference[1].parent / "ckpt"))
     assert same.exact and same.compared > 100, same.line()
 
@@ -92,3 +89,28 @@ def test_lightning_resumes_a_checkpoint_of_a_step_that_validates_into_that_valid
     assert max(complete) == 30, complete  # the resume point is the step that validates
     runs.finish_identically(SCRIPT, tmp_path, AUGMENTED, reference_augmented)
     assert_same_final_checkpoint(tmp_path, reference_augmented)
+
+
+# Saves every 16 steps: step 32 is the first epoch's last batch (32 batches an epoch). Without and with
+# a validation due there (every 16 steps, noisy inputs): the resume must end that epoch as the
+# uninterrupted run did, not count it twice (Lightning's own resume of a batch-end save at an epoch's end).
+EPOCH_END = {
+    "no-validation": ("--steps", "40", "--every-steps", "16", "--interval", "0.2"),
+    "validation-next": ("--steps", "40", "--every-steps", "16", "--eval-steps", "16", "--eval-augment"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EPOCH_END))
+def test_a_crash_after_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path_factory, case):
+    args = EPOCH_END[case]
+    reference = runs.reference_run(SCRIPT, tmp_path_factory.mktemp("reference"), *args)
+    run_dir = tmp_path_factory.mktemp("run")
+
+    def past_32() -> bool:
+        return (last_step(run_dir / "losses.jsonl") or 0) >= 34
+
+    crashed = runs.stop_when(SCRIPT, run_dir, args, past_32, lambda p: p.send_signal(signal.SIGKILL))
+    assert crashed.returncode == -signal.SIGKILL
+    assert max(i.step for i in runs.checkpoints(run_dir) if i.complete) == 32
+    runs.finish_identically(SCRIPT, run_dir, args, reference)
+    assert_same_final_checkpoint(run_dir, reference, steps=40)  # the epoch counters too

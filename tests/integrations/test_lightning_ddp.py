@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from spotguard.checkpoint import scan
+from spotguard.ops.rehearsal.compare import compare
 from spotguard.storage import open_storage
 
 from ..helpers import last_step, read_jsonl, stop_when
@@ -48,6 +49,7 @@ def test_lightning_ddp_stops_every_rank_for_one_ranks_notice_and_resumes_exactly
     job = groups.Job(SCRIPT, tmp_path, ARGS)
     _, names = groups.stop_one_rank_then_finish(job, STEPS, reference, _rng)
     assert {"lightning.ckpt", "rng-rank-00000.pt", "rng-rank-00001.pt"} <= names
+    assert_same_final_checkpoint(tmp_path, reference)
 
 
 def test_lightning_ddp_on_two_nodes_without_a_shared_folder_resumes_exactly(tmp_path, reference):
@@ -59,7 +61,7 @@ def test_lightning_ddp_on_two_nodes_without_a_shared_folder_resumes_exactly(tmp_
 
 def test_lightning_ddp_resumes_a_checkpoint_of_an_epochs_last_batch_exactly(tmp_path, reference):
     # Saves every 8 steps: step 16 is the last batch of epoch 0 (16 per rank). A crash after it resumes
-    # from 16, where Lightning starts epoch 1 with the checkpoint's spent iterator (it skipped epoch 1).
+    # from 16: Lightning alone counts epoch 0 done twice and skips epoch 1 (the checkpoint's spent iterator).
     args = tuple("8" if a == "10" else a for a in ARGS)
     job = groups.Job(SCRIPT, tmp_path, args)
     ((cmd, env),) = job.commands(*groups.SLOW)
@@ -70,6 +72,7 @@ def test_lightning_ddp_resumes_a_checkpoint_of_an_epochs_last_batch_exactly(tmp_
     complete = [i.step for i in scan(open_storage(str(tmp_path / "ckpt"))) if i.status == "complete"]
     assert max(complete) == 16, complete
     groups.finish(job, reference)
+    assert_same_final_checkpoint(tmp_path, reference)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +91,10 @@ def test_lightning_ddp_stop_starts_no_validation_the_uninterrupted_run_did_not_r
     # The validations before the stop step, none at it (one due there is the resumed run's first work).
     assert validated == list(range(10, stopped, 10)), (validated, stopped)
     groups.finish(job, reference_validating)
+    assert_same_final_checkpoint(tmp_path, reference_validating)
+
+
+def assert_same_final_checkpoint(run_dir, reference) -> None:
+    """The stored final checkpoints are equal, Lightning's loop counters (its epoch) included."""
+    same = compare(str(run_dir / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact and same.step == STEPS and same.compared > 100, same.line()
