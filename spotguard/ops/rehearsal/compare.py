@@ -1,7 +1,8 @@
 """``rehearse --reference``: is the preempted run's result the uninterrupted run's, bit for bit?
 
 The final checkpoints of both storages are fetched (verified) and compared: every tensor bit for
-bit (dtype, shape and bytes, NaNs included) and every other value of the saved state. Where the job
+bit (dtype, shape and bytes, NaNs included) and every other value of the saved state, a sharded
+save's DCP shards read whole in this process (``shards.model...``, ``shards.optimizer...``). Where the job
 logs per-step values the comparison also says at which step the runs parted: in ``guard.extra`` as
 a dict keyed by step (``guard.extra.setdefault("loss", {})[str(step)] = loss.item()``), or in a
 Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``).
@@ -9,9 +10,11 @@ Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from spotguard.checkpoint.format.manifest import CheckpointInfo
 from spotguard.storage import open_storage
 
 TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's (torch.save)
+SHARDS = "shards/metadata.dcp"  # a sharded save: its model and optimizer in DCP shards beside it
 SHOWN = 5  # differences named in the report
 
 
@@ -59,7 +63,7 @@ def compare(url: str, reference_url: str) -> Comparison:
             if ia.step != ib.step:
                 diffs.append(f"final steps differ: {ia.step} vs {ib.step}")
             result.compared = _compare_files(da, db, ia, ib, diffs, result.skipped)
-            if not result.compared:  # exact over nothing is no answer: a format this does not read (DCP shards)
+            if not result.compared:  # exact over nothing is no answer: a format this does not read
                 diffs.append(f"no value compared: no file of {', '.join(TENSOR_FILES)} or .safetensors loads")
             steps_a, steps_b = _logged(ia.manifest.extra, da), _logged(ib.manifest.extra, db)
             result.first_difference_step = _first_step(steps_a, steps_b)
@@ -96,11 +100,8 @@ def _compare_files(
     names_a, names_b = {f.name for f in ia.manifest.files}, {f.name for f in ib.manifest.files}
     for name in sorted(names_a ^ names_b):
         diffs.append(f"{name} only in {'the run' if name in names_a else 'the reference'}")
-    n, shards = 0, 0
+    n = _compare_shards(da, db, diffs, skipped) if SHARDS in names_a & names_b else 0
     for name in sorted(names_a & names_b):
-        if name.endswith(".distcp"):  # a sharded save's model and optimizer: named, never passed over in silence
-            shards += 1
-            continue
         if name.endswith(TENSOR_FILES):
             try:
                 va, vb = _load(da / name), _load(db / name)
@@ -114,9 +115,35 @@ def _compare_files(
         else:
             continue  # not state: a trainer's config, logs, RNG files in other formats
         n += _same(va, vb, name, diffs)
-    if shards:
-        skipped.append(f"{shards} DCP shard file(s), *.distcp (not read here)")
     return n
+
+
+def _compare_shards(da: Path, db: Path, diffs: list[str], skipped: list[str]) -> int:
+    """A sharded save's model and optimizer, each side's DCP shards read into one whole state here."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        va, vb = _read_shards(da), _read_shards(db)
+    except (Exception, CheckpointException) as e:  # named, not passed over; DCP wraps what its reader raised
+        failures = list(e.failures.values()) if isinstance(e, CheckpointException) else []
+        cause = failures[0][0] if failures else e
+        skipped.append(f"DCP shards ({type(cause).__name__}: {cause})")
+        return 0
+    return _same(va, vb, "shards", diffs)
+
+
+def _read_shards(folder: Path) -> dict[str, Any]:
+    """The whole state in ``folder``'s shards: DCP plans the read from their metadata alone (no process
+    group: the full tensors, whatever the number of ranks that wrote them), through spotguard's reader,
+    which loads each item weights-only (called outside a process group). The folder was verified when fetched."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardReader, load_metadata
+
+    load_metadata(folder / "shards" / METADATA_FILE)  # its own error, before DCP wraps one in its report
+    with SpotguardReader(lambda name: contextlib.nullcontext(folder / name)) as reader, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        return _load_state_dict_from_keys(storage_reader=reader)
 
 
 def _same(a: Any, b: Any, where: str, diffs: list[str]) -> int:

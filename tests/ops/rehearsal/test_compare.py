@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import spotguard
 from spotguard.ops.rehearsal.compare import SHOWN, compare
@@ -53,9 +54,44 @@ def test_a_lightning_checkpoint_is_compared_value_by_value(tmp_path):
     assert result.differences == ["lightning.ckpt.loops.fit_loop._batches_that_stepped: 70 vs 69"]
 
 
-def test_dcp_shards_are_named_as_not_compared_and_nothing_read_is_not_exact(tmp_path):
-    """A sharded save's model and optimizer are in ``*.distcp`` shards, which are not read here: a report of
-    its per-rank files alone said "exact: yes" and named nothing it left out."""
+def _sharded_final(storage: str, seed: int) -> None:
+    """A sharded save (a process group of one) of 2 steps of a model and an optimizer seeded by ``seed``."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+        opt = torch.optim.AdamW(model.parameters())
+        torch.manual_seed(0)  # the same RNG streams saved on both sides: only the model and optimizer differ
+        guard = spotguard.Guard(storage, providers=[]).track(model=model, optimizer=opt)
+        for _ in range(2):
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        guard.save(2)
+        guard.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_saves_model_and_optimizer_are_compared_from_its_dcp_shards(tmp_path):
+    """The model and optimizer of a sharded save are in ``*.distcp`` shards, which were not read: a torchrun
+    job compared on its per-rank RNG files alone, and any two such runs compared as exact."""
+    for name, seed in (("run", 1), ("same", 1), ("other", 2)):
+        _sharded_final(str(tmp_path / name), seed)
+    same = compare(str(tmp_path / "run"), str(tmp_path / "same"))
+    # the 4 tensors of the model, 3 of Adam's per parameter, its param_groups' values, the per-rank file's
+    assert same.exact and same.compared > 4 + 4 * 3, same.line()
+    assert not same.skipped, same.line()
+    other = compare(str(tmp_path / "run"), str(tmp_path / "other"))
+    assert not other.exact and other.compared == same.compared, other.line()
+    assert "shards.model.0.weight: tensor differs" in other.differences, other.differences
+    assert "shards.optimizer.state.0.weight.exp_avg: tensor differs" in other.differences, other.differences
+    assert not any(d.startswith("rank-") for d in other.differences), other.differences  # the RNG files agree
+
+
+def test_shards_that_cannot_be_read_are_named_and_nothing_read_is_not_exact(tmp_path):
+    """Shards this cannot read are named as not compared, never passed over in silence; a checkpoint of which
+    no value was read is no "exact: yes"."""
     from spotguard import checkpoint
     from spotguard.storage import open_storage
 
@@ -63,12 +99,14 @@ def test_dcp_shards_are_named_as_not_compared_and_nothing_read_is_not_exact(tmp_
         for with_rank_file in (True, False):
             folder = tmp_path / f"{name}-{with_rank_file}"
             (folder / "shards").mkdir(parents=True)
-            (folder / "shards" / "rank-00000.distcp").write_bytes(name.encode())  # differ: not read
+            (folder / "shards" / "metadata.dcp").write_bytes(b"not DCP metadata")
+            (folder / "shards" / "rank-00000.distcp").write_bytes(name.encode())
             if with_rank_file:
                 torch.save({"rng": torch.ones(2)}, folder / "rank-00000.pt")
             storage = open_storage(str(tmp_path / f"{with_rank_file}" / name))
             checkpoint.write_dir(storage, 3, folder, reason="final")
     some = compare(str(tmp_path / "True" / "run"), str(tmp_path / "True" / "reference"))
-    assert some.exact and some.compared == 1 and "not compared: 1 DCP shard file(s)" in some.line(), some.line()
+    assert some.exact and some.compared == 1, some.line()
+    assert "not compared: DCP shards (CheckpointCorruptError: metadata.dcp: unreadable DCP metadata" in some.line()
     none = compare(str(tmp_path / "False" / "run"), str(tmp_path / "False" / "reference"))
     assert not none.exact and none.compared == 0 and "no value compared" in none.line(), none.line()
