@@ -326,10 +326,10 @@ class SpotguardCallback(StopOutcome, Callback):
                 self.stopped_at = None
 
     def _final(self, trainer: Any, batch_end: bool = False) -> None:
-        """``save_on_exit``. At ``max_steps`` at the batch's end, as a stop there saves: a stopped run ends the same."""
+        """``save_on_exit`` (at ``max_steps``, at the batch's end as a stop saves). Raises, as ``Guard``'s does."""
         step = trainer.global_step
         if self.save_on_exit and self.stopped_at is None and step > 0 and step != self._committed_step:
-            self._save(trainer, "final", batch_end=batch_end)
+            self._write(trainer, "final", batch_end=batch_end)
 
     def _save(self, trainer: Any, reason: str, batch_end: bool = False) -> None:
         """A periodic or advisory checkpoint of this step; one that fails is logged, training goes on."""

@@ -3,12 +3,16 @@ warm-up, resumed each time with ckpt_path, and equal to an uninterrupted run bit
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 
 import pytest
 
+from spotguard.checkpoint import scan
+from spotguard.errors import StorageError
 from spotguard.ops.rehearsal.compare import compare
+from spotguard.storage import LocalStorage
 
 from ..helpers import last_step
 from . import runs
@@ -114,3 +118,28 @@ def test_a_crash_after_an_epochs_last_batch_resumes_into_the_next_epoch(tmp_path
     assert max(i.step for i in runs.checkpoints(run_dir) if i.complete) == 32
     runs.finish_identically(SCRIPT, run_dir, args, reference)
     assert_same_final_checkpoint(run_dir, reference, steps=40)  # the epoch counters too
+
+
+class _Fails(LocalStorage):
+    """Local storage whose commit of one step fails."""
+
+    def __init__(self, root, step: int) -> None:
+        super().__init__(root)
+        self.step = step
+
+    def put_bytes(self, key, data, **kw):
+        if key.startswith(f"step-{self.step:08d}"):
+            raise StorageError(f"{key}: refused (test)")
+        return super().put_bytes(key, data, **kw)
+
+
+def test_a_final_checkpoint_that_fails_fails_the_fit_where_a_periodic_one_is_logged(tmp_path, caplog):
+    # As Guard's and the HF callback's: a fit that ends with its model only on a machine about to go is no
+    # success. A failed periodic save is logged and training goes on (periodic every 2 steps; 5 is the last).
+    with pytest.raises(StorageError, match="refused"):
+        lightning_fit(_Fails(str(tmp_path / "final"), 5), scheduler=False, max_steps=5)
+    assert [i.step for i in scan(LocalStorage(str(tmp_path / "final"))) if i.complete] == [2, 4]
+    with caplog.at_level(logging.ERROR, logger="spotguard"):
+        code, _ = lightning_fit(_Fails(str(tmp_path / "periodic"), 2), scheduler=False, max_steps=5)
+    assert code == 0 and "periodic checkpoint of step 2 NOT committed" in caplog.text, caplog.text
+    assert [i.step for i in scan(LocalStorage(str(tmp_path / "periodic"))) if i.complete] == [4, 5]

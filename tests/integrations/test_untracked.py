@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from spotguard import EXIT_CONFIG, heartbeat
 from spotguard.errors import CheckpointMismatchError
+from spotguard.storage import Storage
 
 
 @pytest.fixture
@@ -67,7 +68,13 @@ def lightning_fit(storage, *, scheduler: bool, max_steps: int, **options) -> tup
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    cb = SpotguardCallback(str(storage), every_steps=2, providers=[], lease_ttl=None, **options)
+    cb = SpotguardCallback(
+        storage if isinstance(storage, Storage) else str(storage),
+        every_steps=2,
+        providers=[],
+        lease_ttl=None,
+        **options,
+    )
     return cb.fit(trainer, Module(), train_dataloaders=DataLoader(torch.randn(8, 2), batch_size=1)), cb
 
 
