@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every-steps", type=int, default=50, help="periodic checkpoint interval (0: off)")
     p.add_argument("--eval-steps", type=int, default=0, help="validate every N steps (0: never)")
+    p.add_argument("--eval-epochs", action="store_true", help="validate at each epoch's end (Lightning's default)")
     p.add_argument("--providers", default="auto", help="'auto' or a comma list: signal,file,aws,gcp,azure")
     p.add_argument("--interval", type=float, default=1.0, help="metadata polling interval (s)")
     p.add_argument("--seed", type=int, default=0)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         num_sanity_val_steps=0,
         val_check_interval=args.eval_steps or None,
         check_val_every_n_epoch=None if args.eval_steps else 1,
-        limit_val_batches=None if args.eval_steps else 0,
+        limit_val_batches=None if args.eval_steps or args.eval_epochs else 0,
     )
     code = spot.fit(
         trainer,

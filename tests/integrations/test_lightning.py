@@ -96,11 +96,13 @@ def test_lightning_resumes_a_checkpoint_of_a_step_that_validates_into_that_valid
 
 
 # Saves every 16 steps: step 32 is the first epoch's last batch (32 batches an epoch). Without and with
-# a validation due there (every 16 steps, noisy inputs): the resume must end that epoch as the
-# uninterrupted run did, not count it twice (Lightning's own resume of a batch-end save at an epoch's end).
+# a validation due there (every 16 steps, or at each epoch's end as Lightning's default; noisy inputs): the
+# resume must end that epoch as the uninterrupted run did, not count it twice (Lightning's own resume of a
+# batch-end save at an epoch's end).
 EPOCH_END = {
     "no-validation": ("--steps", "40", "--every-steps", "16", "--interval", "0.2"),
     "validation-next": ("--steps", "40", "--every-steps", "16", "--eval-steps", "16", "--eval-augment"),
+    "epoch-end-validation": ("--steps", "40", "--every-steps", "16", "--eval-epochs", "--eval-augment"),
 }
 
 
