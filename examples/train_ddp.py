@@ -14,11 +14,13 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed + rank)  # each rank its own dropout stream; DDP broadcasts rank 0's weights
+    random.seed(args.seed + rank)  # every stream the Guard saves is seeded: two runs' checkpoints are equal
+    np.random.seed(args.seed + rank)  # (`spotguard rehearse --reference` compares them, RNG streams included)
 
     dataset = CharWindows(make_text(), args.seq_len)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
