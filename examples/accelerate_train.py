@@ -17,6 +17,7 @@ import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
+    set_seed(
+        args.seed
+    )  # Python's, NumPy's and torch's: every stream save_state keeps, so two runs' checkpoints are equal
     g = torch.Generator().manual_seed(1)  # the data: made here, from its own generator
     train = torch.utils.data.TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g))
     held_out = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))

@@ -18,6 +18,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import socket
 import sys
 import threading
@@ -27,6 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -86,6 +88,8 @@ def make_job(args: argparse.Namespace) -> tuple[Any, StatefulDataLoader, Statefu
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(args.width, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     torch.manual_seed(args.seed + 1000 + rank)  # each rank its own dropout stream
+    random.seed(args.seed + rank)  # every stream the checkpoint keeps is seeded: two runs' checkpoints are equal
+    np.random.seed(args.seed + rank)
     return engine, loader, sampler
 
 

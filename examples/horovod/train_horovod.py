@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import sys
 import time
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = hvd.rank(), hvd.size()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed + rank)  # each rank its own dropout stream; rank 0's weights are broadcast
+    random.seed(args.seed + rank)  # every stream the Guard saves is seeded: two runs' checkpoints are equal
+    np.random.seed(args.seed + rank)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,6 +56,8 @@ def train_loop_per_worker(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     world = ray.train.get_context().get_world_size()
     torch.manual_seed(config["seed"] + rank)  # each rank its own dropout stream; DDP broadcasts rank 0's weights
+    random.seed(config["seed"] + rank)  # every stream the Guard saves is seeded: two runs' checkpoints are equal
+    np.random.seed(config["seed"] + rank)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     model = ray.train.torch.prepare_model(model)  # to this worker's device, in DDP when there are several
     device = ray.train.torch.get_device()

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from spotguard import EXIT_PREEMPTED
+from spotguard.ops.rehearsal.compare import compare
 
 from ..helpers import after_step, read_losses, subprocess_env
 from . import runs
@@ -39,12 +40,22 @@ def reference(tmp_path_factory):
 def test_accelerate_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path, reference, mock_metadata):
     runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, ARGS, STEPS, mock_metadata, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+    assert_same_final_checkpoint(tmp_path, reference)
 
 
 def test_accelerate_notice_during_evaluation_and_warmup_still_checkpoints(tmp_path, reference):
     # At an epoch's last step: the resumed run evaluates again with the same draws, then begins the next epoch.
     runs.stop_during_evaluation_then_warmup(SCRIPT, tmp_path, ARGS, [32], 4, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+    assert_same_final_checkpoint(tmp_path, reference)
+
+
+def assert_same_final_checkpoint(run_dir, reference) -> None:
+    """The stored final checkpoints are equal as `spotguard rehearse --reference` compares them: the weights,
+    the optimizer, the loaders' positions and Accelerate's ``random_states_0.pkl`` (every stream seeded)."""
+    same = compare(str(run_dir / "ckpt"), str(reference[1].parent / "ckpt"))
+    assert same.exact and same.step == STEPS and not same.skipped, same.line()
+    assert same.compared > 600, same.line()  # Python's Mersenne Twister state alone is 625 values
 
 
 def test_accelerate_trains_through_the_notice_window_and_resumes_from_its_second_checkpoint(

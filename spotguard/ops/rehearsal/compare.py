@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +24,10 @@ from spotguard import checkpoint
 from spotguard.checkpoint.format.manifest import CheckpointInfo
 from spotguard.storage import open_storage
 
-TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's (torch.save)
+TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")  # .ckpt: Lightning's; .pkl: Accelerate's (torch.save)
+#: Where saved random streams are: spotguard's ``rng``, Accelerate's ``random_states_N.pkl``, the HF Trainer's
+#: ``rng_state.pth``.
+RNG = re.compile(r"\.rng\.|^random_states_\d+\.pkl\.|^rng_state(_\d+)?\.pth\.")
 SHARDS = "shards/metadata.dcp"  # a sharded save: its model and optimizer in DCP shards beside it
 SHOWN = 5  # differences named in the report
 
@@ -69,7 +73,7 @@ def compare(url: str, reference_url: str) -> Comparison:
             result.first_difference_step = _first_step(steps_a, steps_b)
             if result.first_difference_step is not None:
                 diffs.insert(0, f"logged values differ from step {result.first_difference_step}")
-        if diffs and all(".rng." in d for d in diffs):  # the line names only the first few differences
+        if diffs and all(RNG.search(d) for d in diffs):  # the line names only the first few differences
             result.hint = "only random streams differ: one the job never seeds differs between any two runs; seed it"
         result.differences = diffs
         result.exact = not diffs

@@ -110,3 +110,24 @@ def test_shards_that_cannot_be_read_are_named_and_nothing_read_is_not_exact(tmp_
     assert "not compared: DCP shards (CheckpointCorruptError: metadata.dcp: unreadable DCP metadata" in some.line()
     none = compare(str(tmp_path / "False" / "run"), str(tmp_path / "False" / "reference"))
     assert not none.exact and none.compared == 0 and "no value compared" in none.line(), none.line()
+
+
+def test_accelerates_random_states_are_compared_and_named_as_streams(tmp_path):
+    """Accelerate's ``random_states_0.pkl`` (a torch.save of Python's, NumPy's and torch's streams) was not read:
+    a job that never seeds Python's or NumPy's streams compared as exact, and the hint to seed them never came."""
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    for name, seed in (("run", 1), ("reference", 2)):
+        folder = tmp_path / f"{name}-folder"
+        folder.mkdir()
+        random.seed(seed)
+        np.random.seed(seed)
+        states = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state()}
+        torch.save({**states, "torch_manual_seed": torch.get_rng_state()}, folder / "random_states_0.pkl")
+        torch.save({"w": torch.ones(2)}, folder / "optimizer.bin")
+        checkpoint.write_dir(open_storage(str(tmp_path / name)), 5, folder, reason="final")
+    result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
+    assert not result.exact and not result.skipped, result.line()
+    assert all(d.startswith("random_states_0.pkl.") for d in result.differences), result.differences
+    assert "seed it" in result.hint, result.line()
