@@ -84,17 +84,31 @@ def compare(url: str, reference_url: str) -> Comparison:
 
 
 def _load(path: Path) -> Any:
-    """A torch file, weights only (no code runs); numpy arrays allowed (a Trainer's RNG states)."""
+    """A torch file, weights only (no code runs); numpy arrays allowed (a Trainer's RNG states), and the
+    plain data classes DeepSpeed pickles into its ZeRO optimizer files where DeepSpeed is installed."""
     import numpy as np
     import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
+    except Exception as e:
         core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
         allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+        if "GLOBAL deepspeed." in str(e):
+            allowed += _deepspeed_globals()
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _deepspeed_globals() -> list[Any]:
+    """Its loss scaler (attributes), the ZeRO stage (an enum) and a parameter's fragment address (a dataclass)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def _compare_files(
@@ -176,6 +190,8 @@ def _same(a: Any, b: Any, where: str, diffs: list[str]) -> int:
         return n
     if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
         return sum(_same(x, y, f"{where}[{i}]", diffs) for i, (x, y) in enumerate(zip(a, b, strict=True)))
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return _same(vars(a), vars(b), where, diffs)  # an object allowed in (DeepSpeed's loss scaler): its values
     nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
     if not (nan or (type(a) is type(b) and a == b)):
         diffs.append(f"{where}: {a!r} vs {b!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -131,3 +132,25 @@ def test_accelerates_random_states_are_compared_and_named_as_streams(tmp_path):
     assert not result.exact and not result.skipped, result.line()
     assert all(d.startswith("random_states_0.pkl.") for d in result.differences), result.differences
     assert "seed it" in result.hint, result.line()
+
+
+def test_deepspeeds_zero_optimizer_files_are_compared_value_by_value(tmp_path):
+    """DeepSpeed pickles its loss scaler, the ZeRO stage and fragment addresses into ``*_optim_states.pt``:
+    weights-only loading refused them, and a ZeRO job's optimizer state was "not compared"."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    for name, scale in (("run", 1.0), ("reference", 2.0)):
+        folder = tmp_path / f"{name}-folder" / "step40"
+        folder.mkdir(parents=True)
+        state = {"loss_scaler": LossScaler(scale), "zero_stage": ZeroStageEnum.gradients, "exp_avg": torch.ones(3)}
+        torch.save({"optimizer_state_dict": state}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        checkpoint.write_dir(open_storage(str(tmp_path / name)), 40, folder.parent, reason="final")
+    result = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
+    assert not result.skipped and result.compared >= 4, result.line()
+    key = "step40/zero_pp_rank_0_mp_rank_00_optim_states.pt.optimizer_state_dict.loss_scaler.cur_scale"
+    assert result.differences == [f"{key}: 1.0 vs 2.0"], result.differences
