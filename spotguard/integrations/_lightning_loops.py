@@ -88,26 +88,50 @@ def rewind_validation(checkpoint: dict[str, Any], begun: bool) -> None:
             epoch["_batches_that_stepped"] -= 1  # the logger's step: one ahead of the uninterrupted run's
 
 
-def end_the_epoch_once(checkpoint: dict[str, Any]) -> None:
-    """Make a checkpoint saved at the end of an epoch's last batch resume into the end of that epoch.
+def end_the_epoch_once(trainer: Any) -> None:
+    """Make a fit resumed from a save at the end of an epoch's last batch end that epoch once.
 
     Lightning resumes such a checkpoint by counting the epoch done before it restarts it, then ends
     the restarted epoch (its loader has nothing left) and counts it done again: one epoch ahead of
     the uninterrupted run (its counters, each ``set_epoch``; with a ``DistributedSampler`` the next
     epoch skipped). Marked as not the last batch here, the epoch restarts with nothing left to train,
-    validates if due and ends once, as the uninterrupted run's did; the next begins afresh."""
-    loops = checkpoint.get("loops", {}).get("fit_loop", {})
-    epochs = loops.get("epoch_progress", {}).get("total", {})
-    batches = loops.get("epoch_loop.batch_progress", {})
-    done = batches.get("total", {})
+    validates if due and ends once, as the uninterrupted run's did; the next begins afresh. Called
+    where the resumed fit's train loaders exist (their lengths known), after Lightning restored its
+    loops; left as Lightning's for a loader without a length or cut by ``limit_train_batches``, whose
+    restarted epoch would go on drawing."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    loop: Any = getattr(fit, "epoch_loop", None)
     try:
-        mid_epoch = epochs["started"] == epochs["ready"] == epochs["processed"] + 1 == epochs["completed"] + 1
-        at_batch_end = done["ready"] == done["started"] == done["processed"] == done["completed"] + 1
-    except KeyError:
-        logger.warning("Lightning's loop progress is not where expected: a resume at an epoch's end may count it twice")
+        epochs, progress = fit.epoch_progress.total, loop.batch_progress
+        batches = progress.total
+        mid_epoch = epochs.started == epochs.ready == epochs.processed + 1 == epochs.completed + 1
+        at_batch_end = batches.ready == batches.started == batches.processed == batches.completed + 1
+        last, combined = progress.is_last_batch, fit._combined_loader
+        lengths = [len(dl) if hasattr(dl, "__len__") else None for dl in combined.flattened]
+        whole = list(combined.limits or []) == lengths and None not in lengths
+        validation_next = loop.val_loop.batch_progress.current.started > loop.val_loop.batch_progress.current.processed
+    except (AttributeError, TypeError) as e:  # a private API of Lightning: a change there must not end the training
+        logger.warning("Lightning's loop progress is not where expected (%s): an epoch's end may count twice", e)
         return
-    if mid_epoch and at_batch_end and batches.get("is_last_batch"):
-        batches["is_last_batch"] = False
+    if not (mid_epoch and at_batch_end and last):
+        return
+    if not whole:
+        logger.debug("resumed at an epoch's last batch of a loader without a length or cut short: as Lightning does")
+        return
+    progress.is_last_batch = False
+    if not validation_next:
+        _skip_once(loop.val_loop, "increment_progress_to_evaluation_end")
+
+
+def _skip_once(obj: Any, name: str) -> None:
+    """Make the next call of ``obj.name()`` do nothing. Here: Lightning counts a validation as done where its
+    restarted epoch's position (the first batch) looks due for one, and makes its iterator to count it (a
+    draw the uninterrupted run, which did not validate at that epoch's end, never made)."""
+
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        del obj.__dict__[name]  # the class's method again
+
+    setattr(obj, name, skipped)
 
 
 def train_loaders(trainer: Any) -> dict[str, Any]:
@@ -126,7 +150,7 @@ def check_loader_states(trainer: Any, check: Callable[[dict[str, Any], dict[str,
     (``fit_loop._load_combined_loader_states``, once the loaders exist), before it does; the states as
     ``check`` left them (moved to another worker count) are loaded. Lightning alone hands a state of
     another worker count to torchdata, which fails at the first batch, and one of another batch size
-    without a word."""
+    without a word. There too, a resume at an epoch's last batch ends that epoch once (``end_the_epoch_once``)."""
     fit: Any = getattr(trainer, "fit_loop", None)
     load = getattr(fit, "_load_combined_loader_states", None)
     if load is None or not hasattr(fit, "_combined_loader_states_to_load"):
@@ -141,6 +165,8 @@ def check_loader_states(trainer: Any, check: Callable[[dict[str, Any], dict[str,
             states = {str(i): state for i, state in enumerate(saved)}
             check(train_loaders(trainer), states)
             fit._combined_loader_states_to_load = [states[str(i)] for i in range(len(saved))]
+        if fit.restarting:
+            end_the_epoch_once(trainer)  # here, the loaders' lengths known
         return load()
 
     fit._load_combined_loader_states = checked_load

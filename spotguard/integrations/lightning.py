@@ -194,14 +194,13 @@ class SpotguardCallback(StopOutcome, Callback):
             self._planned.fetch()  # the planned resume's copy, before Lightning reads it
             self._trainer = trainer
             loops.wrap_validation(trainer, lambda run: self._validate(trainer, run))
-            loops.check_loader_states(trainer, self._check_loaders)  # as Guard: worker count, batch size
+            loops.check_loader_states(trainer, self._check_loaders)  # as Guard: worker count, batch size; epoch end
             self.notices.start()  # before Lightning's own SIGTERM handler, which then calls ours too
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if getattr(trainer.state, "fn", None) != "fit":  # validate/test(ckpt_path=...) restore no optimizer
             return
         self._saved = (checkpoint.get("global_step"), untracked.lightning_saved(checkpoint))
-        loops.end_the_epoch_once(checkpoint)  # before Lightning restores its loops from it
         if trainer.strategy.restore_checkpoint_after_setup:  # the optimizers exist already
             self.on_fit_start(trainer, pl_module)
 

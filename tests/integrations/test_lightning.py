@@ -8,6 +8,7 @@ import random
 import signal
 
 import pytest
+import torch
 
 from spotguard.checkpoint import scan
 from spotguard.errors import StorageError
@@ -145,3 +146,57 @@ def test_a_final_checkpoint_that_fails_fails_the_fit_where_a_periodic_one_is_log
         code, _ = lightning_fit(_Fails(str(tmp_path / "periodic"), 2), scheduler=False, max_steps=5)
     assert code == 0 and "periodic checkpoint of step 2 NOT committed" in caplog.text, caplog.text
     assert [i.step for i in scan(LocalStorage(str(tmp_path / "periodic"))) if i.complete] == [4, 5]
+
+
+def _small_fit(storage, max_steps: int) -> int:
+    """8 batches an epoch, validations every 3 (not at an epoch's last batch) with noisy inputs, dropout in
+    training; no periodic save: a fit to ``max_steps`` 8 ends with a batch-end save of the epoch's last batch."""
+    L = pytest.importorskip("lightning.pytorch")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            noisy = batch[0] + 0.1 * torch.randn_like(batch[0])
+            return torch.nn.functional.mse_loss(self.net(noisy), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(x, y)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=3,
+        check_val_every_n_epoch=1,
+    )
+    cb = SpotguardCallback(str(storage), providers=[], lease_ttl=None)
+    train, val = StatefulDataLoader(data, batch_size=2, shuffle=True), StatefulDataLoader(data, batch_size=4)
+    return cb.fit(trainer, Module(), train_dataloaders=train, val_dataloaders=val)
+
+
+def test_an_epochs_last_batch_with_validations_on_but_none_due_there_resumes_exactly(tmp_path):
+    # Restarted at its first batch position, the epoch looked due for a validation (every 3 batches from 0):
+    # Lightning counted one as done and made its iterator for that, a random draw the uninterrupted run never made.
+    assert _small_fit(tmp_path / "reference", 12) == 0
+    assert _small_fit(tmp_path / "run", 8) == 0  # its final checkpoint: step 8, the epoch's last batch
+    assert _small_fit(tmp_path / "run", 12) == 0
+    same = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
+    assert same.exact and same.step == 12 and same.compared > 100, same.line()

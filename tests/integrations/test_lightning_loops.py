@@ -1,55 +1,73 @@
-"""The checkpoint rewrites in ``_lightning_loops`` on Lightning's own checkpoint layout (the trainer
-runs that need them are in test_lightning.py and test_lightning_ddp.py)."""
+"""``_lightning_loops.end_the_epoch_once`` on Lightning's own progress objects (the trainer runs that need it
+are in test_lightning.py and test_lightning_ddp.py)."""
 
 from __future__ import annotations
 
-import copy
 import logging
+from types import SimpleNamespace
+
+import pytest
 
 from spotguard.integrations import _lightning_loops as loops
 
-
-def progress(ready: int, started: int, processed: int, completed: int) -> dict[str, int]:
-    return {"ready": ready, "started": started, "processed": processed, "completed": completed}
+progress = pytest.importorskip("lightning.pytorch.loops.progress")
 
 
-def saved(epochs: dict[str, int], batches: dict[str, int], is_last_batch: bool) -> dict:
-    """A Lightning checkpoint's loop progress, as ``trainer.save_checkpoint`` writes it."""
-    return {
-        "loops": {
-            "fit_loop": {
-                "epoch_progress": {"total": epochs, "current": dict(epochs)},
-                "epoch_loop.batch_progress": {
-                    "total": batches,
-                    "current": dict(batches),
-                    "is_last_batch": is_last_batch,
-                },
-            }
-        }
-    }
+def tracker(ready: int, started: int, processed: int, completed: int) -> object:
+    return progress._ProcessedTracker(ready=ready, started=started, processed=processed, completed=completed)
+
+
+def fit_loop(epochs: tuple, batches: tuple, last: bool, limits: list, lengths: list, validation_next: bool = False):
+    """A resumed fit's loops as Lightning restored them, and its train loaders (``len`` only)."""
+    epoch_progress = progress._Progress(total=tracker(*epochs), current=tracker(*epochs))
+    batch_progress = progress._BatchProgress(total=tracker(*batches), current=tracker(*batches), is_last_batch=last)
+    val = progress._BatchProgress(current=tracker(1, 1, 0, 0) if validation_next else tracker(4, 4, 4, 4))
+    val_loop = SimpleNamespace(batch_progress=val)
+    loaders = [list(range(n)) if n is not None else iter(()) for n in lengths]
+    return SimpleNamespace(
+        epoch_progress=epoch_progress,
+        epoch_loop=SimpleNamespace(batch_progress=batch_progress, val_loop=val_loop),
+        _combined_loader=SimpleNamespace(flattened=loaders, limits=limits),
+    )
+
+
+LAST_BATCH = {"epochs": (2, 2, 1, 1), "batches": (64, 64, 64, 63), "last": True}
 
 
 def test_a_batch_end_save_of_an_epochs_last_batch_is_not_counted_as_an_ended_epoch():
-    ckpt = saved(progress(2, 2, 1, 1), progress(64, 64, 64, 63), is_last_batch=True)
-    loops.end_the_epoch_once(ckpt)
-    assert ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] is False
+    fit = fit_loop(**LAST_BATCH, limits=[32], lengths=[32], validation_next=True)
+    loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
+    assert fit.epoch_loop.batch_progress.is_last_batch is False
+    assert "increment_progress_to_evaluation_end" not in vars(fit.epoch_loop.val_loop)  # the validation runs
 
 
-def test_other_saves_are_left_as_lightning_wrote_them():
-    others = [
-        saved(progress(2, 2, 1, 1), progress(40, 40, 40, 39), is_last_batch=False),  # mid-epoch
-        saved(progress(2, 2, 2, 2), progress(64, 64, 64, 64), is_last_batch=True),  # after the epoch's end
-        saved(progress(2, 2, 1, 1), progress(64, 64, 64, 64), is_last_batch=True),  # at the epoch loop's last save
-    ]
-    for ckpt in others:
-        before = copy.deepcopy(ckpt)
-        loops.end_the_epoch_once(ckpt)
-        assert ckpt == before
+def test_without_a_validation_next_the_restarted_epoch_counts_none_done_once():
+    fit = fit_loop(**LAST_BATCH, limits=[32], lengths=[32])
+    loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
+    val_loop = fit.epoch_loop.val_loop
+    assert fit.epoch_loop.batch_progress.is_last_batch is False
+    assert val_loop.increment_progress_to_evaluation_end() is None  # skipped once, then the class's method again
+    assert "increment_progress_to_evaluation_end" not in vars(val_loop)
 
 
-def test_a_checkpoint_without_the_expected_progress_is_left_alone_with_a_warning(caplog):
-    ckpt = {"loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}}}
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(epochs=(2, 2, 1, 1), batches=(40, 40, 40, 39), last=False, limits=[32], lengths=[32]),  # mid-epoch
+        dict(epochs=(2, 2, 2, 2), batches=(64, 64, 64, 64), last=True, limits=[32], lengths=[32]),  # epoch ended
+        dict(**LAST_BATCH, limits=[float("inf")], lengths=[None]),  # no length: the epoch would go on drawing
+        dict(**LAST_BATCH, limits=[4], lengths=[32]),  # limit_train_batches: the loader is not used up
+    ],
+    ids=["mid-epoch", "epoch-ended", "no-length", "limited"],
+)
+def test_other_resumes_are_left_as_lightning_restored_them(case):
+    fit = fit_loop(**case)
+    loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
+    assert fit.epoch_loop.batch_progress.is_last_batch is case["last"]
+    assert "increment_progress_to_evaluation_end" not in vars(fit.epoch_loop.val_loop)
+
+
+def test_loops_not_where_expected_are_left_alone_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
-        loops.end_the_epoch_once(ckpt)
-    assert ckpt == {"loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}}}
-    assert "count it twice" in caplog.text
+        loops.end_the_epoch_once(SimpleNamespace(fit_loop=SimpleNamespace()))
+    assert "count twice" in caplog.text
