@@ -154,3 +154,13 @@ def test_deepspeeds_zero_optimizer_files_are_compared_value_by_value(tmp_path):
     assert not result.skipped and result.compared >= 4, result.line()
     key = "step40/zero_pp_rank_0_mp_rank_00_optim_states.pt.optimizer_state_dict.loss_scaler.cur_scale"
     assert result.differences == [f"{key}: 1.0 vs 2.0"], result.differences
+
+
+def test_inside_a_process_group_of_several_ranks_the_shards_are_named_not_read(tmp_path, monkeypatch):
+    """DCP's reads are collective where a group is up: a compare called on one rank of it would wait forever."""
+    for name in ("run", "same"):
+        _sharded_final(str(tmp_path / name), 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    result = compare(str(tmp_path / "run"), str(tmp_path / "same"))
+    assert "not compared: DCP shards (not read inside a process group of 2 ranks)" in result.line(), result.line()
