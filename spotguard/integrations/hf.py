@@ -354,6 +354,7 @@ class SpotguardCallback(StopOutcome, TrainerCallback):
                 unlink_linked_ahead(output_dir, step - 1)
             (folder / EVAL_CUT).unlink(missing_ok=True)
         trainer.accelerator.wait_for_everyone()  # before any rank writes its own files there
+        trainer.control.should_save = trainer.control.should_training_stop = True  # saved too: as at the Trainer's end
         began = time.monotonic()
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         self._commit_folder(step, folder, "final", began, None, supersede=True)

@@ -28,7 +28,12 @@ TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")  # .ckpt: Lightning's; .
 #: Where saved random streams are: spotguard's ``rng``, Accelerate's ``random_states_N.pkl``, the HF Trainer's
 #: ``rng_state.pth``.
 RNG = re.compile(r"\.rng\.|^random_states_\d+\.pkl\.|^rng_state(_\d+)?\.pth\.")
-SHARDS = "shards/metadata.dcp"  # a sharded save: its model and optimizer in DCP shards beside it
+SHARDS = "shards/metadata.dcp"
+TRAINER_STATE = "trainer_state.json"
+TIMED = (
+    "_runtime",
+    "_per_second",
+)  # wall-clock figures the Trainer logs: no two runs share them  # a sharded save: its model and optimizer in DCP shards beside it
 SHOWN = 5  # differences named in the report
 
 
@@ -130,10 +135,21 @@ def _compare_files(
             from safetensors.torch import load_file
 
             va, vb = load_file(str(da / name)), load_file(str(db / name))
+        elif name.endswith(TRAINER_STATE):  # the HF Trainer's counters, best metric and logged values
+            va, vb = (_untimed(json.loads((d / name).read_text())) for d in (da, db))
         else:
             continue  # not state: a trainer's config, logs, RNG files in other formats
         n += _same(va, vb, name, diffs)
     return n
+
+
+def _untimed(value: Any) -> Any:
+    """``value`` without the wall-clock figures of a Trainer's log (``eval_runtime``, ``..._per_second``)."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if not str(k).endswith(TIMED)}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
 
 
 def _compare_shards(da: Path, db: Path, diffs: list[str], skipped: list[str]) -> int:

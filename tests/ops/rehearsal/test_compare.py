@@ -164,3 +164,31 @@ def test_inside_a_process_group_of_several_ranks_the_shards_are_named_not_read(t
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     result = compare(str(tmp_path / "run"), str(tmp_path / "same"))
     assert "not compared: DCP shards (not read inside a process group of 2 ranks)" in result.line(), result.line()
+
+
+def test_a_trainers_state_is_compared_without_its_wall_clock_figures(tmp_path):
+    """``trainer_state.json`` (the HF Trainer's counters, best metric, logs and its callbacks' state) was not read;
+    it is now, but for the figures no two runs share (``eval_runtime``, ``..._per_second``)."""
+    import json
+
+    from spotguard import checkpoint
+    from spotguard.storage import open_storage
+
+    def state(runtime: float, should_save: bool) -> dict:
+        log = [
+            {"step": 10, "loss": 0.5},
+            {"step": 10, "eval_loss": 0.4, "eval_runtime": runtime, "eval_samples_per_second": 1 / runtime},
+        ]
+        control = {"TrainerControl": {"args": {"should_save": should_save}}}
+        return {"global_step": 10, "log_history": log, "stateful_callbacks": control}
+
+    for name, runtime, should_save in (("run", 0.1, True), ("same", 0.2, True), ("other", 0.1, False)):
+        folder = tmp_path / f"{name}-folder"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps(state(runtime, should_save)))
+        checkpoint.write_dir(open_storage(str(tmp_path / name)), 10, folder, reason="final")
+    same = compare(str(tmp_path / "run"), str(tmp_path / "same"))
+    # global_step, the 2 logs' steps and losses, the flag
+    assert same.exact and same.compared == 6, same.line()
+    other = compare(str(tmp_path / "run"), str(tmp_path / "other"))
+    assert other.differences == ["trainer_state.json.stateful_callbacks.TrainerControl.args.should_save: True vs False"]
