@@ -9,6 +9,7 @@ differs): a change in a private API must not end the training."""
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -97,8 +98,8 @@ def end_the_epoch_once(trainer: Any) -> None:
     epoch skipped). Marked as not the last batch here, the epoch restarts with nothing left to train,
     validates if due and ends once, as the uninterrupted run's did; the next begins afresh. Called
     where the resumed fit's train loaders exist (their lengths known), after Lightning restored its
-    loops; left as Lightning's for a loader without a length or cut by ``limit_train_batches``, whose
-    restarted epoch would go on drawing."""
+    loops; left as Lightning's for a loader without a length. A loader cut by ``limit_train_batches``
+    has batches left: its restarted epoch is made to draw none (``end_a_cut_epoch``)."""
     fit: Any = getattr(trainer, "fit_loop", None)
     loop: Any = getattr(fit, "epoch_loop", None)
     try:
@@ -108,19 +109,31 @@ def end_the_epoch_once(trainer: Any) -> None:
         at_batch_end = batches.ready == batches.started == batches.processed == batches.completed + 1
         last, combined = progress.is_last_batch, fit._combined_loader
         lengths = [len(dl) if hasattr(dl, "__len__") else None for dl in combined.flattened]
-        whole = list(combined.limits or []) == lengths and None not in lengths
+        limits = list(combined.limits or [])
         validation_next = loop.val_loop.batch_progress.current.started > loop.val_loop.batch_progress.current.processed
     except (AttributeError, TypeError) as e:  # a private API of Lightning: a change there must not end the training
         logger.warning("Lightning's loop progress is not where expected (%s): an epoch's end may count twice", e)
         return
     if not (mid_epoch and at_batch_end and last):
         return
-    if not whole:
-        logger.debug("resumed at an epoch's last batch of a loader without a length or cut short: as Lightning does")
+    if None in lengths or not limits or any(math.isinf(n) for n in limits):
+        logger.debug("resumed at an epoch's last batch of a loader without a length: as Lightning does")
         return
     progress.is_last_batch = False
+    fit._spotguard_cut_epoch = limits != lengths  # its loader has batches left, which the restarted epoch must not draw
     if not validation_next:
         _skip_once(loop.val_loop, "increment_progress_to_evaluation_end")
+
+
+def end_a_cut_epoch(trainer: Any) -> None:
+    """At the fit's start: end the restarted epoch of ``end_the_epoch_once`` before it draws a batch, where
+    ``limit_train_batches`` left its loader with batches the uninterrupted run never trained (the next
+    epoch's iterator is made afresh, as that run's was)."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    fetcher = getattr(fit, "_data_fetcher", None)
+    if getattr(fit, "_spotguard_cut_epoch", False) and fetcher is not None:
+        fit._spotguard_cut_epoch = False
+        fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
 
 
 def _skip_once(obj: Any, name: str) -> None:

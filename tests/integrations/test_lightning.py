@@ -148,9 +148,9 @@ def test_a_final_checkpoint_that_fails_fails_the_fit_where_a_periodic_one_is_log
     assert [i.step for i in scan(LocalStorage(str(tmp_path / "periodic"))) if i.complete] == [4, 5]
 
 
-def _small_fit(storage, max_steps: int) -> int:
-    """8 batches an epoch, validations every 3 (not at an epoch's last batch) with noisy inputs, dropout in
-    training; no periodic save: a fit to ``max_steps`` 8 ends with a batch-end save of the epoch's last batch."""
+def _small_fit(storage, max_steps: int, **limits) -> int:
+    """8 batches an epoch (or ``limit_train_batches``), validations with noisy inputs, dropout in training; no
+    periodic save: a fit to ``max_steps`` at an epoch's end ends with a batch-end save of its last batch."""
     L = pytest.importorskip("lightning.pytorch")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -184,19 +184,26 @@ def _small_fit(storage, max_steps: int) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        val_check_interval=3,
         check_val_every_n_epoch=1,
+        **limits,
     )
     cb = SpotguardCallback(str(storage), providers=[], lease_ttl=None)
     train, val = StatefulDataLoader(data, batch_size=2, shuffle=True), StatefulDataLoader(data, batch_size=4)
     return cb.fit(trainer, Module(), train_dataloaders=train, val_dataloaders=val)
 
 
-def test_an_epochs_last_batch_with_validations_on_but_none_due_there_resumes_exactly(tmp_path):
-    # Restarted at its first batch position, the epoch looked due for a validation (every 3 batches from 0):
-    # Lightning counted one as done and made its iterator for that, a random draw the uninterrupted run never made.
-    assert _small_fit(tmp_path / "reference", 12) == 0
-    assert _small_fit(tmp_path / "run", 8) == 0  # its final checkpoint: step 8, the epoch's last batch
-    assert _small_fit(tmp_path / "run", 12) == 0
+# Validations every 3 batches, none at the epoch's last (8): restarted at its first batch position, the epoch looked
+# due for one, and Lightning counted one as done, making its iterator: a random draw the uninterrupted run never
+# made. 4 batches an epoch of the loader's 8 (limit_train_batches), validations at each epoch's end: the restarted
+# epoch trained the loader's batches 5 to 8, which the uninterrupted run never trained.
+SMALL = {"validation-not-due": (8, {"val_check_interval": 3}), "limited-epoch": (4, {"limit_train_batches": 4})}
+
+
+@pytest.mark.parametrize("case", sorted(SMALL))
+def test_a_save_at_an_epochs_last_batch_resumes_exactly(tmp_path, case):
+    epoch_end, limits = SMALL[case]
+    assert _small_fit(tmp_path / "reference", 12, **limits) == 0
+    assert _small_fit(tmp_path / "run", epoch_end, **limits) == 0  # its final checkpoint: the epoch's last batch
+    assert _small_fit(tmp_path / "run", 12, **limits) == 0
     same = compare(str(tmp_path / "run"), str(tmp_path / "reference"))
     assert same.exact and same.step == 12 and same.compared > 100, same.line()

@@ -56,15 +56,35 @@ def test_without_a_validation_next_the_restarted_epoch_counts_none_done_once():
         dict(epochs=(2, 2, 1, 1), batches=(40, 40, 40, 39), last=False, limits=[32], lengths=[32]),  # mid-epoch
         dict(epochs=(2, 2, 2, 2), batches=(64, 64, 64, 64), last=True, limits=[32], lengths=[32]),  # epoch ended
         dict(**LAST_BATCH, limits=[float("inf")], lengths=[None]),  # no length: the epoch would go on drawing
-        dict(**LAST_BATCH, limits=[4], lengths=[32]),  # limit_train_batches: the loader is not used up
     ],
-    ids=["mid-epoch", "epoch-ended", "no-length", "limited"],
+    ids=["mid-epoch", "epoch-ended", "no-length"],
 )
 def test_other_resumes_are_left_as_lightning_restored_them(case):
     fit = fit_loop(**case)
     loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
     assert fit.epoch_loop.batch_progress.is_last_batch is case["last"]
     assert "increment_progress_to_evaluation_end" not in vars(fit.epoch_loop.val_loop)
+
+
+def test_an_epoch_cut_by_limit_train_batches_is_ended_before_its_restart_draws():
+    fit = fit_loop(**LAST_BATCH, limits=[4], lengths=[32])  # the loader has 28 batches left
+    trainer = SimpleNamespace(fit_loop=fit)
+    loops.end_the_epoch_once(trainer)
+    assert fit.epoch_loop.batch_progress.is_last_batch is False
+    fit._data_fetcher = SimpleNamespace(done=False)  # made after the loaders' states are loaded
+    loops.end_a_cut_epoch(trainer)
+    assert fit._data_fetcher.done is True  # its next fetch ends the restarted epoch
+    fit._data_fetcher.done = False
+    loops.end_a_cut_epoch(trainer)  # once only
+    assert fit._data_fetcher.done is False
+
+
+def test_a_whole_epoch_is_not_ended_early():
+    fit = fit_loop(**LAST_BATCH, limits=[32], lengths=[32])
+    loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
+    fit._data_fetcher = SimpleNamespace(done=False)
+    loops.end_a_cut_epoch(SimpleNamespace(fit_loop=fit))
+    assert fit._data_fetcher.done is False  # its spent iterator ends it
 
 
 def test_loops_not_where_expected_are_left_alone_with_a_warning(caplog):
