@@ -98,8 +98,8 @@ def end_the_epoch_once(trainer: Any) -> None:
     epoch skipped). Marked as not the last batch here, the epoch restarts with nothing left to train,
     validates if due and ends once, as the uninterrupted run's did; the next begins afresh. Called
     where the resumed fit's train loaders exist (their lengths known), after Lightning restored its
-    loops; left as Lightning's for a loader without a length. A loader cut by ``limit_train_batches``
-    has batches left: its restarted epoch is made to draw none (``end_a_cut_epoch``)."""
+    loops. A loader cut by ``limit_train_batches`` has batches left: its restarted epoch is made to draw
+    none; for a loader without a length the count is taken back instead (``settle_the_restarted_epoch``)."""
     fit: Any = getattr(trainer, "fit_loop", None)
     loop: Any = getattr(fit, "epoch_loop", None)
     try:
@@ -108,7 +108,7 @@ def end_the_epoch_once(trainer: Any) -> None:
         mid_epoch = epochs.started == epochs.ready == epochs.processed + 1 == epochs.completed + 1
         at_batch_end = batches.ready == batches.started == batches.processed == batches.completed + 1
         last, combined = progress.is_last_batch, fit._combined_loader
-        lengths = [len(dl) if hasattr(dl, "__len__") else None for dl in combined.flattened]
+        lengths = [_length(dl) for dl in combined.flattened]
         limits = list(combined.limits or [])
         validation_next = loop.val_loop.batch_progress.current.started > loop.val_loop.batch_progress.current.processed
     except (AttributeError, TypeError) as e:  # a private API of Lightning: a change there must not end the training
@@ -117,23 +117,41 @@ def end_the_epoch_once(trainer: Any) -> None:
     if not (mid_epoch and at_batch_end and last):
         return
     if None in lengths or not limits or any(math.isinf(n) for n in limits):
-        logger.debug("resumed at an epoch's last batch of a loader without a length: as Lightning does")
+        # No length: only the last batch's flag tells Lightning to validate at the epoch's end. It stays; the
+        # count Lightning makes ahead of the restarted epoch's own end is taken back (``settle_the_restarted_epoch``).
+        fit._spotguard_epoch_end = "counted"
         return
     progress.is_last_batch = False
-    fit._spotguard_cut_epoch = limits != lengths  # its loader has batches left, which the restarted epoch must not draw
+    if limits != lengths:  # its loader has batches left, which the restarted epoch must not draw
+        fit._spotguard_epoch_end = "cut"
     if not validation_next:
         _skip_once(loop.val_loop, "increment_progress_to_evaluation_end")
 
 
-def end_a_cut_epoch(trainer: Any) -> None:
-    """At the fit's start: end the restarted epoch of ``end_the_epoch_once`` before it draws a batch, where
-    ``limit_train_batches`` left its loader with batches the uninterrupted run never trained (the next
-    epoch's iterator is made afresh, as that run's was)."""
+def settle_the_restarted_epoch(trainer: Any) -> None:
+    """At the fit's start, after Lightning's own restart (``end_the_epoch_once``): where ``limit_train_batches``
+    left the loader with batches the uninterrupted run never trained, end the restarted epoch before it draws
+    one (the next epoch's iterator is made afresh, as that run's was); for a loader without a length, take back
+    the epoch Lightning counted done ahead of the restarted epoch's own end."""
     fit: Any = getattr(trainer, "fit_loop", None)
-    fetcher = getattr(fit, "_data_fetcher", None)
-    if getattr(fit, "_spotguard_cut_epoch", False) and fetcher is not None:
-        fit._spotguard_cut_epoch = False
-        fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
+    how = getattr(fit, "_spotguard_epoch_end", None)
+    if how is None:
+        return
+    fit._spotguard_epoch_end = None
+    if how == "cut" and getattr(fit, "_data_fetcher", None) is not None:
+        fit._data_fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
+    elif how == "counted":
+        for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
+            tracker.processed -= 1
+            tracker.completed -= 1
+
+
+def _length(loader: Any) -> int | None:
+    """A loader's number of batches; None for one without (an iterable dataset's ``len`` raises)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _skip_once(obj: Any, name: str) -> None:

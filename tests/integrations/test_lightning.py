@@ -148,9 +148,10 @@ def test_a_final_checkpoint_that_fails_fails_the_fit_where_a_periodic_one_is_log
     assert [i.step for i in scan(LocalStorage(str(tmp_path / "periodic"))) if i.complete] == [4, 5]
 
 
-def _small_fit(storage, max_steps: int, **limits) -> int:
+def _small_fit(storage, max_steps: int, stream: bool = False, **limits) -> int:
     """8 batches an epoch (or ``limit_train_batches``), validations with noisy inputs, dropout in training; no
-    periodic save: a fit to ``max_steps`` at an epoch's end ends with a batch-end save of its last batch."""
+    periodic save: a fit to ``max_steps`` at an epoch's end ends with a batch-end save of its last batch.
+    ``stream``: the train data an iterable dataset without a length (Lightning knows its end only there)."""
     L = pytest.importorskip("lightning.pytorch")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -175,6 +176,10 @@ def _small_fit(storage, max_steps: int, **limits) -> int:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(list(zip(x, y, strict=True)))
+
     data = torch.utils.data.TensorDataset(x, y)
     trainer = L.Trainer(
         max_steps=max_steps,
@@ -188,15 +193,23 @@ def _small_fit(storage, max_steps: int, **limits) -> int:
         **limits,
     )
     cb = SpotguardCallback(str(storage), providers=[], lease_ttl=None)
-    train, val = StatefulDataLoader(data, batch_size=2, shuffle=True), StatefulDataLoader(data, batch_size=4)
+    train = (
+        StatefulDataLoader(Stream(), batch_size=2) if stream else StatefulDataLoader(data, batch_size=2, shuffle=True)
+    )
+    val = StatefulDataLoader(data, batch_size=4)
     return cb.fit(trainer, Module(), train_dataloaders=train, val_dataloaders=val)
 
 
 # Validations every 3 batches, none at the epoch's last (8): restarted at its first batch position, the epoch looked
 # due for one, and Lightning counted one as done, making its iterator: a random draw the uninterrupted run never
 # made. 4 batches an epoch of the loader's 8 (limit_train_batches), validations at each epoch's end: the restarted
-# epoch trained the loader's batches 5 to 8, which the uninterrupted run never trained.
-SMALL = {"validation-not-due": (8, {"val_check_interval": 3}), "limited-epoch": (4, {"limit_train_batches": 4})}
+# epoch trained the loader's batches 5 to 8, which the uninterrupted run never trained. A loader without a length,
+# validations at each epoch's end: Lightning counted the epoch done twice (one epoch ahead).
+SMALL = {
+    "validation-not-due": (8, {"val_check_interval": 3}),
+    "limited-epoch": (4, {"limit_train_batches": 4}),
+    "no-length": (8, {"stream": True}),
+}
 
 
 @pytest.mark.parametrize("case", sorted(SMALL))

@@ -55,7 +55,7 @@ def test_without_a_validation_next_the_restarted_epoch_counts_none_done_once():
     [
         dict(epochs=(2, 2, 1, 1), batches=(40, 40, 40, 39), last=False, limits=[32], lengths=[32]),  # mid-epoch
         dict(epochs=(2, 2, 2, 2), batches=(64, 64, 64, 64), last=True, limits=[32], lengths=[32]),  # epoch ended
-        dict(**LAST_BATCH, limits=[float("inf")], lengths=[None]),  # no length: the epoch would go on drawing
+        dict(**LAST_BATCH, limits=[float("inf")], lengths=[None]),  # no length: the flag says validate at the end
     ],
     ids=["mid-epoch", "epoch-ended", "no-length"],
 )
@@ -72,18 +72,31 @@ def test_an_epoch_cut_by_limit_train_batches_is_ended_before_its_restart_draws()
     loops.end_the_epoch_once(trainer)
     assert fit.epoch_loop.batch_progress.is_last_batch is False
     fit._data_fetcher = SimpleNamespace(done=False)  # made after the loaders' states are loaded
-    loops.end_a_cut_epoch(trainer)
+    loops.settle_the_restarted_epoch(trainer)
     assert fit._data_fetcher.done is True  # its next fetch ends the restarted epoch
     fit._data_fetcher.done = False
-    loops.end_a_cut_epoch(trainer)  # once only
+    loops.settle_the_restarted_epoch(trainer)  # once only
     assert fit._data_fetcher.done is False
+
+
+def test_without_a_length_the_epoch_lightning_counts_ahead_is_taken_back():
+    fit = fit_loop(**LAST_BATCH, limits=[float("inf")], lengths=[None])
+    trainer = SimpleNamespace(fit_loop=fit)
+    loops.end_the_epoch_once(trainer)
+    for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):  # Lightning's reset, then
+        tracker.processed, tracker.completed = 2, 2
+    loops.settle_the_restarted_epoch(trainer)
+    assert (fit.epoch_progress.total.processed, fit.epoch_progress.total.completed) == (1, 1)
+    assert (fit.epoch_progress.current.processed, fit.epoch_progress.current.completed) == (1, 1)
+    loops.settle_the_restarted_epoch(trainer)  # once only
+    assert fit.epoch_progress.total.completed == 1
 
 
 def test_a_whole_epoch_is_not_ended_early():
     fit = fit_loop(**LAST_BATCH, limits=[32], lengths=[32])
     loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
     fit._data_fetcher = SimpleNamespace(done=False)
-    loops.end_a_cut_epoch(SimpleNamespace(fit_loop=fit))
+    loops.settle_the_restarted_epoch(SimpleNamespace(fit_loop=fit))
     assert fit._data_fetcher.done is False  # its spent iterator ends it
 
 
