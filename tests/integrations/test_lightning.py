@@ -17,7 +17,7 @@ from spotguard.storage import LocalStorage
 
 from ..helpers import last_step
 from . import runs
-from .test_untracked import lightning_fit
+from .test_untracked import lightning_fit, quiet_trainer
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -181,17 +181,7 @@ def _small_fit(storage, max_steps: int, stream: bool = False, **limits) -> int:
             return iter(list(zip(x, y, strict=True)))
 
     data = torch.utils.data.TensorDataset(x, y)
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=1,
-        **limits,
-    )
+    trainer = quiet_trainer(max_steps, num_sanity_val_steps=0, check_val_every_n_epoch=1, **limits)
     cb = SpotguardCallback(str(storage), providers=[], lease_ttl=None)
     train = (
         StatefulDataLoader(Stream(), batch_size=2) if stream else StatefulDataLoader(data, batch_size=2, shuffle=True)

@@ -43,6 +43,20 @@ def test_accelerator_guard_refuses_a_checkpoint_of_an_optimizer_no_longer_prepar
     assert accepting.resume() == 3
 
 
+def quiet_trainer(max_steps: int, **kw):
+    """A Lightning ``Trainer`` on the CPU that logs, shows and saves nothing of its own."""
+    L = pytest.importorskip("lightning.pytorch")
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
 def lightning_fit(storage, *, scheduler: bool, max_steps: int, **options) -> tuple[int, object]:
     """A tiny Lightning fit through ``cb.fit`` (a periodic checkpoint every 2 steps): (exit code, callback)."""
     L = pytest.importorskip("lightning.pytorch")
@@ -60,14 +74,7 @@ def lightning_fit(storage, *, scheduler: bool, max_steps: int, **options) -> tup
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
             return ([opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]) if scheduler else opt
 
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps)
     cb = SpotguardCallback(
         storage if isinstance(storage, Storage) else str(storage),
         every_steps=2,
