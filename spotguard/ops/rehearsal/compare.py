@@ -28,12 +28,9 @@ TENSOR_FILES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")  # .ckpt: Lightning's; .
 #: Where saved random streams are: spotguard's ``rng``, Accelerate's ``random_states_N.pkl``, the HF Trainer's
 #: ``rng_state.pth``.
 RNG = re.compile(r"\.rng\.|^random_states_\d+\.pkl\.|^rng_state(_\d+)?\.pth\.")
-SHARDS = "shards/metadata.dcp"
-TRAINER_STATE = "trainer_state.json"
-TIMED = (
-    "_runtime",
-    "_per_second",
-)  # wall-clock figures the Trainer logs: no two runs share them  # a sharded save: its model and optimizer in DCP shards beside it
+SHARDS = "shards/metadata.dcp"  # a sharded save: its model and optimizer in DCP shards beside it
+TRAINER_STATE = "trainer_state.json"  # the HF Trainer's counters, logs and callbacks' state
+TIMED = ("_runtime", "_per_second")  # wall-clock figures the Trainer logs: no two runs share them
 SHOWN = 5  # differences named in the report
 
 
@@ -135,7 +132,7 @@ def _compare_files(
             from safetensors.torch import load_file
 
             va, vb = load_file(str(da / name)), load_file(str(db / name))
-        elif name.endswith(TRAINER_STATE):  # the HF Trainer's counters, best metric and logged values
+        elif name.endswith(TRAINER_STATE):
             va, vb = (_untimed(json.loads((d / name).read_text())) for d in (da, db))
         else:
             continue  # not state: a trainer's config, logs, RNG files in other formats
@@ -171,9 +168,9 @@ def _compare_shards(da: Path, db: Path, diffs: list[str], skipped: list[str]) ->
 
 
 def _read_shards(folder: Path) -> dict[str, Any]:
-    """The whole state in ``folder``'s shards: DCP plans the read from their metadata alone (no process
-    group: the full tensors, whatever the number of ranks that wrote them), through spotguard's reader,
-    which loads each item weights-only (outside a process group of several ranks). The folder was verified when fetched."""
+    """The whole state in ``folder``'s shards (verified when fetched): DCP plans the read from their metadata
+    alone, the full tensors whatever the number of ranks that wrote them, and spotguard's reader loads each
+    item weights-only. Outside a process group of several ranks, where DCP's reads would be collective."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from spotguard.checkpoint.sharded.dcp import METADATA_FILE, SpotguardReader, load_metadata
