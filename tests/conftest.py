@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` gives out the longest files first (tests/xdist_order.py)."""
     return xdist_order.make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+#: The signals whose handling a child inherits when ignored: a test that leaves one ignored in this worker
+#: makes every later child ignore it too (a batch shell cannot even ``trap`` it), far from the cause.
+KEPT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_kept():
+    """Fails a test that changed how this process handles a stop signal and did not give it back (the
+    Guard's and the supervisor's handlers restore them on close); puts them back for the next test."""
+    before = {sig: signal.getsignal(sig) for sig in KEPT_SIGNALS}
+    yield
+    changed = [sig.name for sig, handler in before.items() if signal.getsignal(sig) != handler]
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    assert not changed, f"the test left the handling of {', '.join(changed)} changed"
 
 
 _leases: list[object] = []  # the writer leases the running test acquired

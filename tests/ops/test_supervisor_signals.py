@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import signal
 
-from spotguard.ops.supervisor.signals import Forwarder
+from spotguard.ops.supervisor.signals import FORWARDED, Forwarder
 
 
 def test_after_a_stop_the_stop_signals_stay_ignored_until_exit():
     """A storm outlasting the run: a SIGTERM while `spotguard run` exits must not kill it (-15) before it
     exits with the stop's code (75). Without a stop, or for a library caller, the handlers are given
     back as they were."""
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    handlers = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    before = handlers[signal.SIGTERM], handlers[signal.SIGINT]
     try:
         calm = Forwarder(grace=1.0)
         calm.hold_after_stop = True
@@ -33,6 +34,7 @@ def test_after_a_stop_the_stop_signals_stay_ignored_until_exit():
         stopped.restore()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGTERM, before[0])
-        signal.signal(signal.SIGINT, before[1])
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:  # SIGUSR1 too: left ignored, every later child of this worker ignored it (a batch shell's trap too)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
