@@ -288,6 +288,7 @@ class GateFirst(LocalStorage):
         return super().put_file(key, path, deadline=deadline)
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 def test_a_stop_at_the_step_still_being_written_past_the_deadline_never_writes_it_twice(tmp_path, caplog):
     """The stop's step is the one in flight and its save outlasts the deadline: a second writer of the same
     folder could replace its files under the other's manifest (a committed checkpoint unlike its manifest)."""

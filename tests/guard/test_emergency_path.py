@@ -158,6 +158,7 @@ def run_budget_job(root, budget: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 def test_a_state_over_the_staging_budget_is_saved_within_it_and_resumes_exactly(tmp_path):
     """Without a budget the snapshot holds a copy of the whole state; with one smaller than the state the
     save streams it, and the process's peak memory grows by no more than the budget and the writer's buffers."""

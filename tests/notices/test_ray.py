@@ -69,6 +69,7 @@ def test_ray_source_on_several_workers_needs_a_process_group():
     assert InStep.of([several], 1.0, lambda n: None, distributed=True) is not None
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 def test_guard_polls_ray_from_step_on_its_interval_and_stops_at_the_step_it_answers(tmp_path):
     answers = RayAnswers(_info(60), after=2)
     guard = spotguard.Guard(str(tmp_path), providers=[_ray(answers)], interval=0.05, every_steps=None, lease_ttl=None)

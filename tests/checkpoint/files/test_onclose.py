@@ -155,6 +155,7 @@ def _rewrite_while_hashed(folder: Path, seconds: float) -> int:
         return int(hashes.known(folder / "rng_state.pth", hashes.alg) == real_digest(folder / "rng_state.pth"))
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 def test_a_file_truncated_while_it_is_hashed_does_not_kill_the_process(tmp_path):
     # Two ranks saving into one folder write some files under the same name: a map of the first one's
     # bytes, cut off by the second's truncation, raised SIGBUS in the hasher and killed the rank.

@@ -54,6 +54,7 @@ def test_waited_grows_while_a_niced_thread_waits_behind_busy_cores():
     assert behind > 0.1, behind  # of 0.2 s (alone on this machine: ~0; beside the other test worker it varies)
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 def test_a_file_written_beside_busy_cores_counts_its_disk_time_not_its_wait_for_a_cpu(tmp_path):
     """The emergency estimate's rate (``work_seconds``): a stopped loop leaves the writer a CPU."""
 

@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import WORKERS, subprocess_env
 
 
+@pytest.mark.slow  # seconds of waiting: in `make test`, not the edit loop's tier
 @pytest.mark.timeout(120)
 def test_four_threads_capturing_the_rng_streams_at_once_finish():
     try:
