@@ -114,6 +114,9 @@ def end_the_epoch_once(trainer: Any) -> None:
     except (AttributeError, TypeError) as e:  # a private API of Lightning: a change there must not end the training
         logger.warning("Lightning's loop progress is not where expected (%s): an epoch's end may count twice", e)
         return
+    if epochs.ready == epochs.started == epochs.processed == epochs.completed > 0 and progress.current.ready:
+        _begin_the_next_epoch(fit, loop)
+        return
     if not (mid_epoch and at_batch_end and last):
         return
     if None in lengths or not limits or any(math.isinf(n) for n in limits):
@@ -128,6 +131,24 @@ def end_the_epoch_once(trainer: Any) -> None:
         _skip_once(loop.val_loop, "increment_progress_to_evaluation_end")
 
 
+def _begin_the_next_epoch(fit: Any, loop: Any) -> None:
+    """Saved once the epoch's end was counted (a stop between epochs: Lightning's SIGTERM raised outside a
+    step), the epoch loop still holds that epoch's batches: Lightning would restart the finished epoch, draw
+    nothing, end it and count it again (one epoch ahead). The uninterrupted run began the next epoch afresh
+    here: the epoch loop's reset when it is not restarting, now, and a new iterator at the fit's start
+    (``settle_the_restarted_epoch``), once the streams are restored, as that run's began the epoch."""
+    try:  # all found before any is reset
+        counts = (loop.batch_progress, loop.scheduler_progress, loop.automatic_optimization.optim_progress)
+        validations = loop.val_loop.batch_progress.total  # it counts one epoch's validation batches
+    except AttributeError as e:
+        logger.warning("Lightning's epoch loop is not where expected (%s): an epoch's end may count twice", e)
+        return
+    for count in counts:
+        count.reset_on_run()
+    validations.reset()
+    fit._spotguard_epoch_end = "ended"
+
+
 def settle_the_restarted_epoch(trainer: Any) -> None:
     """At the fit's start, after Lightning's own restart (``end_the_epoch_once``): where ``limit_train_batches``
     left the loader with batches the uninterrupted run never trained, end the restarted epoch before it draws
@@ -138,7 +159,9 @@ def settle_the_restarted_epoch(trainer: Any) -> None:
     if how is None:
         return
     fit._spotguard_epoch_end = None
-    if how == "cut" and getattr(fit, "_data_fetcher", None) is not None:
+    if how == "ended" and getattr(fit, "_data_fetcher", None) is not None:
+        iter(fit._data_fetcher)  # the restored iterator gave its last batch: the next epoch's, from the next one
+    elif how == "cut" and getattr(fit, "_data_fetcher", None) is not None:
         fit._data_fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
     elif how == "counted":
         for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):

@@ -15,7 +15,7 @@ from spotguard.errors import StorageError
 from spotguard.ops.rehearsal.compare import compare
 from spotguard.storage import LocalStorage
 
-from ..helpers import last_step
+from ..helpers import after_step, last_step
 from . import runs
 from .test_untracked import lightning_fit, quiet_trainer
 
@@ -48,6 +48,17 @@ def test_lightning_resumes_identically_after_sigterm_and_a_cloud_notice(tmp_path
     runs.stop_by_signal_then_cloud_notice(SCRIPT, tmp_path, ARGS, STEPS, mock_metadata, _rng)
     runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
     assert_same_final_checkpoint(tmp_path, reference)  # step 70: no multiple of every 15
+
+
+def test_a_sigterm_after_an_epochs_last_step_stops_between_epochs_and_resumes_exactly(tmp_path, reference):
+    """Lightning raises its SIGTERM once the epoch's end is counted: the checkpoint holds the finished epoch's
+    batches, which Lightning would restart and count again (the final checkpoint one epoch ahead)."""
+    stopped = runs.stop_when(
+        SCRIPT, tmp_path, (*ARGS, *runs.SLOW), after_step(tmp_path / "losses.jsonl", 32), runs.sigterm
+    )
+    assert runs.assert_stopped(stopped, tmp_path) == 32 and "outside a training step after step 32" in stopped.stderr
+    runs.finish_identically(SCRIPT, tmp_path, ARGS, reference)
+    assert_same_final_checkpoint(tmp_path, reference)
 
 
 def test_save_on_exit_false_leaves_the_last_steps_uncommitted(tmp_path):

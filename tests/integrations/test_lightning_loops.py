@@ -24,9 +24,16 @@ def fit_loop(epochs: tuple, batches: tuple, last: bool, limits: list, lengths: l
     val = progress._BatchProgress(current=tracker(1, 1, 0, 0) if validation_next else tracker(4, 4, 4, 4))
     val_loop = SimpleNamespace(batch_progress=val)
     loaders = [list(range(n)) if n is not None else iter(()) for n in lengths]
+    optimization = SimpleNamespace(optim_progress=progress._OptimizationProgress())
+    epoch_loop = SimpleNamespace(
+        batch_progress=batch_progress,
+        val_loop=val_loop,
+        scheduler_progress=progress._SchedulerProgress(),
+        automatic_optimization=optimization,
+    )
     return SimpleNamespace(
         epoch_progress=epoch_progress,
-        epoch_loop=SimpleNamespace(batch_progress=batch_progress, val_loop=val_loop),
+        epoch_loop=epoch_loop,
         _combined_loader=SimpleNamespace(flattened=loaders, limits=limits),
     )
 
@@ -54,16 +61,59 @@ def test_without_a_validation_next_the_restarted_epoch_counts_none_done_once():
     "case",
     [
         dict(epochs=(2, 2, 1, 1), batches=(40, 40, 40, 39), last=False, limits=[32], lengths=[32]),  # mid-epoch
-        dict(epochs=(2, 2, 2, 2), batches=(64, 64, 64, 64), last=True, limits=[32], lengths=[32]),  # epoch ended
         dict(**LAST_BATCH, limits=[float("inf")], lengths=[None]),  # no length: the flag says validate at the end
     ],
-    ids=["mid-epoch", "epoch-ended", "no-length"],
+    ids=["mid-epoch", "no-length"],
 )
 def test_other_resumes_are_left_as_lightning_restored_them(case):
     fit = fit_loop(**case)
     loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
     assert fit.epoch_loop.batch_progress.is_last_batch is case["last"]
     assert "increment_progress_to_evaluation_end" not in vars(fit.epoch_loop.val_loop)
+
+
+ENDED = {"epochs": (2, 2, 2, 2), "batches": (64, 64, 64, 64), "last": True, "limits": [32], "lengths": [32]}
+
+
+class Fetcher:
+    """Lightning's data fetcher, as far as a new epoch's iterator goes."""
+
+    iterators = 0
+
+    def __iter__(self):
+        self.iterators += 1
+        return iter(())
+
+
+def test_a_save_after_an_epochs_end_begins_the_next_epoch_afresh():
+    fit = fit_loop(**ENDED)
+    loop = fit.epoch_loop
+    loop.scheduler_progress.increment_ready()
+    loop.automatic_optimization.optim_progress.optimizer.step.increment_ready()
+    loop.val_loop.batch_progress.total.ready = 12
+    trainer = SimpleNamespace(fit_loop=fit)
+    loops.end_the_epoch_once(trainer)
+    assert loop.batch_progress.current == tracker(0, 0, 0, 0) and loop.batch_progress.is_last_batch is False
+    assert loop.batch_progress.total == tracker(64, 64, 64, 64)  # the run's count of batches stays
+    assert loop.scheduler_progress.current.ready == 0 and loop.scheduler_progress.total.ready == 1
+    assert loop.automatic_optimization.optim_progress.optimizer.step.current.ready == 0
+    assert loop.val_loop.batch_progress.total.ready == 0  # one epoch's validation batches
+    assert fit.epoch_progress.total == tracker(2, 2, 2, 2)  # the next epoch is Lightning's to begin
+    fit._data_fetcher = Fetcher()  # made after the loaders' states are loaded: its iterator is spent
+    loops.settle_the_restarted_epoch(trainer)
+    assert fit._data_fetcher.iterators == 1  # a new iterator: the next epoch's batches
+    loops.settle_the_restarted_epoch(trainer)  # once only
+    assert fit._data_fetcher.iterators == 1
+
+
+def test_an_epoch_loop_not_where_expected_is_left_as_restored(caplog):
+    fit = fit_loop(**ENDED)
+    del fit.epoch_loop.scheduler_progress
+    with caplog.at_level(logging.WARNING):
+        loops.end_the_epoch_once(SimpleNamespace(fit_loop=fit))
+    assert fit.epoch_loop.batch_progress.current == tracker(64, 64, 64, 64)  # nothing reset
+    assert fit.epoch_loop.batch_progress.is_last_batch is True
+    assert "an epoch's end may count twice" in caplog.text
 
 
 def test_an_epoch_cut_by_limit_train_batches_is_ended_before_its_restart_draws():
