@@ -99,7 +99,8 @@ def end_the_epoch_once(trainer: Any) -> None:
     validates if due and ends once, as the uninterrupted run's did; the next begins afresh. Called
     where the resumed fit's train loaders exist (their lengths known), after Lightning restored its
     loops. A loader cut by ``limit_train_batches`` has batches left: its restarted epoch is made to draw
-    none; for a loader without a length the count is taken back instead (``settle_the_restarted_epoch``)."""
+    none; for a loader without a length the count is taken back instead (``settle_the_restarted_epoch``).
+    A save made once the epoch's end was counted begins the next epoch instead (``_begin_the_next_epoch``)."""
     fit: Any = getattr(trainer, "fit_loop", None)
     loop: Any = getattr(fit, "epoch_loop", None)
     try:
@@ -153,16 +154,18 @@ def settle_the_restarted_epoch(trainer: Any) -> None:
     """At the fit's start, after Lightning's own restart (``end_the_epoch_once``): where ``limit_train_batches``
     left the loader with batches the uninterrupted run never trained, end the restarted epoch before it draws
     one (the next epoch's iterator is made afresh, as that run's was); for a loader without a length, take back
-    the epoch Lightning counted done ahead of the restarted epoch's own end."""
+    the epoch Lightning counted done ahead of the restarted epoch's own end; after a save between epochs, make
+    the next epoch's iterator now, the RNG streams restored (``_begin_the_next_epoch``)."""
     fit: Any = getattr(trainer, "fit_loop", None)
     how = getattr(fit, "_spotguard_epoch_end", None)
     if how is None:
         return
     fit._spotguard_epoch_end = None
-    if how == "ended" and getattr(fit, "_data_fetcher", None) is not None:
-        iter(fit._data_fetcher)  # the restored iterator gave its last batch: the next epoch's, from the next one
-    elif how == "cut" and getattr(fit, "_data_fetcher", None) is not None:
-        fit._data_fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
+    fetcher = getattr(fit, "_data_fetcher", None)
+    if how == "ended" and fetcher is not None:
+        iter(fetcher)  # the restored iterator gave its last batch: the next epoch's, from the next one
+    elif how == "cut" and fetcher is not None:
+        fetcher.done = True  # its next fetch raises StopIteration: the epoch ends there
     elif how == "counted":
         for tracker in (fit.epoch_progress.total, fit.epoch_progress.current):
             tracker.processed -= 1

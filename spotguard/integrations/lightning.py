@@ -225,7 +225,7 @@ class SpotguardCallback(StopOutcome, Callback):
         if self._rng_after_iterator is not None:
             state.restore_rng(self._rng_after_iterator)
             self._rng_after_iterator = None
-        loops.settle_the_restarted_epoch(trainer)  # resumed at an epoch's last batch: end_the_epoch_once
+        loops.settle_the_restarted_epoch(trainer)  # resumed at an epoch's last batch or end: end_the_epoch_once
 
     # The hooks below run on every rank at the same point, and so does every ``check`` (a
     # collective in a process group): their conditions depend on nothing one rank sees alone.
